@@ -1,0 +1,214 @@
+"""The Llama transformer (Llama 2, Llama 3 / 3.1 / 3.2), written to read like the papers.
+
+Pre-norm decoder: RMSNorm, rotary position embeddings (with Llama 3.1 frequency scaling),
+grouped-query attention, SwiGLU feed-forward. Nothing here knows about parallelism: the
+transforms in `parallelisms/` reshape this model from the outside.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama.args import ModelArgs, RopeScaling
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Angular frequency of each pair of channels: theta^(-2i/head_dim), i < head_dim/2.
+
+    With Llama 3.1 scaling, wavelengths longer than the original context are slowed down by
+    `factor`, short ones are kept, and the band in between is interpolated smoothly.
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    return torch.where(
+        wavelen < high_freq_wavelen,
+        freqs,
+        torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, interpolated),
+    )
+
+
+def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position × frequency for every position < max_seq_len: [max_seq_len, head_dim/2]."""
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent channel pair (x[2i], x[2i+1]) of every head by its position's angle.
+
+    x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim/2] or [batch, seq, head_dim/2].
+    """
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight (Zhang & Sennrich, 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class CausalAttention(nn.Module):
+    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads.
+
+    q: [batch, n_heads, seq, head_dim]; k, v: [batch, n_kv_heads, seq, head_dim]; each key/value
+    head serves n_heads / n_kv_heads consecutive query heads. A module of its own so that
+    context parallelism can swap in a version that sees the whole sequence.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # Head counts are inferred (-1) so the same code runs on a tensor-parallel shard of heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) ⊙ w3 x) (Shazeer, 2020)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token embedding → n_layers TransformerBlocks → RMSNorm → output projection to logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keeps parameter names ("layers.3.attention.wq.weight") stable if blocks are removed.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cos_sin(args, device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] → logits [batch, seq, vocab].
+
+        positions ([seq] or [batch, seq]) give each token's place in the full sequence; they
+        default to 0..seq-1 and differ only when the sequence is split across devices.
+        """
+        if positions is None:
+            cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter and buffer on the device it lives on.
+
+        Each weight is drawn whole from its own generator, seeded by (seed, parameter name), so
+        its values depend on nothing else: not on the order of initialisation, and not on how the
+        parameter is later split across devices (a split parameter is filled with its slice of the
+        full draw). Linear weights: truncated normal, std 0.02, with the residual projections
+        (wo, w2) scaled by 1/√(2·n_layers) (GPT-2); embeddings: std 1; output: std 1/√dim.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.ones(param.shape, dtype=param.dtype, device=param.device))
+                continue
+            if name == "tok_embeddings.weight":
+                std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+            elif name == "output.weight":
+                std = self.args.dim**-0.5
+            elif name.endswith(("wo.weight", "w2.weight")):
+                std = residual_std
+            else:
+                std = 0.02
+            param.copy_(_trunc_normal(param.shape, std, param.dtype, param.device, _param_seed(seed, name)))
+        cos, sin = rope_cos_sin(self.args, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def _trunc_normal(shape, std: float, dtype, device, seed: int) -> torch.Tensor:
+    """N(0, std²) truncated at ±3 std, drawn from a generator of its own."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    values = torch.empty(shape, dtype=torch.float32, device=device)
+    nn.init.trunc_normal_(values, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+    return values.to(dtype)

@@ -1,0 +1,169 @@
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
+from models.llama.model import apply_rotary_emb, rope_frequencies
+
+# Parameter counts of the published checkpoints (Hugging Face model cards / safetensors indexes).
+PUBLISHED_PARAMETER_COUNTS = {
+    "llama2_7b": 6_738_415_616,
+    "llama2_13b": 13_015_864_320,
+    "llama2_70b": 68_976_648_192,
+    "llama3_1b": 1_235_814_400,
+    "llama3_3b": 3_212_749_824,
+    "llama3_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496,
+    "llama3_405b": 405_853_388_800,
+}
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+
+
+def count_parameters(args: ModelArgs) -> int:
+    with torch.device("meta"):
+        model = Transformer(args)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED_PARAMETER_COUNTS))
+def test_parameter_count_matches_published_model(flavor):
+    assert count_parameters(LLAMA_FLAVORS[flavor]) == PUBLISHED_PARAMETER_COUNTS[flavor]
+
+
+def test_debugmodel_parameter_count_by_formula():
+    a = LLAMA_FLAVORS["debugmodel"]
+    hidden = a.ffn_hidden_dim
+    per_block = 2 * a.dim * a.dim + 2 * a.dim * a.kv_heads * a.head_dim + 3 * a.dim * hidden + 2 * a.dim
+    expected = 2 * a.vocab_size * a.dim + a.n_layers * per_block + a.dim
+    assert count_parameters(a) == expected
+
+
+def test_every_flavor_is_a_config_choice():
+    from components.config import MODEL_FLAVORS
+
+    assert set(MODEL_FLAVORS) == set(LLAMA_FLAVORS)
+
+
+def test_llama31_rope_scaling_matches_closed_form():
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+    got = rope_frequencies(128, 500000.0, scaling)
+    for i, freq in enumerate(got.tolist()):
+        base = 500000.0 ** (-2 * i / 128)
+        wavelen = 2 * math.pi / base
+        if wavelen < 8192 / 4.0:
+            want = base
+        elif wavelen > 8192 / 1.0:
+            want = base / 8.0
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            want = (1 - smooth) * base / 8.0 + smooth * base
+        assert freq == pytest.approx(want, rel=1e-12)
+    # All three regimes are exercised at Llama 3.1's settings.
+    unscaled = rope_frequencies(128, 500000.0)
+    ratios = (unscaled / got).tolist()
+    assert min(ratios) == pytest.approx(1.0) and max(ratios) == pytest.approx(8.0)
+    assert any(1.01 < r < 7.99 for r in ratios)
+
+
+def test_rotary_embedding_is_complex_rotation():
+    x = torch.randn(2, 5, 3, 8)
+    angles = torch.outer(torch.arange(5.0), rope_frequencies(8, 10000.0).float())
+    as_complex = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    want = torch.view_as_real(as_complex * torch.polar(torch.ones_like(angles), angles)[None, :, None]).flatten(-2)
+    got = apply_rotary_emb(x, angles.cos(), angles.sin())
+    torch.testing.assert_close(got, want)
+
+
+def reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The Llama forward written out with plain tensor math and explicit head repetition."""
+    a = model.args
+    seq = tokens.shape[1]
+    freqs = rope_frequencies(a.head_dim, a.rope_theta, a.rope_scaling).float()
+    rot = torch.polar(torch.ones(seq, a.head_dim // 2), torch.outer(torch.arange(seq).float(), freqs))
+
+    def rope(t):
+        return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (-1, 2))) * rot[None, :, None]).flatten(-2)
+
+    def rmsnorm(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + a.norm_eps) * w
+
+    mask = torch.full((seq, seq), float("-inf")).triu(1)
+    h = model.tok_embeddings.weight[tokens]
+    for block in model.layers.values():
+        att = block.attention
+        x = rmsnorm(h, block.attention_norm.weight)
+        q = rope((x @ att.wq.weight.T).unflatten(-1, (a.n_heads, a.head_dim)))
+        k = rope((x @ att.wk.weight.T).unflatten(-1, (a.kv_heads, a.head_dim)))
+        v = (x @ att.wv.weight.T).unflatten(-1, (a.kv_heads, a.head_dim))
+        repeat = a.n_heads // a.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(a.head_dim) + mask
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).flatten(-2)
+        h = h + out @ att.wo.weight.T
+        ff = block.feed_forward
+        x = rmsnorm(h, block.ffn_norm.weight)
+        h = h + (F.silu(x @ ff.w1.weight.T) * (x @ ff.w3.weight.T)) @ ff.w2.weight.T
+    return rmsnorm(h, model.norm.weight) @ model.output.weight.T
+
+
+@pytest.mark.parametrize("args", [TINY, replace(TINY, n_kv_heads=None), replace(TINY, tie_embeddings=True)])
+def test_forward_matches_plain_math(args):
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(seed=3)
+    tokens = torch.randint(0, args.vocab_size, (2, 11))
+    torch.testing.assert_close(model(tokens), reference_forward(model, tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_positions_select_rotary_angles():
+    model = Transformer(TINY)
+    model.init_weights()
+    tokens = torch.randint(0, TINY.vocab_size, (1, 9))
+    full = model(tokens)
+    # Explicit default positions give the same result, and per-batch positions broadcast.
+    torch.testing.assert_close(model(tokens, torch.arange(9)), full)
+    torch.testing.assert_close(model(tokens, torch.arange(9)[None]), full)
+
+
+def test_init_is_seeded_per_parameter_and_ignores_order():
+    a, b = Transformer(TINY), Transformer(TINY)
+    a.init_weights(seed=7)
+    torch.manual_seed(1234)  # the global RNG plays no part
+    b.init_weights(seed=7)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    c = Transformer(TINY)
+    c.init_weights(seed=8)
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
+
+
+def test_init_statistics():
+    args = LLAMA_FLAVORS["debugmodel"]
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    wq = model.layers["0"].attention.wq.weight
+    assert wq.std().item() == pytest.approx(0.02 * 0.987, rel=0.03)  # truncation at 3σ shrinks std by 1.3%
+    assert wq.abs().max().item() <= 3 * 0.02
+    wo = model.layers["0"].attention.wo.weight
+    assert wo.std().item() == pytest.approx(0.02 / math.sqrt(2 * args.n_layers) * 0.987, rel=0.03)
+    assert torch.equal(model.norm.weight, torch.ones(args.dim))
+
+
+def test_meta_build_then_materialise_equals_direct_build():
+    direct = Transformer(TINY)
+    direct.init_weights(seed=5)
+    with torch.device("meta"):
+        lazy = Transformer(TINY)
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(seed=5)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 7))
+    assert torch.equal(direct(tokens), lazy(tokens))
+
+
+def test_invalid_head_layout_is_rejected():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelArgs(dim=64, n_heads=4, n_kv_heads=3)
