@@ -1,0 +1,421 @@
+"""Typed job configuration: command line > TOML file > dataclass defaults.
+
+Each TOML section is a dataclass; each field carries a one-line help string and
+optional constraints in its metadata. ``parse_args`` merges the three layers and
+validates every value before training starts:
+
+    python train.py --job.config_file llama3_8b --training.steps 100 --no-metrics.enable_tensorboard
+"""
+
+import difflib
+import operator
+import sys
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "help_text", "parse_args", "to_dict", "to_toml"]
+
+# Bare config names given to --job.config_file are looked up here.
+TRAIN_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "train_configs"
+
+# Kept in sync with models.llama.LLAMA_FLAVORS (checked by a test there).
+MODEL_FLAVORS = (
+    "debugmodel", "llama2_7b", "llama2_13b", "llama2_70b",
+    "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama3_405b",
+)
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line naming the key, the value and what was expected."""
+
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    lt: float | None = None,
+    check: tuple[Callable[[Any], bool], str] | None = None,
+) -> Any:
+    """A dataclass field with help and constraints; ``check`` is (predicate, "what it must be")."""
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _is_op_or_positive_int(value: str) -> bool:
+    return value == "op" or (value.isdecimal() and int(value) > 0)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file: a path, or a bare name found in train_configs/ ('.toml' optional)")
+    dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints")
+    description: str = opt("", "Free text shown in the startup summary")
+
+
+@dataclass
+class Model:
+    flavor: str = opt("debugmodel", "Model architecture and size", choices=MODEL_FLAVORS)
+    tokenizer_path: str = opt("assets/tokenizer/shakespeare.model", "SentencePiece tokenizer model file")
+
+
+@dataclass
+class Training:
+    steps: int = opt(1000, "Number of optimizer steps to train", min=1)
+    seq_len: int = opt(2048, "Tokens per training sample", min=1)
+    local_batch_size: int = opt(8, "Samples per data-parallel rank per micro-step", min=1)
+    gradient_accumulation_steps: int = opt(1, "Micro-steps accumulated per optimizer step", min=1)
+    max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0)
+    seed: int = opt(0, "Random seed for weight initialization and data order", min=0)
+    deterministic: bool = opt(False, "Use deterministic algorithms (reproducible, slower)")
+    mixed_precision_param: str = opt(
+        "bfloat16", "Dtype FSDP computes parameters in", choices=("float32", "bfloat16"))
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype FSDP reduces gradients in", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = opt(1, "Data-parallel replicas (DDP, or the outer dimension of HSDP)", min=1)
+    dp_shard: int = opt(
+        -1, "FSDP shard degree; -1 takes what the other degrees leave of the world",
+        check=(lambda v: v == -1 or v >= 1, "-1 or >= 1"))
+    cp: int = opt(1, "Context-parallel degree", min=1)
+    tp: int = opt(1, "Tensor-parallel degree", min=1)
+    fsdp_reshard_after_forward: str = opt(
+        "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
+    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer", choices=("AdamW",))
+    lr: float = opt(3e-4, "Peak learning rate", gt=0)
+    beta1: float = opt(0.9, "Decay rate of the first-moment estimate", min=0, lt=1)
+    beta2: float = opt(0.95, "Decay rate of the second-moment estimate", min=0, lt=1)
+    eps: float = opt(1e-8, "Term added to the denominator for numerical stability", gt=0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay coefficient", min=0)
+    implementation: str = opt(
+        "auto", "Optimizer kernel implementation", choices=("auto", "foreach", "fused", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from 0 to the peak learning rate", min=0)
+    decay_type: str = opt("linear", "Shape of the decay after warmup", choices=("linear", "cosine"))
+    min_lr_ratio: float = opt(0.0, "Final learning rate as a fraction of the peak", min=0, max=1)
+
+
+@dataclass
+class Data:
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them")
+    text_field: str = opt("text", "Field of each JSONL record that holds the text")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every N steps", min=1)
+    enable_tensorboard: bool = opt(True, "Write TensorBoard scalars under <dump_folder>/tb/")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints and resume from the latest one")
+    interval: int = opt(500, "Save a checkpoint every N steps", min=1)
+    keep_latest_k: int = opt(0, "Keep only the newest K checkpoints; 0 keeps all", min=0)
+    async_mode: str = opt("disabled", "Save in the background while training continues", choices=("disabled", "async"))
+    load_step: int = opt(-1, "Step to resume from; -1 loads the latest complete checkpoint", min=-1)
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder")
+
+
+@dataclass
+class Float8:
+    enable: bool = opt(False, "Train linear layers with float8 matmuls")
+    recipe: str = opt("tensorwise", "Float8 scaling granularity", choices=("tensorwise", "rowwise"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8 to halve traffic")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "Compute float8 scales for all FSDP parameters in one fused step after each optimizer step")
+    filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Recompute activations in backward to save memory", choices=("none", "full", "selective"))
+    selective_option: str = opt(
+        "op", "'op' saves matmul outputs and recomputes the rest; a positive N checkpoints every N-th block",
+        check=(_is_op_or_positive_int, "'op' or a positive integer"))
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    float8: Float8 = field(default_factory=Float8)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+
+
+# Every option as "section.key" -> its field, in declaration order.
+_OPTIONS: dict[str, Field] = {f"{s.name}.{f.name}": f for s in fields(JobConfig) for f in fields(s.type)}
+_SECTIONS = tuple(s.name for s in fields(JobConfig))
+_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list[str]: "a list of strings"}
+_METAVAR = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR", list[str]: "A,B,..."}
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+_BOUNDS = (("min", ">=", operator.ge), ("gt", ">", operator.gt), ("max", "<=", operator.le), ("lt", "<", operator.lt))
+_CLI = "<command line>"  # origin of command-line values; TOML values record their file name
+
+
+# ---- values: conversion, display, TOML writing ----
+
+def _from_text(text: str, typ: Any) -> Any:
+    """Convert a command-line string to ``typ``; raises ValueError if it does not fit."""
+    if typ is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(text)
+    if typ is int or typ is float:
+        return typ(text)
+    if typ == list[str]:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return text
+
+
+def _from_toml(value: Any, typ: Any) -> Any:
+    """Check a TOML value against ``typ`` (bools are not numbers); raises ValueError if it does not fit."""
+    if typ is float and type(value) in (int, float):
+        return float(value)
+    if typ == list[str] and isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return list(value)
+    if type(value) is typ:
+        return value
+    raise ValueError(value)
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value: Any) -> str:
+    """``value`` as a TOML literal."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr spells floats, inf and nan the way TOML does
+    if isinstance(value, str):
+        escaped = (_ESCAPES.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in value)
+        return '"' + "".join(escaped) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _show(value: Any, origin: str | None) -> str:
+    """``value`` spelled the way its origin spells it: Python for the command line and defaults, else TOML."""
+    if origin in (_CLI, None):
+        return repr(value)
+    try:
+        return _toml_value(value)
+    except TypeError:
+        return repr(value)
+
+
+def _where(name: str, origin: str | None) -> str:
+    if origin == _CLI:
+        return f"--{name}"
+    return f"{name} (default)" if origin is None else f"{name} in {origin}"
+
+
+def _closest_option(name: str) -> str | None:
+    """The option most likely meant by an unknown ``section.key``: the same key elsewhere, else a near spelling."""
+    key = name.rpartition(".")[2]
+    moved = [option for option in _OPTIONS if option.endswith("." + key)]
+    return (moved or difflib.get_close_matches(name, _OPTIONS, n=1) or [None])[0]
+
+
+def _set(cfg: JobConfig, name: str, value: Any) -> None:
+    section, key = name.split(".")
+    setattr(getattr(cfg, section), key, value)
+
+
+# ---- the three layers ----
+
+def _parse_command_line(argv: list[str]) -> list[tuple[str, Any]]:
+    """Typed ``(section.key, value)`` pairs from the command line, in order."""
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        token, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}; options look like --section.key value")
+        name, has_value, text = token[2:].partition("=")
+        negated = name.startswith("no-") and name[3:] in _OPTIONS
+        name = name[3:] if negated else name
+        if name not in _OPTIONS:
+            match = _closest_option(name)
+            hint = f"; did you mean --{match}?" if match else "; run with --help to list options"
+            raise ConfigError(f"unknown option {token.partition('=')[0]}{hint}")
+        typ = _OPTIONS[name].type
+        if negated:
+            if typ is not bool:
+                raise ConfigError(f"--no-{name}: only boolean options have a --no- form")
+            if has_value:
+                raise ConfigError(f"--no-{name}: takes no value, got {text!r}")
+            text = "false"
+        elif not has_value and typ is bool:
+            text = "true"
+            if following is not None and following.lower() in _TRUE + _FALSE:  # --flag false
+                text, i = following, i + 1
+        elif not has_value:
+            if following is None or following.startswith("--"):
+                raise ConfigError(f"--{name}: missing value, expected {_EXPECTED[typ]}")
+            text, i = following, i + 1
+        try:
+            overrides.append((name, _from_text(text, typ)))
+        except ValueError:
+            raise ConfigError(f"--{name}: expected {_EXPECTED[typ]}, got {text!r}") from None
+    return overrides
+
+
+def _resolve_config_file(name: str) -> Path:
+    """``name`` if it is a file, else ``train_configs/<name>[.toml]``."""
+    if Path(name).is_file():
+        return Path(name)
+    candidate = TRAIN_CONFIGS_DIR / (name if name.endswith(".toml") else name + ".toml")
+    if candidate.is_file():
+        return candidate
+    raise ConfigError(
+        f"job.config_file: {name!r} not found (looked in the current folder and {TRAIN_CONFIGS_DIR})")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path.name}: invalid TOML: {' '.join(str(e).splitlines())}") from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file: cannot read {path}: {e.strerror}") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], file: str, origins: dict[str, str]) -> None:
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            match = difflib.get_close_matches(section, _SECTIONS, n=1)
+            hint = f"; did you mean [{match[0]}]?" if match else ""
+            raise ConfigError(f"unknown section [{section}] in {file}{hint}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} in {file}: expected a [{section}] table, got {_show(table, file)}")
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in _OPTIONS:
+                match = _closest_option(name)
+                raise ConfigError(f"unknown key {name} in {file}" + (f"; did you mean {match}?" if match else ""))
+            typ = _OPTIONS[name].type
+            try:
+                _set(cfg, name, _from_toml(value, typ))
+            except ValueError:
+                raise ConfigError(f"{name} in {file}: expected {_EXPECTED[typ]}, "
+                                  f"got {_show(value, file)} ({type(value).__name__})") from None
+            origins[name] = file
+
+
+def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
+    """Check every value against its field's constraints."""
+    for name, f in _OPTIONS.items():
+        section, key = name.split(".")
+        value, meta, origin = getattr(getattr(cfg, section), key), f.metadata, origins.get(name)
+        where, got = _where(name, origin), _show(value, origin)
+        if meta["choices"] is not None and value not in meta["choices"]:
+            raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}")
+        for bound, symbol, holds in _BOUNDS:
+            if meta[bound] is not None and not holds(value, meta[bound]):
+                raise ConfigError(f"{where}: must be {symbol} {meta[bound]}, got {got}")
+        if meta["check"] is not None and not meta["check"][0](value):
+            raise ConfigError(f"{where}: must be {meta['check'][1]}, got {got}")
+
+
+# ---- public API ----
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build and validate the config from defaults, the TOML file, then ``argv`` (without the program name)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in args or "-h" in args:
+        print(help_text())
+        raise SystemExit(0)
+    overrides = _parse_command_line(args)
+    cfg = JobConfig()
+    origins: dict[str, str] = {}
+    config_file = next((v for name, v in reversed(overrides) if name == "job.config_file"), cfg.job.config_file)
+    if config_file:
+        path = _resolve_config_file(config_file)
+        _apply_toml(cfg, _read_toml(path), path.name, origins)
+    for name, value in overrides:
+        _set(cfg, name, value)
+        origins[name] = _CLI
+    _validate(cfg, origins)
+    return cfg
+
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, object]]:
+    """``{section: {key: value}}``, for logging and saving."""
+    return asdict(cfg)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The config as TOML text that ``parse_args`` reads back to an equal config."""
+    blocks = (
+        "\n".join([f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()])
+        for section, values in to_dict(cfg).items()
+    )
+    return "\n\n".join(blocks) + "\n"
+
+
+def _constraints(meta: Any) -> str:
+    parts = [f"one of {', '.join(meta['choices'])}"] if meta["choices"] else []
+    parts += [f"{symbol} {meta[bound]}" for bound, symbol, _ in _BOUNDS if meta[bound] is not None]
+    parts += [meta["check"][1]] if meta["check"] else []
+    return ", ".join(parts)
+
+
+def help_text() -> str:
+    """The option reference that ``--help`` prints."""
+    defaults = to_dict(JobConfig())
+    lines = [
+        "usage: [--section.key VALUE | --section.key=VALUE | --section.flag | --no-section.flag] ...",
+        "",
+        "Values come from the command line, else the TOML file named by --job.config_file, else the defaults.",
+        "Booleans: --s.flag, --no-s.flag, --s.flag=false or --s.flag false. Lists: comma-separated.",
+    ]
+    for section in _SECTIONS:
+        lines += ["", f"[{section}]"]
+        for key, default in defaults[section].items():
+            option = _OPTIONS[f"{section}.{key}"]
+            constraints = _constraints(option.metadata)
+            detail = f"default {_toml_value(default)}" + (f"; {constraints}" if constraints else "")
+            lines += [f"  --{section}.{key} {_METAVAR[option.type]}  ({detail})", f"      {option.metadata['help']}"]
+    return "\n".join(lines)
