@@ -1,0 +1,248 @@
+"""Tokenizer and a resumable, data-parallel token-window loader.
+
+Every document becomes [BOS] + tokens + [EOS]; documents are concatenated, in file order and
+epoch after epoch, into one global token stream, which is cut into consecutive windows of
+`seq_len + 1` tokens. Each global micro-batch is the next `local_batch_size * dp_world_size`
+windows, dealt to ranks in contiguous blocks of `local_batch_size`. Every rank reads the whole
+stream, so the loader state (the position of the next unread token) is global: identical on
+all ranks, and valid for any split of the same global micro-batch into ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """A dataset or tokenizer problem; the message names the path or value and what was expected."""
+
+
+class Tokenizer:
+    """A SentencePiece model with BOS/EOS handling."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        if not Path(path).is_file():
+            raise DataError(f"model.tokenizer_path: no tokenizer file at '{path}'")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
+        except (OSError, RuntimeError) as err:
+            raise DataError(f"model.tokenizer_path: '{path}' is not a SentencePiece model") from err
+        self.vocab_size: int = self._sp.vocab_size()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise DataError(f"model.tokenizer_path: '{path}' defines no BOS or no EOS token")
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        ids: list[int] = self._sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+def find_text_files(dataset_path: str) -> list[Path]:
+    """The .txt/.jsonl file at `dataset_path`, or all of them under that folder, sorted."""
+    path = Path(dataset_path)
+    if path.is_file():
+        files = [path] if path.suffix in TEXT_SUFFIXES else []
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+    else:
+        raise DataError(f"data.dataset_path: no file or folder at '{dataset_path}'")
+    if not files:
+        raise DataError(f"data.dataset_path: no .txt or .jsonl file at or under '{dataset_path}'")
+    return files
+
+
+@dataclass(frozen=True)
+class _DocStart:
+    """Where a document starts: a whole .txt file, or one line of a .jsonl file."""
+
+    epoch: int
+    file_index: int
+    byte_offset: int = 0  # of the document's line in a .jsonl file; 0 for a .txt file
+    line_number: int = 1  # 1-based, for error messages
+
+
+class TokenWindowLoader:
+    """Streams documents, packs tokens into windows of seq_len + 1, deals windows to
+    data-parallel ranks.
+
+    Iterating yields (inputs, labels), both int64 [local_batch_size, seq_len], forever; each
+    `iter()` continues where the loader stands. `state_dict()` is the global stream position.
+    """
+
+    def __init__(
+        self,
+        files: list[Path],
+        tokenizer: Tokenizer,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        text_field: str = "text",
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if local_batch_size < 1:
+            raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
+        if not files:
+            raise DataError("data.dataset_path: no .txt or .jsonl files to read")
+        for path in files:
+            if Path(path).suffix not in TEXT_SUFFIXES:
+                raise DataError(f"data.dataset_path: '{path}' is not a .txt or .jsonl file")
+        self.files = [Path(path) for path in files]
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.text_field = text_field
+
+        # The cursor: the next unread token is tokens[pos] of the document starting at `doc`, and
+        # `docs` yields the documents after it. A fresh loader sits before the first document.
+        self._docs = self._documents(_DocStart(epoch=0, file_index=0))
+        self._doc = _DocStart(epoch=0, file_index=0)
+        self._tokens: list[int] = []
+        self._pos = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (inputs, labels) forever, continuing from the current state."""
+        window = self.seq_len + 1
+        before = self.dp_rank * self.local_batch_size * window
+        after = (self.dp_world_size - self.dp_rank - 1) * self.local_batch_size * window
+        while True:
+            ours: list[int] = []
+            self._advance(before)
+            self._advance(self.local_batch_size * window, out=ours)
+            self._advance(after)
+            windows = torch.tensor(ours, dtype=torch.int64).view(self.local_batch_size, window)
+            yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._doc.epoch,
+            "file_index": self._doc.file_index,
+            "byte_offset": self._doc.byte_offset,
+            "line_number": self._doc.line_number,
+            "token_offset": self._pos,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Seek to the saved document (without reading what precedes it) and token within it."""
+        keys = ("epoch", "file_index", "byte_offset", "line_number", "token_offset")
+        ints = all(type(state.get(k)) is int and state[k] >= 0 for k in keys)
+        if set(state) != set(keys) or not ints:
+            raise DataError(f"data loader state: expected non-negative ints {keys}, got {state!r}")
+        if state["file_index"] >= len(self.files):
+            raise DataError(
+                f"data loader state: file_index {state['file_index']} is out of range for "
+                f"{len(self.files)} files"
+            )
+        start = _DocStart(
+            state["epoch"], state["file_index"], state["byte_offset"], state["line_number"]
+        )
+        docs = self._documents(start)
+        doc, text = next(docs)
+        tokens = self.tokenizer.encode(text)
+        if state["token_offset"] > len(tokens):
+            raise DataError(
+                f"data loader state: token_offset {state['token_offset']} is past the end of the "
+                f"{len(tokens)}-token document at {self._where(doc)}; has the dataset changed?"
+            )
+        self._docs, self._doc, self._tokens, self._pos = docs, doc, tokens, state["token_offset"]
+
+    def _advance(self, n: int, out: list[int] | None = None) -> None:
+        """Consume the next n tokens of the stream, appending them to `out` if given."""
+        while n > 0:
+            if self._pos == len(self._tokens):
+                self._doc, text = next(self._docs)
+                self._tokens, self._pos = self.tokenizer.encode(text), 0
+            take = min(n, len(self._tokens) - self._pos)
+            if out is not None:
+                out += self._tokens[self._pos : self._pos + take]
+            self._pos += take
+            n -= take
+
+    def _documents(self, start: _DocStart) -> Iterator[tuple[_DocStart, str]]:
+        """Every document from `start` on, looping over the files forever."""
+        while True:
+            from_beginning = start.file_index == 0 and start.byte_offset == 0
+            found = False
+            for file_index in range(start.file_index, len(self.files)):
+                at = start if file_index == start.file_index else _DocStart(start.epoch, file_index)
+                for doc in self._file_documents(at):
+                    found = True
+                    yield doc
+            if from_beginning and not found:
+                raise DataError(f"data.dataset_path: no documents in {len(self.files)} file(s)")
+            start = _DocStart(start.epoch + 1, file_index=0)
+
+    def _file_documents(self, start: _DocStart) -> Iterator[tuple[_DocStart, str]]:
+        """The documents of one file, from `start` on."""
+        path = self.files[start.file_index]
+        if path.suffix == ".txt":
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}: expected UTF-8 text ({err.reason})") from err
+            yield start, text
+            return
+        offset, line_number = start.byte_offset, start.line_number
+        with path.open("rb") as f:
+            f.seek(offset)
+            for line in f:
+                doc = _DocStart(start.epoch, start.file_index, offset, line_number)
+                offset, line_number = offset + len(line), line_number + 1
+                if line.strip():
+                    yield doc, self._parse_jsonl_line(line, doc)
+
+    def _parse_jsonl_line(self, line: bytes, doc: _DocStart) -> str:
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise DataError(f"{self._where(doc)}: expected a line of JSON ({err})") from err
+        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
+            raise DataError(
+                f"{self._where(doc)}: expected a JSON object with a text field '{self.text_field}'"
+            )
+        return record[self.text_field]
+
+    def _where(self, doc: _DocStart) -> str:
+        path = self.files[doc.file_index]
+        return f"{path}:{doc.line_number}" if path.suffix == ".jsonl" else str(path)
+
+
+def build_dataloader(
+    cfg_data_path: str,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    text_field: str = "text",
+) -> TokenWindowLoader:
+    """The loader over every text file found at `data.dataset_path`."""
+    return TokenWindowLoader(
+        find_text_files(cfg_data_path),
+        tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        text_field=text_field,
+    )
