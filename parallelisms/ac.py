@@ -1,0 +1,86 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of keeping them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from parallelisms.fsdp import transformer_blocks
+
+AC_MODES = ("none", "full", "selective")
+
+# Outputs worth keeping under the op-level policy: matrix multiplies and attention (expensive to
+# recompute), and tensor-parallel reduce-scatters (recomputing them would repeat communication).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpoint_forward(block: nn.Module, op_level: bool) -> None:
+    """Wrap block.forward in place, so parameter names (and with them init seeds and checkpoint
+    keys) stay exactly as they were."""
+    forward = block.forward
+    context_fn = (
+        functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+        if op_level
+        else None
+    )
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return checkpoint(
+            forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
+        )
+
+    block.forward = checkpointed_forward
+
+
+def apply_ac(
+    model: nn.Module, mode: str, selective_option: str = "op", blocks: Iterable[nn.Module] | None = None
+) -> nn.Module:
+    """Checkpoint activations per block.
+
+    mode "full": every block keeps only its input and recomputes the rest in backward.
+    mode "selective": selective_option "op" keeps matmul and attention outputs and recomputes
+    the cheap element-wise ops; an integer N fully checkpoints every N-th block.
+
+    Apply after tensor parallelism (so the recomputation sees the parallel modules) and before
+    compile and FSDP.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode: expected one of {', '.join(AC_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    blocks = transformer_blocks(model) if blocks is None else list(blocks)
+    if mode == "full":
+        for block in blocks:
+            _checkpoint_forward(block, op_level=False)
+    elif selective_option == "op":
+        for block in blocks:
+            _checkpoint_forward(block, op_level=True)
+    else:
+        if not selective_option.isdecimal() or int(selective_option) < 1:
+            raise ValueError(
+                f"activation_checkpoint.selective_option: expected 'op' or a positive integer, "
+                f"got {selective_option!r}"
+            )
+        every = int(selective_option)
+        for i, block in enumerate(blocks):
+            if i % every == 0:
+                _checkpoint_forward(block, op_level=False)
+    return model

@@ -1,0 +1,190 @@
+"""Context parallelism: split the sequence of every sample across the ranks of a CP group.
+
+Design (the approach of the Llama 3 paper)
+------------------------------------------
+Layout. A sequence of length S is cut into 2·cp chunks of c = S / (2·cp) tokens. CP rank r
+holds chunks r and 2·cp − 1 − r, in that order. Under a causal mask, query chunk j sees j whole
+chunks of keys plus the lower half of its own, so rank r does (r + ½) + (2·cp − 1 − r + ½) =
+2·cp chunk-blocks of attention work: the load is balanced whatever r is. `shard_sequence` cuts the inputs this way and returns the
+global position of every local token, which `Transformer.forward(tokens, positions)` needs for
+its rotary embeddings. Everything outside attention is per token and runs unchanged on a shard.
+
+Attention. `ContextParallelAttention` replaces the model's `CausalAttention` core:
+
+1. all-gather K and V across the CP group. Only the key/value heads travel, so with grouped-
+   query attention the traffic is n_kv_heads / n_heads of what gathering Q would cost. Each
+   rank receives (cp − 1)/cp · S · n_kv_heads · head_dim · 2 values per layer;
+2. put the gathered chunks back in global order;
+3. for each local query chunk (global index j) run scaled_dot_product_attention against the
+   keys [0, (j + 1)·c) with a causal mask aligned to the bottom-right corner, so that query i
+   of the chunk sees keys up to j·c + i (`causal_lower_right`, with `enable_gqa`, so K and V
+   are never expanded to n_heads). SDPA keeps a fused kernel: on CUDA, flash attention takes
+   the lower-right mask natively (half precision); on CPU, its flash kernel takes the mask
+   materialised as an additive float [c, (j + 1)·c] tensor, which it saves for backward.
+
+The all-gather is autograd-aware: its backward reduce-scatters (sums) the gradients that every
+rank computed for each K/V chunk back to the chunk's owner, so forward and backward are exact
+attention, with no approximation and no hand-written backward.
+
+Gradients. Each rank computes the loss over its own tokens; averaging the parameter gradients
+over the CP group (as data parallelism does) gives the gradient of the loss over the whole
+sequence, provided each rank's loss is the mean over its equally many tokens.
+
+Masks. The core has no mask argument: it computes plain causal attention over the whole
+sequence and nothing else (no document masking, no sliding window). `apply_cp` therefore only
+replaces cores that are exactly `CausalAttention`, and refuses subclasses, which may mask
+differently.
+
+PyTorch's experimental `context_parallel` does not run on CPU; this version runs anywhere a
+process group does, gloo included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
+
+from models.llama.model import CausalAttention
+
+__all__ = ["ContextParallelAttention", "apply_cp", "load_balanced_indices", "shard_sequence"]
+
+# The autograd-aware all-gather (its backward is a reduce-scatter): newer PyTorch releases name it
+# all_gather_single_autograd and deprecate the older all_gather_tensor_autograd.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+# causal_lower_right masks by (q_len, kv_len). A CausalBias is a Tensor subclass that PyTorch can
+# create neither while a TorchDispatchMode is active (CommDebugMode, FlopCounterMode, ...) nor
+# inside torch.compile (fullgraph), so masks are built in eager code with those modes set aside;
+# `shard_sequence` builds the ones its rank will need, and a compiled region only looks them up.
+_LOWER_RIGHT_MASKS: dict[tuple[int, int], CausalBias] = {}
+
+
+def _lower_right_causal_mask(q_len: int, kv_len: int) -> CausalBias:
+    mask = _LOWER_RIGHT_MASKS.get((q_len, kv_len))
+    if mask is None:
+        with _disable_current_modes():
+            mask = _LOWER_RIGHT_MASKS[(q_len, kv_len)] = causal_lower_right(q_len, kv_len)
+    return mask
+
+
+def _held_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """Global indices of the two chunks (of 2·cp) that a rank holds, in local order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions held by `cp_rank`: chunks r and 2·cp − 1 − r of 2·cp, int64 [seq_len / cp]."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"context parallelism needs training.seq_len divisible by 2·cp = {2 * cp_size}, got seq_len {seq_len}"
+        )
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside the CP group of size {cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    return torch.cat([torch.arange(j * chunk, (j + 1) * chunk) for j in _held_chunks(cp_size, cp_rank)])
+
+
+def shard_sequence(
+    cp_mesh: DeviceMesh, *tensors: torch.Tensor, seq_dim: int = 1
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """This rank's load-balanced shard of each tensor along `seq_dim`, and the global positions it holds.
+
+    Pass the positions to `Transformer.forward(tokens, positions)`. All tensors must share the
+    sequence length (e.g. inputs and labels).
+    """
+    if not tensors:
+        raise ValueError("shard_sequence needs at least one tensor to shard")
+    lengths = {t.shape[seq_dim] for t in tensors}
+    if len(lengths) != 1:
+        raise ValueError(f"shard_sequence needs tensors of one sequence length, got lengths {sorted(lengths)}")
+    seq_len, cp_size, cp_rank = lengths.pop(), cp_mesh.size(), cp_mesh.get_local_rank()
+    positions = load_balanced_indices(seq_len, cp_size, cp_rank)
+    chunk = seq_len // (2 * cp_size)
+    for j in _held_chunks(cp_size, cp_rank):  # ready for the attention cores, compiled or not
+        _lower_right_causal_mask(chunk, (j + 1) * chunk)
+    shards = [t.index_select(seq_dim, positions.to(t.device)) for t in tensors]
+    return shards, positions.to(tensors[0].device)
+
+
+class ContextParallelAttention(nn.Module):
+    """Exact causal attention over a sequence sharded by `shard_sequence` across `cp_mesh`.
+
+    A drop-in replacement for `CausalAttention`: q [batch, n_heads, s, head_dim], k and v
+    [batch, n_kv_heads, s, head_dim] hold this rank's s = S / cp tokens (two chunks, in the
+    load-balanced layout); the output [batch, n_heads, s, head_dim] is in the same layout.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        if cp_mesh.ndim != 1:
+            raise ValueError(f"ContextParallelAttention needs a 1-D CP mesh, got {cp_mesh.ndim} dimensions")
+        self.group = cp_mesh.get_group()
+        self.cp_size = cp_mesh.size()
+        self.cp_rank = cp_mesh.get_local_rank()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ / √d + causal mask) v, where k and v range over the whole sequence."""
+        local_len = q.shape[-2]
+        # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
+        if k.shape[-2] != local_len or v.shape[-2] != local_len or local_len % 2:
+            raise ValueError(
+                "context-parallel attention needs equal, even local lengths (two chunks per rank), got "
+                f"q {local_len}, k {k.shape[-2]}, v {v.shape[-2]}"
+            )
+        chunk = local_len // 2
+        k_all, v_all = self._gather_kv(k, v, chunk)
+        outputs = []
+        for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank)):
+            q_chunk = q[..., slot * chunk : (slot + 1) * chunk, :]
+            kv_len = (j + 1) * chunk
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q_chunk,
+                    k_all[..., :kv_len, :],
+                    v_all[..., :kv_len, :],
+                    attn_mask=_lower_right_causal_mask(chunk, kv_len),
+                    enable_gqa=True,
+                )
+            )
+        return torch.cat(outputs, dim=-2)
+
+    def _gather_kv(self, k: torch.Tensor, v: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather K and V (one collective) and return them over the whole sequence, in global order."""
+        kv = _all_gather_autograd(torch.stack((k, v)), gather_dim=3, group=self.group)  # [2, b, h, S, d]
+        # Gathered in rank order, rank r contributing chunks (r, 2·cp − 1 − r). Global order is the
+        # first chunk of ranks 0..cp−1, then the second chunk of ranks cp−1..0.
+        by_rank = kv.unflatten(3, (self.cp_size, 2, chunk))  # [2, b, h, rank, slot, chunk, d]
+        ordered = torch.cat((by_rank[:, :, :, :, 0], by_rank[:, :, :, :, 1].flip(3)), dim=3).flatten(3, 4)
+        return ordered[0], ordered[1]
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
+    """Replace every CausalAttention core in the model by ContextParallelAttention; return the model.
+
+    Any submodule attribute holding a `CausalAttention` is swapped, wherever it sits. A subclass
+    of `CausalAttention` is refused: the context-parallel core computes plain causal attention
+    only. Inputs must then be sharded with `shard_sequence`.
+    """
+    cores = [
+        (parent, name, f"{parent_name}.{name}".lstrip("."), child)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, CausalAttention)
+    ]
+    if not cores:
+        raise ValueError(f"apply_cp found no CausalAttention core in {type(model).__name__}")
+    for _, _, path, core in cores:  # validate everything before changing anything
+        if type(core) is not CausalAttention:
+            raise ValueError(
+                f"apply_cp cannot replace {path} ({type(core).__name__}): context parallelism supports only "
+                "the plain causal core CausalAttention"
+            )
+    for parent, name, _, _ in cores:
+        setattr(parent, name, ContextParallelAttention(cp_mesh))
+    return model

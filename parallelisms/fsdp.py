@@ -1,0 +1,77 @@
+"""Data parallelism: FSDP2 (`fully_shard`) with HSDP on a 2-D mesh, and DDP for pure replication."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model that keeps them in `model.layers` (a ModuleDict or ModuleList)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        raise ValueError(f"{type(model).__name__} has no `layers` container; pass its blocks explicitly")
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+    blocks: Iterable[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2.
+
+    Each block becomes its own FSDP unit (all-gathered just before it runs, freed after), and
+    the root takes the rest (embeddings, final norm, output). A 2-D mesh (replicate, shard)
+    gives HSDP. Master weights stay in the parameters' dtype (fp32); compute runs in
+    `param_dtype` and gradients are reduced in `reduce_dtype`.
+
+    reshard_after_forward: "always" frees gathered parameters after each block's forward
+    (FULL_SHARD); "never" keeps them until backward (SHARD_GRAD_OP: more memory, less
+    communication); "default" frees all but the last block, whose backward comes first.
+
+    Apply after tensor parallelism, activation checkpointing and compile, which must see plain
+    modules, and before the model is materialised from the meta device.
+    """
+    if reshard_after_forward not in RESHARD_POLICIES:
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward: expected one of {', '.join(RESHARD_POLICIES)}, "
+            f"got {reshard_after_forward!r}"
+        )
+    blocks = transformer_blocks(model) if blocks is None else list(blocks)
+    settings = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    for i, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            reshard = i < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, reshard_after_forward=reshard, **settings)
+    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **settings)
+    return model
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Replicate the model over `dp_mesh`; gradients are averaged across replicas after backward.
+
+    Uses PyTorch's FSDP2-based `replicate`, which (unlike classic DDP) composes with tensor
+    parallel DTensor parameters. Apply in the same place as apply_fsdp: last, before the model
+    is materialised.
+    """
+    replicate(model, mesh=dp_mesh)
+    return model

@@ -1,0 +1,125 @@
+"""The N-D device mesh: how the world's ranks split into data, context and tensor parallel groups.
+
+Mesh dims, outermost first: dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
+its (most frequent, latency-bound) collectives stay between neighbouring ranks, i.e. inside a
+node. Besides the four named dims, the mesh carries the flattened groups the transforms need:
+
+    dp           = dp_replicate × dp_shard        ranks that read different data
+    dp_shard_cp  = dp_shard × cp                  ranks that shard parameters (FSDP)
+    dp_cp        = dp_replicate × dp_shard × cp   ranks whose losses are averaged
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The world mesh and the (flattened) sub-meshes each transform works on."""
+
+    world: DeviceMesh
+    dp: DeviceMesh  # data loading: dp_replicate × dp_shard
+    dp_cp: DeviceMesh  # loss averaging: dp_replicate × dp_shard × cp
+    fsdp: DeviceMesh  # parameter sharding: dp_shard × cp, or 2-D (dp_replicate, dp_shard × cp) for HSDP
+    dp_replicate: DeviceMesh  # DDP
+    cp: DeviceMesh
+    tp: DeviceMesh
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message is one line with the numbers."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, *, dp_replicate: int, dp_shard: int, cp: int, tp: int, world_size: int) -> "ParallelDims":
+        """Fill in dp_shard = -1 as 'the rest of the world' and check the layout multiplies out."""
+        for name, degree in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
+            if degree < 1:
+                raise LayoutError(f"parallelism.{name} must be >= 1, got {degree}")
+        others = dp_replicate * cp * tp
+        if dp_shard == -1:
+            if world_size % others:
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by dp_replicate·cp·tp = "
+                    f"{dp_replicate}·{cp}·{tp} = {others}, so parallelism.dp_shard = -1 cannot fill it"
+                )
+            dp_shard = world_size // others
+        elif dp_shard < 1:
+            raise LayoutError(f"parallelism.dp_shard must be -1 or >= 1, got {dp_shard}")
+        if dp_replicate * dp_shard * cp * tp != world_size:
+            raise LayoutError(
+                f"dp_replicate·dp_shard·cp·tp = {dp_replicate}·{dp_shard}·{cp}·{tp} = "
+                f"{dp_replicate * dp_shard * cp * tp} does not equal the world size {world_size}"
+            )
+        return cls(dp_replicate, dp_shard, cp, tp, world_size)
+
+    def check_model(self, *, n_heads: int, n_kv_heads: int, seq_len: int, tie_embeddings: bool = False) -> None:
+        """Reject layouts the model shape cannot be split by."""
+        if self.tp > 1 and tie_embeddings:
+            raise LayoutError(f"parallelism.tp = {self.tp}: tensor parallelism does not support tied embeddings")
+        if n_heads % self.tp or n_kv_heads % self.tp:
+            raise LayoutError(
+                f"parallelism.tp = {self.tp} must divide the model's {n_heads} query heads and "
+                f"{n_kv_heads} key/value heads"
+            )
+        if seq_len % (2 * self.cp) and self.cp > 1:
+            raise LayoutError(
+                f"context parallelism needs training.seq_len divisible by 2·cp = {2 * self.cp}, got {seq_len}"
+            )
+        if self.tp > 1 and (seq_len // self.cp) % self.tp:
+            raise LayoutError(
+                f"sequence parallelism needs training.seq_len / cp = {seq_len // self.cp} divisible by "
+                f"tp = {self.tp}"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication: dp_replicate > 1 with nothing to shard over."""
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        """The world mesh with its four named dims, and the flattened meshes the transforms use."""
+        world = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
+        )
+        dp_cp = world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+        dp_shard_cp = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        # HSDP shards inside a replica and all-reduces across replicas: a 2-D (replicate, shard) mesh.
+        hsdp = dp_cp._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+        return Meshes(
+            world=world,
+            dp=world[("dp_replicate", "dp_shard")]._flatten("dp"),
+            dp_cp=dp_cp,
+            fsdp=hsdp if self.dp_replicate > 1 else dp_shard_cp,
+            dp_replicate=world["dp_replicate"],
+            cp=world["cp"],
+            tp=world["tp"],
+        )
+
+    def describe(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
+            f"(world size {self.world_size})"
+        )

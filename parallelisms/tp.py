@@ -1,0 +1,76 @@
+"""Tensor parallelism for Llama: Megatron-style column/row splits plus sequence parallelism."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from parallelisms.fsdp import transformer_blocks
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True) -> nn.Module:
+    """Split a Llama `Transformer` over `tp_mesh`.
+
+    Inside each block, wq/wk/wv and w1/w3 are split by output features (each rank owns whole
+    heads: n_heads/tp query heads and n_kv_heads/tp key/value heads, which keeps grouped-query
+    attention local) and wo/w2 by input features. Between the splits the activations are
+    sequence-parallel: the residual stream and the norms hold 1/tp of the tokens, all-gathered
+    before attention and the feed-forward and reduce-scattered after them. The embedding is
+    split by vocabulary and the output projection by vocabulary too; with `loss_parallel` its
+    logits stay vocabulary-sharded and the loss must run under
+    `torch.distributed.tensor.parallel.loss_parallel()`.
+
+    Apply first among the transforms (after float8), on the meta-device model, before AC,
+    compile and FSDP. Head counts must be divisible by the tp degree.
+    """
+    tp = tp_mesh.size()
+    for name in ("n_heads", "kv_heads"):
+        heads = getattr(model.args, name)
+        if heads % tp:
+            raise ValueError(f"parallelism.tp = {tp} does not divide the model's {name} = {heads}")
+    if model.args.tie_embeddings:
+        # The embedding and the output projection would each replace the shared weight with a
+        # DTensor of their own, silently untying them.
+        raise ValueError("tensor parallelism does not support tied embeddings (llama3_1b, llama3_3b)")
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        # Attention and the feed-forward need the whole sequence: gather it at their entrance.
+        # Rotary cos/sin (the attention's other inputs) are plain tensors and pass through.
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in transformer_blocks(model):
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
