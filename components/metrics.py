@@ -1,0 +1,147 @@
+"""Training metrics: FLOPs per token, MFU, throughput and memory, logged and written to TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.llama.args import ModelArgs
+
+logger = logging.getLogger("weft")
+
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by substring of torch.cuda.get_device_name().
+# Order matters: the first match wins, so more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("GB200", 2500e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+)
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors, each line tagged with its rank."""
+    fmt = "[weft %(asctime)s] %(message)s" if rank == 0 else f"[weft rank {rank} %(asctime)s] %(message)s"
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Parameters of the full (unsharded) model; shared (tied) parameters count once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N + 12·L·H·Q·T (forward + backward).
+
+    N counts the parameters that take part in matrix multiplies: all but the token embedding
+    (a lookup), unless it is tied to the output projection. The second term is attention's
+    score and value products: L layers, H heads of size Q, context length T.
+    """
+    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return 6 * (n_params - embedding) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None when unknown (MFU is then reported as unavailable)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class MetricsLogger:
+    """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl.
+
+    Throughput is measured over the steps since the previous log. Only the rank given folders
+    writes files.
+    """
+
+    def __init__(self, *, device: torch.device, flops_per_token: float, tokens_per_step: int,
+                 world_size: int, tb_folder: Path | None, jsonl_path: Path | None):
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.tokens_per_step = tokens_per_step  # global
+        self.world_size = world_size
+        self.peak_flops = device_peak_flops(device)
+        self.writer = None
+        if tb_folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(tb_folder))
+        self.jsonl = jsonl_path.open("a") if jsonl_path is not None else None
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    def step_done(self) -> None:
+        self._window_steps += 1
+
+    def log(self, stats: StepStats) -> dict[str, float]:
+        elapsed = time.perf_counter() - self._window_start
+        tokens_per_second = self.tokens_per_step * self._window_steps / elapsed / self.world_size  # per device
+        values = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/tokens_per_second": tokens_per_second,
+            "memory/peak_gib": peak_memory_gib(self.device),
+        }
+        mfu = "n/a"
+        if self.peak_flops is not None:
+            values["train/mfu"] = 100 * tokens_per_second * self.flops_per_token / self.peak_flops
+            mfu = f"{values['train/mfu']:.1f}%"
+        logger.info(
+            f"step {stats.step:>6}  loss {stats.loss:8.4f}  grad_norm {stats.grad_norm:8.4f}  lr {stats.lr:.3e}  "
+            f"tokens/s/device {tokens_per_second:,.0f}  mfu {mfu}  peak_memory {values['memory/peak_gib']:.2f} GiB"
+        )
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, stats.step)
+            self.writer.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": stats.step, **values}) + "\n")
+            self.jsonl.flush()
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        return values
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,77 @@
+"""AdamW, the warmup-then-decay learning-rate schedule, and clipping by the global gradient norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from components.config import LRScheduler, Optimizer
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+    """AdamW over every parameter (weight decay on all of them, as in the Llama papers)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = params[0].device.type == "cuda"
+    implementation = cfg.implementation
+    if implementation == "auto":
+        implementation = "fused" if on_cuda else "foreach"
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=implementation == "fused",
+        foreach=implementation == "foreach",
+    )
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:
+    """Fraction of the peak learning rate used by optimizer step `step` (0-based).
+
+    Linear warmup reaches the peak on step warmup_steps - 1; then the rate decays, linearly or
+    along a half cosine, towards min_lr_ratio · peak, reached just after the last step.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if decay_type == "linear":
+        decay = 1.0 - progress
+    elif decay_type == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_type: expected linear or cosine, got {decay_type!r}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
+    def multiplier(step: int) -> float:
+        return lr_multiplier(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            decay_type=cfg.decay_type,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+
+    return LambdaLR(optimizer, multiplier)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most max_norm (0: measure only); return the norm.
+
+    With sharded (DTensor) gradients the local norms are partial; `full_tensor()` reduces them
+    over every mesh dim the gradients are split on, so each rank sees the true global norm.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+    return total_norm

@@ -1,0 +1,221 @@
+"""Train a Llama model with weft. This file is the recipe: read it top to bottom, fork it freely.
+
+    python train.py --job.config_file debug_model.toml
+    torchrun --nproc_per_node 8 train.py --job.config_file llama8b.toml --training.steps 50
+
+Every option is listed by `python train.py --help`; the TOML files in train_configs/ document
+the defaults of each model size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import loss_parallel
+
+from components.config import ConfigError, JobConfig, parse_args, to_toml
+from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_files
+from components.distributed import all_reduce_mean, init_distributed, launched_world_size, set_determinism
+from components.metrics import MetricsLogger, StepStats, count_parameters, flops_per_token, setup_logging
+from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from models.llama import LLAMA_FLAVORS, Transformer
+from parallelisms.ac import apply_ac
+from parallelisms.compile import apply_compile
+from parallelisms.cp import apply_cp, shard_sequence
+from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.parallel_dims import LayoutError, ParallelDims
+from parallelisms.tp import apply_tp
+
+logger = logging.getLogger("weft")
+
+# Mistakes a user can make in a config; reported as one line and exit code 2, never a traceback.
+USER_ERRORS = (ConfigError, DataError, LayoutError)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def train(cfg: JobConfig) -> list[float]:
+    """Run the training described by cfg; return the loss of every logged step."""
+
+    # 1. Check everything the user can get wrong before any process group, file or tensor
+    #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
+    model_args = LLAMA_FLAVORS[cfg.model.flavor]
+    if cfg.training.seq_len > model_args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {model_args.max_seq_len} "
+            f"of model flavor {cfg.model.flavor}"
+        )
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=launched_world_size()
+    )
+    dims.check_model(n_heads=model_args.n_heads, n_kv_heads=model_args.kv_heads, seq_len=cfg.training.seq_len,
+                     tie_embeddings=model_args.tie_embeddings)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    if tokenizer.vocab_size > model_args.vocab_size:
+        raise DataError(
+            f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than "
+            f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
+        )
+    data_files = find_text_files(cfg.data.dataset_path)
+
+    # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
+    device = init_distributed()
+    meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
+    rank = torch.distributed.get_rank() if meshes else 0
+    setup_logging(rank)
+    set_determinism(cfg.training.seed, cfg.training.deterministic)
+
+    # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
+    loader = TokenWindowLoader(
+        data_files,
+        tokenizer,
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        dp_rank=meshes.dp.get_local_rank() if meshes else 0,
+        dp_world_size=dims.dp,
+        text_field=cfg.data.text_field,
+    )
+
+    # 4. The model, built on the meta device: shapes without memory, so any size fits here.
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    n_params = count_parameters(model)
+
+    # 5. The transforms, in the one order that composes:
+    #    - tensor parallelism first: it rewrites the Linear layers into DTensor shards, and
+    #      everything after must wrap the parallel modules, not the plain ones;
+    #    - context parallelism swaps the attention core, independent of how the weights are split;
+    #    - activation checkpointing wraps each block's forward, so recomputation replays the
+    #      parallel forward including its TP collectives;
+    #    - compile traces the checkpointed, parallel block (one graph reused by every block);
+    #    - FSDP / DDP last: they shard or replicate whatever parameters the model now has
+    #      (including TP's DTensors, giving 2-D sharding) and hook communication around the
+    #      compiled blocks.
+    plan = []
+    if dims.tp > 1:
+        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel)
+        plan.append(f"tp {dims.tp}: blocks' attention and feed-forward split by heads / hidden, "
+                    f"sequence-parallel norms, vocab-split embedding and output (loss_parallel={p.loss_parallel})")
+    if dims.cp > 1:
+        apply_cp(model, meshes.cp)
+        plan.append(f"cp {dims.cp}: attention cores see the whole sequence (K/V all-gather, load-balanced chunks)")
+    ac = cfg.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_option)
+    if ac.mode != "none":
+        plan.append(f"activation checkpointing: {ac.mode}" + (f" ({ac.selective_option})" if ac.mode == "selective" else ""))
+    if cfg.compile.enable:
+        apply_compile(model)
+        plan.append("compile: each transformer block")
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            meshes.fsdp,
+            param_dtype=DTYPES[cfg.training.mixed_precision_param],
+            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=p.fsdp_cpu_offload,
+        )
+        kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
+        plan.append(f"{kind} over {tuple(meshes.fsdp.shape)} ranks: each block and the root, "
+                    f"reshard_after_forward={p.fsdp_reshard_after_forward}")
+    elif dims.ddp_enabled:
+        apply_ddp(model, meshes.dp_replicate)
+        plan.append(f"ddp over {dims.dp_replicate} replicas")
+
+    # 6. Materialise on the device and initialise. Each parameter is drawn whole and every rank
+    #    keeps its slice (implicit_replication lets the full draw be copied into a DTensor shard),
+    #    so the weights equal a single-device run's with the same seed, whatever the layout.
+    model.to_empty(device=device)
+    with implicit_replication():
+        model.init_weights(seed=cfg.training.seed)
+    model.train()
+
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    # 7. Outputs: only rank 0 writes.
+    tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * cfg.training.gradient_accumulation_steps * dims.dp
+    dump = Path(cfg.job.dump_folder)
+    if rank == 0:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "config.toml").write_text(to_toml(cfg))
+    metrics = MetricsLogger(
+        device=device,
+        flops_per_token=flops_per_token(model_args, n_params, cfg.training.seq_len),
+        tokens_per_step=tokens_per_step,
+        world_size=dims.world_size,
+        tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,
+        jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
+    )
+    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local_params:,} on each rank "
+                f"({model_args.n_layers} layers, dim {model_args.dim}, {model_args.n_heads} heads, "
+                f"{model_args.kv_heads} kv heads, vocab {model_args.vocab_size})")
+    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
+    for line in plan or ["no parallelism: one device"]:
+        logger.info(f"  {line}")
+    logger.info(f"global batch {cfg.training.local_batch_size} x {cfg.training.gradient_accumulation_steps} accumulation "
+                f"x {dims.dp} dp = {tokens_per_step // cfg.training.seq_len} samples = {tokens_per_step:,} tokens per step")
+
+    # 8. The loop. The loss of each rank is the mean over its tokens; gradients are averaged
+    #    over data-parallel and context-parallel ranks, so together they follow the global mean.
+    loss_group = meshes.dp_cp.get_group() if meshes else None
+    use_loss_parallel = dims.tp > 1 and p.loss_parallel
+    # On a single GPU there is no FSDP to run the forward in bf16; autocast does it instead.
+    autocast = device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32"
+    accumulation = cfg.training.gradient_accumulation_steps
+    batches = iter(loader)
+    history: list[float] = []
+    for step in range(1, cfg.training.steps + 1):
+        optimizer.zero_grad()
+        step_loss = torch.zeros((), device=device)
+        for _ in range(accumulation):
+            inputs, labels = (t.to(device) for t in next(batches))
+            positions = None
+            if dims.cp > 1:
+                (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
+            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
+                with torch.autocast(device.type, DTYPES[cfg.training.mixed_precision_param]) if autocast else contextlib.nullcontext():
+                    logits = model(inputs, positions)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accumulation
+                loss.backward()
+            step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
+        optimizer.step()
+        scheduler.step()
+        metrics.step_done()
+
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            stats = StepStats(step, all_reduce_mean(step_loss, loss_group), grad_norm.item(), scheduler.get_last_lr()[0])
+            metrics.log(stats)
+            history.append(stats.loss)
+
+    metrics.close()
+    logger.info(f"done: {cfg.training.steps} steps")
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        train(cfg)
+    except USER_ERRORS as e:
+        print(f"weft: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
