@@ -5,9 +5,10 @@ Design (the approach of the Llama 3 paper)
 Layout. A sequence of length S is cut into 2·cp chunks of c = S / (2·cp) tokens. CP rank r
 holds chunks r and 2·cp − 1 − r, in that order. Under a causal mask, query chunk j sees j whole
 chunks of keys plus the lower half of its own, so rank r does (r + ½) + (2·cp − 1 − r + ½) =
-2·cp chunk-blocks of attention work: the load is balanced whatever r is. `shard_sequence` cuts the inputs this way and returns the
-global position of every local token, which `Transformer.forward(tokens, positions)` needs for
-its rotary embeddings. Everything outside attention is per token and runs unchanged on a shard.
+2·cp chunk-blocks of attention work: the load is balanced whatever r is. `shard_sequence`
+cuts the inputs this way and returns the global position of every local token, which
+`Transformer.forward(tokens, positions)` needs for its rotary embeddings. Everything outside
+attention is per token and runs unchanged on a shard.
 
 Attention. `ContextParallelAttention` replaces the model's `CausalAttention` core:
 
@@ -35,6 +36,10 @@ sequence and nothing else (no document masking, no sliding window). `apply_cp` t
 replaces cores that are exactly `CausalAttention`, and refuses subclasses, which may mask
 differently.
 
+Compilation. The core compiles with fullgraph=True (the all-gather is a traceable functional
+collective) once `shard_sequence` has run for the sequence length: it builds this rank's masks,
+which PyTorch cannot create inside a compiled region.
+
 PyTorch's experimental `context_parallel` does not run on CPU; this version runs anywhere a
 process group does, gloo included.
 """
@@ -60,16 +65,22 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or fu
 
 # causal_lower_right masks by (q_len, kv_len). A CausalBias is a Tensor subclass that PyTorch can
 # create neither while a TorchDispatchMode is active (CommDebugMode, FlopCounterMode, ...) nor
-# inside torch.compile (fullgraph), so masks are built in eager code with those modes set aside;
-# `shard_sequence` builds the ones its rank will need, and a compiled region only looks them up.
+# inside torch.compile(fullgraph=True). So masks are built in eager code, with those modes set
+# aside: `shard_sequence` builds the ones its rank will need, and compiled regions look them up.
 _LOWER_RIGHT_MASKS: dict[tuple[int, int], CausalBias] = {}
 
 
 def _lower_right_causal_mask(q_len: int, kv_len: int) -> CausalBias:
+    """causal_lower_right(q_len, kv_len), built once, outside any dispatch mode, then shared."""
     mask = _LOWER_RIGHT_MASKS.get((q_len, kv_len))
-    if mask is None:
-        with _disable_current_modes():
-            mask = _LOWER_RIGHT_MASKS[(q_len, kv_len)] = causal_lower_right(q_len, kv_len)
+    if mask is not None:
+        return mask
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"no causal mask for {q_len} × {kv_len} yet: call shard_sequence before a compiled forward"
+        )
+    with _disable_current_modes():
+        mask = _LOWER_RIGHT_MASKS[(q_len, kv_len)] = causal_lower_right(q_len, kv_len)
     return mask
 
 
@@ -102,7 +113,7 @@ def shard_sequence(
         raise ValueError("shard_sequence needs at least one tensor to shard")
     lengths = {t.shape[seq_dim] for t in tensors}
     if len(lengths) != 1:
-        raise ValueError(f"shard_sequence needs tensors of one sequence length, got lengths {sorted(lengths)}")
+        raise ValueError(f"shard_sequence needs tensors of one sequence length, got {sorted(lengths)}")
     seq_len, cp_size, cp_rank = lengths.pop(), cp_mesh.size(), cp_mesh.get_local_rank()
     positions = load_balanced_indices(seq_len, cp_size, cp_rank)
     chunk = seq_len // (2 * cp_size)
@@ -124,7 +135,7 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         if cp_mesh.ndim != 1:
             raise ValueError(f"ContextParallelAttention needs a 1-D CP mesh, got {cp_mesh.ndim} dimensions")
-        self.group = cp_mesh.get_group()
+        self.cp_mesh = cp_mesh  # not its ProcessGroup, which cannot be deep-copied
         self.cp_size = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
 
@@ -156,7 +167,7 @@ class ContextParallelAttention(nn.Module):
 
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather K and V (one collective) and return them over the whole sequence, in global order."""
-        kv = _all_gather_autograd(torch.stack((k, v)), gather_dim=3, group=self.group)  # [2, b, h, S, d]
+        kv = _all_gather_autograd(torch.stack((k, v)), gather_dim=3, group=self.cp_mesh)  # [2, b, h, S, d]
         # Gathered in rank order, rank r contributing chunks (r, 2·cp − 1 − r). Global order is the
         # first chunk of ranks 0..cp−1, then the second chunk of ranks cp−1..0.
         by_rank = kv.unflatten(3, (self.cp_size, 2, chunk))  # [2, b, h, rank, slot, chunk, d]
