@@ -1,0 +1,23 @@
+"""Float8 training through torchao: layer conversion, support checks, tensor-parallel styles."""
+
+from float8.float8 import (
+    DEFAULT_MIN_DIM,
+    RECIPES,
+    apply_float8,
+    check_float8_support,
+    converted_modules,
+    float8_tp_all_gather,
+    float8_tp_styles,
+    precompute_float8_scales,
+)
+
+__all__ = [
+    "DEFAULT_MIN_DIM",
+    "RECIPES",
+    "apply_float8",
+    "check_float8_support",
+    "converted_modules",
+    "float8_tp_all_gather",
+    "float8_tp_styles",
+    "precompute_float8_scales",
+]

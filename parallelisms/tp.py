@@ -16,7 +16,9 @@ from torch.distributed.tensor.parallel import (
 from parallelisms.fsdp import transformer_blocks
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True, float8_all_gather: bool = False
+) -> nn.Module:
     """Split a Llama `Transformer` over `tp_mesh`.
 
     Inside each block, wq/wk/wv and w1/w3 are split by output features (each rank owns whole
@@ -27,6 +29,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
     split by vocabulary and the output projection by vocabulary too; with `loss_parallel` its
     logits stay vocabulary-sharded and the loss must run under
     `torch.distributed.tensor.parallel.loss_parallel()`.
+
+    float8_all_gather: the block linears are tensorwise Float8Linear (apply_float8 came
+    first) and activations are cast to float8 before they are all-gathered, with torchao's
+    float8 styles; needs a backend that can all-gather float8 (NCCL, not gloo).
 
     Apply first among the transforms (after float8), on the meta-device model, before AC,
     compile and FSDP. Head counts must be divisible by the tp degree.
@@ -54,23 +60,30 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = Tru
             ),
         },
     )
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8_all_gather:
+        from float8 import float8_tp_styles
+
+        styles = float8_tp_styles()
+        colwise, rowwise, prepare_input = styles["colwise"], styles["rowwise"], styles["prepare_input"]
     block_plan = {
         "attention_norm": SequenceParallel(),
         # Attention and the feed-forward need the whole sequence: gather it at their entrance.
         # Rotary cos/sin (the attention's other inputs) are plain tensors and pass through.
-        "attention": PrepareModuleInput(
+        "attention": prepare_input(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": colwise(),
     }
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, block_plan)
     return model
+

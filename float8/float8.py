@@ -1,0 +1,227 @@
+"""Float8 training: run Llama's linear layers on float8 matmuls through torchao's `Float8Linear`.
+
+`apply_float8` swaps the eligible `nn.Linear` layers of a model for torchao `Float8Linear`
+(`convert_to_float8_training`). Master weights, optimizer state and every other op keep their
+precision; inputs, weights and output gradients are cast to float8 with dynamic scales just
+before each matmul. Apply it first among the transforms, on the meta-device model, so that
+tensor parallelism and FSDP see `Float8Linear` layers.
+
+Recipes (scaling granularity):
+  tensorwise  one scale per tensor; the fastest. Its weights can be all-gathered by FSDP in
+              float8 (`enable_fsdp_float8_all_gather`), and with tensor parallelism the
+              activations are all-gathered in float8 too (`float8_tp_styles`).
+  rowwise     one scale per row, rounded down to a power of two; more accurate, and all
+              communication stays in high precision.
+
+Which layers are converted: a layer is kept in high precision when its name matches an entry
+of `filter_fqns`, when its in or out features are not multiples of 16 (a float8 matmul
+requirement), or when either dimension is below `min_dim`: for small matmuls the casts to
+float8 (memory-bound passes over inputs and weights) cost more than the faster matmul saves.
+The default, 1024, converts every projection of Llama 3 8B and larger; tests on tiny models
+lower it.
+
+Where float8 can and cannot run (`check_float8_support` is called before any work):
+  CPU         torch._scaled_mm has a CPU kernel, so Float8Linear trains on CPU for real, forward
+              and backward, both recipes: slow, but with the same float8 numerics as a GPU. No
+              emulation mode is needed, and the tests train on CPU.
+  old GPUs    float8 matmuls need NVIDIA compute capability 8.9 (Ada) or newer: error.
+  gloo        (the CPU backend) cannot all-gather float8 tensors: "Invalid scalar type". Hence:
+              - `enable_fsdp_float8_all_gather` with gloo: error, because the user asked for it
+                explicitly and turning it off would quietly change the run.
+              - tensor parallelism with tensorwise float8: torchao's float8 TP styles are an
+                optimisation that no option asks for. Without float8 collectives the plain
+                styles are used (activations all-gathered in high precision, the same float8
+                matmuls with the same global scales), announced by one warning line.
+  rowwise + `enable_fsdp_float8_all_gather`: error (float8 all-gather is tensorwise only).
+  `precompute_float8_dynamic_scale_for_fsdp` without float8 all-gather: error (it would do nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+# Importing torchao logs lines that say nothing about a weft run: torch 2.13 answers its pytree
+# registration of an Enum with a deprecation warning, and on machines without its optional
+# CUDA kernel libraries it reports each one it could not load (float8 training needs none of
+# them: its matmuls are torch._scaled_mm). Quiet both for the import only.
+_import_loggers = [logging.getLogger(name) for name in ("torch.utils._pytree", "torchao")]
+_import_levels = [log.level for log in _import_loggers]
+for _log in _import_loggers:
+    _log.setLevel(logging.ERROR)
+try:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+finally:
+    for _log, _level in zip(_import_loggers, _import_levels):
+        _log.setLevel(_level)
+
+logger = logging.getLogger("weft")
+
+RECIPES = ("tensorwise", "rowwise")
+DEFAULT_MIN_DIM = 1024
+MIN_CUDA_CAPABILITY = (8, 9)
+_DIM_MULTIPLE = 16
+
+
+def apply_float8(
+    model: nn.Module,
+    *,
+    recipe: str = "tensorwise",
+    filter_fqns: Iterable[str] = ("output",),
+    enable_fsdp_float8_all_gather: bool = False,
+    min_dim: int = DEFAULT_MIN_DIM,
+) -> nn.Module:
+    """Swap the model's eligible `nn.Linear` layers for torchao `Float8Linear`, in place.
+
+    filter_fqns: layers kept in high precision. An entry matches a layer when it is a run of
+    whole dotted components of the layer's name: "output" matches `output`, "w2" every
+    `layers.N.feed_forward.w2`, "layers.1" every linear of block 1 (but not of block 10).
+    Layers whose dimensions are not multiples of 16, or below `min_dim`, are kept too.
+    Logs one line saying what was converted and what was kept, and why.
+    """
+    config = _float8_config(recipe, enable_fsdp_float8_all_gather)
+    already = converted_modules(model)
+    if already:
+        raise ValueError(f"apply_float8: the model already has Float8Linear layers ({already[0]}, ...)")
+    filter_fqns = tuple(filter_fqns)
+    kept: dict[str, list[str]] = {}
+
+    def convert(linear: nn.Module, fqn: str) -> bool:
+        reason = _reason_to_keep(fqn, linear, filter_fqns, min_dim)
+        if reason is not None:
+            kept.setdefault(reason, []).append(fqn)
+        return reason is None
+
+    convert_to_float8_training(model, config=config, module_filter_fn=convert)
+    logger.info(_summary(recipe, len(converted_modules(model)), kept))
+    return model
+
+
+def converted_modules(model: nn.Module) -> list[str]:
+    """Names of the model's `Float8Linear` layers, in module order."""
+    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """Compute the float8 scales of all FSDP-sharded float8 weights in one all-reduce.
+
+    Call after every optimizer step when `enable_fsdp_float8_all_gather` and
+    `precompute_float8_dynamic_scale_for_fsdp` are on; the next all-gathers then use them.
+    """
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_tp_all_gather(device_type: str, backend: str | None, recipe: str) -> bool:
+    """Whether tensor parallelism should all-gather activations in float8 (`float8_tp_styles`).
+
+    Yes for the tensorwise recipe when the backend can carry float8 tensors (NCCL on a GPU);
+    no for rowwise (torchao's float8 styles are tensorwise only) and with gloo.
+    """
+    return recipe == "tensorwise" and _float8_collectives(device_type, backend)
+
+
+def check_float8_support(
+    device_type: str,
+    backend: str | None,
+    *,
+    recipe: str = "tensorwise",
+    enable_fsdp_float8_all_gather: bool = False,
+    precompute_float8_dynamic_scale_for_fsdp: bool = False,
+    tp_degree: int = 1,
+) -> list[str]:
+    """Check a float8 setup before any work: raise ValueError (one line) where it cannot run.
+
+    Returns the warnings to log, one line each: today only that tensor-parallel activations
+    will be all-gathered in high precision because the backend cannot carry float8.
+    """
+    _check_recipe(recipe, enable_fsdp_float8_all_gather)
+    if precompute_float8_dynamic_scale_for_fsdp and not enable_fsdp_float8_all_gather:
+        raise ValueError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true"
+        )
+    if enable_fsdp_float8_all_gather and not _float8_collectives(device_type, backend):
+        raise ValueError(
+            f"float8.enable_fsdp_float8_all_gather: the {backend} backend on {device_type} cannot all-gather "
+            "float8 tensors (NCCL on a GPU can); set it to false"
+        )
+    if device_type == "cuda":
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CUDA_CAPABILITY:
+            raise ValueError(
+                f"float8 needs a GPU of compute capability {'.'.join(map(str, MIN_CUDA_CAPABILITY))} or newer "
+                f"for float8 matmuls; {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}"
+            )
+    warnings = []
+    if tp_degree > 1 and recipe == "tensorwise" and not _float8_collectives(device_type, backend):
+        warnings.append(
+            f"float8: the {backend} backend cannot all-gather float8 tensors, so tensor parallelism "
+            "all-gathers activations in high precision (matmuls still run in float8)"
+        )
+    return warnings
+
+
+def float8_tp_styles() -> dict[str, type[ParallelStyle]]:
+    """torchao's tensor-parallel styles that all-gather activations in float8 (tensorwise only).
+
+    Drop-in replacements for ColwiseParallel, RowwiseParallel and PrepareModuleInput on blocks
+    whose linear layers are all `Float8Linear`; they need float8 collectives (NCCL).
+    """
+    return {
+        "colwise": Float8ColwiseParallel,
+        "rowwise": Float8RowwiseParallel,
+        "prepare_input": PrepareFloat8ModuleInput,
+    }
+
+
+def _float8_collectives(device_type: str, backend: str | None) -> bool:
+    """Whether collectives can carry float8 tensors; backend None: no process group, no collectives."""
+    return backend is None or (device_type != "cpu" and backend != "gloo")
+
+
+def _check_recipe(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"float8.recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    if enable_fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"float8.enable_fsdp_float8_all_gather needs float8.recipe = tensorwise, got {recipe!r}")
+
+
+def _float8_config(recipe: str, enable_fsdp_float8_all_gather: bool) -> Float8LinearConfig:
+    _check_recipe(recipe, enable_fsdp_float8_all_gather)
+    if recipe == "rowwise":
+        return Float8LinearConfig.from_recipe_name("rowwise")
+    return Float8LinearConfig(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+
+
+def _reason_to_keep(fqn: str, linear: nn.Module, filter_fqns: tuple[str, ...], min_dim: int) -> str | None:
+    """Why this linear layer stays in high precision, or None to convert it."""
+    if any(f".{entry}." in f".{fqn}." for entry in filter_fqns):
+        return "filter_fqns"
+    dims = (linear.in_features, linear.out_features)
+    if any(d % _DIM_MULTIPLE for d in dims):
+        return f"dims not multiples of {_DIM_MULTIPLE}"
+    if min(dims) < min_dim:
+        return f"a dim below min_dim {min_dim}"
+    return None
+
+
+def _summary(recipe: str, n_converted: int, kept: dict[str, list[str]]) -> str:
+    """One log line; block indices are folded ("layers.*.attention.wk") to keep it short."""
+    line = f"float8 ({recipe}): converted {n_converted} linear layers"
+    if kept:
+        groups = []
+        for reason, names in kept.items():
+            folded = dict.fromkeys(re.sub(r"(?<![^.])\d+(?=\.|$)", "*", name) for name in names)
+            groups.append(f"{', '.join(folded)} ({reason})")
+        line += f", kept {'; '.join(groups)} in high precision"
+    return line
