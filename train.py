@@ -20,11 +20,19 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
-from components.config import ConfigError, JobConfig, parse_args, to_toml
+from components.checkpoint import CheckpointError, Checkpointer, load_model_weights
+from components.config import ConfigError, JobConfig, check_dump_folder, parse_args, to_toml
 from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_files
-from components.distributed import all_reduce_mean, init_distributed, launched_world_size, set_determinism
+from components.distributed import (
+    Preemption,
+    all_reduce_mean,
+    init_distributed,
+    launched_world_size,
+    set_determinism,
+)
 from components.metrics import MetricsLogger, StepStats, count_parameters, flops_per_token, setup_logging
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from float8 import apply_float8, check_float8_support, float8_tp_all_gather, precompute_float8_scales
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile
@@ -36,7 +44,7 @@ from parallelisms.tp import apply_tp
 logger = logging.getLogger("weft")
 
 # Mistakes a user can make in a config; reported as one line and exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, DataError, LayoutError)
+USER_ERRORS = (ConfigError, DataError, LayoutError, CheckpointError)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,12 +73,29 @@ def train(cfg: JobConfig) -> list[float]:
             f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
         )
     data_files = find_text_files(cfg.data.dataset_path)
+    check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+    f8 = cfg.float8
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = None if dims.world_size == 1 else ("nccl" if device_type == "cuda" else "gloo")
+    float8_warnings = []
+    if f8.enable:
+        try:
+            float8_warnings = check_float8_support(
+                device_type, backend, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+                precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp, tp_degree=dims.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.checkpoint.create_seed_checkpoint and dims.world_size > 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
+                          f"not {dims.world_size}")
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
     device = init_distributed()
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
+    for line in float8_warnings if rank == 0 else []:
+        logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
@@ -90,7 +115,9 @@ def train(cfg: JobConfig) -> list[float]:
     n_params = count_parameters(model)
 
     # 5. The transforms, in the one order that composes:
-    #    - tensor parallelism first: it rewrites the Linear layers into DTensor shards, and
+    #    - float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8
+    #      styles and FSDP all-gathers in float8; both must find the float8 layers in place;
+    #    - tensor parallelism next: it rewrites the Linear layers into DTensor shards, and
     #      everything after must wrap the parallel modules, not the plain ones;
     #    - context parallelism swaps the attention core, independent of how the weights are split;
     #    - activation checkpointing wraps each block's forward, so recomputation replays the
@@ -100,8 +127,13 @@ def train(cfg: JobConfig) -> list[float]:
     #      (including TP's DTensors, giving 2-D sharding) and hook communication around the
     #      compiled blocks.
     plan = []
+    if f8.enable:
+        apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
+                     enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather, min_dim=f8.min_dim)
+        plan.append(f"float8 ({f8.recipe}): linear layers of at least {f8.min_dim} features, except {f8.filter_fqns}")
     if dims.tp > 1:
-        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel)
+        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel,
+                 float8_all_gather=f8.enable and float8_tp_all_gather(device.type, backend, f8.recipe))
         plan.append(f"tp {dims.tp}: blocks' attention and feed-forward split by heads / hidden, "
                     f"sequence-parallel norms, vocab-split embedding and output (loss_parallel={p.loss_parallel})")
     if dims.cp > 1:
@@ -142,12 +174,50 @@ def train(cfg: JobConfig) -> list[float]:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    # 7. Outputs: only rank 0 writes.
-    tokens_per_step = cfg.training.seq_len * cfg.training.local_batch_size * cfg.training.gradient_accumulation_steps * dims.dp
+    # 7. Where to start: the latest complete checkpoint in the dump folder (DCP reshards model,
+    #    optimizer and data cursor into this layout, whatever layout saved them); else the
+    #    seed checkpoint step-0 or checkpoint.initial_load_path; else the fresh initialisation.
+    checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.job.dump_folder), model=model, optimizer=optimizer,
+                                scheduler=scheduler, dataloader=loader)
+    start_step = 0
+    resume_step = checkpointer.resume_step() if cfg.checkpoint.enable else None
+    if resume_step == 0:
+        load_model_weights(model, checkpointer.root / "step-0")
+        logger.info("checkpoint: starting from the seed checkpoint step-0")
+    elif resume_step is not None:
+        checkpointer.load(resume_step)
+        start_step = resume_step
+    elif cfg.checkpoint.initial_load_path:
+        load_initial_weights(model, Path(cfg.checkpoint.initial_load_path))
+
+    # 8. Outputs (only rank 0 writes; nothing is written before this point) and the startup summary.
+    tokens_per_step = (cfg.training.seq_len * cfg.training.local_batch_size
+                       * cfg.training.gradient_accumulation_steps * dims.dp)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "config.toml").write_text(to_toml(cfg))
+    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local_params:,} on each rank "
+                f"({model_args.n_layers} layers, dim {model_args.dim}, {model_args.n_heads} heads, "
+                f"{model_args.kv_heads} kv heads, vocab {model_args.vocab_size})")
+    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
+    for line in plan or ["no parallelism: one device"]:
+        logger.info(f"  {line}")
+    logger.info(f"global batch {cfg.training.local_batch_size} x {cfg.training.gradient_accumulation_steps} "
+                f"accumulation x {dims.dp} dp = {tokens_per_step // cfg.training.seq_len} samples "
+                f"= {tokens_per_step:,} tokens per step")
+    if cfg.checkpoint.create_seed_checkpoint:
+        checkpointer.save(0, model_only=True, blocking=True)
+        return []
+
+    # 9. The loop. The loss of each rank is the mean over its tokens; gradients are averaged
+    #    over data-parallel and context-parallel ranks, so together they follow the global mean.
+    loss_group = meshes.dp_cp.get_group() if meshes else None
+    use_loss_parallel = dims.tp > 1 and p.loss_parallel
+    # On a single GPU there is no FSDP to run the forward in bf16; autocast does it instead.
+    autocast = device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32"
+    accumulation = cfg.training.gradient_accumulation_steps
     metrics = MetricsLogger(
         device=device,
         flops_per_token=flops_per_token(model_args, n_params, cfg.training.seq_len),
@@ -156,26 +226,11 @@ def train(cfg: JobConfig) -> list[float]:
         tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,
         jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
     )
-    local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local_params:,} on each rank "
-                f"({model_args.n_layers} layers, dim {model_args.dim}, {model_args.n_heads} heads, "
-                f"{model_args.kv_heads} kv heads, vocab {model_args.vocab_size})")
-    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
-    for line in plan or ["no parallelism: one device"]:
-        logger.info(f"  {line}")
-    logger.info(f"global batch {cfg.training.local_batch_size} x {cfg.training.gradient_accumulation_steps} accumulation "
-                f"x {dims.dp} dp = {tokens_per_step // cfg.training.seq_len} samples = {tokens_per_step:,} tokens per step")
-
-    # 8. The loop. The loss of each rank is the mean over its tokens; gradients are averaged
-    #    over data-parallel and context-parallel ranks, so together they follow the global mean.
-    loss_group = meshes.dp_cp.get_group() if meshes else None
-    use_loss_parallel = dims.tp > 1 and p.loss_parallel
-    # On a single GPU there is no FSDP to run the forward in bf16; autocast does it instead.
-    autocast = device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32"
-    accumulation = cfg.training.gradient_accumulation_steps
     batches = iter(loader)
     history: list[float] = []
-    for step in range(1, cfg.training.steps + 1):
+    preemption = Preemption()
+    step = start_step
+    for step in range(start_step + 1, cfg.training.steps + 1):
         optimizer.zero_grad()
         step_loss = torch.zeros((), device=device)
         for _ in range(accumulation):
@@ -192,6 +247,8 @@ def train(cfg: JobConfig) -> list[float]:
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
         optimizer.step()
         scheduler.step()
+        if f8.enable and f8.precompute_float8_dynamic_scale_for_fsdp:
+            precompute_float8_scales(model)  # one fused amax all-reduce for the next float8 all-gather
         metrics.step_done()
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
@@ -199,9 +256,36 @@ def train(cfg: JobConfig) -> list[float]:
             metrics.log(stats)
             history.append(stats.loss)
 
+        saved = checkpointer.should_save(step, cfg.training.steps)
+        if saved:
+            checkpointer.save(step)
+        else:
+            checkpointer.finish_pending(wait=False)
+        if preemption.requested():  # SIGTERM: save (if enabled) and stop cleanly on every rank
+            if cfg.checkpoint.enable and not saved:
+                checkpointer.save(step, blocking=True)
+            logger.info(f"stopped by SIGTERM after step {step}")
+            break
+
+    checkpointer.close()
+    preemption.close()
     metrics.close()
-    logger.info(f"done: {cfg.training.steps} steps")
+    logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
+
+
+def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
+    """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json)."""
+    if (path / "config.json").is_file():
+        from components.hf import load_hf_into_model
+
+        try:
+            load_hf_into_model(model, path)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
+    else:
+        load_model_weights(model, path)
+    logger.info(f"weights loaded from {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,10 @@ class Checkpoint:
     async_mode: str = opt("disabled", "Save in the background while training continues", choices=("disabled", "async"))
     load_step: int = opt(-1, "Step to resume from; -1 loads the latest complete checkpoint", min=-1)
     folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder")
+    initial_load_path: str = opt(
+        "", "Weights to start from when dump_folder has no checkpoint: a DCP checkpoint folder or a Hugging Face folder")
+    create_seed_checkpoint: bool = opt(
+        False, "Only initialise the model on one process and save it as step-0, the seed every layout can start from")
 
 
 @dataclass
@@ -149,6 +153,8 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(
         False, "Compute float8 scales for all FSDP parameters in one fused step after each optimizer step")
     filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
+    min_dim: int = opt(1024, "Keep linear layers with a dimension below this in high precision (too small to gain)",
+                       min=16)
 
 
 @dataclass
@@ -379,6 +385,28 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         origins[name] = _CLI
     _validate(cfg, origins)
     return cfg
+
+
+# Settings that make a run what it is: a dump folder holding a run with other values for these
+# belongs to another experiment, and resuming into it would mix the two.
+RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "data.text_field",
+                "training.seq_len", "training.seed")
+
+
+def check_dump_folder(cfg: JobConfig) -> None:
+    """Refuse a dump folder that already holds a run of another configuration."""
+    saved_path = Path(cfg.job.dump_folder) / "config.toml"
+    if not saved_path.is_file():
+        return
+    saved = _read_toml(saved_path)
+    for key in RUN_IDENTITY:
+        section, name = key.split(".")
+        before, now = saved.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        if before != now:
+            raise ConfigError(
+                f"job.dump_folder: {saved_path} is a run with {key} = {before!r}, this run has {now!r}; "
+                f"use another dump folder"
+            )
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, object]]:

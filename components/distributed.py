@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from datetime import timedelta
 
 import torch
@@ -46,3 +47,29 @@ def all_reduce_mean(value: torch.Tensor, group: dist.ProcessGroup | None) -> flo
     value = value.detach().clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value.item() / dist.get_world_size(group)
+
+
+class Preemption:
+    """Turns SIGTERM (what schedulers and torchrun send before killing) into a request to stop.
+
+    `requested()` is called once per step by every rank; it agrees across ranks over a gloo
+    group, so all ranks stop on the same step (and can save one checkpoint together) even if
+    the signal reached only some of them.
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._signalled = True
+
+    def requested(self) -> bool:
+        flag = torch.tensor([int(self._signalled)])
+        if self._group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)

@@ -1,0 +1,209 @@
+"""Checkpoints with PyTorch Distributed Checkpoint (DCP): save, resume, resume in another layout.
+
+A checkpoint is a folder `<dump_folder>/<checkpoint.folder>/step-<N>/` written by `dcp.save`
+from every rank. It holds the model and optimizer state keyed by parameter name (so DCP can
+reshard them into any other layout on load), the LR scheduler, the data loader's global cursor
+(identical on every rank, so it too loads under any data-parallel degree), the step and the RNG
+state. A file `COMPLETE` is written into the folder only after every rank's data and DCP's
+metadata are on disk; folders without it are never loaded and never count towards
+`keep_latest_k`, so an interrupted save cannot replace the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from components.config import Checkpoint
+
+logger = logging.getLogger("weft")
+
+COMPLETE = "COMPLETE"
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message is one line naming the folder and why."""
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a complete checkpoint under root, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = _STEP_FOLDER.match(child.name)
+        if match and (child / COMPLETE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def check_model_shapes(folder: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose model tensors do not have this model's names and shapes."""
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
+        raise CheckpointError(f"checkpoint {folder}: cannot read its metadata ({type(e).__name__}: {e})") from None
+    saved = {key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.")}
+    for name, param in model.named_parameters():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {folder} has no tensor for parameter {name}: is it another model?")
+        shape = tuple(getattr(saved[name], "size", ()))
+        if shape != tuple(param.shape):
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} has shape {list(shape)}, the model expects {list(param.shape)}"
+            )
+
+
+class Checkpointer:
+    """Saves every `interval` steps, loads the latest complete checkpoint on start."""
+
+    def __init__(self, cfg: Checkpoint, dump_folder: Path, *, model, optimizer, scheduler, dataloader):
+        self.cfg = cfg
+        self.root = dump_folder / cfg.folder
+        self.model, self.optimizer, self.scheduler, self.dataloader = model, optimizer, scheduler, dataloader
+        self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
+        self._pending: tuple[int, Future] | None = None
+        # Asynchronous saves run their collectives from a background thread; give them a gloo
+        # group of their own so they never interleave with training's NCCL collectives.
+        self._async_group = None
+        if cfg.async_mode == "async" and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+
+    # -- what is saved ----------------------------------------------------------------------
+
+    def _state(self, step: int, model_only: bool = False) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if model_only:
+            return state
+        state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        state["lr_scheduler"] = self.scheduler.state_dict()
+        state["dataloader"] = self.dataloader.state_dict()
+        state["train_state"] = {"step": step, "rng": torch.get_rng_state()}
+        return state
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+    def save(self, step: int, *, model_only: bool = False, blocking: bool = False) -> None:
+        """Save the state after `step`; asynchronously if configured and not `blocking`."""
+        self.finish_pending(wait=True)  # one save in flight at a time
+        folder = step_folder(self.root, step)
+        if self.is_writer:
+            if folder.exists():  # a leftover of an interrupted save of this same step
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()
+        state = self._state(step, model_only)
+        if self.cfg.async_mode == "async" and not blocking:
+            future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
+            self._pending = (step, future)
+            logger.info(f"checkpoint: saving step {step} in the background to {folder}")
+        else:
+            dcp.save(state, checkpoint_id=str(folder))
+            self._mark_complete(step)
+
+    def finish_pending(self, wait: bool) -> None:
+        """Mark a finished background save complete (waiting for it if `wait`)."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        if not wait and not future.done():
+            return
+        future.result()
+        self._pending = None
+        self._mark_complete(step)
+
+    def _mark_complete(self, step: int) -> None:
+        folder = step_folder(self.root, step)
+        if self.is_writer:
+            # dcp.save returns on the coordinator only after every rank's files and the metadata
+            # are written; the marker is written last, by rename, so it is never half there.
+            marker = folder / f".{COMPLETE}.tmp"
+            marker.write_text(f"step {step}\n")
+            marker.rename(folder / COMPLETE)
+            logger.info(f"checkpoint: step {step} saved to {folder}")
+            self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest keep_latest_k complete checkpoints (0 keeps all); drop stale partial ones."""
+        steps = complete_steps(self.root)
+        if self.cfg.keep_latest_k > 0:
+            for old in steps[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
+        newest = steps[-1] if steps else -1
+        for child in self.root.iterdir():
+            match = _STEP_FOLDER.match(child.name)
+            if match and int(match.group(1)) < newest and not (child / COMPLETE).exists():
+                shutil.rmtree(child, ignore_errors=True)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def resume_step(self) -> int | None:
+        """The step to resume from: checkpoint.load_step if set, else the latest complete one."""
+        steps = complete_steps(self.root)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError(
+                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
+                    f"{step_folder(self.root, self.cfg.load_step)} (complete: {steps or 'none'})"
+                )
+            return self.cfg.load_step
+        return steps[-1] if steps else None
+
+    def load(self, step: int) -> None:
+        """Load the full training state saved after `step` into the live objects, in any layout."""
+        folder = step_folder(self.root, step)
+        check_model_shapes(folder, self.model)
+        state = self._state(step=0)
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as e:  # noqa: BLE001 - report any unreadable checkpoint in one line
+            raise CheckpointError(f"checkpoint {folder}: cannot load it ({type(e).__name__}: {e})") from None
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.dataloader.load_state_dict(state["dataloader"])
+        torch.set_rng_state(state["train_state"]["rng"])
+        if state["train_state"]["step"] != step:
+            raise CheckpointError(f"checkpoint {folder} holds step {state['train_state']['step']}, not {step}")
+        logger.info(f"checkpoint: resumed from step {step} ({folder})")
+
+    def close(self) -> None:
+        self.finish_pending(wait=True)
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint)."""
+    if not (folder / COMPLETE).is_file():
+        raise CheckpointError(f"checkpoint.initial_load_path: {folder} is not a complete checkpoint (no {COMPLETE})")
+    check_model_shapes(folder, model)
+    state = {"model": get_model_state_dict(model)}
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {folder}: cannot load it ({type(e).__name__}: {e})") from None
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

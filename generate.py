@@ -1,0 +1,154 @@
+"""Sample text from a trained weft model: a DCP checkpoint step folder or a Hugging Face folder.
+
+    python generate.py --checkpoint outputs/checkpoint/step-1000 --flavor debugmodel --prompt "ROMEO:"
+    python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
+
+One process, one device (CUDA if available, else the CPU). Every step runs the full forward
+over the whole context: no KV cache, which keeps the loop obviously correct and is fast enough
+for small models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from components.data import DataError, Tokenizer
+from components.hf import (
+    ConversionError,
+    load_hf_into_model,
+    model_args_from_hf_config,
+    model_tensor_metadata,
+    read_hf_config,
+    require_complete_checkpoint,
+)
+from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+
+
+def load_checkpoint(model: Transformer, checkpoint_dir: str | Path, expected_by: str = "the model") -> None:
+    """Load the model tensors of a complete DCP checkpoint (full or model-only) into `model`."""
+    folder = require_complete_checkpoint(checkpoint_dir)
+    model_tensor_metadata(folder, model.args, expected_by)  # names and shapes, before reading anything
+    # Parameters only: a tied output projection is the embedding, listed once.
+    weights = {name: param.detach() for name, param in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": weights}, checkpoint_id=str(folder), no_dist=True)  # in place
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
+    """Greedy when temperature is 0, else a draw from softmax(logits / temperature) over the top_k."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float().cpu() / temperature
+    candidates = torch.arange(logits.numel())
+    if top_k is not None and top_k < logits.numel():
+        logits, candidates = logits.topk(top_k)
+    return int(candidates[torch.multinomial(logits.softmax(-1), 1, generator=generator)])
+
+
+@torch.inference_mode()
+def sample(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    eos_id: int | None = None,
+) -> list[int]:
+    """Continue `prompt_ids` by up to max_new_tokens tokens; return the new tokens only.
+
+    temperature 0 picks the most likely token (greedy); otherwise tokens are drawn from the
+    softmax of logits / temperature, restricted to the top_k most likely (None: all), with
+    `generator` (a CPU generator) for reproducible draws. Stops after `eos_id` if given. The
+    context is the last max_seq_len tokens.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    model.eval()
+    device = next(model.parameters()).device
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-model.args.max_seq_len:]], device=device)
+        token = _next_token(model(context)[0, -1], temperature, top_k, generator)
+        ids.append(token)
+        if token == eos_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _OneLineParser(prog="generate.py", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="DCP checkpoint step folder, e.g. outputs/checkpoint/step-1000")
+    source.add_argument("--hf", help="Hugging Face LlamaForCausalLM folder (config.json + safetensors)")
+    parser.add_argument("--flavor", default="debugmodel", choices=list(LLAMA_FLAVORS),
+                        help="model flavor of --checkpoint (a --hf folder brings its own config)")
+    parser.add_argument("--tokenizer", default="assets/tokenizer/shakespeare.model", help="SentencePiece model file")
+    parser.add_argument("--prompt", default="", help="text to continue (after the BOS token)")
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    opts = parser.parse_args(argv)
+    if opts.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {opts.max_new_tokens}")
+    if opts.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {opts.temperature}")
+    if opts.top_k is not None and opts.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {opts.top_k}")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point; prints the prompt and its continuation."""
+    opts = _parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        tokenizer = Tokenizer(opts.tokenizer)
+        if opts.hf is not None:
+            args: ModelArgs = model_args_from_hf_config(read_hf_config(opts.hf))
+        else:
+            require_complete_checkpoint(opts.checkpoint)  # before building the model
+            args = LLAMA_FLAVORS[opts.flavor]
+        if tokenizer.vocab_size > args.vocab_size:
+            raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
+                            f"({args.vocab_size})")
+        with torch.device(device):
+            model = Transformer(args)
+        if opts.hf is not None:
+            load_hf_into_model(model, opts.hf)
+        else:
+            load_checkpoint(model, opts.checkpoint, f"flavor {opts.flavor}")
+    except (ConversionError, DataError) as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+
+    prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
+    generator = torch.Generator().manual_seed(opts.seed)
+    new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator,
+                     eos_id=tokenizer.eos_id)
+    print(tokenizer.decode(prompt_ids + new_ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
