@@ -10,6 +10,7 @@ the defaults of each model size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_f
 from components.distributed import (
     Preemption,
     all_reduce_mean,
+    collective_backend,
     init_distributed,
     launched_world_size,
     set_determinism,
@@ -33,7 +35,7 @@ from components.distributed import (
 from components.metrics import MetricsLogger, StepStats, count_parameters, flops_per_token, setup_logging
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from float8 import apply_float8, check_float8_support, float8_tp_all_gather, precompute_float8_scales
-from models.llama import LLAMA_FLAVORS, Transformer
+from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.cp import apply_cp, shard_sequence
@@ -54,40 +56,8 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 1. Check everything the user can get wrong before any process group, file or tensor
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
-    model_args = LLAMA_FLAVORS[cfg.model.flavor]
-    if cfg.training.seq_len > model_args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {model_args.max_seq_len} "
-            f"of model flavor {cfg.model.flavor}"
-        )
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=launched_world_size()
-    )
-    dims.check_model(n_heads=model_args.n_heads, n_kv_heads=model_args.kv_heads, seq_len=cfg.training.seq_len,
-                     tie_embeddings=model_args.tie_embeddings)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    if tokenizer.vocab_size > model_args.vocab_size:
-        raise DataError(
-            f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than "
-            f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
-        )
-    data_files = find_text_files(cfg.data.dataset_path)
-    check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
-    f8 = cfg.float8
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = None if dims.world_size == 1 else ("nccl" if device_type == "cuda" else "gloo")
-    float8_warnings = []
-    if f8.enable:
-        try:
-            float8_warnings = check_float8_support(
-                device_type, backend, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-                precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp, tp_degree=dims.tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if cfg.checkpoint.create_seed_checkpoint and dims.world_size > 1:
-        raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
-                          f"not {dims.world_size}")
+    model_args, dims, tokenizer, data_files, float8_warnings = check_inputs(cfg)
+    p, f8 = cfg.parallelism, cfg.float8
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
     device = init_distributed()
@@ -132,8 +102,8 @@ def train(cfg: JobConfig) -> list[float]:
                      enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather, min_dim=f8.min_dim)
         plan.append(f"float8 ({f8.recipe}): linear layers of at least {f8.min_dim} features, except {f8.filter_fqns}")
     if dims.tp > 1:
-        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel,
-                 float8_all_gather=f8.enable and float8_tp_all_gather(device.type, backend, f8.recipe))
+        float8_all_gather = f8.enable and float8_tp_all_gather(device.type, collective_backend(device.type), f8.recipe)
+        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel, float8_all_gather=float8_all_gather)
         plan.append(f"tp {dims.tp}: blocks' attention and feed-forward split by heads / hidden, "
                     f"sequence-parallel norms, vocab-split embedding and output (loss_parallel={p.loss_parallel})")
     if dims.cp > 1:
@@ -142,7 +112,8 @@ def train(cfg: JobConfig) -> list[float]:
     ac = cfg.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_option)
     if ac.mode != "none":
-        plan.append(f"activation checkpointing: {ac.mode}" + (f" ({ac.selective_option})" if ac.mode == "selective" else ""))
+        option = f" ({ac.selective_option})" if ac.mode == "selective" else ""
+        plan.append(f"activation checkpointing: {ac.mode}{option}")
     if cfg.compile.enable:
         apply_compile(model)
         plan.append("compile: each transformer block")
@@ -214,9 +185,12 @@ def train(cfg: JobConfig) -> list[float]:
     # 9. The loop. The loss of each rank is the mean over its tokens; gradients are averaged
     #    over data-parallel and context-parallel ranks, so together they follow the global mean.
     loss_group = meshes.dp_cp.get_group() if meshes else None
-    use_loss_parallel = dims.tp > 1 and p.loss_parallel
-    # On a single GPU there is no FSDP to run the forward in bf16; autocast does it instead.
-    autocast = device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32"
+    # With loss parallel, the loss and its backward must run where DTensor knows the logits are
+    # vocabulary-sharded. On a single GPU there is no FSDP to compute in bf16: autocast does.
+    loss_context = loss_parallel if dims.tp > 1 and p.loss_parallel else contextlib.nullcontext
+    forward_context = contextlib.nullcontext
+    if device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32":
+        forward_context = functools.partial(torch.autocast, device.type, DTYPES[cfg.training.mixed_precision_param])
     accumulation = cfg.training.gradient_accumulation_steps
     metrics = MetricsLogger(
         device=device,
@@ -238,8 +212,8 @@ def train(cfg: JobConfig) -> list[float]:
             positions = None
             if dims.cp > 1:
                 (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
-            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-                with torch.autocast(device.type, DTYPES[cfg.training.mixed_precision_param]) if autocast else contextlib.nullcontext():
+            with loss_context():
+                with forward_context():
                     logits = model(inputs, positions)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accumulation
                 loss.backward()
@@ -252,7 +226,8 @@ def train(cfg: JobConfig) -> list[float]:
         metrics.step_done()
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
-            stats = StepStats(step, all_reduce_mean(step_loss, loss_group), grad_norm.item(), scheduler.get_last_lr()[0])
+            loss_value = all_reduce_mean(step_loss, loss_group)
+            stats = StepStats(step, loss_value, grad_norm.item(), scheduler.get_last_lr()[0])
             metrics.log(stats)
             history.append(stats.loss)
 
@@ -272,6 +247,50 @@ def train(cfg: JobConfig) -> list[float]:
     metrics.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
+
+
+def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, list[Path], list[str]]:
+    """Every check that needs no process group: model size, layout, tokenizer, data, dump folder,
+    float8 support. Returns what they resolved, and float8 warnings to log."""
+    model_args = LLAMA_FLAVORS[cfg.model.flavor]
+    if cfg.training.seq_len > model_args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {model_args.max_seq_len} "
+            f"of model flavor {cfg.model.flavor}"
+        )
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=launched_world_size()
+    )
+    dims.check_model(n_heads=model_args.n_heads, n_kv_heads=model_args.kv_heads, seq_len=cfg.training.seq_len,
+                     tie_embeddings=model_args.tie_embeddings)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    if tokenizer.vocab_size > model_args.vocab_size:
+        raise DataError(
+            f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than "
+            f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
+        )
+    data_files = find_text_files(cfg.data.dataset_path)
+    check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+    f8 = cfg.float8
+    float8_warnings = []
+    if f8.enable:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            float8_warnings = check_float8_support(
+                device_type,
+                collective_backend(device_type) if dims.world_size > 1 else None,
+                recipe=f8.recipe,
+                enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+                precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp,
+                tp_degree=dims.tp,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.checkpoint.create_seed_checkpoint and dims.world_size > 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
+                          f"not {dims.world_size}")
+    return model_args, dims, tokenizer, data_files, float8_warnings
 
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:

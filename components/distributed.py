@@ -15,6 +15,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def collective_backend(device_type: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def init_distributed(timeout_s: float = 600.0) -> torch.device:
     """Choose this process's device (its local GPU if there is one, else the CPU) and, under
     torchrun, join the default process group: NCCL on GPUs, gloo on CPU. Reuses a group that
@@ -25,8 +30,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     else:
         device = torch.device("cpu")
     if launched_world_size() > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(collective_backend(device.type), timeout=timedelta(seconds=timeout_s))
     return device
 
 
