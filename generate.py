@@ -12,33 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
-from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
+from components.checkpoint import CheckpointError, load_model_weights, require_complete_checkpoint
 from components.data import DataError, Tokenizer
-from components.hf import (
-    ConversionError,
-    load_hf_into_model,
-    model_args_from_hf_config,
-    model_tensor_metadata,
-    read_hf_config,
-    require_complete_checkpoint,
-)
+from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-
-
-def load_checkpoint(model: Transformer, checkpoint_dir: str | Path, expected_by: str = "the model") -> None:
-    """Load the model tensors of a complete DCP checkpoint (full or model-only) into `model`."""
-    folder = require_complete_checkpoint(checkpoint_dir)
-    model_tensor_metadata(folder, model.args, expected_by)  # names and shapes, before reading anything
-    # Parameters only: a tied output projection is the embedding, listed once.
-    weights = {name: param.detach() for name, param in model.named_parameters()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": weights}, checkpoint_id=str(folder), no_dist=True)  # in place
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
@@ -137,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.hf is not None:
             load_hf_into_model(model, opts.hf)
         else:
-            load_checkpoint(model, opts.checkpoint, f"flavor {opts.flavor}")
-    except (ConversionError, DataError) as e:
+            load_model_weights(model, opts.checkpoint)
+    except (CheckpointError, DataError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
 

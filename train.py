@@ -21,8 +21,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
-from components.checkpoint import CheckpointError, Checkpointer, load_model_weights
-from components.config import ConfigError, JobConfig, check_dump_folder, parse_args, to_toml
+from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
+from components.config import (
+    ConfigError,
+    JobConfig,
+    check_dump_folder,
+    parse_args,
+    to_toml,
+)
 from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_files
 from components.distributed import (
     Preemption,
@@ -32,9 +38,21 @@ from components.distributed import (
     launched_world_size,
     set_determinism,
 )
-from components.metrics import MetricsLogger, StepStats, count_parameters, flops_per_token, setup_logging
+from components.hf import load_hf_into_model
+from components.metrics import (
+    MetricsLogger,
+    StepStats,
+    count_parameters,
+    flops_per_token,
+    setup_logging,
+)
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from float8 import apply_float8, check_float8_support, float8_tp_all_gather, precompute_float8_scales
+from float8 import (
+    apply_float8,
+    check_float8_support,
+    float8_tp_all_gather,
+    precompute_float8_scales,
+)
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile
@@ -295,15 +313,13 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json)."""
-    if (path / "config.json").is_file():
-        from components.hf import load_hf_into_model
-
-        try:
+    try:
+        if (path / "config.json").is_file():
             load_hf_into_model(model, path)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
-    else:
-        load_model_weights(model, path)
+        else:
+            load_model_weights(model, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
     logger.info(f"weights loaded from {path}")
 
 

@@ -12,6 +12,7 @@ metadata are on disk; folders without it are never loaded and never count toward
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from concurrent.futures import Future
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from components.config import Checkpoint
+from models.llama import ModelArgs, Transformer
 
 logger = logging.getLogger("weft")
 
@@ -57,22 +60,63 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def check_model_shapes(folder: Path, model: torch.nn.Module) -> None:
-    """Refuse a checkpoint whose model tensors do not have this model's names and shapes."""
+def listing(names: list[str], limit: int = 4) -> str:
+    """'a, b, c' (at most `limit` names, then how many more), for one-line errors."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def require_complete_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
+    """The DCP step folder as a Path, if it exists and its save finished (it holds COMPLETE)."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint folder at {folder}")
+    if not (folder / COMPLETE).is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {COMPLETE} file: its save did not finish")
+    return folder
+
+
+def _expected_shapes(args: ModelArgs) -> tuple[dict[str, torch.Size], set[str]]:
+    """(shape of each distinct parameter, every model state-dict name) of a Transformer(args)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: p.shape for name, p in model.named_parameters()}, set(model.state_dict())
+
+
+def model_tensor_metadata(
+    checkpoint_dir: str | os.PathLike, args: ModelArgs, expected_by: str = "the model"
+) -> dict[str, TensorStorageMetadata]:
+    """DCP metadata (global shape, dtype) of each parameter of a Transformer(args), by weft name,
+    after checking that the checkpoint holds exactly that model's tensors with its shapes.
+
+    With tied embeddings only `tok_embeddings.weight` is returned (a saved `output.weight` is
+    the same tensor). `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
+    """
+    folder = Path(checkpoint_dir)
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
-        raise CheckpointError(f"checkpoint {folder}: cannot read its metadata ({type(e).__name__}: {e})") from None
-    saved = {key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.")}
-    for name, param in model.named_parameters():
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {folder} has no tensor for parameter {name}: is it another model?")
-        shape = tuple(getattr(saved[name], "size", ()))
-        if shape != tuple(param.shape):
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported in one line
+        raise CheckpointError(f"checkpoint {folder}: cannot read its DCP metadata ({type(e).__name__}: {e})") from None
+    saved = {
+        key.removeprefix("model."): meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    shapes, state_names = _expected_shapes(args)
+    for name, shape in shapes.items():
+        if name in saved and saved[name].size != shape:
             raise CheckpointError(
-                f"checkpoint {folder}: {name} has shape {list(shape)}, the model expects {list(param.shape)}"
+                f"checkpoint {folder}: model.{name} has shape {list(saved[name].size)}, "
+                f"{expected_by} expects {list(shape)}"
             )
+    missing = [name for name in shapes if name not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} lacks model tensors of {expected_by}: {listing(missing)}")
+    extra = sorted(set(saved) - state_names)
+    if extra:
+        raise CheckpointError(f"checkpoint {folder} has model tensors not in {expected_by}: {listing(extra)}")
+    return {name: saved[name] for name in shapes}
+
 
 
 class Checkpointer:
@@ -177,7 +221,7 @@ class Checkpointer:
     def load(self, step: int) -> None:
         """Load the full training state saved after `step` into the live objects, in any layout."""
         folder = step_folder(self.root, step)
-        check_model_shapes(folder, self.model)
+        model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
         state = self._state(step=0)
         try:
             dcp.load(state, checkpoint_id=str(folder))
@@ -196,14 +240,14 @@ class Checkpointer:
         self.finish_pending(wait=True)
 
 
-def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint)."""
-    if not (folder / COMPLETE).is_file():
-        raise CheckpointError(f"checkpoint.initial_load_path: {folder} is not a complete checkpoint (no {COMPLETE})")
-    check_model_shapes(folder, model)
+def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
+    """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint), into
+    a model of any layout: DCP reshards them."""
+    folder = require_complete_checkpoint(checkpoint_dir)
+    model_tensor_metadata(folder, model.args)
     state = {"model": get_model_state_dict(model)}
     try:
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {folder}: cannot load it ({type(e).__name__}: {e})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

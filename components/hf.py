@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor.experimental import implicit_replication
 
+from components.checkpoint import CheckpointError, listing, model_tensor_metadata, require_complete_checkpoint
 from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 
 __all__ = [
@@ -45,22 +46,19 @@ __all__ = [
     "hf_to_weft_name",
     "load_hf_into_model",
     "model_args_from_hf_config",
-    "model_tensor_metadata",
     "permute_for_hf",
     "read_hf_config",
-    "require_complete_checkpoint",
     "to_hf_tensor",
     "unpermute_from_hf",
     "weft_to_hf_name",
 ]
 
-COMPLETE = "COMPLETE"  # written into a DCP step folder once its save has finished
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class ConversionError(ValueError):
+class ConversionError(CheckpointError):
     """A checkpoint or Hugging Face folder that cannot be converted; the message is one line
     naming the path and what is wrong."""
 
@@ -280,64 +278,6 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
 # ---------------------------------------------------------------------------------------------
 
 
-def _listing(names: list[str], limit: int = 4) -> str:
-    """'a, b, c' (at most `limit` names, then how many more), for one-line errors."""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def require_complete_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
-    """The DCP step folder as a Path, if it exists and its save finished (it holds COMPLETE)."""
-    folder = Path(checkpoint_dir)
-    if not folder.is_dir():
-        raise ConversionError(f"no checkpoint folder at {folder}")
-    if not (folder / COMPLETE).is_file():
-        raise ConversionError(f"checkpoint {folder} has no {COMPLETE} file: its save did not finish")
-    return folder
-
-
-def _expected_shapes(args: ModelArgs) -> tuple[dict[str, torch.Size], set[str]]:
-    """(shape of each distinct parameter, every model state-dict name) of a Transformer(args)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {name: p.shape for name, p in model.named_parameters()}, set(model.state_dict())
-
-
-def model_tensor_metadata(
-    checkpoint_dir: str | os.PathLike, args: ModelArgs, expected_by: str = "the model"
-) -> dict[str, TensorStorageMetadata]:
-    """DCP metadata (global shape, dtype) of each parameter of a Transformer(args), by weft name,
-    after checking that the checkpoint holds exactly that model's tensors with its shapes.
-
-    With tied embeddings only `tok_embeddings.weight` is returned (a saved `output.weight` is
-    the same tensor). `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
-    """
-    folder = Path(checkpoint_dir)
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported in one line
-        raise ConversionError(f"checkpoint {folder}: cannot read its DCP metadata ({type(e).__name__}: {e})") from None
-    saved = {
-        key.removeprefix("model."): meta
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    shapes, state_names = _expected_shapes(args)
-    for name, shape in shapes.items():
-        if name in saved and saved[name].size != shape:
-            raise ConversionError(
-                f"checkpoint {folder}: model.{name} has shape {list(saved[name].size)}, "
-                f"{expected_by} expects {list(shape)}"
-            )
-    missing = [name for name in shapes if name not in saved]
-    if missing:
-        raise ConversionError(f"checkpoint {folder} lacks model tensors of {expected_by}: {_listing(missing)}")
-    extra = sorted(set(saved) - state_names)
-    if extra:
-        raise ConversionError(f"checkpoint {folder} has model tensors not in {expected_by}: {_listing(extra)}")
-    return {name: saved[name] for name in shapes}
-
-
 def _read_dcp_tensor(folder: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
     """The full tensor model.<name>, read alone. DCP assembles it from however it was sharded
     when saved; `no_dist` reads it in this process only, with or without a process group."""
@@ -483,7 +423,7 @@ def load_hf_into_model(model: Transformer, hf_dir: str | os.PathLike) -> None:
     hf_names = {name: weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:
-        raise ConversionError(f"HF folder {folder} lacks tensors {_listing(missing)}")
+        raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
@@ -532,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.dtype],
             max_shard_bytes=int(opts.max_shard_gb * 2**30),
         )
-    except ConversionError as e:
+    except CheckpointError as e:  # ConversionError included
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"exported {opts.checkpoint} ({opts.flavor}, {opts.dtype}) to {opts.out}")

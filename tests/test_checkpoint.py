@@ -197,7 +197,7 @@ def test_corrupt_checkpoint(tmp_path):
     run(args(tmp_path, "single", "--training.steps", "5"))
     (tmp_path / "checkpoint" / "step-5" / ".metadata").write_bytes(b"garbage")
     before = snapshot(tmp_path)
-    with pytest.raises(CheckpointError, match=r"checkpoint .*step-5: cannot read its metadata"):
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-5: cannot read its DCP metadata"):
         run(args(tmp_path))
     assert snapshot(tmp_path) == before
 
@@ -218,7 +218,7 @@ def test_checkpoint_of_another_model_shape(tmp_path, monkeypatch):
 
 def test_incomplete_initial_checkpoint(tmp_path):
     (tmp_path / "half" / "step-3").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"^checkpoint.initial_load_path: checkpoint .*step-3 has no COMPLETE"):
         run(args(tmp_path / "run", "single", "--checkpoint.initial_load_path", str(tmp_path / "half" / "step-3")))
 
 

@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from components.data import Tokenizer
 from components.hf import export_to_hf
-from generate import load_checkpoint, main, sample
+from components.checkpoint import load_model_weights
+from generate import main, sample
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -70,7 +71,7 @@ def test_load_checkpoint_restores_weights(tmp_path, model):
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
     (tmp_path / "COMPLETE").write_text("done\n")
     fresh = Transformer(TINY)
-    load_checkpoint(fresh, tmp_path)
+    load_model_weights(fresh, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
 
 

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from components.checkpoint import CheckpointError
 from components.hf import (
     ConversionError,
     export_to_hf,
@@ -306,21 +307,21 @@ def test_transformers_logits_match(tmp_path, args):
 
 def test_export_refuses_unfinished_or_missing_checkpoint(tmp_path, tiny_export):
     save_checkpoint(tiny_export[0], tmp_path / "step-1", complete=False)
-    with pytest.raises(ConversionError, match=r"checkpoint .*step-1 has no COMPLETE file"):
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-1 has no COMPLETE file"):
         export_to_hf(tmp_path / "step-1", tmp_path / "hf", model_args=TINY)
-    with pytest.raises(ConversionError, match=r"no checkpoint folder at .*step-2"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint folder at .*step-2"):
         export_to_hf(tmp_path / "step-2", tmp_path / "hf", model_args=TINY)
     assert not (tmp_path / "hf").exists()
 
 
 def test_export_refuses_other_shapes(tmp_path, tiny_export):
     save_checkpoint(tiny_export[0], tmp_path / "step-1")
-    with pytest.raises(ConversionError, match=r"model\.tok_embeddings\.weight has shape \[128, 64\], "
+    with pytest.raises(CheckpointError, match=r"model\.tok_embeddings\.weight has shape \[128, 64\], "
                                               r"model_args expects \[256, 64\]"):
         export_to_hf(tmp_path / "step-1", tmp_path / "hf", model_args=replace(TINY, vocab_size=256))
-    with pytest.raises(ConversionError, match=r"flavor debugmodel expects \[2048, 256\]"):
+    with pytest.raises(CheckpointError, match=r"flavor debugmodel expects \[2048, 256\]"):
         export_to_hf(tmp_path / "step-1", tmp_path / "hf", flavor="debugmodel")
-    with pytest.raises(ConversionError, match=r"has model tensors not in model_args: layers\.1\."):
+    with pytest.raises(CheckpointError, match=r"has model tensors not in model_args: layers\.1\."):
         export_to_hf(tmp_path / "step-1", tmp_path / "hf", model_args=replace(TINY, n_layers=1))
     assert not (tmp_path / "hf").exists()
 

@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from components.metrics import count_parameters, device_peak_flops, flops_per_token
