@@ -328,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         train(cfg)
     except USER_ERRORS as e:
-        print(f"weft: error: {e}", file=sys.stderr)
+        # One write, newline included: under torchrun every rank reports at once into one stream,
+        # and separate writes of message and newline (unbuffered stderr) would interleave.
+        sys.stderr.write(f"weft: error: {e}\n")
+        sys.stderr.flush()
         return 2
     finally:
         if torch.distributed.is_initialized():
