@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
@@ -58,6 +57,7 @@ from parallelisms.ac import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.cp import apply_cp, shard_sequence
 from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.tp import apply_tp
 
@@ -152,11 +152,9 @@ def train(cfg: JobConfig) -> list[float]:
         plan.append(f"ddp over {dims.dp_replicate} replicas")
 
     # 6. Materialise on the device and initialise. Each parameter is drawn whole and every rank
-    #    keeps its slice (implicit_replication lets the full draw be copied into a DTensor shard),
-    #    so the weights equal a single-device run's with the same seed, whatever the layout.
-    model.to_empty(device=device)
-    with implicit_replication():
-        model.init_weights(seed=cfg.training.seed)
+    #    keeps its slice (parallelisms/materialize.py), so the weights equal a single-device
+    #    run's with the same seed, whatever the layout.
+    materialize(model, device, cfg.training.seed)
     model.train()
 
     optimizer = build_optimizer(model, cfg.optimizer)

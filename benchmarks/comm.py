@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.distributed.tensor.experimental import implicit_replication  # noqa: E402
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -46,6 +45,7 @@ from components.distributed import all_reduce_mean  # noqa: E402
 from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
 from parallelisms.fsdp import apply_fsdp  # noqa: E402
+from parallelisms.materialize import materialize  # noqa: E402
 from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
 from parallelisms.tp import apply_tp  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -194,9 +194,7 @@ def build_model(layout: Layout, meshes: Meshes, args: ModelArgs) -> Transformer:
             reduce_dtype=torch.float32,
             reshard_after_forward=layout.reshard_after_forward,
         )
-    model.to_empty(device="cpu")
-    with implicit_replication():
-        model.init_weights(seed=0)
+    materialize(model, "cpu", seed=0)
     model.train()
     return model
 

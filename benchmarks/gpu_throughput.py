@@ -43,13 +43,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.experimental import implicit_replication
 
 from components.metrics import count_parameters, device_peak_flops, flops_per_token, peak_memory_gib, setup_logging
 from float8 import DEFAULT_MIN_DIM, apply_float8, check_float8_support
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from parallelisms.compile import apply_compile
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.materialize import materialize
 
 CONFIGS = ("bf16_eager", "bf16_compile", "float8_tensorwise_compile", "float8_rowwise_compile", "hf_compile")
 
@@ -109,9 +109,7 @@ def build_weft(model_args: ModelArgs, mesh: DeviceMesh, *, compile: bool, float8
     if compile:
         apply_compile(model)
     apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model.to_empty(device=mesh.device_type)  # on CUDA: the current device
-    with implicit_replication():  # the full draw of each weight is copied into its (whole) shard
-        model.init_weights(seed=0)
+    materialize(model, mesh.device_type, seed=0)  # on CUDA: the current device
     return model
 
 

@@ -118,7 +118,6 @@ def model_tensor_metadata(
     return {name: saved[name] for name in shapes}
 
 
-
 class Checkpointer:
     """Saves every `interval` steps, loads the latest complete checkpoint on start."""
 

@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             opts.checkpoint,
             opts.out,
             flavor=opts.flavor,
-            dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[opts.dtype],
+            dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[opts.dtype],
             max_shard_bytes=int(opts.max_shard_gb * 2**30),
         )
     except CheckpointError as e:  # ConversionError included

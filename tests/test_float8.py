@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.experimental import implicit_replication
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import (
@@ -38,6 +37,7 @@ from float8 import (
 )
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.materialize import materialize
 from parallelisms.tp import apply_tp
 from tests.dist_utils import run_distributed
 
@@ -200,9 +200,7 @@ def build(float8: str | None, *, tp_mesh=None, float8_tp: bool = False) -> Trans
     if tp_mesh is not None:
         tp_options = {"float8_all_gather": True} if float8_tp else {}
         apply_tp(model, tp_mesh, loss_parallel=False, **tp_options)
-    model.to_empty(device="cpu")
-    with implicit_replication():  # lets each DTensor shard take its slice of the full draw
-        model.init_weights(seed=0)
+    materialize(model, "cpu", seed=0)
     return model
 
 
@@ -294,9 +292,7 @@ def test_precompute_float8_scales_sets_every_fsdp_weight_scale():
     apply_float8(model, enable_fsdp_float8_all_gather=True, min_dim=16)
     with one_rank_gloo_group():
         apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        with implicit_replication():
-            model.init_weights(seed=0)
+        materialize(model, "cpu", seed=0)
         precompute_float8_scales(model)
         for name in converted_modules(model):
             weight = model.get_submodule(name).weight

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.materialize import materialize
 from tests.dist_utils import run_distributed
 
 
@@ -25,9 +25,7 @@ def sharded_training_state_bytes() -> tuple[int, int]:
     with torch.device("meta"):
         model = Transformer(LLAMA_FLAVORS["debugmodel"])
     apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with implicit_replication():
-        model.init_weights(seed=0)
+    materialize(model, "cpu", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 2048, (2, 16))).float().mean().backward()
     optimizer.step()

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from components.checkpoint import load_model_weights
 from components.data import Tokenizer
 from components.hf import export_to_hf
-from components.checkpoint import load_model_weights
 from generate import main, sample
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 

@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 from components.checkpoint import CheckpointError
 from components.hf import (
@@ -32,6 +31,7 @@ from components.hf import (
 )
 from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.materialize import materialize
 from parallelisms.tp import apply_tp
 from tests.dist_utils import run_distributed
 
@@ -263,9 +263,7 @@ def save_fsdp_checkpoint(folder: str, seed: int) -> None:
     with torch.device("meta"):
         model = Transformer(TINY)
     apply_fsdp(model, mesh, param_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with implicit_replication():
-        model.init_weights(seed)
+    materialize(model, "cpu", seed)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
     if dist.get_rank() == 0:
         (Path(folder) / "COMPLETE").write_text("done\n")
