@@ -11,12 +11,14 @@ for small models.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 
-from components.checkpoint import CheckpointError, load_model_weights, require_complete_checkpoint
+from components.checkpoint import CheckpointError, load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from components.data import DataError, Tokenizer
+from components.errors import EXIT_USER_ERROR, PREFIX, report_user_error
 from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
@@ -72,7 +74,7 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line, exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,8 +93,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     if opts.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {opts.max_new_tokens}")
-    if opts.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {opts.temperature}")
+    if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
+        parser.error(f"--temperature must be a finite number >= 0, got {opts.temperature}")
+    if not 0 <= opts.seed < 2**63:
+        parser.error(f"--seed must be in [0, 2**63), got {opts.seed}")
     if opts.top_k is not None and opts.top_k < 1:
         parser.error(f"--top-k must be >= 1, got {opts.top_k}")
     return opts
@@ -107,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if opts.hf is not None:
             args: ModelArgs = model_args_from_hf_config(read_hf_config(opts.hf))
         else:
-            require_complete_checkpoint(opts.checkpoint)  # before building the model
+            # Names and shapes before building the model: a flavor larger than the checkpoint
+            # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
             args = LLAMA_FLAVORS[opts.flavor]
+            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), args, f"--flavor {opts.flavor}")
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")
@@ -119,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             load_model_weights(model, opts.checkpoint)
     except (CheckpointError, DataError) as e:
-        print(f"generate.py: error: {e}", file=sys.stderr)
-        return 2
+        return report_user_error(e)
 
     prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     generator = torch.Generator().manual_seed(opts.seed)

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from components.config import Checkpoint
+from components.errors import one_line
 from models.llama import ModelArgs, Transformer
 
 logger = logging.getLogger("weft")
@@ -67,13 +70,55 @@ def listing(names: list[str], limit: int = 4) -> str:
 
 
 def require_complete_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
-    """The DCP step folder as a Path, if it exists and its save finished (it holds COMPLETE)."""
+    """The DCP step folder as a Path, if it exists and its save finished (it holds COMPLETE).
+
+    A checkpoint root (the folder holding step-N folders) is named as such, with the step
+    folder the user most likely meant, rather than reported as an unfinished save."""
     folder = Path(checkpoint_dir)
     if not folder.is_dir():
-        raise CheckpointError(f"no checkpoint folder at {folder}")
+        what = "is a file" if folder.exists() else "does not exist"
+        raise CheckpointError(f"no checkpoint folder at {folder}: it {what}")
     if not (folder / COMPLETE).is_file():
+        steps = complete_steps(folder)
+        if steps:
+            raise CheckpointError(f"{folder} is a checkpoint root, not a step folder; "
+                                  f"name one of its step folders, e.g. {step_folder(folder, steps[-1])}")
+        if any(_STEP_FOLDER.match(child.name) for child in folder.iterdir()):
+            raise CheckpointError(f"{folder} is a checkpoint root whose step folders all lack {COMPLETE} "
+                                  f"(no save finished)")
         raise CheckpointError(f"checkpoint {folder} has no {COMPLETE} file: its save did not finish")
     return folder
+
+
+def checkpoint_failure(folder: Path, action: str, error: BaseException) -> CheckpointError:
+    """One-line CheckpointError for a failed DCP read or write of `folder`.
+
+    DCP wraps the failures of every rank in a CheckpointException (a BaseException, so
+    `except Exception` misses it) whose text is every rank's whole traceback; the user needs
+    only what went wrong first: the exception type and its message, e.g. a truncated file's
+    EOFError or a garbled one's UnpicklingError."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (first, _) = min(error.failures.items())
+        error = first
+    hint = "; is one of its files truncated or corrupt?" if action == "load" else ""
+    return CheckpointError(f"checkpoint {folder}: cannot {action} it "
+                           f"({type(error).__name__}: {one_line(error) or 'no message'}){hint}")
+
+
+def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) -> Any:
+    """`dcp.save` or `dcp.load` (`action` "save" / "load") of `state` at `folder`, with any
+    failure as a one-line CheckpointError.
+
+    Without a process group DCP runs in this process only (`no_dist`), and its warning that it
+    assumes so is silenced: that is exactly the intent of a single-process run."""
+    function = dcp.save if action == "save" else dcp.load
+    kwargs.setdefault("no_dist", not dist.is_initialized())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return function(state, checkpoint_id=str(folder), **kwargs)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported in one line
+        raise checkpoint_failure(folder, action, e) from None
 
 
 def _expected_shapes(args: ModelArgs) -> tuple[dict[str, torch.Size], set[str]]:
@@ -95,8 +140,9 @@ def model_tensor_metadata(
     folder = Path(checkpoint_dir)
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported in one line
-        raise CheckpointError(f"checkpoint {folder}: cannot read its DCP metadata ({type(e).__name__}: {e})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata, in one line
+        raise CheckpointError(f"checkpoint {folder}: cannot read its DCP metadata "
+                              f"({type(e).__name__}: {one_line(e)})") from None
     saved = {
         key.removeprefix("model."): meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -166,7 +212,7 @@ class Checkpointer:
             self._pending = (step, future)
             logger.info(f"checkpoint: saving step {step} in the background to {folder}")
         else:
-            dcp.save(state, checkpoint_id=str(folder))
+            dcp_call("save", state, folder)
             self._mark_complete(step)
 
     def finish_pending(self, wait: bool) -> None:
@@ -176,8 +222,12 @@ class Checkpointer:
         step, future = self._pending
         if not wait and not future.done():
             return
-        future.result()
-        self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported in one line
+            raise checkpoint_failure(step_folder(self.root, step), "save", e) from None
+        finally:
+            self._pending = None
         self._mark_complete(step)
 
     def _mark_complete(self, step: int) -> None:
@@ -222,10 +272,7 @@ class Checkpointer:
         folder = step_folder(self.root, step)
         model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
         state = self._state(step=0)
-        try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # noqa: BLE001 - report any unreadable checkpoint in one line
-            raise CheckpointError(f"checkpoint {folder}: cannot load it ({type(e).__name__}: {e})") from None
+        dcp_call("load", state, folder)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
@@ -245,8 +292,5 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, model.args)
     state = {"model": get_model_state_dict(model)}
-    try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {folder}: cannot load it ({type(e).__name__}: {e})") from None
+    dcp_call("load", state, folder)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

@@ -8,7 +8,9 @@ validates every value before training starts:
 """
 
 import difflib
+import math
 import operator
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields
@@ -58,17 +60,29 @@ def _is_op_or_positive_int(value: str) -> bool:
     return value == "op" or (value.isdecimal() and int(value) > 0)
 
 
+# A path or name that must not be empty: "" would mean the current folder (train on every text
+# file under it, or write outputs into it), which no one means.
+_NOT_EMPTY = (lambda value: value.strip() != "", "a non-empty path or name")
+
+# Tokens one device holds in one micro-batch (local_batch_size x seq_len). 2**24 is far beyond
+# what any model's activations fit in; a larger value is a typo that would otherwise allocate
+# for minutes before failing.
+MAX_MICRO_BATCH_TOKENS = 2**24
+
+
 @dataclass
 class Job:
     config_file: str = opt("", "TOML file: a path, or a bare name found in train_configs/ ('.toml' optional)")
-    dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints")
+    dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints",
+                           check=_NOT_EMPTY)
     description: str = opt("", "Free text shown in the startup summary")
 
 
 @dataclass
 class Model:
     flavor: str = opt("debugmodel", "Model architecture and size", choices=MODEL_FLAVORS)
-    tokenizer_path: str = opt("assets/tokenizer/shakespeare.model", "SentencePiece tokenizer model file")
+    tokenizer_path: str = opt("assets/tokenizer/shakespeare.model", "SentencePiece tokenizer model file",
+                              check=_NOT_EMPTY)
 
 
 @dataclass
@@ -78,7 +92,7 @@ class Training:
     local_batch_size: int = opt(8, "Samples per data-parallel rank per micro-step", min=1)
     gradient_accumulation_steps: int = opt(1, "Micro-steps accumulated per optimizer step", min=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0)
-    seed: int = opt(0, "Random seed for weight initialization and data order", min=0)
+    seed: int = opt(0, "Random seed for weight initialization and data order", min=0, max=2**63 - 1)
     deterministic: bool = opt(False, "Use deterministic algorithms (reproducible, slower)")
     mixed_precision_param: str = opt(
         "bfloat16", "Dtype FSDP computes parameters in", choices=("float32", "bfloat16"))
@@ -121,8 +135,8 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them")
-    text_field: str = opt("text", "Field of each JSONL record that holds the text")
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them", check=_NOT_EMPTY)
+    text_field: str = opt("text", "Field of each JSONL record that holds the text", check=_NOT_EMPTY)
 
 
 @dataclass
@@ -138,7 +152,7 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "Keep only the newest K checkpoints; 0 keeps all", min=0)
     async_mode: str = opt("disabled", "Save in the background while training continues", choices=("disabled", "async"))
     load_step: int = opt(-1, "Step to resume from; -1 loads the latest complete checkpoint", min=-1)
-    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder", check=_NOT_EMPTY)
     initial_load_path: str = opt(
         "", "Weights to start from when dump_folder has no checkpoint: a DCP checkpoint folder or a Hugging Face folder")
     create_seed_checkpoint: bool = opt(
@@ -194,6 +208,7 @@ _METAVAR = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR", list[str]: "A,
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _BOUNDS = (("min", ">=", operator.ge), ("gt", ">", operator.gt), ("max", "<=", operator.le), ("lt", "<", operator.lt))
 _CLI = "<command line>"  # origin of command-line values; TOML values record their file name
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # every integer ends up in a tensor, an RNG seed or a C loop
 
 
 # ---- values: conversion, display, TOML writing ----
@@ -318,12 +333,18 @@ def _resolve_config_file(name: str) -> Path:
         f"job.config_file: {name!r} not found (looked in the current folder and {TRAIN_CONFIGS_DIR})")
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path, label: str | None = None) -> dict[str, Any]:
+    """The TOML file at `path`; errors name it as `label` (default: its file name)."""
+    label = label or path.name
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path.name}: invalid TOML: {' '.join(str(e).splitlines())}") from None
+        raise ConfigError(f"{label}: invalid TOML: {' '.join(str(e).splitlines())}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 text; e.g. a binary file given by mistake
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{label}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          f"is it a TOML file?") from None
     except OSError as e:
         raise ConfigError(f"job.config_file: cannot read {path}: {e.strerror}") from None
 
@@ -356,6 +377,10 @@ def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
         section, key = name.split(".")
         value, meta, origin = getattr(getattr(cfg, section), key), f.metadata, origins.get(name)
         where, got = _where(name, origin), _show(value, origin)
+        if f.type is float and not math.isfinite(value):  # nan compares false with every bound
+            raise ConfigError(f"{where}: must be a finite number, got {got}")
+        if f.type is int and not _INT64_MIN <= value <= _INT64_MAX:
+            raise ConfigError(f"{where}: must fit in 64 bits, got {got}")
         if meta["choices"] is not None and value not in meta["choices"]:
             raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}")
         for bound, symbol, holds in _BOUNDS:
@@ -384,7 +409,23 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         _set(cfg, name, value)
         origins[name] = _CLI
     _validate(cfg, origins)
+    _validate_combinations(cfg, origins)
     return cfg
+
+
+def _validate_combinations(cfg: JobConfig, origins: dict[str, str]) -> None:
+    """Values that are fine alone but not together."""
+    ckpt, training = cfg.checkpoint, cfg.training
+    if ckpt.load_step >= 0 and not ckpt.enable:
+        where = _where("checkpoint.load_step", origins.get("checkpoint.load_step"))
+        raise ConfigError(f"{where} = {ckpt.load_step} needs --checkpoint.enable; without it no checkpoint is loaded")
+    tokens = training.local_batch_size * training.seq_len
+    if tokens > MAX_MICRO_BATCH_TOKENS:
+        where = _where("training.local_batch_size", origins.get("training.local_batch_size"))
+        raise ConfigError(
+            f"{where}: {training.local_batch_size} samples x seq_len {training.seq_len} = {tokens:,} tokens per "
+            f"device and micro-batch, more than {MAX_MICRO_BATCH_TOKENS:,}; lower it (gradient_accumulation_steps "
+            f"grows the batch without the memory)")
 
 
 # Settings that make a run what it is: a dump folder holding a run with other values for these
@@ -394,19 +435,40 @@ RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "da
 
 
 def check_dump_folder(cfg: JobConfig) -> None:
-    """Refuse a dump folder that already holds a run of another configuration."""
-    saved_path = Path(cfg.job.dump_folder) / "config.toml"
+    """Refuse a dump folder that cannot be created or written, or that already holds a run of
+    another configuration."""
+    dump = Path(cfg.job.dump_folder)
+    for above in (dump, *dump.parents):  # the folder itself, or its nearest existing ancestor
+        if above.exists():
+            if not above.is_dir():
+                what = "is a file" if above == dump else f"is below {above}, a file"
+                raise ConfigError(f"job.dump_folder: {dump} {what}; expected a folder")
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise ConfigError(f"job.dump_folder: {above} is not writable")
+            break
+    saved_path = dump / "config.toml"
     if not saved_path.is_file():
         return
-    saved = _read_toml(saved_path)
+    saved = _read_toml(saved_path, label=str(saved_path))
     for key in RUN_IDENTITY:
         section, name = key.split(".")
-        before, now = saved.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        table = saved.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"job.dump_folder: {saved_path} holds [{section}] as {_toml_value_or_repr(table)}, "
+                              f"not a table; it is not a weft run's config")
+        before, now = table.get(name), getattr(getattr(cfg, section), name)
         if before != now:
             raise ConfigError(
                 f"job.dump_folder: {saved_path} is a run with {key} = {before!r}, this run has {now!r}; "
                 f"use another dump folder"
             )
+
+
+def _toml_value_or_repr(value: Any) -> str:
+    try:
+        return _toml_value(value)
+    except TypeError:
+        return repr(value)
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, object]]:

@@ -10,6 +10,7 @@ all ranks, and valid for any split of the same global micro-batch into ranks.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator
@@ -20,6 +21,10 @@ import sentencepiece as spm
 import torch
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+
+# How much of each file check_text_files reads before training: all of a small file, the start
+# of a large one, so the check stays a few seconds even for a corpus of many gigabytes.
+SCAN_BYTES = 64 * 2**10
 
 
 class DataError(ValueError):
@@ -62,6 +67,67 @@ def find_text_files(dataset_path: str) -> list[Path]:
     if not files:
         raise DataError(f"data.dataset_path: no .txt or .jsonl file at or under '{dataset_path}'")
     return files
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    """1-based line number of byte `offset` in `data`."""
+    return data[:offset].count(b"\n") + 1
+
+
+def _decode_utf8(data: bytes, where: str, final: bool) -> str:
+    """`data` as UTF-8 text, or a DataError naming `where`:line. A NUL byte means binary data.
+    With `final` False the data is a prefix, and a character cut at its end is not an error."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{where}:{_line_of(data, nul)}: a NUL byte; this looks like a binary file, not text")
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{where}:{_line_of(data, err.start)}: expected UTF-8 text "
+                        f"(byte {data[err.start]:#04x}: {err.reason})") from None
+
+
+def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
+    """The text of one JSONL line: a JSON object whose `text_field` is a string."""
+    text = _decode_utf8(line, where, final=True)
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise DataError(f"{where}: expected a line of JSON ({err})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise DataError(f"{where}: expected a JSON object with a text field '{text_field}'")
+    return record[text_field]
+
+
+def check_text_files(files: list[Path], text_field: str = "text") -> None:
+    """Check the first SCAN_BYTES of every file before anything is written, so that the common
+    mistakes (a binary file, another encoding, a broken or foreign JSONL record) stop the run
+    at once, naming file:line. Blank JSONL lines are skipped, as the loader skips them.
+
+    Raises DataError also when every file was read whole and no document holds any text (the
+    model would learn only BOS and EOS). Problems beyond the scanned prefix are reported, with
+    file:line, when the loader reaches them.
+    """
+    any_text, read_whole = False, True
+    for path in files:
+        try:
+            with path.open("rb") as f:
+                data = f.read(SCAN_BYTES + 1)
+        except OSError as err:
+            raise DataError(f"data.dataset_path: cannot read {path}: {err.strerror}") from None
+        whole = len(data) <= SCAN_BYTES
+        data, read_whole = data[:SCAN_BYTES], read_whole and whole
+        if path.suffix == ".txt":
+            any_text = any_text or bool(_decode_utf8(data, str(path), final=whole).strip())
+            continue
+        lines = data.split(b"\n")
+        if not whole:
+            lines = lines[:-1]  # the last line may be cut by the prefix
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                any_text = any_text or bool(parse_jsonl_record(line, text_field, f"{path}:{number}").strip())
+    if read_whole and not any_text:
+        raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
 
 
 @dataclass(frozen=True)
@@ -195,11 +261,7 @@ class TokenWindowLoader:
         """The documents of one file, from `start` on."""
         path = self.files[start.file_index]
         if path.suffix == ".txt":
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}: expected UTF-8 text ({err.reason})") from err
-            yield start, text
+            yield start, _decode_utf8(path.read_bytes(), str(path), final=True)
             return
         offset, line_number = start.byte_offset, start.line_number
         with path.open("rb") as f:
@@ -211,15 +273,7 @@ class TokenWindowLoader:
                     yield doc, self._parse_jsonl_line(line, doc)
 
     def _parse_jsonl_line(self, line: bytes, doc: _DocStart) -> str:
-        try:
-            record = json.loads(line)
-        except ValueError as err:
-            raise DataError(f"{self._where(doc)}: expected a line of JSON ({err})") from err
-        if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
-            raise DataError(
-                f"{self._where(doc)}: expected a JSON object with a text field '{self.text_field}'"
-            )
-        return record[self.text_field]
+        return parse_jsonl_record(line, self.text_field, self._where(doc))
 
     def _where(self, doc: _DocStart) -> str:
         path = self.files[doc.file_index]

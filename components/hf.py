@@ -19,23 +19,32 @@ on export, the shard being written) whatever the model size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import math
 import re
+import shutil
 import sys
-import warnings
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor.experimental import implicit_replication
 
-from components.checkpoint import CheckpointError, listing, model_tensor_metadata, require_complete_checkpoint
+from components.checkpoint import (
+    CheckpointError,
+    dcp_call,
+    listing,
+    model_tensor_metadata,
+    require_complete_checkpoint,
+)
+from components.errors import EXIT_USER_ERROR, PREFIX, one_line, report_user_error
 from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 
 __all__ = [
@@ -282,9 +291,7 @@ def _read_dcp_tensor(folder: Path, name: str, meta: TensorStorageMetadata) -> to
     """The full tensor model.<name>, read alone. DCP assembles it from however it was sharded
     when saved; `no_dist` reads it in this process only, with or without a process group."""
     tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({f"model.{name}": tensor}, checkpoint_id=str(folder), no_dist=True)
+    dcp_call("load", {f"model.{name}": tensor}, folder, no_dist=True)
     return tensor
 
 
@@ -333,17 +340,43 @@ def export_to_hf(
         args, expected_by = model_args, "model_args"
     if dtype not in DTYPE_NAMES:
         raise ConversionError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPE_NAMES.values())}")
-    if max_shard_bytes <= 0:
+    if not max_shard_bytes > 0:
         raise ConversionError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(f"output folder {out} exists and is not empty; refusing to overwrite it")
+    _check_output_folder(out)
     stored = model_tensor_metadata(folder, args, expected_by)
 
+    # Written into a hidden sibling and renamed into place at the end: a failed export (a
+    # corrupt tensor file, a full disk) leaves no half-written or empty --out folder behind.
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_hf_folder(folder, partial, stored, args, dtype, max_shard_bytes)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); rename needs the name free
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _check_output_folder(out: Path) -> None:
+    """Refuse an --out that is not a new or empty folder, or whose parent cannot hold one."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"output folder {out} exists and is not empty; refusing to overwrite it")
+    parent = out.parent
+    for above in (parent, *parent.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise ConversionError(f"output folder {out}: {above} is a file, not a folder")
+            break
+    parent.mkdir(parents=True, exist_ok=True)
+
+
+def _write_hf_folder(folder: Path, out: Path, stored: dict[str, TensorStorageMetadata], args: ModelArgs,
+                     dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """The safetensors shards, their index (if several) and config.json, into the existing `out`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards(((name, meta.size.numel() * itemsize) for name, meta in stored.items()), max_shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total_size = 0
     for k, names in enumerate(shards, start=1):
@@ -387,13 +420,28 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     """The safetensors file holding each tensor of a Hugging Face folder, by HF name."""
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: folder / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConversionError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     single = folder / SAFETENSORS
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     raise ConversionError(f"HF folder {folder} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX}")
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """`safe_open(path)`, with a missing, truncated or garbled file (or tensor) as a ConversionError."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ConversionError(f"{path}: cannot read it as safetensors ({type(e).__name__}: {one_line(e)})") from None
 
 
 def load_hf_into_model(model: Transformer, hf_dir: str | os.PathLike) -> None:
@@ -431,7 +479,7 @@ def load_hf_into_model(model: Transformer, hf_dir: str | os.PathLike) -> None:
     with torch.no_grad(), implicit_replication():
         for name, param in params.items():
             hf_name = hf_names[name]
-            with safe_open(str(files[hf_name]), framework="pt") as f:
+            with _open_safetensors(files[hf_name]) as f:
                 full = f.get_tensor(hf_name)
             if full.shape != param.shape:
                 raise ConversionError(
@@ -450,7 +498,7 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line, exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
     opts = parser.parse_args(argv)
+    if not (math.isfinite(opts.max_shard_gb) and opts.max_shard_gb > 0):
+        parser.error(f"--max-shard-gb: expected a positive number, got {opts.max_shard_gb}")
     try:
         export_to_hf(
             opts.checkpoint,
@@ -473,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=int(opts.max_shard_gb * 2**30),
         )
     except CheckpointError as e:  # ConversionError included
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+        return report_user_error(e)
     print(f"exported {opts.checkpoint} ({opts.flavor}, {opts.dtype}) to {opts.out}")
     return 0
 

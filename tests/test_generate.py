@@ -114,7 +114,7 @@ def test_command_line_samples_from_a_hugging_face_folder(tmp_path, debug_checkpo
 def test_command_line_errors_are_one_line(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(TOKENIZER)]) == 2
     err = capsys.readouterr().err
-    assert err == f"generate.py: error: no checkpoint folder at {tmp_path / 'missing'}\n"
+    assert err.startswith(f"weft: error: no checkpoint folder at {tmp_path / 'missing'}") and err.count("\n") == 1
 
     (tmp_path / "unfinished").mkdir()
     assert main(["--checkpoint", str(tmp_path / "unfinished"), "--tokenizer", str(TOKENIZER)]) == 2
