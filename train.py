@@ -10,7 +10,6 @@ the defaults of each model size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
+from components.checkpoint import Checkpointer, CheckpointError, check_resume, load_model_weights
 from components.config import (
     ConfigError,
     JobConfig,
@@ -28,7 +27,7 @@ from components.config import (
     parse_args,
     to_toml,
 )
-from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_files
+from components.data import DataError, Tokenizer, TokenWindowLoader, check_text_files, find_text_files
 from components.distributed import (
     Preemption,
     all_reduce_mean,
@@ -37,6 +36,7 @@ from components.distributed import (
     launched_world_size,
     set_determinism,
 )
+from components.errors import report_user_error
 from components.hf import load_hf_into_model
 from components.metrics import (
     MetricsLogger,
@@ -59,6 +59,7 @@ from parallelisms.cp import apply_cp, shard_sequence
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import LayoutError, ParallelDims
+from parallelisms.precision import precision_policy
 from parallelisms.tp import apply_tp
 
 logger = logging.getLogger("weft")
@@ -177,13 +178,11 @@ def train(cfg: JobConfig) -> list[float]:
     elif cfg.checkpoint.initial_load_path:
         load_initial_weights(model, Path(cfg.checkpoint.initial_load_path))
 
-    # 8. Outputs (only rank 0 writes; nothing is written before this point) and the startup summary.
+    # 8. The startup summary. Outputs (only rank 0 writes) wait until the first step is done: a run
+    #    that fails before it (bad data, out of memory) leaves the dump folder as it found it.
     tokens_per_step = (cfg.training.seq_len * cfg.training.local_batch_size
                        * cfg.training.gradient_accumulation_steps * dims.dp)
     dump = Path(cfg.job.dump_folder)
-    if rank == 0:
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "config.toml").write_text(to_toml(cfg))
     local_params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local_params:,} on each rank "
                 f"({model_args.n_layers} layers, dim {model_args.dim}, {model_args.n_heads} heads, "
@@ -191,10 +190,14 @@ def train(cfg: JobConfig) -> list[float]:
     logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
     for line in plan or ["no parallelism: one device"]:
         logger.info(f"  {line}")
+    precision = precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+                                 fsdp=dims.fsdp_enabled, device_type=device.type)
+    logger.info(f"  {precision.describe()}")
     logger.info(f"global batch {cfg.training.local_batch_size} x {cfg.training.gradient_accumulation_steps} "
                 f"accumulation x {dims.dp} dp = {tokens_per_step // cfg.training.seq_len} samples "
                 f"= {tokens_per_step:,} tokens per step")
     if cfg.checkpoint.create_seed_checkpoint:
+        write_config(dump, cfg)
         checkpointer.save(0, model_only=True, blocking=True)
         return []
 
@@ -202,11 +205,9 @@ def train(cfg: JobConfig) -> list[float]:
     #    over data-parallel and context-parallel ranks, so together they follow the global mean.
     loss_group = meshes.dp_cp.get_group() if meshes else None
     # With loss parallel, the loss and its backward must run where DTensor knows the logits are
-    # vocabulary-sharded. On a single GPU there is no FSDP to compute in bf16: autocast does.
+    # vocabulary-sharded. Without FSDP to compute in bf16, autocast does (parallelisms/precision.py).
     loss_context = loss_parallel if dims.tp > 1 and p.loss_parallel else contextlib.nullcontext
-    forward_context = contextlib.nullcontext
-    if device.type == "cuda" and dims.world_size == 1 and cfg.training.mixed_precision_param != "float32":
-        forward_context = functools.partial(torch.autocast, device.type, DTYPES[cfg.training.mixed_precision_param])
+    forward_context = precision.forward_context()
     accumulation = cfg.training.gradient_accumulation_steps
     metrics = MetricsLogger(
         device=device,
@@ -215,6 +216,7 @@ def train(cfg: JobConfig) -> list[float]:
         world_size=dims.world_size,
         tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,
         jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
+        start_step=start_step,
     )
     batches = iter(loader)
     history: list[float] = []
@@ -235,15 +237,18 @@ def train(cfg: JobConfig) -> list[float]:
                 loss.backward()
             step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update used, read before it moves on
         optimizer.step()
         scheduler.step()
         if f8.enable and f8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(model)  # one fused amax all-reduce for the next float8 all-gather
         metrics.step_done()
+        if step == start_step + 1 and rank == 0:
+            write_config(dump, cfg)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             loss_value = all_reduce_mean(step_loss, loss_group)
-            stats = StepStats(step, loss_value, grad_norm.item(), scheduler.get_last_lr()[0])
+            stats = StepStats(step, loss_value, grad_norm.item(), lr)
             metrics.log(stats)
             history.append(stats.loss)
 
@@ -263,6 +268,12 @@ def train(cfg: JobConfig) -> list[float]:
     metrics.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
+
+
+def write_config(dump: Path, cfg: JobConfig) -> None:
+    """The run's config as <dump>/config.toml (creating the folder): what resuming checks against."""
+    dump.mkdir(parents=True, exist_ok=True)
+    (dump / "config.toml").write_text(to_toml(cfg))
 
 
 def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, list[Path], list[str]]:
@@ -287,7 +298,10 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
             f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
         )
     data_files = find_text_files(cfg.data.dataset_path)
+    check_text_files(data_files, cfg.data.text_field)  # the start of every file: seconds even for a big corpus
     check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+    if cfg.checkpoint.enable:
+        check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
     f8 = cfg.float8
     float8_warnings = []
     if f8.enable:
@@ -326,11 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         train(cfg)
     except USER_ERRORS as e:
-        # One write, newline included: under torchrun every rank reports at once into one stream,
-        # and separate writes of message and newline (unbuffered stderr) would interleave.
-        sys.stderr.write(f"weft: error: {e}\n")
-        sys.stderr.flush()
-        return 2
+        return report_user_error(e)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -109,10 +109,9 @@ def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) ->
     """`dcp.save` or `dcp.load` (`action` "save" / "load") of `state` at `folder`, with any
     failure as a one-line CheckpointError.
 
-    Without a process group DCP runs in this process only (`no_dist`), and its warning that it
-    assumes so is silenced: that is exactly the intent of a single-process run."""
+    Without a process group DCP runs in this process only, and its warning that it assumes so
+    is silenced: that is exactly the intent of a single-process run."""
     function = dcp.save if action == "save" else dcp.load
-    kwargs.setdefault("no_dist", not dist.is_initialized())
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -164,6 +163,34 @@ def model_tensor_metadata(
     return {name: saved[name] for name in shapes}
 
 
+def check_resume(cfg: Checkpoint, dump_folder: Path, last_step: int) -> None:
+    """Refuse checkpoint states a run would otherwise misread, before anything is loaded or written:
+
+    - step folders that all lack COMPLETE (every save was interrupted): starting from step 0
+      would silently drop them and then overwrite them;
+    - a checkpoint past training.steps: there is nothing left to train;
+    - checkpoint.load_step below a later complete checkpoint: training on would overwrite it.
+    """
+    root = dump_folder / cfg.folder
+    steps = complete_steps(root)
+    partial = sorted(child.name for child in root.iterdir() if _STEP_FOLDER.match(child.name)) if root.is_dir() else []
+    if partial and not steps:
+        raise CheckpointError(
+            f"checkpoint folder {root}: no complete checkpoint, only unfinished saves ({listing(partial)}, without "
+            f"{COMPLETE}); move them away to start afresh, or use another dump folder")
+    if cfg.load_step >= 0 and cfg.load_step not in steps:
+        raise CheckpointError(f"checkpoint.load_step = {cfg.load_step}: no complete checkpoint "
+                              f"{step_folder(root, cfg.load_step)} (complete: {steps or 'none'})")
+    start = cfg.load_step if cfg.load_step >= 0 else (steps[-1] if steps else 0)
+    if start > last_step:
+        raise CheckpointError(f"training.steps = {last_step}: the checkpoint {step_folder(root, start)} is already "
+                              f"past it; raise training.steps to continue")
+    later = [step for step in steps if step > start]
+    if later:
+        raise CheckpointError(f"checkpoint.load_step = {start}: later checkpoints exist ({listing([str(s) for s in later])}) "
+                              f"and would be overwritten; copy step-{start} into another dump folder to branch from it")
+
+
 class Checkpointer:
     """Saves every `interval` steps, loads the latest complete checkpoint on start."""
 
@@ -201,6 +228,8 @@ class Checkpointer:
         self.finish_pending(wait=True)  # one save in flight at a time
         folder = step_folder(self.root, step)
         if self.is_writer:
+            if (folder / COMPLETE).exists():  # check_resume makes this unreachable; never overwrite one
+                raise CheckpointError(f"checkpoint {folder} already exists; refusing to overwrite it")
             if folder.exists():  # a leftover of an interrupted save of this same step
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
@@ -208,7 +237,9 @@ class Checkpointer:
             dist.barrier()
         state = self._state(step, model_only)
         if self.cfg.async_mode == "async" and not blocking:
-            future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
             self._pending = (step, future)
             logger.info(f"checkpoint: saving step {step} in the background to {folder}")
         else:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
+import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -53,27 +58,96 @@ def all_reduce_mean(value: torch.Tensor, group: dist.ProcessGroup | None) -> flo
     return value.item() / dist.get_world_size(group)
 
 
+# Seconds a SIGTERM'd process may take to reach the end of its current step (where it saves and
+# stops) before it exits without saving; override with the environment variable.
+SIGTERM_GRACE_ENV = "WEFT_SIGTERM_GRACE_S"
+DEFAULT_SIGTERM_GRACE_S = 20.0
+EXIT_SIGTERM = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+def sigterm_grace_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(SIGTERM_GRACE_ENV, DEFAULT_SIGTERM_GRACE_S)))
+    except ValueError:
+        return DEFAULT_SIGTERM_GRACE_S
+
+
 class Preemption:
     """Turns SIGTERM (what schedulers and torchrun send before killing) into a request to stop.
 
     `requested()` is called once per step by every rank; it agrees across ranks over a gloo
     group, so all ranks stop on the same step (and can save one checkpoint together) even if
     the signal reached only some of them.
+
+    A request that the loop never reads would leave the process running until SIGKILL: Python
+    runs signal handlers only between bytecodes, so a rank blocked in a collective (another rank
+    failed) or in a long allocation never even notices. So a watchdog thread, woken through
+    `signal.set_wakeup_fd` (written by the C-level handler, whatever the main thread is doing),
+    ends the process with exit status 143 if the loop has not acknowledged the request within
+    the grace period (WEFT_SIGTERM_GRACE_S, default 20 s), and at once on a second SIGTERM.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self._signalled = False
+        self._grace_s = sigterm_grace_s() if grace_s is None else grace_s
+        self._acknowledged = threading.Event()
+        self._closed = False
+        self._reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._writer = writer
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._watchdog = threading.Thread(target=self._watch, name="weft-sigterm-watchdog", daemon=True)
+        self._watchdog.start()
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._signalled = True
 
+    def _watch(self) -> None:
+        """Wait for SIGTERMs (as bytes on the wakeup socket); enforce the grace period."""
+        sigterms, deadline = 0, None
+        while not self._closed:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready, _, _ = select.select([self._reader], [], [], timeout)
+                received = self._reader.recv(64) if ready else b""
+            except (OSError, ValueError):  # closed under us by close()
+                return
+            if ready and not received:
+                return
+            sigterms += received.count(bytes([signal.SIGTERM]))
+            if sigterms >= 2:
+                _exit_now("a second SIGTERM: stopping at once, without saving")
+            if sigterms == 1 and deadline is None and not self._acknowledged.is_set():
+                deadline = time.monotonic() + self._grace_s
+            if deadline is not None and self._acknowledged.is_set():
+                deadline = None  # the loop reached the end of its step: it saves and stops
+            if deadline is not None and time.monotonic() >= deadline and not self._closed:
+                _exit_now(f"SIGTERM, and the training loop did not reach the end of its step within "
+                          f"{self._grace_s:g} s (blocked in a collective or an allocation?): stopping without saving")
+
     def requested(self) -> bool:
         flag = torch.tensor([int(self._signalled)])
         if self._group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item():
+            self._acknowledged.set()  # the loop will save and stop: the watchdog stands down
         return bool(flag.item())
 
     def close(self) -> None:
+        self._closed = True
         signal.signal(signal.SIGTERM, self._previous)
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        self._writer.close()
+        self._reader.close()
+
+
+def _exit_now(reason: str) -> None:
+    """End the process from the watchdog thread: one line, then exit without cleanup (the main
+    thread may hold locks, or be stuck in C++ that never returns)."""
+    try:
+        sys.stderr.write(f"weft: {reason}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_SIGTERM)

@@ -89,24 +89,40 @@ class MetricsLogger:
     """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl.
 
     Throughput is measured over the steps since the previous log. Only the rank given folders
-    writes files.
+    writes files, and only from the first `log`: a run that fails before it writes nothing.
+
+    A run that starts at `start_step` (a resume) continues the records of the run it resumes:
+    metrics.jsonl keeps only the records up to `start_step` (those after it were logged by the
+    interrupted run, and are logged again), and TensorBoard purges its events after
+    `start_step` too, so each step has exactly one record.
     """
 
     def __init__(self, *, device: torch.device, flops_per_token: float, tokens_per_step: int,
-                 world_size: int, tb_folder: Path | None, jsonl_path: Path | None):
+                 world_size: int, tb_folder: Path | None, jsonl_path: Path | None, start_step: int = 0):
         self.device = device
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step  # global
         self.world_size = world_size
         self.peak_flops = device_peak_flops(device)
+        self.tb_folder, self.jsonl_path, self.start_step = tb_folder, jsonl_path, start_step
         self.writer = None
-        if tb_folder is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(tb_folder))
-        self.jsonl = jsonl_path.open("a") if jsonl_path is not None else None
+        self.jsonl = None
+        self._opened = False
         self._window_start = time.perf_counter()
         self._window_steps = 0
+
+    def _open(self) -> None:
+        """Open the outputs at the first log, dropping records after start_step (see the class)."""
+        self._opened = True
+        if self.tb_folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.tb_folder), purge_step=self.start_step + 1)
+        if self.jsonl_path is not None:
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            if self.jsonl_path.exists():
+                _keep_records_up_to(self.jsonl_path, self.start_step)
+            self.jsonl = self.jsonl_path.open("a")
 
     def step_done(self) -> None:
         self._window_steps += 1
@@ -121,6 +137,8 @@ class MetricsLogger:
             "train/tokens_per_second": tokens_per_second,
             "memory/peak_gib": peak_memory_gib(self.device),
         }
+        if not self._opened:
+            self._open()
         mfu = "n/a"
         if self.peak_flops is not None:
             values["train/mfu"] = 100 * tokens_per_second * self.flops_per_token / self.peak_flops
@@ -145,3 +163,18 @@ class MetricsLogger:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the records of steps after `step` (atomically: by rename).
+    A line that is not a record (a write cut by a crash) is dropped."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(kept))
+    partial.replace(path)

@@ -30,6 +30,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     blocks: Iterable[nn.Module] | None = None,
+    cast_forward_inputs: bool = False,
 ) -> nn.Module:
     """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2.
 
@@ -42,6 +43,11 @@ def apply_fsdp(
     (FULL_SHARD); "never" keeps them until backward (SHARD_GRAD_OP: more memory, less
     communication); "default" frees all but the last block, whose backward comes first.
 
+    cast_forward_inputs is off by default: on, FSDP casts every floating input of each block to
+    `param_dtype`, the fp32 rotary cos/sin included, which the other layouts keep in fp32
+    (parallelisms/precision.py); the hidden state is already in `param_dtype`, as it comes out
+    of the embedding computed with `param_dtype` weights.
+
     Apply after tensor parallelism, activation checkpointing and compile, which must see plain
     modules, and before the model is materialised from the meta device.
     """
@@ -53,7 +59,8 @@ def apply_fsdp(
     blocks = transformer_blocks(model) if blocks is None else list(blocks)
     settings = dict(
         mesh=dp_mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                       cast_forward_inputs=cast_forward_inputs),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     for i, block in enumerate(blocks):

@@ -1,0 +1,71 @@
+"""One mixed-precision policy for every layout.
+
+What `training.mixed_precision_param = bfloat16` means, whatever the parallelism:
+
+- master weights, gradients and optimizer state stay in fp32;
+- the matrix multiplies (every Linear, hence attention projections, feed-forward and output)
+  run in bf16;
+- the rotary embedding is computed in fp32 from fp32 cos/sin tables (bf16 angles lose whole
+  positions at long context), as are the norms' statistics and the loss.
+
+Two mechanisms deliver it, because no single one exists for every layout:
+
+- under FSDP / HSDP the wrapper all-gathers parameters already cast to bf16
+  (`MixedPrecisionPolicy.param_dtype`): the cast is fused with the communication, halving it.
+  Its `cast_forward_inputs` is off (parallelisms/fsdp.py): it would cast every floating input
+  of each block, the fp32 cos/sin included; the hidden state is bf16 anyway, since it comes out
+  of the bf16 embedding;
+- with no FSDP (one device, DDP via `replicate`, TP only, CP only) nothing casts parameters, so
+  the forward runs under `torch.autocast`, which computes the matmuls in bf16 and leaves the
+  explicit fp32 rotary and norm arithmetic in fp32.
+
+With `float32`, everything runs in fp32 and no mechanism is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The compute dtype of a run and how it is obtained (see the module docstring)."""
+
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    device_type: str
+    fsdp: bool  # True: FSDP's param_dtype casts; False: autocast (if compute_dtype is not fp32)
+
+    @property
+    def uses_autocast(self) -> bool:
+        return not self.fsdp and self.compute_dtype != torch.float32
+
+    def forward_context(self) -> Callable[[], contextlib.AbstractContextManager]:
+        """A factory of the context the forward pass runs in (autocast, or nothing)."""
+        if self.uses_autocast:
+            return functools.partial(torch.autocast, self.device_type, dtype=self.compute_dtype)
+        return contextlib.nullcontext
+
+    def describe(self) -> str:
+        """One line for the startup plan."""
+        name = str(self.compute_dtype).removeprefix("torch.")
+        if self.compute_dtype == torch.float32:
+            return "precision: float32 everywhere"
+        how = "FSDP casts gathered parameters" if self.fsdp else "autocast"
+        reduce = str(self.reduce_dtype).removeprefix("torch.") if self.fsdp else "float32"
+        return (f"precision: matmuls in {name} ({how}); rotary, norms and loss in float32; "
+                f"fp32 master weights; gradients reduced in {reduce}")
+
+
+def precision_policy(param_dtype: str, reduce_dtype: str, *, fsdp: bool, device_type: str) -> PrecisionPolicy:
+    """The policy for `training.mixed_precision_param` / `_reduce` in a layout with (`fsdp`) or
+    without FSDP. Without FSDP gradients are fp32 and reduced in fp32 (DDP's `replicate` reduces
+    what backward produced), so mixed_precision_reduce applies to FSDP only."""
+    return PrecisionPolicy(DTYPES[param_dtype], DTYPES[reduce_dtype], device_type, fsdp)
