@@ -74,22 +74,25 @@ def _line_of(data: bytes, offset: int) -> int:
     return data[:offset].count(b"\n") + 1
 
 
-def _decode_utf8(data: bytes, where: str, final: bool) -> str:
-    """`data` as UTF-8 text, or a DataError naming `where`:line. A NUL byte means binary data.
-    With `final` False the data is a prefix, and a character cut at its end is not an error."""
+def _decode_utf8(data: bytes, where: str, final: bool, *, one_line: bool = False) -> str:
+    """`data` as UTF-8 text, or a DataError naming `where`:line (`where` alone if `one_line`:
+    it names the line already). A NUL byte means binary data. With `final` False the data is a
+    prefix, and a character cut at its end is not an error."""
+    def at(offset: int) -> str:
+        return where if one_line else f"{where}:{_line_of(data, offset)}"
+
     nul = data.find(b"\x00")
     if nul >= 0:
-        raise DataError(f"{where}:{_line_of(data, nul)}: a NUL byte; this looks like a binary file, not text")
+        raise DataError(f"{at(nul)}: a NUL byte; this looks like a binary file, not text")
     try:
         return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
     except UnicodeDecodeError as err:
-        raise DataError(f"{where}:{_line_of(data, err.start)}: expected UTF-8 text "
-                        f"(byte {data[err.start]:#04x}: {err.reason})") from None
+        raise DataError(f"{at(err.start)}: expected UTF-8 text (byte {data[err.start]:#04x}: {err.reason})") from None
 
 
 def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
     """The text of one JSONL line: a JSON object whose `text_field` is a string."""
-    text = _decode_utf8(line, where, final=True)
+    text = _decode_utf8(line, where, final=True, one_line=True)
     try:
         record = json.loads(text)
     except ValueError as err:
@@ -118,14 +121,16 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
         whole = len(data) <= SCAN_BYTES
         data, read_whole = data[:SCAN_BYTES], read_whole and whole
         if path.suffix == ".txt":
-            any_text = any_text or bool(_decode_utf8(data, str(path), final=whole).strip())
+            text = _decode_utf8(data, str(path), final=whole)
+            any_text = any_text or bool(text.strip())
             continue
         lines = data.split(b"\n")
         if not whole:
             lines = lines[:-1]  # the last line may be cut by the prefix
         for number, line in enumerate(lines, start=1):
             if line.strip():
-                any_text = any_text or bool(parse_jsonl_record(line, text_field, f"{path}:{number}").strip())
+                text = parse_jsonl_record(line, text_field, f"{path}:{number}")
+                any_text = any_text or bool(text.strip())
     if read_whole and not any_text:
         raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
 

@@ -8,7 +8,10 @@ config.py, DataError in data.py, ...); this module only knows how to print them.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 
 PREFIX = "weft: error: "
 EXIT_USER_ERROR = 2
@@ -25,6 +28,23 @@ def report_user_error(error: object) -> int:
     One write, newline included: under torchrun every rank reports at once into one stream, and
     separate writes of message and newline (unbuffered stderr) would interleave.
     """
-    sys.stderr.write(f"{PREFIX}{one_line(error)}\n")
+    line = f"{PREFIX}{one_line(error)}"
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    _record_for_torchrun(line)
     return EXIT_USER_ERROR
+
+
+def _record_for_torchrun(line: str) -> None:
+    """Under torchrun, also leave the line in the error file torchrun gives each worker
+    (TORCHELASTIC_ERROR_FILE): torchrun's closing failure report then shows it as the root
+    cause, where it would otherwise say "To enable traceback see: ...". torchrun still prints
+    its own ChildFailedError traceback above that report; a worker cannot prevent it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the line is on stderr already; the report is a nicety
