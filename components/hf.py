@@ -409,9 +409,11 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConversionError(f"HF folder {folder} has no config.json")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"HF folder {folder}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"HF folder {folder}: config.json holds a {type(config).__name__}, not a JSON object")
     _architecture(config, f"HF folder {folder}")
     return config
 
