@@ -1,0 +1,80 @@
+"""One mixed-precision policy for every layout (parallelisms/precision.py): with
+mixed_precision_param = bfloat16 the matmuls run in bf16 and the rotary embedding in fp32,
+whether the run is on one device, DDP, TP or FSDP. bf16 runs on CPU, so this is checked here by
+recording, during one real training step, the dtype each Linear produces and the dtype of the
+cos/sin tables the rotary embedding receives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import train
+from components.config import parse_args
+from models.llama import model as llama_model
+from tests.dist_utils import run_distributed
+
+LAYOUTS = {
+    "single": [],
+    "ddp": ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"],
+    "tp": ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+    "fsdp": ["--parallelism.dp_shard", "2"],
+}
+
+
+def dtypes_in_one_step(dump: str, layout: str) -> dict[str, set[str]]:
+    """Train one bf16 step in `layout`; the dtypes seen by the matmuls and by the rotary."""
+    seen: dict[str, set[str]] = {"matmul": set(), "rotary_tables": set()}
+
+    def on_forward(module, inputs, output):
+        if isinstance(module, nn.Linear):
+            seen["matmul"].add(str(output.dtype))
+
+    real_rotary = llama_model.apply_rotary_emb
+
+    def recording_rotary(x, cos, sin):
+        seen["rotary_tables"].update({str(cos.dtype), str(sin.dtype)})
+        return real_rotary(x, cos, sin)
+
+    hook = nn.modules.module.register_module_forward_hook(on_forward)
+    llama_model.apply_rotary_emb = recording_rotary
+    try:
+        train.train(parse_args([
+            "--job.config_file", "debug_model", "--job.dump_folder", str(Path(dump) / layout),
+            "--training.steps", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+            "--no-metrics.enable_tensorboard", "--training.mixed_precision_param", "bfloat16",
+            *LAYOUTS[layout]]))
+    finally:
+        hook.remove()
+        llama_model.apply_rotary_emb = real_rotary
+    return seen
+
+
+def distributed_layouts(dump: str) -> dict[str, dict[str, set[str]]]:
+    return {layout: dtypes_in_one_step(dump, layout) for layout in ("ddp", "tp", "fsdp")}
+
+
+EXPECTED = {"matmul": {"torch.bfloat16"}, "rotary_tables": {"torch.float32"}}
+
+
+def test_single_device_computes_in_bf16_with_fp32_rotary(tmp_path):
+    assert dtypes_in_one_step(str(tmp_path), "single") == EXPECTED
+
+
+@pytest.mark.slow
+def test_every_layout_computes_in_bf16_with_fp32_rotary(tmp_path):
+    """DDP and TP computed in fp32 (no policy reached them); FSDP cast the rotary tables to bf16."""
+    results = run_distributed(distributed_layouts, 2, str(tmp_path))
+    for rank_result in results:
+        assert rank_result == {layout: EXPECTED for layout in ("ddp", "tp", "fsdp")}
+
+
+def test_policy_is_stated_at_startup(tmp_path, capsys):
+    train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+                "--training.seq_len", "32", "--training.local_batch_size", "2", "--no-metrics.enable_tensorboard",
+                "--training.mixed_precision_param", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "precision: matmuls in bfloat16 (autocast); rotary, norms and loss in float32" in out
