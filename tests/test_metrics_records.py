@@ -1,0 +1,56 @@
+"""What metrics.jsonl and TensorBoard record: the learning rate each step's update used, and
+exactly one record per step even when a run is resumed after a crash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import train
+
+
+def run_args(dump: Path, *extra: str) -> list[str]:
+    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "4",
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+            "--lr_scheduler.warmup_steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2", *extra]
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_logged_lr_is_the_one_the_step_used(tmp_path, monkeypatch):
+    used: list[float] = []
+    real_build = train.build_optimizer
+
+    def spying_build(model, cfg):
+        optimizer = real_build(model, cfg)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+        return optimizer
+
+    monkeypatch.setattr(train, "build_optimizer", spying_build)
+    assert train.main(run_args(tmp_path, "--no-checkpoint.enable", "--no-metrics.enable_tensorboard")) == 0
+    assert len(used) == 4 and len(set(used)) > 1  # warmup: the rate changes every step
+    assert [r["train/lr"] for r in records(tmp_path)] == pytest.approx(used, rel=1e-12)
+
+
+def test_resumed_run_leaves_one_record_per_step(tmp_path):
+    """A run killed after logging step 4 but before saving it resumes from step 2 and logs 3 and
+    4 again: those replace the lost run's records, in metrics.jsonl and in TensorBoard."""
+    assert train.main(run_args(tmp_path)) == 0
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")  # as if killed during the save of step 4
+    lost = records(tmp_path)
+    assert train.main(run_args(tmp_path)) == 0
+
+    steps = [r["step"] for r in records(tmp_path)]
+    assert steps == [1, 2, 3, 4]
+    assert records(tmp_path)[:2] == lost[:2]  # the steps before the checkpoint are kept as they were
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
