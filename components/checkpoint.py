@@ -40,6 +40,13 @@ from models.llama import ModelArgs, Transformer
 logger = logging.getLogger("weft")
 
 COMPLETE = "COMPLETE"
+
+# Without a process group DCP saves and loads in this process alone, and says so in a two-line
+# warning on every save and load: exactly the intent of a single-process run, so it is noise.
+# Filtered for the whole process (not around each call) because async saves warn from DCP's
+# background thread, which a `catch_warnings` block in this thread does not reach.
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
@@ -86,6 +93,10 @@ def require_complete_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
         if any(_STEP_FOLDER.match(child.name) for child in folder.iterdir()):
             raise CheckpointError(f"{folder} is a checkpoint root whose step folders all lack {COMPLETE} "
                                   f"(no save finished)")
+        nested = complete_steps(folder / "checkpoint")
+        if nested:
+            raise CheckpointError(f"{folder} is a dump folder, not a checkpoint step folder; name one of its "
+                                  f"step folders, e.g. {step_folder(folder / 'checkpoint', nested[-1])}")
         raise CheckpointError(f"checkpoint {folder} has no {COMPLETE} file: its save did not finish")
     return folder
 
@@ -109,13 +120,10 @@ def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) ->
     """`dcp.save` or `dcp.load` (`action` "save" / "load") of `state` at `folder`, with any
     failure as a one-line CheckpointError.
 
-    Without a process group DCP runs in this process only, and its warning that it assumes so
-    is silenced: that is exactly the intent of a single-process run."""
+    Without a process group DCP runs in this process only (see _SINGLE_PROCESS_WARNING)."""
     function = dcp.save if action == "save" else dcp.load
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            return function(state, checkpoint_id=str(folder), **kwargs)
+        return function(state, checkpoint_id=str(folder), **kwargs)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported in one line
         raise checkpoint_failure(folder, action, e) from None
 
@@ -230,16 +238,16 @@ class Checkpointer:
         if self.is_writer:
             if (folder / COMPLETE).exists():  # check_resume makes this unreachable; never overwrite one
                 raise CheckpointError(f"checkpoint {folder} already exists; refusing to overwrite it")
-            if folder.exists():  # a leftover of an interrupted save of this same step
+            if folder.is_dir():  # a leftover of an interrupted save of this same step
                 shutil.rmtree(folder)
+            elif folder.exists():
+                raise CheckpointError(f"checkpoint {folder} is a file, not a folder; move it away")
             folder.mkdir(parents=True)
         if dist.is_initialized():
             dist.barrier()
         state = self._state(step, model_only)
         if self.cfg.async_mode == "async" and not blocking:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
+            future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
             self._pending = (step, future)
             logger.info(f"checkpoint: saving step {step} in the background to {folder}")
         else:

@@ -138,6 +138,8 @@ INITIAL_CASES = [
     ("initial-checkpoint-root", initial(lambda tmp, made: damaged_run(tmp, made, None) / "checkpoint"),
      "is a checkpoint root, not a step folder; name one of its step folders, e.g."),
     ("initial-missing", initial(lambda tmp, made: tmp / "nowhere"), "does not exist"),
+    ("initial-dump-folder", initial(lambda tmp, made: damaged_run(tmp, made, None)),
+     "is a dump folder, not a checkpoint step folder"),
     ("initial-unfinished", initial(step2(remove, "COMPLETE")), "has no COMPLETE file"),
     ("initial-a-file", initial(lambda tmp, made: damaged_run(tmp, made, None) / "config.toml"), "it is a file"),
     ("initial-hf-bad-config", initial(lambda tmp, made: damaged_hf(tmp, made, garble, "config.json")),

@@ -1,5 +1,6 @@
-"""SIGTERM ends a process promptly even when the training loop cannot be reached, and a bad
-layout under torchrun fails the same one-line way on every rank, without hanging.
+"""SIGTERM ends a process promptly even when the training loop cannot be reached; a bad
+input under torchrun fails the same one-line way on every rank, without hanging; single-process
+checkpoint I/O prints no warning.
 
 (That SIGTERM at a reachable loop saves and exits 0 is tests/test_checkpoint.py's
 test_sigterm_saves_and_exits_cleanly.)"""
@@ -70,3 +71,20 @@ def test_bad_input_under_torchrun_fails_on_every_rank_at_once(tmp_path):
     outcome = run_command(TORCHRUN + argv)
     assert_clean_failure(outcome, "job.dump_folder: " + str(tmp_path / "taken") + " is a file", processes=2,
                          before=before, root=tmp_path)
+
+
+def test_single_process_checkpoint_io_prints_nothing(tmp_path):
+    """DCP's two-line "torch.distributed is disabled" warning on every single-process save and
+    load is noise (a subprocess: pytest resets warning filters around each test)."""
+    script = (
+        "import torch\n"
+        "from pathlib import Path\n"
+        "from components.checkpoint import dcp_call\n"
+        f"folder = Path({str(tmp_path / 'step-1')!r})\n"
+        "dcp_call('save', {'x': torch.ones(3)}, folder)\n"
+        "state = {'x': torch.zeros(3)}\n"
+        "dcp_call('load', state, folder)\n"
+        "assert state['x'].sum() == 3\n"
+    )
+    outcome = run_command(python("-c", script))
+    assert outcome.code == 0 and outcome.stdout == outcome.stderr == "", outcome.stderr
