@@ -9,6 +9,7 @@ export leaves no --out folder).
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -39,18 +40,35 @@ def made(tmp_path_factory) -> Path:
 
 
 # -- damage ---------------------------------------------------------------------------------
+# Copies share the made tensor files by hard link (fast), so damage replaces a file, never
+# writes into it; small files are copied, so even a run that wrongly went on could not reach the
+# shared originals through config.toml or metrics.jsonl.
+
+def share_or_copy(source: str, target: str) -> None:
+    if os.path.getsize(source) > 2**20:
+        os.link(source, target)
+    else:
+        shutil.copy2(source, target)
+
+
+def replace_file(path: Path, content: bytes) -> None:
+    path.unlink()
+    path.write_bytes(content)
+
 
 def truncate(path: Path) -> None:
     """Keep the first tenth (a model-only read stops within the first third of a .distcp)."""
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 10])
+    with path.open("rb") as f:
+        head = f.read(path.stat().st_size // 10)
+    replace_file(path, head)
 
 
 def garble(path: Path) -> None:
-    path.write_bytes(b"\x80\x04this is not what DCP wrote" * 3)
+    replace_file(path, b"\x80\x04this is not what DCP wrote" * 3)
 
 
 def empty(path: Path) -> None:
-    path.write_bytes(b"")
+    replace_file(path, b"")
 
 
 def remove(path: Path) -> None:
@@ -64,7 +82,7 @@ def damaged_run(tmp: Path, made: Path, damage: Callable[[Path], None] | None, na
                 step: int = 2) -> Path:
     """A copy of the made run with one file of step-`step` damaged; returns the run folder."""
     run = tmp / "run"
-    shutil.copytree(made / "run", run)
+    shutil.copytree(made / "run", run, copy_function=share_or_copy)
     if damage is not None:
         damage(run / "checkpoint" / f"step-{step}" / name)
     return run
@@ -72,7 +90,7 @@ def damaged_run(tmp: Path, made: Path, damage: Callable[[Path], None] | None, na
 
 def damaged_hf(tmp: Path, made: Path, damage: Callable[[Path], None], name: str) -> Path:
     folder = tmp / "hf"
-    shutil.copytree(made / "hf", folder)
+    shutil.copytree(made / "hf", folder, copy_function=share_or_copy)
     damage(folder / name)
     return folder
 
