@@ -159,7 +159,6 @@ def test_late_bad_line_fits_the_up_front_scan():
 
 @pytest.mark.parametrize("extra, expected", [
     (["--optimizer.lr", "inf"], "--optimizer.lr"),
-    (["--data.dataset_path="], "--data.dataset_path"),
 ])
 def test_bad_input_as_a_user_runs_it(tmp_path, extra, expected):
     """The same contract through `python train.py`, as typed (interpreter start included)."""
