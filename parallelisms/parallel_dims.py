@@ -45,7 +45,9 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def resolve(cls, *, dp_replicate: int, dp_shard: int, cp: int, tp: int, world_size: int) -> "ParallelDims":
+    def resolve(
+        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
+    ) -> "ParallelDims":
         """Fill in dp_shard = -1 as 'the rest of the world' and check the layout multiplies out."""
         for name, degree in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
             if degree < 1:
