@@ -251,7 +251,7 @@ def _apply_cp_transformers(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
             "apply_cp", "model", f"{type(model).__name__} uses attention {current!r}; context parallelism "
             "replaces 'sdpa' or 'eager' attention only"
         )
-    for name in ("sliding_window", "attn_logit_softcapping"):
+    for name in ("sliding_window", "attn_logit_softcapping", "attention_dropout"):
         if getattr(config, name, None):
             raise TransformError(
                 "apply_cp", "model", f"{type(model).__name__} sets {name}; the context-parallel core is plain causal"
@@ -280,8 +280,8 @@ def _register_transformers_attention() -> None:
 
 def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function signature: [b, h, s, d] in, ([b, s, h, d], None) out."""
-    if dropout:
-        raise ValueError("context-parallel attention does not support attention dropout")
+    if dropout or kwargs.get("is_causal") is False:
+        raise ValueError("context-parallel attention is causal and has no dropout")
     out = module.context_parallel_core(query, key, value, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
