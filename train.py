@@ -47,20 +47,17 @@ from components.metrics import (
 )
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from float8 import (
-    apply_float8,
     check_float8_support,
     float8_tp_all_gather,
     precompute_float8_scales,
 )
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from parallelisms.ac import apply_ac
-from parallelisms.compile import apply_compile
-from parallelisms.cp import apply_cp, shard_sequence
-from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.common import TransformError
+from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import LayoutError, ParallelDims
+from parallelisms.parallelize import parallelize
 from parallelisms.precision import precision_policy
-from parallelisms.tp import apply_tp
 
 logger = logging.getLogger("weft")
 
@@ -86,6 +83,7 @@ def train(cfg: JobConfig) -> list[float]:
     for line in float8_warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
+    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
     loader = TokenWindowLoader(
@@ -103,59 +101,14 @@ def train(cfg: JobConfig) -> list[float]:
         model = Transformer(model_args)
     n_params = count_parameters(model)
 
-    # 5. The transforms, in the one order that composes:
-    #    - float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8
-    #      styles and FSDP all-gathers in float8; both must find the float8 layers in place;
-    #    - tensor parallelism next: it rewrites the Linear layers into DTensor shards, and
-    #      everything after must wrap the parallel modules, not the plain ones;
-    #    - context parallelism swaps the attention core, independent of how the weights are split;
-    #    - activation checkpointing wraps each block's forward, so recomputation replays the
-    #      parallel forward including its TP collectives;
-    #    - compile traces the checkpointed, parallel block (one graph reused by every block);
-    #    - FSDP / DDP last: they shard or replicate whatever parameters the model now has
-    #      (including TP's DTensors, giving 2-D sharding) and hook communication around the
-    #      compiled blocks.
-    plan = []
-    if f8.enable:
-        apply_float8(model, recipe=f8.recipe, filter_fqns=f8.filter_fqns,
-                     enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather, min_dim=f8.min_dim)
-        plan.append(f"float8 ({f8.recipe}): linear layers of at least {f8.min_dim} features, except {f8.filter_fqns}")
-    if dims.tp > 1:
-        float8_all_gather = f8.enable and float8_tp_all_gather(device.type, collective_backend(device.type), f8.recipe)
-        apply_tp(model, meshes.tp, loss_parallel=p.loss_parallel, float8_all_gather=float8_all_gather)
-        plan.append(f"tp {dims.tp}: blocks' attention and feed-forward split by heads / hidden, "
-                    f"sequence-parallel norms, vocab-split embedding and output (loss_parallel={p.loss_parallel})")
-    if dims.cp > 1:
-        apply_cp(model, meshes.cp)
-        plan.append(f"cp {dims.cp}: attention cores see the whole sequence (K/V all-gather, load-balanced chunks)")
-    ac = cfg.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_option)
-    if ac.mode != "none":
-        option = f" ({ac.selective_option})" if ac.mode == "selective" else ""
-        plan.append(f"activation checkpointing: {ac.mode}{option}")
-    if cfg.compile.enable:
-        apply_compile(model)
-        plan.append("compile: each transformer block")
-    if dims.fsdp_enabled:
-        apply_fsdp(
-            model,
-            meshes.fsdp,
-            param_dtype=DTYPES[cfg.training.mixed_precision_param],
-            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            cpu_offload=p.fsdp_cpu_offload,
-        )
-        kind = "hsdp" if dims.dp_replicate > 1 else "fsdp"
-        plan.append(f"{kind} over {tuple(meshes.fsdp.shape)} ranks: each block and the root, "
-                    f"reshard_after_forward={p.fsdp_reshard_after_forward}")
-    elif dims.ddp_enabled:
-        apply_ddp(model, meshes.dp_replicate)
-        plan.append(f"ddp over {dims.dp_replicate} replicas")
+    # 5. The transforms, in the one order that composes (written once, with the reason for each
+    #    step, in parallelisms/parallelize.py). Each logs one line saying what it did.
+    parallelize_model(model, cfg, meshes, device)
 
     # 6. Materialise on the device and initialise. Each parameter is drawn whole and every rank
     #    keeps its slice (parallelisms/materialize.py), so the weights equal a single-device
     #    run's with the same seed, whatever the layout.
-    materialize(model, device, cfg.training.seed)
+    materialize(model, device, seed=cfg.training.seed)
     model.train()
 
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -187,12 +140,9 @@ def train(cfg: JobConfig) -> list[float]:
     logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local_params:,} on each rank "
                 f"({model_args.n_layers} layers, dim {model_args.dim}, {model_args.n_heads} heads, "
                 f"{model_args.kv_heads} kv heads, vocab {model_args.vocab_size})")
-    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
-    for line in plan or ["no parallelism: one device"]:
-        logger.info(f"  {line}")
     precision = precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
                                  fsdp=dims.fsdp_enabled, device_type=device.type)
-    logger.info(f"  {precision.describe()}")
+    logger.info(precision.describe())
     logger.info(f"global batch {cfg.training.local_batch_size} x {cfg.training.gradient_accumulation_steps} "
                 f"accumulation x {dims.dp} dp = {tokens_per_step // cfg.training.seq_len} samples "
                 f"= {tokens_per_step:,} tokens per step")
@@ -289,8 +239,7 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
     dims = ParallelDims.resolve(
         dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=launched_world_size()
     )
-    dims.check_model(n_heads=model_args.n_heads, n_kv_heads=model_args.kv_heads, seq_len=cfg.training.seq_len,
-                     tie_embeddings=model_args.tie_embeddings)
+    dims.check_seq_len(cfg.training.seq_len)
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
     if tokenizer.vocab_size > model_args.vocab_size:
         raise DataError(
@@ -321,6 +270,51 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
         raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
                           f"not {dims.world_size}")
     return model_args, dims, tokenizer, data_files, float8_warnings
+
+
+# Which setting each transform argument comes from, to name it when a transform refuses it.
+TRANSFORM_ARGUMENT_KEYS = {
+    "tp_mesh": "parallelism.tp",
+    "plan": "parallelism.tp",
+    "cp_mesh": "parallelism.cp",
+    "reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
+    "mode": "activation_checkpoint.mode",
+    "selective_option": "activation_checkpoint.selective_option",
+    "model": "model.flavor",
+    "compile": "compile.enable",
+}
+
+
+def parallelize_model(model: torch.nn.Module, cfg: JobConfig, meshes, device: torch.device) -> None:
+    """parallelize() with its arguments read from the config; a refusal names the config key."""
+    p, f8, ac = cfg.parallelism, cfg.float8, cfg.activation_checkpoint
+    try:
+        parallelize(
+            model,
+            meshes,
+            float8_recipe=f8.recipe if f8.enable else None,
+            float8_filter_fqns=f8.filter_fqns,
+            float8_min_dim=f8.min_dim,
+            float8_fsdp_all_gather=f8.enable_fsdp_float8_all_gather,
+            float8_tp_all_gather=f8.enable and meshes is not None
+            and float8_tp_all_gather(device.type, collective_backend(device.type), f8.recipe),
+            loss_parallel=p.loss_parallel,
+            ac_mode=ac.mode,
+            ac_selective_option=ac.selective_option,
+            compile=cfg.compile.enable,
+            param_dtype=DTYPES[cfg.training.mixed_precision_param],
+            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=p.fsdp_cpu_offload,
+        )
+    except TransformError as e:
+        key = TRANSFORM_ARGUMENT_KEYS.get(e.argument, e.argument)
+        raise ConfigError(f"{key} = {_setting(cfg, key)}: {e}") from None
+
+
+def _setting(cfg: JobConfig, key: str) -> object:
+    section, _, field = key.partition(".")
+    return getattr(getattr(cfg, section, None), field, "?")
 
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:

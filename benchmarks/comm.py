@@ -44,10 +44,9 @@ from components.config import Optimizer  # noqa: E402
 from components.distributed import all_reduce_mean  # noqa: E402
 from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
-from parallelisms.fsdp import apply_fsdp  # noqa: E402
 from parallelisms.materialize import materialize  # noqa: E402
+from parallelisms.parallelize import parallelize  # noqa: E402
 from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
-from parallelisms.tp import apply_tp  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 ARGS = LLAMA_FLAVORS["debugmodel"]
@@ -184,16 +183,14 @@ def build_model(layout: Layout, meshes: Meshes, args: ModelArgs) -> Transformer:
     as by default: they add no collective of their own), fp32 everywhere."""
     with torch.device("meta"):
         model = Transformer(args)
-    if layout.tp > 1:
-        apply_tp(model, meshes.tp, loss_parallel=True)
-    if layout.dp_shard > 1:
-        apply_fsdp(
-            model,
-            meshes.fsdp,
-            param_dtype=torch.float32,
-            reduce_dtype=torch.float32,
-            reshard_after_forward=layout.reshard_after_forward,
-        )
+    parallelize(
+        model,
+        meshes,
+        loss_parallel=True,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        reshard_after_forward=layout.reshard_after_forward,
+    )
     materialize(model, "cpu", seed=0)
     model.train()
     return model

@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from parallelisms.common import refuse_data_parallel_model
+
 # Importing torchao logs lines that say nothing about a weft run: torch 2.13 answers its pytree
 # registration of an Enum with a deprecation warning, and on machines without its optional
 # CUDA kernel libraries it reports each one it could not load (float8 training needs none of
@@ -78,7 +80,7 @@ def apply_float8(
     model: nn.Module,
     *,
     recipe: str = "tensorwise",
-    filter_fqns: Iterable[str] = ("output",),
+    filter_fqns: Iterable[str] = (),
     enable_fsdp_float8_all_gather: bool = False,
     min_dim: int = DEFAULT_MIN_DIM,
 ) -> nn.Module:
@@ -87,9 +89,13 @@ def apply_float8(
     filter_fqns: layers kept in high precision. An entry matches a layer when it is a run of
     whole dotted components of the layer's name: "output" matches `output`, "w2" every
     `layers.N.feed_forward.w2`, "layers.1" every linear of block 1 (but not of block 10).
-    Layers whose dimensions are not multiples of 16, or below `min_dim`, are kept too.
+    Layers whose dimensions are not multiples of 16, or below `min_dim`, are kept too. No name
+    is filtered by default: pass the output projection's name (weft: "output", transformers:
+    "lm_head") to keep it in high precision.
     Logs one line saying what was converted and what was kept, and why.
+    Apply first, before tensor parallelism and FSDP/DDP.
     """
+    refuse_data_parallel_model(model, "apply_float8")
     config = _float8_config(recipe, enable_fsdp_float8_all_gather)
     already = converted_modules(model)
     if already:
@@ -217,7 +223,7 @@ def _reason_to_keep(fqn: str, linear: nn.Module, filter_fqns: tuple[str, ...], m
 
 def _summary(recipe: str, n_converted: int, kept: dict[str, list[str]]) -> str:
     """One log line; block indices are folded ("layers.*.attention.wk") to keep it short."""
-    line = f"float8 ({recipe}): converted {n_converted} linear layers"
+    line = f"apply_float8 ({recipe}): converted {n_converted} linear layers"
     if kept:
         groups = []
         for reason, names in kept.items():

@@ -1,0 +1,32 @@
+"""weft's parallel transforms. Each takes a model (and a DeviceMesh) and returns it transformed;
+`parallelize` applies them in the one order that composes, and `materialize` allocates and
+initialises a meta-device model afterwards."""
+
+from parallelisms.ac import apply_ac
+from parallelisms.common import TransformError, transformer_blocks
+from parallelisms.compile import apply_compile
+from parallelisms.cp import apply_cp, shard_sequence
+from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.materialize import materialize
+from parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
+from parallelisms.parallelize import parallelize
+from parallelisms.tp import apply_tp, hf_tp_plan, llama_tp_plan
+
+__all__ = [
+    "LayoutError",
+    "Meshes",
+    "ParallelDims",
+    "TransformError",
+    "apply_ac",
+    "apply_compile",
+    "apply_cp",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "hf_tp_plan",
+    "llama_tp_plan",
+    "materialize",
+    "parallelize",
+    "shard_sequence",
+    "transformer_blocks",
+]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from parallelisms.fsdp import transformer_blocks
+from parallelisms.common import TransformError, transformer_blocks
+
+logger = logging.getLogger("weft")
 
 AC_MODES = ("none", "full", "selective")
 
@@ -31,7 +34,12 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _checkpoint_forward(block: nn.Module, op_level: bool) -> None:
     """Wrap block.forward in place, so parameter names (and with them init seeds and checkpoint
-    keys) stay exactly as they were."""
+    keys) stay exactly as they were.
+
+    Why not torch's composable `torch.distributed._composable.checkpoint`, which keeps names too:
+    it runs as forward hooks that hold a Python generator across the call, which dynamo cannot
+    trace, so a block compiled with fullgraph=True fails ("reconstructing @contextmanager
+    object", torch 2.13). `torch.utils.checkpoint.checkpoint` inside forward compiles natively."""
     forward = block.forward
     context_fn = (
         functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
@@ -63,24 +71,23 @@ def apply_ac(
     compile and FSDP.
     """
     if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpoint.mode: expected one of {', '.join(AC_MODES)}, got {mode!r}")
+        raise TransformError("apply_ac", "mode", f"mode: expected one of {', '.join(AC_MODES)}, got {mode!r}")
+    if mode == "selective" and selective_option != "op" and (
+        not selective_option.isdecimal() or int(selective_option) < 1
+    ):
+        raise TransformError(
+            "apply_ac", "selective_option", f"selective_option: expected 'op' or a positive integer, got {selective_option!r}"
+        )
     if mode == "none":
         return model
-    blocks = transformer_blocks(model) if blocks is None else list(blocks)
-    if mode == "full":
-        for block in blocks:
-            _checkpoint_forward(block, op_level=False)
-    elif selective_option == "op":
-        for block in blocks:
-            _checkpoint_forward(block, op_level=True)
-    else:
-        if not selective_option.isdecimal() or int(selective_option) < 1:
-            raise ValueError(
-                f"activation_checkpoint.selective_option: expected 'op' or a positive integer, "
-                f"got {selective_option!r}"
-            )
-        every = int(selective_option)
-        for i, block in enumerate(blocks):
-            if i % every == 0:
-                _checkpoint_forward(block, op_level=False)
+    blocks = transformer_blocks(model, "apply_ac", blocks)
+    every = int(selective_option) if mode == "selective" and selective_option != "op" else 1
+    op_level = mode == "selective" and selective_option == "op"
+    wrapped = 0
+    for i, block in enumerate(blocks):
+        if i % every == 0:
+            _checkpoint_forward(block, op_level=op_level)
+            wrapped += 1
+    what = "op-level (matmul and attention outputs kept)" if op_level else "full"
+    logger.info(f"apply_ac: {what} activation checkpointing of {wrapped} of {len(blocks)} blocks")
     return model

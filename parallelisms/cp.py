@@ -36,6 +36,14 @@ sequence and nothing else (no document masking, no sliding window). `apply_cp` t
 replaces cores that are exactly `CausalAttention`, and refuses subclasses, which may mask
 differently.
 
+Other models. A transformers model looks its attention function up by name
+(`config._attn_implementation`) in transformers' attention registry. `apply_cp` registers the
+context-parallel core there under "weft_context_parallel", gives each attention layer its own
+core, and points the model's config at it; the mask transformers would build is skipped, since
+the core is causal over global positions. Pass the global positions as `position_ids`. Models
+whose attention transformers does not dispatch, and hand-written ones, route their attention
+through weft's `CausalAttention` module to become context-parallel.
+
 Compilation. The core compiles with fullgraph=True (the all-gather is a traceable functional
 collective) once `shard_sequence` has run for the sequence length: it builds this rank's masks,
 which PyTorch cannot create inside a compiled region.
@@ -46,6 +54,8 @@ process group does, gloo included.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -55,6 +65,9 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from models.llama.model import CausalAttention
+from parallelisms.common import TransformError, refuse_data_parallel_model
+
+logger = logging.getLogger("weft")
 
 __all__ = ["ContextParallelAttention", "apply_cp", "load_balanced_indices", "shard_sequence"]
 
@@ -139,8 +152,9 @@ class ContextParallelAttention(nn.Module):
         self.cp_size = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q kᵀ / √d + causal mask) v, where k and v range over the whole sequence."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """softmax(q kᵀ · scale + causal mask) v, where k and v range over the whole sequence;
+        scale defaults to 1/√head_dim."""
         local_len = q.shape[-2]
         # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
         if k.shape[-2] != local_len or v.shape[-2] != local_len or local_len % 2:
@@ -160,6 +174,7 @@ class ContextParallelAttention(nn.Module):
                     k_all[..., :kv_len, :],
                     v_all[..., :kv_len, :],
                     attn_mask=_lower_right_causal_mask(chunk, kv_len),
+                    scale=scale,
                     enable_gqa=True,
                 )
             )
@@ -176,12 +191,18 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
-    """Replace every CausalAttention core in the model by ContextParallelAttention; return the model.
+    """Make the model's causal attention see the whole sequence across `cp_mesh`; return the model.
 
-    Any submodule attribute holding a `CausalAttention` is swapped, wherever it sits. A subclass
-    of `CausalAttention` is refused: the context-parallel core computes plain causal attention
-    only. Inputs must then be sharded with `shard_sequence`.
+    weft models: every `CausalAttention` core (wherever it sits) becomes a
+    `ContextParallelAttention`; a subclass is refused, as it may mask differently. transformers
+    models using "sdpa" or "eager" attention: their attention layers dispatch to the
+    context-parallel core through transformers' attention registry. Inputs must then be sharded
+    with `shard_sequence`, and its positions passed to the model.
+
+    Apply after float8 and tensor parallelism, before activation checkpointing, compile and
+    FSDP/DDP.
     """
+    refuse_data_parallel_model(model, "apply_cp")
     cores = [
         (parent, name, f"{parent_name}.{name}".lstrip("."), child)
         for parent_name, parent in model.named_modules()
@@ -189,13 +210,82 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         if isinstance(child, CausalAttention)
     ]
     if not cores:
-        raise ValueError(f"apply_cp found no CausalAttention core in {type(model).__name__}")
+        if _is_transformers_model(model):
+            return _apply_cp_transformers(model, cp_mesh)
+        raise TransformError(
+            "apply_cp", "model",
+            f"found no attention to make context-parallel in {type(model).__name__}: route its causal "
+            "attention through weft's CausalAttention module (models.llama.model), or use a transformers model",
+        )
     for _, _, path, core in cores:  # validate everything before changing anything
         if type(core) is not CausalAttention:
-            raise ValueError(
-                f"apply_cp cannot replace {path} ({type(core).__name__}): context parallelism supports only "
-                "the plain causal core CausalAttention"
+            raise TransformError(
+                "apply_cp", "model",
+                f"cannot replace {path} ({type(core).__name__}): context parallelism supports only the plain "
+                "causal core CausalAttention",
             )
     for parent, name, _, _ in cores:
         setattr(parent, name, ContextParallelAttention(cp_mesh))
+    logger.info(f"apply_cp: {len(cores)} attention cores see the whole sequence over cp_mesh size {cp_mesh.size()} "
+                "(K/V all-gather, load-balanced chunks)")
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers models
+# ---------------------------------------------------------------------------------------------
+
+_HF_ATTENTION = "weft_context_parallel"
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "_attn_implementation") and hasattr(model, "set_attn_implementation")
+
+
+def _apply_cp_transformers(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
+    """Point a transformers model's attention at weft's context-parallel core."""
+    config = model.config
+    current = config._attn_implementation
+    if current not in ("sdpa", "eager", _HF_ATTENTION):
+        raise TransformError(
+            "apply_cp", "model", f"{type(model).__name__} uses attention {current!r}; context parallelism "
+            "replaces 'sdpa' or 'eager' attention only"
+        )
+    for name in ("sliding_window", "attn_logit_softcapping", "attention_dropout"):
+        if getattr(config, name, None):
+            raise TransformError(
+                "apply_cp", "model", f"{type(model).__name__} sets {name}; the context-parallel core is plain causal"
+            )
+    layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx")]
+    if not layers or not all(m.is_causal for m in layers):
+        raise TransformError(
+            "apply_cp", "model", f"{type(model).__name__} has no causal attention layers (is_causal, layer_idx)"
+        )
+    _register_transformers_attention()
+    for layer in layers:
+        layer.context_parallel_core = ContextParallelAttention(cp_mesh)
+    model.set_attn_implementation(_HF_ATTENTION)
+    logger.info(f"apply_cp: {len(layers)} attention layers of {type(model).__name__} see the whole sequence over "
+                f"cp_mesh size {cp_mesh.size()} (K/V all-gather, load-balanced chunks)")
+    return model
+
+
+def _register_transformers_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_HF_ATTENTION, _transformers_attention)
+    AttentionMaskInterface.register(_HF_ATTENTION, _no_mask)
+
+
+def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature: [b, h, s, d] in, ([b, s, h, d], None) out."""
+    if dropout or kwargs.get("is_causal") is False:
+        raise ValueError("context-parallel attention is causal and has no dropout")
+    out = module.context_parallel_core(query, key, value, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The context-parallel core applies the causal mask over global positions itself."""
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -10,15 +11,11 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from parallelisms.common import TransformError, transformer_blocks
+
+logger = logging.getLogger("weft")
+
 RESHARD_POLICIES = ("default", "always", "never")
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model that keeps them in `model.layers` (a ModuleDict or ModuleList)."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-        raise ValueError(f"{type(model).__name__} has no `layers` container; pass its blocks explicitly")
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def apply_fsdp(
@@ -52,11 +49,12 @@ def apply_fsdp(
     modules, and before the model is materialised from the meta device.
     """
     if reshard_after_forward not in RESHARD_POLICIES:
-        raise ValueError(
-            f"parallelism.fsdp_reshard_after_forward: expected one of {', '.join(RESHARD_POLICIES)}, "
-            f"got {reshard_after_forward!r}"
+        raise TransformError(
+            "apply_fsdp",
+            "reshard_after_forward",
+            f"reshard_after_forward: expected one of {', '.join(RESHARD_POLICIES)}, got {reshard_after_forward!r}",
         )
-    blocks = transformer_blocks(model) if blocks is None else list(blocks)
+    blocks = transformer_blocks(model, "apply_fsdp", blocks)
     settings = dict(
         mesh=dp_mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -70,6 +68,15 @@ def apply_fsdp(
             reshard = reshard_after_forward == "always"
         fully_shard(block, reshard_after_forward=reshard, **settings)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **settings)
+    if dp_mesh.ndim == 2:
+        kind = f"hsdp over dp_mesh {tuple(dp_mesh.shape)} (replicate, shard)"
+    else:
+        kind = f"fsdp over dp_mesh size {dp_mesh.size()}"
+    logger.info(
+        f"apply_fsdp: {kind}: {len(blocks)} blocks and the root, reshard_after_forward={reshard_after_forward}, "
+        f"param_dtype={_dtype_name(param_dtype)}, reduce_dtype={_dtype_name(reduce_dtype)}"
+        + (", parameters offloaded to CPU" if cpu_offload else "")
+    )
     return model
 
 
@@ -81,4 +88,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     is materialised.
     """
     replicate(model, mesh=dp_mesh)
+    logger.info(f"apply_ddp: replicated over dp_mesh size {dp_mesh.size()}, gradients averaged after backward")
     return model
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -2,24 +2,52 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+import zlib
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+logger = logging.getLogger("weft")
 
-def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate the model's parameters and buffers on `device`, then call `model.init_weights(seed)`.
+InitFn = Callable[[nn.Module], None]
 
-    The model draws each parameter whole; `implicit_replication` lets that full tensor be copied
-    into a DTensor parameter, each rank keeping its own slice. So whatever transforms came
-    before, the weights equal those of a single-device model initialised with the same seed.
+
+def materialize(
+    model: nn.Module,
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    init: str | InitFn | None = None,
+) -> nn.Module:
+    """Allocate the model's parameters and buffers on `device`, then initialise them.
+
+    init None: the model's own `init_weights(seed=...)` if it has one (weft's Llama), else
+    "hf" for a transformers model (its `_init_weights`), else "reset_parameters".
+    init "reset_parameters": each module's own `reset_parameters()`.
+    init "hf": the transformers model's `_init_weights(module)`, module by module.
+    init a function: called as `init(module)` on every module, like `_init_weights`.
+
+    Every mode fills each parameter whole, then each rank keeps its slice (a DTensor parameter
+    takes the full tensor under `implicit_replication`), and the module-by-module modes seed
+    the random generator from (seed, module name). So whatever transforms came before, the
+    weights equal those of a single-device model initialised the same way with the same seed.
     Apply after all the transforms.
     """
     shared = _shared_parameters(model)
     model.to_empty(device=device)
     _retie(model, shared)
+    if init is None:
+        init = _default_init(model)
     with implicit_replication():
-        model.init_weights(seed=seed)
+        if init == "init_weights":
+            model.init_weights(seed=seed)
+        else:
+            _init_module_by_module(model, torch.device(device), seed, _module_init_fn(model, init))
     return model
 
 
@@ -45,3 +73,55 @@ def _retie(model: nn.Module, shared: list[list[tuple[nn.Module, str]]]) -> None:
         param = first._parameters[first_name]
         for module, name in others:
             module._parameters[name] = param
+
+
+def _default_init(model: nn.Module) -> str:
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights) and "seed" in inspect.signature(init_weights).parameters:
+        return "init_weights"
+    if callable(getattr(model, "_init_weights", None)) and hasattr(model, "config"):
+        return "hf"
+    return "reset_parameters"
+
+
+def _module_init_fn(model: nn.Module, init: str | InitFn) -> InitFn:
+    if callable(init):
+        return init
+    if init == "hf":
+        if not callable(getattr(model, "_init_weights", None)):
+            raise ValueError(f"materialize: init='hf' needs a transformers model; {type(model).__name__} has no _init_weights")
+        return model._init_weights
+    if init == "reset_parameters":
+        return _reset_parameters
+    raise ValueError(f"materialize: init must be None, 'init_weights', 'hf', 'reset_parameters' or a function, got {init!r}")
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    elif any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"materialize: {type(module).__name__} has parameters of its own but no reset_parameters(); "
+            "pass init=<function(module)>"
+        )
+
+
+@torch.no_grad()
+def _init_module_by_module(model: nn.Module, device: torch.device, seed: int, init_fn: InitFn) -> None:
+    """Run init_fn on each module with full-size stand-ins for its (possibly sharded) parameters,
+    under a generator seeded by (seed, module name), then copy each rank's slice in."""
+    devices = [device] if device.type == "cuda" else []
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        full = {n: torch.empty(p.shape, dtype=p.dtype, device=device) for n, p in params.items()}
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            for n, tensor in full.items():
+                module._parameters[n] = nn.Parameter(tensor, requires_grad=params[n].requires_grad)
+            try:
+                init_fn(module)
+            finally:
+                module._parameters.update(params)
+        for n, param in params.items():
+            param.copy_(full[n] if isinstance(param, DTensor) else full[n].to(param.device))

@@ -22,6 +22,7 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 class Meshes:
     """The world mesh and the (flattened) sub-meshes each transform works on."""
 
+    dims: "ParallelDims"
     world: DeviceMesh
     dp: DeviceMesh  # data loading: dp_replicate × dp_shard
     dp_cp: DeviceMesh  # loss averaging: dp_replicate × dp_shard × cp
@@ -44,7 +45,9 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def resolve(cls, *, dp_replicate: int, dp_shard: int, cp: int, tp: int, world_size: int) -> "ParallelDims":
+    def resolve(
+        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
+    ) -> "ParallelDims":
         """Fill in dp_shard = -1 as 'the rest of the world' and check the layout multiplies out."""
         for name, degree in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
             if degree < 1:
@@ -66,15 +69,9 @@ class ParallelDims:
             )
         return cls(dp_replicate, dp_shard, cp, tp, world_size)
 
-    def check_model(self, *, n_heads: int, n_kv_heads: int, seq_len: int, tie_embeddings: bool = False) -> None:
-        """Reject layouts the model shape cannot be split by."""
-        if self.tp > 1 and tie_embeddings:
-            raise LayoutError(f"parallelism.tp = {self.tp}: tensor parallelism does not support tied embeddings")
-        if n_heads % self.tp or n_kv_heads % self.tp:
-            raise LayoutError(
-                f"parallelism.tp = {self.tp} must divide the model's {n_heads} query heads and "
-                f"{n_kv_heads} key/value heads"
-            )
+    def check_seq_len(self, seq_len: int) -> None:
+        """Reject sequence lengths the layout cannot split (the model's own shape is checked by
+        the transforms themselves)."""
         if seq_len % (2 * self.cp) and self.cp > 1:
             raise LayoutError(
                 f"context parallelism needs training.seq_len divisible by 2·cp = {2 * self.cp}, got {seq_len}"
@@ -109,6 +106,7 @@ class ParallelDims:
         # HSDP shards inside a replica and all-reduces across replicas: a 2-D (replicate, shard) mesh.
         hsdp = dp_cp._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
         return Meshes(
+            dims=self,
             world=world,
             dp=world[("dp_replicate", "dp_shard")]._flatten("dp"),
             dp_cp=dp_cp,

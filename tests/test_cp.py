@@ -178,5 +178,5 @@ def test_errors_are_raised_identically_on_every_rank():
     assert "divisible by 2·cp = 4, got seq_len 30" in rank0["indivisible"]
     assert "got q 3, k 3, v 3" in rank0["odd"]
     assert "got q 4, k 6, v 6" in rank0["mismatch"]
-    assert "no CausalAttention" in rank0["no_core"]
+    assert "found no attention to make context-parallel" in rank0["no_core"]
     assert "core (SlidingWindowAttention)" in rank0["subclass"]

@@ -38,6 +38,8 @@ from float8 import (
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.materialize import materialize
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize
 from parallelisms.tp import apply_tp
 from tests.dist_utils import run_distributed
 
@@ -66,18 +68,25 @@ def block_names(args: ModelArgs, layers: Iterable[int] | None = None) -> list[st
 def test_block_linears_are_converted_and_output_is_kept(caplog):
     model = meta_model(SMALL)
     with caplog.at_level(logging.INFO, logger="weft"):
-        apply_float8(model, min_dim=16)
+        apply_float8(model, filter_fqns=["output"], min_dim=16)
     assert sorted(converted_modules(model)) == sorted(block_names(SMALL))
     assert type(model.output) is nn.Linear
     assert caplog.messages == [
-        "float8 (tensorwise): converted 14 linear layers, kept output (filter_fqns) in high precision"
+        "apply_float8 (tensorwise): converted 14 linear layers, kept output (filter_fqns) in high precision"
     ]
+
+
+def test_no_layer_is_kept_by_name_unless_asked():
+    """The library default filters no name: a transformers model's head is `lm_head`, not `output`."""
+    model = meta_model(SMALL)
+    apply_float8(model, min_dim=16)
+    assert sorted(converted_modules(model)) == sorted([*block_names(SMALL), "output"])
 
 
 def test_layers_whose_dims_are_not_multiples_of_16_are_kept():
     args = replace(SMALL, multiple_of=2)  # feed-forward hidden size 682
     model = meta_model(args)
-    apply_float8(model, min_dim=16)
+    apply_float8(model, filter_fqns=["output"], min_dim=16)
     assert args.ffn_hidden_dim % 16
     assert all(name.split(".")[2] == "attention" for name in converted_modules(model))
     assert not isinstance(model.layers["0"].feed_forward.w1, Float8Linear)
@@ -86,7 +95,7 @@ def test_layers_whose_dims_are_not_multiples_of_16_are_kept():
 def test_min_dim_keeps_small_layers(caplog):
     model = meta_model(SMALL)
     with caplog.at_level(logging.INFO, logger="weft"):
-        apply_float8(model, min_dim=256)  # wk and wv project to 4 heads × 32 = 128 features
+        apply_float8(model, filter_fqns=["output"], min_dim=256)  # wk and wv project to 4 heads × 32 = 128 features
     expected = [n for n in block_names(SMALL) if not n.endswith(("wk", "wv"))]
     assert sorted(converted_modules(model)) == sorted(expected)
     assert "layers.*.attention.wk, layers.*.attention.wv (a dim below min_dim 256)" in caplog.messages[0]
@@ -192,14 +201,11 @@ def train(model: nn.Module, steps: int) -> list[float]:
     return losses
 
 
-def build(float8: str | None, *, tp_mesh=None, float8_tp: bool = False) -> Transformer:
+def build(float8: str | None, meshes=None) -> Transformer:
     """The training model, built as train.py builds it: meta device, transforms, then weights."""
     model = meta_model(TRAIN_ARGS)
-    if float8 is not None:
-        apply_float8(model, recipe=float8, min_dim=16)
-    if tp_mesh is not None:
-        tp_options = {"float8_all_gather": True} if float8_tp else {}
-        apply_tp(model, tp_mesh, loss_parallel=False, **tp_options)
+    parallelize(model, meshes, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
+                loss_parallel=False, param_dtype=torch.float32)
     materialize(model, "cpu", seed=0)
     return model
 
@@ -237,9 +243,10 @@ def one_rank_gloo_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _train_float8_tp(float8_tp: bool) -> list[float]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return train(build("tensorwise", tp_mesh=mesh, float8_tp=float8_tp), TP_STEPS)
+def _train_float8_tp() -> list[float]:
+    world_size = dist.get_world_size()
+    dims = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, world_size=world_size)
+    return train(build("tensorwise", dims.build_mesh("cpu")), TP_STEPS)
 
 
 def _gloo_all_gathers_float8() -> bool:
@@ -254,7 +261,7 @@ def _gloo_all_gathers_float8() -> bool:
 
 def _on_two_gloo_ranks() -> dict:
     """Worker: float8 training losses under tp = 2, and whether gloo can all-gather float8."""
-    return {"tp_losses": _train_float8_tp(False), "gloo_all_gathers_float8": _gloo_all_gathers_float8()}
+    return {"tp_losses": _train_float8_tp(), "gloo_all_gathers_float8": _gloo_all_gathers_float8()}
 
 
 @pytest.fixture(scope="module")
@@ -282,8 +289,12 @@ def test_float8_with_tensor_parallel_matches_single_device(two_gloo_ranks, float
 def test_float8_tensor_parallel_styles_through_apply_tp(float8_losses):
     """apply_tp(float8_all_gather=True) wires torchao's float8 styles into the plan. Gloo cannot
     all-gather float8, so this runs on one rank: every style is accepted and the numbers match."""
+    model = meta_model(TRAIN_ARGS)
+    apply_float8(model, filter_fqns=["output"], min_dim=16)
     with one_rank_gloo_group():
-        losses = _train_float8_tp(float8_tp=True)
+        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+        materialize(model, "cpu", seed=0)
+        losses = train(model, TP_STEPS)
     assert losses == pytest.approx(float8_losses, rel=TP_RTOL)
 
 

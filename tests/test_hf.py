@@ -263,7 +263,7 @@ def save_fsdp_checkpoint(folder: str, seed: int) -> None:
     with torch.device("meta"):
         model = Transformer(TINY)
     apply_fsdp(model, mesh, param_dtype=torch.float32)
-    materialize(model, "cpu", seed)
+    materialize(model, "cpu", seed=seed)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
     if dist.get_rank() == 0:
         (Path(folder) / "COMPLETE").write_text("done\n")

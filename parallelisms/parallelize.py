@@ -1,0 +1,101 @@
+"""The one order in which weft's transforms compose. train.py, the benchmarks, the dry run and
+the tests all build their models through `parallelize`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from parallelisms.ac import apply_ac
+from parallelisms.common import TransformError
+from parallelisms.compile import apply_compile
+from parallelisms.cp import apply_cp
+from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.parallel_dims import Meshes
+from parallelisms.tp import Plan, apply_tp
+
+
+def parallelize(
+    model: nn.Module,
+    meshes: Meshes | None,
+    *,
+    blocks: Iterable[nn.Module] | None = None,
+    float8_recipe: str | None = None,
+    float8_filter_fqns: Iterable[str] = (),
+    float8_min_dim: int | None = None,
+    float8_fsdp_all_gather: bool = False,
+    float8_tp_all_gather: bool = False,
+    tp_plan: Plan | None = None,
+    loss_parallel: bool = True,
+    ac_mode: str = "none",
+    ac_selective_option: str = "op",
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Apply every transform the arguments ask for, in the one order that composes; return the model.
+
+    meshes: from `ParallelDims.build_mesh`; None for one device (float8, AC and compile only).
+    A degree of 1 skips its transform. Each transform logs one line saying what it did.
+    Then call `materialize` (a meta-device model) or load weights.
+    """
+    dims = meshes.dims if meshes is not None else None
+    blocks = list(blocks) if blocks is not None else None
+    if compile and dims is not None and dims.tp > 1 and torch_has_tp_compile_bug():
+        raise TransformError(
+            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
+            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
+            "compile or tensor parallelism"
+        )
+    # float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
+    # FSDP all-gathers in float8; both must find the float8 layers in place.
+    if float8_recipe is not None:
+        from float8 import DEFAULT_MIN_DIM, apply_float8
+
+        apply_float8(
+            model,
+            recipe=float8_recipe,
+            filter_fqns=float8_filter_fqns,
+            enable_fsdp_float8_all_gather=float8_fsdp_all_gather,
+            min_dim=DEFAULT_MIN_DIM if float8_min_dim is None else float8_min_dim,
+        )
+    # Tensor parallelism next: it turns weights into DTensor shards, and everything after must
+    # wrap the parallel modules, not the plain ones.
+    if dims is not None and dims.tp > 1:
+        apply_tp(model, meshes.tp, tp_plan, loss_parallel=loss_parallel, float8_all_gather=float8_tp_all_gather)
+    # Context parallelism swaps the attention core, whatever split the weights have.
+    if dims is not None and dims.cp > 1:
+        apply_cp(model, meshes.cp)
+    # Activation checkpointing wraps each block's forward, so recomputation replays the parallel
+    # forward, its TP and CP collectives included.
+    apply_ac(model, ac_mode, ac_selective_option, blocks)
+    # Compile traces the checkpointed, parallel block (one graph reused by every block).
+    if compile:
+        apply_compile(model, blocks, backend=compile_backend)
+    # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
+    # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
+    if dims is not None and dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            meshes.fsdp,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            blocks=blocks,
+        )
+    elif dims is not None and dims.ddp_enabled:
+        apply_ddp(model, meshes.dp_replicate)
+    return model
+
+
+def torch_has_tp_compile_bug() -> bool:
+    """torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
+    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
+    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
+    return torch.__version__.startswith("2.13")
