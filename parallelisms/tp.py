@@ -69,9 +69,9 @@ def apply_tp(
     block_plan = {
         "attention_norm": SequenceParallel(),
         # Attention and the feed-forward need the whole sequence: gather it at their entrance.
-        # Rotary cos/sin (the attention's other inputs) are plain tensors and pass through.
+        # The rotary rotations (the attention's other input) are a plain tensor and pass through.
         "attention": prepare_input(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
         "attention.wq": colwise(),
         "attention.wk": colwise(),
