@@ -280,9 +280,10 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
     return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
 
 
-def measure(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh: DeviceMesh | None,
-            opts: argparse.Namespace, run_id: str) -> Row:
-    """Build one configuration, train it, and measure it."""
+def build_config(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh: DeviceMesh | None,
+                 opts: argparse.Namespace) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model of one configuration, and its forward (tokens -> logits), under autocast for the
+    autocast_* and hf_* rows."""
     kind, mode = config.rsplit("_", 1)
     compile = mode == "compile"
     if kind == "hf":
@@ -293,11 +294,20 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh:
         model = build_weft_model(model_args, device, fsdp_mesh=None if kind == "autocast" else fsdp_mesh,
                                  compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim)
         call = model
-    forward = call
-    if kind in ("hf", "autocast"):
-        def forward(tokens: torch.Tensor) -> torch.Tensor:
-            with torch.autocast(device.type, torch.bfloat16):
-                return call(tokens)
+    if kind not in ("hf", "autocast"):
+        return model, call
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, torch.bfloat16):
+            return call(tokens)
+
+    return model, forward
+
+
+def measure(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh: DeviceMesh | None,
+            opts: argparse.Namespace, run_id: str) -> Row:
+    """Build one configuration, train it, and measure it."""
+    model, forward = build_config(config, model_args, device, fsdp_mesh, opts)
     optimizer = build_optimizer(model, Optimizer(implementation="fused"))
     generator = torch.Generator(device=device).manual_seed(0)
     batches = [torch.randint(0, model_args.vocab_size, (opts.batch_size, opts.seq_len + 1), device=device,
