@@ -13,6 +13,8 @@ import train
 from components.config import ConfigError, parse_args
 from components.distributed import init_fake_distributed, is_fake_distributed
 from models.llama import LLAMA_FLAVORS, Transformer
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import ParallelDims
 
 
 def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:
@@ -45,6 +47,20 @@ def test_rank0_of_a_layout_runs_and_holds_its_share(tmp_path, monkeypatch, world
     assert local == expected_local_numel(world_size, tp)
     total = sum(p.numel() for p in Transformer(LLAMA_FLAVORS["debugmodel"]).parameters())
     assert sum(local.values()) == pytest.approx(total / world_size, rel=1e-3)
+
+
+def test_fake_group_with_meta_model_sizes_a_big_layout_without_memory():
+    """The reusable part (a dry run builds on it): llama3_8b as rank 0 of FSDP 8 on the meta device."""
+    init_fake_distributed(8)
+    try:
+        dims = ParallelDims.resolve(dp_replicate=1, dp_shard=-1, cp=1, tp=1, world_size=8)
+        with torch.device("meta"):
+            model = Transformer(LLAMA_FLAVORS["llama3_8b"])
+        apply_fsdp(model, dims.build_mesh("cpu").fsdp)
+        local = sum(p.to_local().numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    assert local * 8 == 8_030_261_248  # the published parameter count, an eighth on each rank
 
 
 def test_fake_group_is_rank0_of_n_and_collectives_do_nothing():
