@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     run_id = opts.run_id or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if opts.out is None:
         opts.out = Path(tempfile.mkdtemp()) / "gpu_throughput.jsonl"
+    opts.out = opts.out.resolve()  # the rows' processes run in the repository root
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     if opts.child:
         run_rows_here(opts.configs, opts, run_id, opts.layers)
