@@ -88,7 +88,8 @@ def main() -> None:
           f"AdamW {implementation}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"aten ops per step: {sum(counts.values())}  (mul {counts['mul']}, add {counts['add']}, "
           f"sub {counts['sub']}, stack {counts['stack']}, _local_scalar_dense {counts['_local_scalar_dense']})")
-    print(f"step time: median {1000 * statistics.median(seconds):.1f} ms over {len(seconds)} steps")
+    print(f"step time: median {1000 * statistics.median(seconds):.1f} ms, min {1000 * min(seconds):.1f} ms "
+          f"over {len(seconds)} steps")
     for name, n in counts.most_common(args.top):
         print(f"  {n:5d}  aten::{name}")
 

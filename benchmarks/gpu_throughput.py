@@ -429,8 +429,8 @@ def run_rows_isolated(argv: list[str], opts: argparse.Namespace, run_id: str, la
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=opts.row_timeout)
             failure = f"exit code {result.returncode}: " + (result.stderr.strip().splitlines() or [""])[-1]
             output = result.stdout
-        except subprocess.TimeoutExpired as timeout:
-            failure, output = f"killed after {opts.row_timeout:.0f} s", timeout.stdout or ""
+        except subprocess.TimeoutExpired as timeout:  # its captured output comes as bytes
+            failure, output = f"killed after {opts.row_timeout:.0f} s", (timeout.stdout or b"").decode(errors="replace")
         if output.strip():
             print(output.rstrip("\n"), flush=True)
         if len(read_rows(opts.out, run_id)) == written_before:  # the process died before writing its row
