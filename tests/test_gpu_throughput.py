@@ -97,3 +97,21 @@ def test_dry_run_compiled_rows_each_in_its_own_process(tmp_path):
         ("bf16_compile", "ok"), ("autocast_compile", "ok"), ("hf_compile", "ok")]
     assert all(row["sdpa_backends"] == ["flash (cpu)"] for row in rows)
     assert set(summary["ratios"]) == {"bf16_compile", "hf_compile"}
+
+
+def test_a_row_whose_process_dies_gets_an_error_line(tmp_path, monkeypatch):
+    """The parent writes the line a killed row's process could not (no real process is started)."""
+    out = tmp_path / "rows.jsonl"
+    commands = []
+
+    def killed(command, **kwargs):
+        commands.append(command)
+        return __import__("subprocess").CompletedProcess(command, -9, stdout="", stderr="loading\nKilled")
+
+    monkeypatch.setattr(bench.subprocess, "run", killed)
+    opts = bench.parse_args(["--dry-run", "--configs", "bf16_eager", "hf_eager", "--out", str(out)])
+    bench.run_rows_isolated(["--dry-run"], opts, "r1", layers=1)
+    rows = bench.read_rows(out, "r1")
+    assert [(r["config"], r["status"], r["reason"]) for r in rows] == [
+        ("bf16_eager", "error", "exit code -9: Killed"), ("hf_eager", "error", "exit code -9: Killed")]
+    assert all(c[c.index("--configs") + 1] in ("bf16_eager", "hf_eager") and "--child" in c for c in commands)
