@@ -4,9 +4,12 @@ written as it is measured, one failing row loses that row only, ratios stay with
 from __future__ import annotations
 
 import json
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from benchmarks import gpu_throughput as bench
@@ -70,8 +73,8 @@ def test_default_layers_is_the_most_that_fits():
     args = LLAMA_FLAVORS["llama3_8b"]
     seq, gib = 8192, 2**30
     # Independent count: parameters per block from two model sizes.
-    with __import__("torch").device("meta"):
-        one, two = (sum(p.numel() for p in Transformer(bench.replace(args, n_layers=n)).parameters())
+    with torch.device("meta"):
+        one, two = (sum(p.numel() for p in Transformer(replace(args, n_layers=n)).parameters())
                     for n in (1, 2))
     block, other = two - one, 2 * one - two
     kv = args.kv_heads * args.head_dim
@@ -106,7 +109,7 @@ def test_a_row_whose_process_dies_gets_an_error_line(tmp_path, monkeypatch):
 
     def killed(command, **kwargs):
         commands.append(command)
-        return __import__("subprocess").CompletedProcess(command, -9, stdout="", stderr="loading\nKilled")
+        return subprocess.CompletedProcess(command, -9, stdout="", stderr="loading\nKilled")
 
     monkeypatch.setattr(bench.subprocess, "run", killed)
     opts = bench.parse_args(["--dry-run", "--configs", "bf16_eager", "hf_eager", "--out", str(out)])
