@@ -76,6 +76,9 @@ class Job:
     dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints",
                            check=_NOT_EMPTY)
     description: str = opt("", "Free text shown in the startup summary")
+    simulate_world_size: int = opt(
+        0, "Run rank 0 of a job of this many ranks in this one process, collectives faked: its memory and step "
+           "time are real, its losses meaningless (0: off)", min=0)
 
 
 @dataclass

@@ -40,7 +40,8 @@ def parallelize(
 ) -> nn.Module:
     """Apply every transform the arguments ask for, in the one order that composes; return the model.
 
-    meshes: from `ParallelDims.build_mesh`; None for one device (float8, AC and compile only).
+    meshes: from `ParallelDims.build_mesh`; None for one plain device (float8, AC and compile
+    only); meshes of one rank add FSDP over it, for mixed precision.
     A degree of 1 skips its transform. Each transform logs one line saying what it did.
     Then call `materialize` (a meta-device model) or load weights.
     """
@@ -79,7 +80,8 @@ def parallelize(
         apply_compile(model, blocks, backend=compile_backend)
     # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
     # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
-    if dims is not None and dims.fsdp_enabled:
+    # Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master).
+    if dims is not None and (dims.fsdp_enabled or dims.world_size == 1):
         apply_fsdp(
             model,
             meshes.fsdp,
