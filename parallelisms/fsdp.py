@@ -40,10 +40,10 @@ def apply_fsdp(
     (FULL_SHARD); "never" keeps them until backward (SHARD_GRAD_OP: more memory, less
     communication); "default" frees all but the last block, whose backward comes first.
 
-    cast_forward_inputs is off by default: on, FSDP casts every floating input of each block to
-    `param_dtype`, the fp32 rotary cos/sin included, which the other layouts keep in fp32
-    (parallelisms/precision.py); the hidden state is already in `param_dtype`, as it comes out
-    of the embedding computed with `param_dtype` weights.
+    cast_forward_inputs is off by default: on, FSDP casts every real floating input of each
+    block to `param_dtype`, real-valued rotary tables included, which every layout keeps in
+    full precision (parallelisms/precision.py); the hidden state is already in `param_dtype`,
+    as it comes out of the embedding computed with `param_dtype` weights.
 
     Apply after tensor parallelism, activation checkpointing and compile, which must see plain
     modules, and before the model is materialised from the meta device.

@@ -2,7 +2,7 @@
 mixed_precision_param = bfloat16 the matmuls run in bf16 and the rotary embedding in fp32,
 whether the run is on one device, DDP, TP or FSDP. bf16 runs on CPU, so this is checked here by
 recording, during one real training step, the dtype each Linear produces and the dtype of the
-cos/sin tables the rotary embedding receives."""
+rotary tables (cos/sin, or complex rotations) the rotary embedding receives."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ import train
 from components.config import parse_args
 from models.llama import model as llama_model
 from tests.dist_utils import run_distributed
+
+# The rotary tables are real fp32 cos/sin or complex64 rotations, depending on the model version.
+FULL_PRECISION = {torch.float32: "full precision", torch.complex64: "full precision"}
 
 LAYOUTS = {
     "single": [],
@@ -35,9 +38,9 @@ def dtypes_in_one_step(dump: str, layout: str) -> dict[str, set[str]]:
 
     real_rotary = llama_model.apply_rotary_emb
 
-    def recording_rotary(x, cos, sin):
-        seen["rotary_tables"].update({str(cos.dtype), str(sin.dtype)})
-        return real_rotary(x, cos, sin)
+    def recording_rotary(x, *tables):
+        seen["rotary_tables"].update(FULL_PRECISION.get(t.dtype, str(t.dtype)) for t in tables)
+        return real_rotary(x, *tables)
 
     hook = nn.modules.module.register_module_forward_hook(on_forward)
     llama_model.apply_rotary_emb = recording_rotary
@@ -57,7 +60,7 @@ def distributed_layouts(dump: str) -> dict[str, dict[str, set[str]]]:
     return {layout: dtypes_in_one_step(dump, layout) for layout in ("ddp", "tp", "fsdp")}
 
 
-EXPECTED = {"matmul": {"torch.bfloat16"}, "rotary_tables": {"torch.float32"}}
+EXPECTED = {"matmul": {"torch.bfloat16"}, "rotary_tables": {"full precision"}}
 
 
 def test_single_device_computes_in_bf16_with_fp32_rotary(tmp_path):
