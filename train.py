@@ -36,6 +36,7 @@ from components.distributed import (
     init_distributed,
     launched_world_size,
     set_determinism,
+    simulation_warning,
 )
 from components.hf import load_hf_into_model
 from components.metrics import (
@@ -75,10 +76,13 @@ def train(cfg: JobConfig) -> list[float]:
     p, f8 = cfg.parallelism, cfg.float8
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
-    device = init_distributed()
+    #    With job.simulate_world_size this one process is rank 0 of that many, collectives faked.
+    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size)
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
+    if cfg.job.simulate_world_size:
+        logger.warning(simulation_warning(dims.world_size))
     for line in float8_warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
@@ -225,8 +229,10 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
             f"of model flavor {cfg.model.flavor}"
         )
     p = cfg.parallelism
+    check_simulation(cfg)
     dims = ParallelDims.resolve(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=launched_world_size()
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+        world_size=cfg.job.simulate_world_size or launched_world_size(),
     )
     dims.check_seq_len(cfg.training.seq_len)
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
@@ -301,6 +307,17 @@ def parallelize_model(model: torch.nn.Module, cfg: JobConfig, meshes, device: to
 def _setting(cfg: JobConfig, key: str) -> object:
     section, _, field = key.partition(".")
     return getattr(getattr(cfg, section, None), field, "?")
+
+
+def check_simulation(cfg: JobConfig) -> None:
+    """job.simulate_world_size plays rank 0 of a bigger job in one process: refuse what cannot work there."""
+    simulated, launched = cfg.job.simulate_world_size, launched_world_size()
+    if simulated and launched > 1:
+        raise ConfigError(f"job.simulate_world_size: simulates {simulated} ranks in one process; "
+                          f"run it as python train.py, not {launched} processes")
+    if simulated and (cfg.checkpoint.enable or cfg.checkpoint.initial_load_path):
+        raise ConfigError("job.simulate_world_size: checkpoints need real ranks (a fake rank would save or load "
+                          "garbage); set checkpoint.enable = false and checkpoint.initial_load_path = ''")
 
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:

@@ -1,30 +1,38 @@
 """Single-GPU training throughput: weft's Llama in bf16 and float8, against Hugging Face.
 
-A Llama-3-8B-shaped model (`llama3_8b` with fewer layers), one sequence of 8192 random tokens
-per step, AdamW, measured over steady-state steps (warm-up and compilation excluded, the
-device synchronised around every step). Configurations:
+A Llama-3-8B-shaped model (`llama3_8b` with as many blocks as fit, see `default_layers`), one
+sequence of 8192 random tokens per step. Every row trains with the same step: forward,
+cross-entropy on fp32 logits, backward, gradient clipping, fused AdamW over fp32 master
+weights, timed over steady-state steps (warm-up and compilation excluded, the device
+synchronised around every step). Rows (`<kind>_<eager|compile>`, compile = each decoder
+block compiled on its own):
 
-  bf16_eager                  weft model under FSDP2 on a 1-GPU mesh: fp32 master weights,
-                              bf16 compute (MixedPrecisionPolicy param bf16, reduce fp32)
-  bf16_compile                the same, each block compiled (parallelisms.compile.apply_compile)
-  float8_tensorwise_compile   bf16_compile with every linear but `output` in float8, tensorwise
-  float8_rowwise_compile      the same, rowwise scaling
-  hf_compile                  transformers LlamaForCausalLM of the same shape: bf16 weights and
-                              optimizer state, sdpa attention, torch.compile of the whole model
+  bf16_*                     weft under FSDP2 on a one-rank mesh: bf16 compute through FSDP's
+                             MixedPrecisionPolicy (param bf16, reduce fp32), the path every
+                             multi-GPU run takes (with one rank the all-gather is a copy)
+  float8_tensorwise_*        bf16_* with every linear but `output` in float8 (torchao), tensorwise
+  float8_rowwise_*           the same, rowwise scaling
+  autocast_*                 weft as train.py runs it on one GPU: no FSDP, fp32 weights, forward
+                             under torch.autocast(bf16)
+  hf_*                       transformers' LlamaForCausalLM of the same shape and the same recipe
+                             as autocast_*: fp32 weights, bf16 autocast, sdpa attention, fused
+                             AdamW, each decoder layer compiled on its own (compiling the whole
+                             model makes transformers build a dense causal mask, which loses the
+                             causal fused kernel and grouped-query attention)
 
-Why FSDP2 on a one-rank process group rather than autocast: it is the path weft trains on
-at any scale, so the rows measure what multi-GPU runs use (the all-gather of one rank is a
-copy), and torchao's float8 layers are built to compose with it. The float8 rows keep their
-weights' all-gather in bf16 (with one rank it moves nothing between devices).
+Honest by construction: by default each row runs in its own process (a crash, an OOM or a
+hang loses that row only), and each row is appended to the JSON-lines file --out as soon as it
+is measured. Each row reports tokens/s, the SDPA backend that actually ran (from the op names
+of one profiled step: flash, cudnn, efficient or math), peak allocated and reserved memory,
+allocator retries (cudaMalloc retried after freeing its cache: a sign of memory pressure that
+costs time) and MFU = tokens/s · (6·N + 12·L·H·Q·T) / peak bf16 FLOP/s, the formula of
+components.metrics.flops_per_token (N: parameters in matmuls, L layers, H heads of size Q, T
+tokens of context), for every row, float8 ones included. Ratios between rows are computed
+only between rows of the same run (one run id).
 
-MFU is model FLOPs (components.metrics.flops_per_token) over the GPU's dense bf16 peak, for
-every row, float8 ones included, so MFUs compare like tokens/s do. The HF row holds weights,
-gradients and AdamW state in bf16 (no fp32 master weights): its peak memory is lower by
-construction. Its rotary settings (theta, scaling) are HF's defaults: they change frequencies, not cost.
-
-Run from the repository root:
-  python -m benchmarks.gpu_throughput --out benchmarks/results/gpu_throughput.json
-  python -m benchmarks.gpu_throughput --dry-run     # CPU, tiny shapes: checks the code end to end
+Run from the repository root (no install needed: PYTHONPATH=.):
+  PYTHONPATH=. python -m benchmarks.gpu_throughput --out benchmarks/results/gpu_throughput.jsonl
+  PYTHONPATH=. python -m benchmarks.gpu_throughput --dry-run    # CPU, tiny shapes: the code end to end
 """
 
 from __future__ import annotations
@@ -33,60 +41,111 @@ import argparse
 import gc
 import importlib.util
 import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+os.environ.setdefault("KINETO_LOG_LEVEL", "3")  # the profiler (SDPA backend probe) prints stage lines otherwise
 
-from components.metrics import count_parameters, device_peak_flops, flops_per_token, peak_memory_gib, setup_logging
-from float8 import DEFAULT_MIN_DIM, apply_float8, check_float8_support
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from parallelisms.compile import apply_compile
-from parallelisms.fsdp import apply_fsdp
-from parallelisms.materialize import materialize
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
-CONFIGS = ("bf16_eager", "bf16_compile", "float8_tensorwise_compile", "float8_rowwise_compile", "hf_compile")
+from components.config import Optimizer  # noqa: E402
+from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
+from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
+from float8 import DEFAULT_MIN_DIM, apply_float8, check_float8_support  # noqa: E402
+from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
+from parallelisms.compile import apply_compile  # noqa: E402
+from parallelisms.fsdp import apply_fsdp  # noqa: E402
+from parallelisms.materialize import materialize  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
+CONFIGS = tuple(f"{kind}_{mode}" for kind in KINDS for mode in ("eager", "compile"))
+# The rows of a full run; bf16_compile twice, first and last, to show the run-to-run noise.
+DEFAULT_CONFIGS = ("bf16_compile", "bf16_eager", "float8_tensorwise_compile", "float8_rowwise_compile",
+                   "autocast_compile", "hf_compile", "bf16_compile")
+TARGETS = (  # (what, row, baseline row or None for MFU, target)
+    ("bf16 + compile MFU %", "bf16_compile", None, 50.0),
+    ("float8 tensorwise + compile / bf16 + compile", "float8_tensorwise_compile", "bf16_compile", 1.35),
+    ("weft autocast + compile / transformers (same recipe)", "autocast_compile", "hf_compile", 1.3),
+    ("weft bf16 + compile (FSDP) / transformers", "bf16_compile", "hf_compile", 1.3),
+)
+# Names of the aten ops scaled_dot_product_attention dispatches to, by backend.
+SDPA_OPS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_attention_math": "math",
+    "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
 
 
 @dataclass
 class Row:
-    """One configuration's measurements; MFU and the ratios are filled in once all rows are in."""
+    """One configuration's measurements (one JSON line). status: ok, skipped or error."""
 
+    run_id: str
     config: str
-    tokens_per_s: float  # over the timed steps: their tokens / their total time
-    peak_gib: float | None  # None on CPU
-    warmup_step_s: list[float]
-    step_s: list[float]
-    mfu_percent: float | None = None  # None where the device's peak is unknown
-    vs_bf16_eager: float | None = None  # tokens/s ratios; None where that row is missing
-    vs_hf: float | None = None
+    status: str
+    reason: str = ""
+    tokens_per_s: float | None = None  # over the timed steps: their tokens / their total time
+    median_step_s: float | None = None
+    mfu_percent: float | None = None  # None where the device's peak is unknown (CPU)
+    sdpa_backends: list[str] = field(default_factory=list)
+    peak_allocated_gib: float | None = None  # None on CPU
+    peak_reserved_gib: float | None = None
+    alloc_retries: int | None = None
+    warmup_step_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --dry-run changes the defaults to tiny CPU settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="llama3_8b", choices=sorted(LLAMA_FLAVORS))
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (the flavor's shapes otherwise)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer blocks (default: as many as fit in free GPU memory, see default_layers)")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3, help="steps run before timing (compilation happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIGS,
+                        help="rows, in order; a row named twice is measured twice")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--float8-min-dim", type=int, default=DEFAULT_MIN_DIM,
                         help="linear layers with a smaller dimension stay in bf16")
-    parser.add_argument("--out", type=Path, help="write the table and per-step timings here as JSON")
+    parser.add_argument("--no-hf-fullgraph", dest="hf_fullgraph", action="store_false",
+                        help="let transformers' compiled decoder layers break into several graphs "
+                             "(if its version does not trace in one)")
+    parser.add_argument("--out", type=Path, help="append each row here as one JSON line (default: a temporary file)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every row in this process, each exception caught (default: one process per row)")
+    parser.add_argument("--row-timeout", type=float, default=1800, help="seconds before a row's process is killed")
     parser.add_argument("--dry-run", action="store_true",
-                        help="defaults for a quick CPU check: debugmodel, 1 layer, seq-len 256, 1 warm-up + 2 "
+                        help="defaults for a quick CPU check: debugmodel, 1 layer, seq-len 128, 1 warm-up + 2 "
                              "timed steps, float8-min-dim 16 (options given explicitly still win)")
+    parser.add_argument("--run-id", default=None, help=argparse.SUPPRESS)  # set by the parent for its rows
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one row, no summary
     if parser.parse_known_args(argv)[0].dry_run:
-        parser.set_defaults(device="cpu", flavor="debugmodel", layers=1, seq_len=256, warmup=1, steps=2,
+        parser.set_defaults(device="cpu", flavor="debugmodel", layers=1, seq_len=128, warmup=1, steps=2,
                             float8_min_dim=16)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -94,28 +153,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def model_shape(opts: argparse.Namespace, layers: int) -> ModelArgs:
+    flavor = LLAMA_FLAVORS[opts.flavor]
+    return replace(flavor, n_layers=layers, max_seq_len=max(opts.seq_len, flavor.max_seq_len))
 
 
-def build_weft(model_args: ModelArgs, mesh: DeviceMesh, *, compile: bool, float8_recipe: str | None,
-               float8_min_dim: int) -> nn.Module:
-    """The weft model as train.py builds it: float8, compile, FSDP on meta, then weights."""
+def default_layers(model_args: ModelArgs, seq_len: int, batch_size: int, free_bytes: int,
+                   headroom: float = 0.85) -> int:
+    """How many blocks of this shape fit in `free_bytes` with this benchmark's recipe (at least 1).
+
+    An estimate of the peak, without activation checkpointing, for the hungriest rows (autocast):
+      each parameter  18 bytes: fp32 weight, gradient and two AdamW moments (16), and the bf16
+                      copy the matmuls use, kept for backward (2)
+      each block      its parameters, plus the activations saved for backward: about
+                      32·dim + 4·kv_dim + 8·ffn bytes per token (fp32 residual stream and norms,
+                      bf16 casts of each matmul's input, q/k/v, attention output, SwiGLU)
+      once            the embedding and output parameters, plus 10 bytes per logit (bf16 logits,
+                      their fp32 copy and its log-softmax)
+    within `headroom` of the free memory (the rest: allocator slack, library workspaces).
+    llama3_8b at seq 8192: 6 blocks on an H100 (78 GiB free), 16 on an H200 (139 GiB free).
+    """
+    tokens = seq_len * batch_size
+    block_params, other_params = block_and_other_parameters(model_args)
+    kv_dim = model_args.kv_heads * model_args.head_dim
+    per_block = 18 * block_params + tokens * (32 * model_args.dim + 4 * kv_dim + 8 * model_args.ffn_hidden_dim)
+    fixed = 18 * other_params + 10 * tokens * model_args.vocab_size
+    return max(1, int((headroom * free_bytes - fixed) // per_block))
+
+
+def block_and_other_parameters(model_args: ModelArgs) -> tuple[int, int]:
+    """Parameters of one transformer block, and of everything else (embedding, final norm, output)."""
+    with torch.device("meta"):
+        model = Transformer(replace(model_args, n_layers=1))
+    block = count_parameters(model.layers["0"])
+    return block, count_parameters(model) - block
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the models
+# ---------------------------------------------------------------------------------------------
+
+
+def build_weft_model(model_args: ModelArgs, device: torch.device, *, fsdp_mesh: DeviceMesh | None, compile: bool,
+                     float8_recipe: str | None, float8_min_dim: int) -> nn.Module:
+    """The weft model as train.py builds it: float8, compile, FSDP (when given a mesh) on the meta
+    device, then weights on `device`.
+
+    TODO(merge): replace the transform calls below with the one composition function train.py
+    uses, `parallelisms.parallelize.parallelize(model, meshes, float8_recipe=..., float8_filter_fqns=
+    ("output",), float8_min_dim=..., compile=..., param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`,
+    so that a change to the recipe changes the benchmark. (A one-rank mesh must still get FSDP for
+    the bf16_* and float8_* rows.)
+    """
     with torch.device("meta"):
         model = Transformer(model_args)
     if float8_recipe is not None:
-        apply_float8(model, recipe=float8_recipe, min_dim=float8_min_dim)
+        apply_float8(model, recipe=float8_recipe, filter_fqns=("output",), min_dim=float8_min_dim)
     if compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    materialize(model, mesh.device_type, seed=0)  # on CUDA: the current device
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    materialize(model, device, seed=0)
     return model
 
 
-def build_hf(model_args: ModelArgs, device: torch.device, seq_len: int, n_params: int) -> nn.Module:
-    """transformers' LlamaForCausalLM of the same shape (checked by its parameter count): bf16
-    weights, sdpa attention, compiled whole."""
+def build_hf_model(model_args: ModelArgs, device: torch.device, *, seq_len: int, compile: bool,
+                   fullgraph: bool = True) -> nn.Module:
+    """transformers' LlamaForCausalLM of the same shape (checked by its parameter count): fp32
+    weights, sdpa attention, each decoder layer compiled on its own when `compile` (in one graph,
+    as weft's blocks are, unless not `fullgraph`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -132,146 +238,328 @@ def build_hf(model_args: ModelArgs, device: torch.device, seq_len: int, n_params
         use_cache=False,
     )
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    hf_params = sum(p.numel() for p in model.parameters())
+        model = LlamaForCausalLM(config)
+    with torch.device("meta"):
+        n_params = count_parameters(Transformer(model_args))
+    hf_params = count_parameters(model)
     if hf_params != n_params:
         raise RuntimeError(f"the transformers model has {hf_params:,} parameters, weft's {n_params:,}")
-    return torch.compile(model)
+    if compile:
+        for layer in model.model.layers:
+            layer.compile(fullgraph=fullgraph)
+    return model
 
 
-def time_training(forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module, *, vocab_size: int,
-                  batch_size: int, seq_len: int, warmup: int, steps: int,
-                  device: torch.device) -> tuple[list[float], list[float]]:
-    """Seconds of each warm-up step and each timed step: forward, loss, backward, AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator(device=device).manual_seed(0)
-    times = []
-    for _ in range(warmup + steps):
-        tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), device=device, generator=generator)
-        synchronize(device)
-        start = time.perf_counter()
-        logits = forward(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times[:warmup], times[warmup:]
+# ---------------------------------------------------------------------------------------------
+# Measuring one row
+# ---------------------------------------------------------------------------------------------
 
 
-def run_config(config: str, model_args: ModelArgs, n_params: int, mesh: DeviceMesh, device: torch.device,
-               opts: argparse.Namespace) -> Row:
-    """Build one configuration on `device` (the mesh's), train it, and measure it."""
-    if config == "hf_compile":
-        model = build_hf(model_args, device, opts.seq_len, n_params)
-        forward = lambda tokens: model(input_ids=tokens).logits  # noqa: E731
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def training_step(forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module,
+                  optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    """train.py's step: forward, fp32 cross-entropy, backward, clipping at norm 1, AdamW."""
+    logits = forward(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sdpa_backends(step: Callable[[], None]) -> list[str]:
+    """The SDPA backends one call of `step` ran, from the aten op names the profiler records
+    (compiled code calls the same ops)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    names = {event.key.removeprefix("aten::") for event in prof.key_averages()}
+    return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
+
+
+def build_config(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh: DeviceMesh | None,
+                 opts: argparse.Namespace) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model of one configuration, and its forward (tokens -> logits), under autocast for the
+    autocast_* and hf_* rows."""
+    kind, mode = config.rsplit("_", 1)
+    compile = mode == "compile"
+    if kind == "hf":
+        model = build_hf_model(model_args, device, seq_len=opts.seq_len, compile=compile, fullgraph=opts.hf_fullgraph)
+        call = lambda tokens: model(input_ids=tokens).logits  # noqa: E731
     else:
-        recipe = config.split("_")[1] if config.startswith("float8") else None
-        model = build_weft(model_args, mesh, compile=config.endswith("compile"), float8_recipe=recipe,
-                           float8_min_dim=opts.float8_min_dim)
-        forward = model
+        recipe = kind.removeprefix("float8_") if kind.startswith("float8") else None
+        model = build_weft_model(model_args, device, fsdp_mesh=None if kind == "autocast" else fsdp_mesh,
+                                 compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim)
+        call = model
+    if kind not in ("hf", "autocast"):
+        return model, call
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, torch.bfloat16):
+            return call(tokens)
+
+    return model, forward
+
+
+def measure(config: str, model_args: ModelArgs, device: torch.device, fsdp_mesh: DeviceMesh | None,
+            opts: argparse.Namespace, run_id: str) -> Row:
+    """Build one configuration, train it, and measure it."""
+    model, forward = build_config(config, model_args, device, fsdp_mesh, opts)
+    optimizer = build_optimizer(model, Optimizer(implementation="fused"))
+    generator = torch.Generator(device=device).manual_seed(0)
+    batches = [torch.randint(0, model_args.vocab_size, (opts.batch_size, opts.seq_len + 1), device=device,
+                             generator=generator) for _ in range(2)]  # two batches, alternated
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warmup_s, step_s = time_training(forward, model, vocab_size=model_args.vocab_size, batch_size=opts.batch_size,
-                                     seq_len=opts.seq_len, warmup=opts.warmup, steps=opts.steps, device=device)
-    tokens_per_s = opts.batch_size * opts.seq_len * len(step_s) / sum(step_s)
-    peak = peak_memory_gib(device) if device.type == "cuda" else None  # CPU: no per-configuration peak
-    return Row(config, tokens_per_s, peak, warmup_s, step_s)
+        retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    times = []
+    for i in range(opts.warmup + opts.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        training_step(forward, model, optimizer, batches[i % 2])
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    row = Row(run_id, config, "ok", warmup_step_s=times[:opts.warmup], step_s=times[opts.warmup:])
+    row.tokens_per_s = opts.batch_size * opts.seq_len * len(row.step_s) / sum(row.step_s)
+    row.median_step_s = statistics.median(row.step_s)
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        row.peak_allocated_gib = stats["allocated_bytes.all.peak"] / 2**30
+        row.peak_reserved_gib = stats["reserved_bytes.all.peak"] / 2**30
+        row.alloc_retries = stats.get("num_alloc_retries", 0) - retries_before
+    row.sdpa_backends = sdpa_backends(lambda: training_step(forward, model, optimizer, batches[0]))
+    peak_flops = device_peak_flops(device)
+    if peak_flops is not None:
+        with torch.device("meta"):
+            n_params = count_parameters(Transformer(model_args))
+        row.mfu_percent = 100 * row.tokens_per_s * flops_per_token(model_args, n_params, opts.seq_len) / peak_flops
+    return row
 
 
-def reasons_to_skip(configs: list[str], device: torch.device) -> dict[str, str]:
-    """Configurations that cannot run here, each with the reason."""
-    skipped = {}
-    for config in configs:
-        if config == "hf_compile" and importlib.util.find_spec("transformers") is None:
-            skipped[config] = "transformers is not installed"
-        if config.startswith("float8"):
-            try:
-                check_float8_support(device.type, dist.get_backend(), recipe=config.split("_")[1])
-            except ValueError as error:
-                skipped[config] = str(error)
-    return skipped
+def reason_to_skip(config: str, device: torch.device) -> str | None:
+    """Why this configuration cannot run here, or None."""
+    if config.startswith("hf") and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    if config.startswith("float8"):
+        try:
+            check_float8_support(device.type, None, recipe=config.split("_")[1])
+        except ValueError as error:
+            return str(error)
+    return None
 
 
 def release_memory(device: torch.device) -> None:
     gc.collect()
+    torch._dynamo.reset()  # compiled graphs hold on to the model they were traced for
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def fill_derived(rows: list[Row], flops: float, peak_flops: float | None) -> None:
-    """MFU against the bf16 peak, and throughput ratios to the two baselines."""
-    for row in rows:
-        if peak_flops is not None:
-            row.mfu_percent = 100 * row.tokens_per_s * flops / peak_flops
-    by_name = {row.config: row for row in rows}
-    for row in rows:
-        for base, field in (("bf16_eager", "vs_bf16_eager"), ("hf_compile", "vs_hf")):
-            if base in by_name:
-                setattr(row, field, row.tokens_per_s / by_name[base].tokens_per_s)
+def append_row(path: Path, row: Row) -> None:
+    """One JSON line, written and flushed at once: a later crash cannot lose it."""
+    with path.open("a") as out:
+        out.write(json.dumps(asdict(row)) + "\n")
 
 
-def format_table(rows: list[Row], skipped: dict[str, str]) -> str:
-    """The results as an aligned text table, skipped configurations last with their reason."""
-    def num(value: float | None, fmt: str) -> str:
+def run_rows_here(configs: list[str], opts: argparse.Namespace, run_id: str, layers: int) -> None:
+    """Measure `configs` in this process, each exception caught: a failure loses its row only."""
+    device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model_args = model_shape(opts, layers)
+    settings = settings_of(opts, layers, device)
+    fsdp_mesh = None
+    if any(not c.startswith(("hf", "autocast")) for c in configs):
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+        fsdp_mesh = init_device_mesh(device.type, (1,))
+    for config in configs:
+        skip = reason_to_skip(config, device)
+        if skip is not None:
+            row = Row(run_id, config, "skipped", reason=skip)
+        else:
+            try:
+                row = measure(config, model_args, device, fsdp_mesh, opts, run_id)
+            except Exception as error:  # noqa: BLE001 - one row's failure must not cost the others
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                reason = "out of GPU memory" if isinstance(error, torch.cuda.OutOfMemoryError) else first_line
+                row = Row(run_id, config, "error", reason=f"{type(error).__name__}: {reason}"[:500])
+        row.settings = settings
+        append_row(opts.out, row)
+        print(f"  {config}: {row.status}" + (f", {row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else "")
+              + (f" ({row.reason})" if row.reason else ""), flush=True)
+        release_memory(device)
+
+
+def settings_of(opts: argparse.Namespace, layers: int, device: torch.device) -> dict:
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "flavor": opts.flavor, "layers": layers, "seq_len": opts.seq_len,
+            "batch_size": opts.batch_size, "warmup": opts.warmup, "steps": opts.steps,
+            "float8_min_dim": opts.float8_min_dim}
+
+
+# ---------------------------------------------------------------------------------------------
+# One process per row
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_device(device_type: str) -> dict:
+    """Name and free memory of GPU 0, asked in a short-lived process so this one never holds a CUDA
+    context (which would take memory from the rows' processes)."""
+    if device_type != "cuda":
+        return {"name": "cpu", "free": None}
+    code = ("import json, torch; free, total = torch.cuda.mem_get_info(0); "
+            "print(json.dumps({'name': torch.cuda.get_device_name(0), 'free': free, 'total': total}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_rows_isolated(argv: list[str], opts: argparse.Namespace, run_id: str, layers: int) -> None:
+    """Run each row in a process of its own (this script with --child); a row whose process dies
+    without writing its line gets an error line with the exit code and the last line of stderr."""
+    for config in opts.configs:
+        command = [sys.executable, "-m", "benchmarks.gpu_throughput", *argv, "--child", "--configs", config,
+                   "--run-id", run_id, "--out", str(opts.out), "--layers", str(layers)]
+        written_before = len(read_rows(opts.out, run_id))
+        try:
+            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=opts.row_timeout)
+            failure = f"exit code {result.returncode}: " + (result.stderr.strip().splitlines() or [""])[-1]
+            output = result.stdout
+        except subprocess.TimeoutExpired as timeout:  # its captured output comes as bytes
+            failure, output = f"killed after {opts.row_timeout:.0f} s", (timeout.stdout or b"").decode(errors="replace")
+        if output.strip():
+            print(output.rstrip("\n"), flush=True)
+        if len(read_rows(opts.out, run_id)) == written_before:  # the process died before writing its row
+            append_row(opts.out, Row(run_id, config, "error", reason=failure[:500]))
+            print(f"  {config}: error ({failure[:200]})", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary
+# ---------------------------------------------------------------------------------------------
+
+
+def read_rows(path: Path, run_id: str) -> list[dict]:
+    """This run's rows from the JSON-lines file (other runs' lines are left alone)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in rows if row.get("run_id") == run_id and "config" in row]
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{baseline: {config: tokens/s over the baseline's}}, between rows of one run; a repeated
+    configuration counts by its first measurement."""
+    first = first_measured(rows)
+    return {base: {config: row["tokens_per_s"] / first[base]["tokens_per_s"] for config, row in first.items()}
+            for base in ("bf16_compile", "hf_compile") if base in first}
+
+
+def mfu_formula(model_args: ModelArgs, n_params: int, seq_len: int) -> str:
+    """The MFU formula with this model's numbers in it."""
+    a = model_args
+    in_matmuls = n_params - (0 if a.tie_embeddings else a.vocab_size * a.dim)
+    flops = flops_per_token(a, n_params, seq_len)
+    return (f"MFU = tokens/s x (6 N + 12 L H Q T) / bf16 peak FLOP/s, float8 rows included; "
+            f"N = {in_matmuls:,} parameters in matmuls, L H Q T = {a.n_layers} x {a.n_heads} x {a.head_dim} x "
+            f"{seq_len}: {flops:.4g} FLOP per token")
+
+
+def first_measured(rows: list[dict]) -> dict[str, dict]:
+    """Each configuration's first successful row."""
+    first: dict[str, dict] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            first.setdefault(row["config"], row)
+    return first
+
+
+def format_table(rows: list[dict]) -> str:
+    """This run's rows as an aligned table; skipped and failed rows last, with their reason."""
+    def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = [f"{'config':<27} {'tokens/s':>10} {'MFU %':>7} {'peak GiB':>9} {'vs bf16 eager':>14} {'vs HF':>7}"]
-    for r in rows:
-        lines.append(f"{r.config:<27} {r.tokens_per_s:>10,.0f} {num(r.mfu_percent, '.1f'):>7} "
-                     f"{num(r.peak_gib, '.1f'):>9} {num(r.vs_bf16_eager, '.2f'):>14} {num(r.vs_hf, '.2f'):>7}")
-    lines += [f"{name:<27} skipped: {reason}" for name, reason in skipped.items()]
+    vs = ratios(rows)
+    lines = [f"{'config':<27} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'resv GiB':>8} {'retries':>7} "
+             f"{'sdpa':<12} {'/bf16_compile':>13} {'/hf_compile':>11}"]
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        base = [row["tokens_per_s"] / first_measured(rows)[b]["tokens_per_s"] if b in vs else None
+                for b in ("bf16_compile", "hf_compile")]
+        lines.append(f"{row['config']:<27} {row['tokens_per_s']:>10,.0f} {num(row['mfu_percent'], '.1f'):>6} "
+                     f"{num(row['peak_allocated_gib'], '.1f'):>9} {num(row['peak_reserved_gib'], '.1f'):>8} "
+                     f"{num(row['alloc_retries'], 'd'):>7} {','.join(row['sdpa_backends']) or '-':<12} "
+                     f"{num(base[0], '.2f'):>13} {num(base[1], '.2f'):>11}")
+    lines += [f"{row['config']:<27} {row['status']}: {row['reason']}" for row in rows if row["status"] != "ok"]
+    repeats = {}
+    for row in rows:
+        if row["status"] == "ok":
+            repeats.setdefault(row["config"], []).append(row["tokens_per_s"])
+    for config, values in repeats.items():
+        if len(values) > 1:
+            spread = 100 * (max(values) - min(values)) / statistics.mean(values)
+            lines.append(f"{config} measured {len(values)} times: spread {spread:.1f}% of the mean")
+    return "\n".join(lines)
+
+
+def format_targets(rows: list[dict]) -> str:
+    """Issue 11's targets, each with the value this run measured."""
+    first = first_measured(rows)
+    lines = []
+    for what, config, base, target in TARGETS:
+        if config not in first or (base is not None and base not in first):
+            lines.append(f"target {what} >= {target}: not measured")
+            continue
+        if base is None:
+            value = first[config]["mfu_percent"]
+        else:
+            value = first[config]["tokens_per_s"] / first[base]["tokens_per_s"]
+        verdict = "n/a" if value is None else ("met" if value >= target else "MISSED")
+        lines.append(f"target {what} >= {target}: {'-' if value is None else f'{value:.2f}'} ({verdict})")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run every requested configuration on one device, print the table, write the JSON."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     opts = parse_args(argv)
-    device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    setup_logging(rank=0)
-    model_args = replace(LLAMA_FLAVORS[opts.flavor], n_layers=opts.layers,
-                         max_seq_len=max(opts.seq_len, LLAMA_FLAVORS[opts.flavor].max_seq_len))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (1,))
+    run_id = opts.run_id or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    if opts.out is None:
+        opts.out = Path(tempfile.mkdtemp()) / "gpu_throughput.jsonl"
+    opts.out = opts.out.resolve()  # the rows' processes run in the repository root
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    if opts.child:
+        run_rows_here(opts.configs, opts, run_id, opts.layers)
+        return
+    device = probe_device(opts.device)
+    layers = opts.layers
+    if layers is None:
+        free = device["free"]
+        if free is None:
+            raise SystemExit("--layers is needed on CPU (no free GPU memory to size the model by)")
+        layers = default_layers(LLAMA_FLAVORS[opts.flavor], opts.seq_len, opts.batch_size, free)
+        print(f"--layers {layers}: what fits in {free / 2**30:.1f} GiB free (see default_layers)")
+    model_args = model_shape(opts, layers)
     with torch.device("meta"):
         n_params = count_parameters(Transformer(model_args))
-    flops = flops_per_token(model_args, n_params, opts.seq_len)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{device_name}: {opts.flavor} with {opts.layers} layers ({n_params:,} parameters), "
-          f"batch {opts.batch_size} x seq {opts.seq_len}, {opts.warmup} warm-up + {opts.steps} timed steps")
-
-    skipped = reasons_to_skip(opts.configs, device)
-    rows: list[Row] = []
-    for config in opts.configs:
-        if config in skipped:
-            print(f"  {config}: skipped, {skipped[config]}")
-            continue
-        try:
-            rows.append(run_config(config, model_args, n_params, mesh, device, opts))
-            print(f"  {config}: {rows[-1].tokens_per_s:,.0f} tokens/s")
-        except torch.cuda.OutOfMemoryError:
-            skipped[config] = "out of GPU memory"
-            print(f"  {config}: skipped, out of GPU memory")
-        release_memory(device)
-    fill_derived(rows, flops, device_peak_flops(device))
-    print(format_table(rows, skipped))
-    if opts.out is not None:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {
-            "device": device_name,
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
-            "n_params": n_params,
-            "flops_per_token": flops,
-            "peak_flops": device_peak_flops(device),
-            "rows": [asdict(row) for row in rows],
-            "skipped": skipped,
-        }
-        opts.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {opts.out}")
-    dist.destroy_process_group()
+    print(f"{device['name']}: {opts.flavor} with {layers} layers ({n_params:,} parameters), batch {opts.batch_size} "
+          f"x seq {opts.seq_len}, {opts.warmup} warm-up + {opts.steps} timed steps; run {run_id}, rows -> {opts.out}")
+    print(mfu_formula(model_args, n_params, opts.seq_len))
+    if opts.in_process:
+        run_rows_here(opts.configs, opts, run_id, layers)
+    else:
+        run_rows_isolated(argv, opts, run_id, layers)
+    rows = read_rows(opts.out, run_id)
+    with opts.out.open("a") as out:  # the ratios, from this run's rows only
+        out.write(json.dumps({"run_id": run_id, "ratios": ratios(rows)}) + "\n")
+    print(format_table(rows))
+    print(format_targets(rows))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

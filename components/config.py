@@ -63,6 +63,9 @@ class Job:
     config_file: str = opt("", "TOML file: a path, or a bare name found in train_configs/ ('.toml' optional)")
     dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints")
     description: str = opt("", "Free text shown in the startup summary")
+    simulate_world_size: int = opt(
+        0, "Run rank 0 of a job of this many ranks in this one process, collectives faked: its memory and step "
+           "time are real, its losses meaningless (0: off)", min=0)
 
 
 @dataclass

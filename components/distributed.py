@@ -1,4 +1,5 @@
-"""Processes and devices: pick the device, join the process group when launched by torchrun."""
+"""Processes and devices: pick the device, join the process group when launched by torchrun,
+or simulate one rank of a bigger job with a fake process group."""
 
 from __future__ import annotations
 
@@ -20,18 +21,53 @@ def collective_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0) -> torch.device:
+def init_distributed(timeout_s: float = 600.0, simulate_world_size: int = 0) -> torch.device:
     """Choose this process's device (its local GPU if there is one, else the CPU) and, under
     torchrun, join the default process group: NCCL on GPUs, gloo on CPU. Reuses a group that
-    already exists."""
+    already exists. simulate_world_size > 0: instead play rank 0 of that many ranks in this one
+    process (`init_fake_distributed`)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if launched_world_size() > 1 and not dist.is_initialized():
+    if simulate_world_size > 0:
+        init_fake_distributed(simulate_world_size)
+    elif launched_world_size() > 1 and not dist.is_initialized():
         dist.init_process_group(collective_backend(device.type), timeout=timedelta(seconds=timeout_s))
     return device
+
+
+def init_fake_distributed(world_size: int, rank: int = 0) -> None:
+    """Make this one process rank `rank` of a `world_size`-rank job whose collectives do nothing.
+
+    torch's "fake" backend accepts every collective and returns at once, moving no data. So
+    everything that depends on the layout is real: the shapes of this rank's parameter shards,
+    its compute, its memory, the step time of its compute; what collectives would have brought
+    from other ranks is not (all-gathered weights, reduced gradients and losses are garbage,
+    and time on the network is zero). Use it to measure one rank of a layout bigger than the
+    machine, or, with a meta-device model, to check a layout without devices at all. Device
+    meshes and sub-groups are built as usual; every group is fake, none can be gloo.
+    """
+    # Importing this registers the "fake" backend; the module needs nothing else from torch.testing.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("init_fake_distributed: a process group already exists")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_fake_distributed: rank {rank} is not in 0..{world_size - 1}")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def simulation_warning(world_size: int) -> str:
+    """What a run under `init_fake_distributed` measures, in one log line."""
+    return (f"simulating rank 0 of {world_size} ranks in one process (fake process group): collectives move "
+            "nothing, so losses and gradient norms are meaningless; memory and compute time are one rank's")
+
+
+def is_fake_distributed() -> bool:
+    """Whether the default process group is the fake one of `init_fake_distributed`."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -45,8 +81,9 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 
 def all_reduce_mean(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
-    """Mean of a scalar over a process group (gloo has no AVG, so SUM then divide)."""
-    if group is None:
+    """Mean of a scalar over a process group (gloo has no AVG, so SUM then divide). With a fake
+    process group: this rank's own value (there is nothing to average it with)."""
+    if group is None or is_fake_distributed():
         return value.item()
     value = value.detach().clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
@@ -58,13 +95,14 @@ class Preemption:
 
     `requested()` is called once per step by every rank; it agrees across ranks over a gloo
     group, so all ranks stop on the same step (and can save one checkpoint together) even if
-    the signal reached only some of them.
+    the signal reached only some of them. With a fake process group there are no other ranks
+    to agree with (and no gloo group can be made): the signal is read locally.
     """
 
     def __init__(self) -> None:
         self._signalled = False
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() and not is_fake_distributed() else None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._signalled = True

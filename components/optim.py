@@ -12,13 +12,22 @@ from torch.optim.lr_scheduler import LambdaLR
 from components.config import LRScheduler, Optimizer
 
 
+# Devices where torch's AdamW has a fused kernel: one kernel updates all of a parameter's state
+# in a single pass, where foreach runs a dozen multi-tensor element-wise ops. CPU has had one
+# since torch 2.4 (and has no multi-tensor foreach kernels: foreach there is a loop of per-tensor
+# ops in C++), so "auto" picks fused on both; other devices (meta, for dry runs) get foreach.
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
-    """AdamW over every parameter (weight decay on all of them, as in the Llama papers)."""
+    """AdamW over every parameter (weight decay on all of them, as in the Llama papers).
+
+    optimizer.implementation "auto": fused where torch has the kernel (FUSED_ADAMW_DEVICES), else foreach.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    on_cuda = params[0].device.type == "cuda"
     implementation = cfg.implementation
     if implementation == "auto":
-        implementation = "fused" if on_cuda else "foreach"
+        implementation = "fused" if params[0].device.type in FUSED_ADAMW_DEVICES else "foreach"
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,

@@ -1,8 +1,12 @@
-"""Float8 training through torchao: layer conversion, support checks, tensor-parallel styles."""
+"""Float8 training through torchao: layer conversion, support checks, tensor-parallel styles.
+
+Importing this package does not import torchao; the functions that need it do (float8/float8.py).
+"""
 
 from float8.float8 import (
     DEFAULT_MIN_DIM,
     RECIPES,
+    Float8Unavailable,
     apply_float8,
     check_float8_support,
     converted_modules,
@@ -14,6 +18,7 @@ from float8.float8 import (
 __all__ = [
     "DEFAULT_MIN_DIM",
     "RECIPES",
+    "Float8Unavailable",
     "apply_float8",
     "check_float8_support",
     "converted_modules",

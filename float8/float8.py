@@ -21,6 +21,9 @@ The default, 1024, converts every projection of Llama 3 8B and larger; tests on 
 lower it.
 
 Where float8 can and cannot run (`check_float8_support` is called before any work):
+  no torchao  torchao is imported by the functions that need it, never by importing this module,
+              so runs without float8 work where torchao is missing or broken; float8 there is a
+              one-line error (`Float8Unavailable`) saying what to install.
   CPU         torch._scaled_mm has a CPU kernel, so Float8Linear trains on CPU for real, forward
               and backward, both recipes: slow, but with the same float8 numerics as a GPU. No
               emulation mode is needed, and the tests train on CPU.
@@ -38,9 +41,12 @@ Where float8 can and cannot run (`check_float8_support` is called before any wor
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import sys
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -48,27 +54,54 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallelisms.common import refuse_data_parallel_model
 
-# Importing torchao logs lines that say nothing about a weft run: torch 2.13 answers its pytree
-# registration of an Enum with a deprecation warning, and on machines without its optional
-# CUDA kernel libraries it reports each one it could not load (float8 training needs none of
-# them: its matmuls are torch._scaled_mm). Quiet both for the import only.
-_import_loggers = [logging.getLogger(name) for name in ("torch.utils._pytree", "torchao")]
-_import_levels = [log.level for log in _import_loggers]
-for _log in _import_loggers:
-    _log.setLevel(logging.ERROR)
-try:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-    from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
-finally:
-    for _log, _level in zip(_import_loggers, _import_levels):
-        _log.setLevel(_level)
-
 logger = logging.getLogger("weft")
+
+# What to tell a user whose machine cannot import torchao. 0.17.0 is the release built for
+# torch 2.11; newer torch pairs with newer torchao (https://github.com/pytorch/ao#installation).
+TORCHAO_HINT = "install torchao (pip install torchao; 0.17.0 is the release for torch 2.11)"
+
+
+class Float8Unavailable(ValueError):
+    """float8 was asked for where torchao cannot be imported; the message is one line."""
+
+
+@functools.cache
+def _torchao():
+    """Import torchao's float8 training API on first use, and only then.
+
+    torchao is needed by float8 runs alone: a bf16 run must start where torchao is missing, or
+    installed for another torch and broken on import. Importing it also logs lines that say
+    nothing about a weft run (torch 2.13 answers its pytree registration of an Enum with a
+    deprecation warning; machines without its optional CUDA kernel libraries get one line per
+    library it could not load, none of which float8 training needs: its matmuls are
+    torch._scaled_mm), so those loggers are quietened for the import only.
+    """
+    loggers = [logging.getLogger(name) for name in ("torch.utils._pytree", "torchao")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        from torchao import float8 as ao_float8
+        from torchao.float8 import float8_linear, float8_tensor_parallel
+    except Exception as error:  # ImportError, or a torchao built for another torch failing inside
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise Float8Unavailable(
+            f"float8.enable: torchao cannot be imported ({type(error).__name__}: {first_line}); {TORCHAO_HINT}, "
+            "or set float8.enable = false"
+        ) from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    return SimpleNamespace(
+        Float8LinearConfig=ao_float8.Float8LinearConfig,
+        convert_to_float8_training=ao_float8.convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp=ao_float8.precompute_float8_dynamic_scale_for_fsdp,
+        Float8Linear=float8_linear.Float8Linear,
+        Float8ColwiseParallel=float8_tensor_parallel.Float8ColwiseParallel,
+        Float8RowwiseParallel=float8_tensor_parallel.Float8RowwiseParallel,
+        PrepareFloat8ModuleInput=float8_tensor_parallel.PrepareFloat8ModuleInput,
+    )
+
 
 RECIPES = ("tensorwise", "rowwise")
 DEFAULT_MIN_DIM = 1024
@@ -109,14 +142,20 @@ def apply_float8(
             kept.setdefault(reason, []).append(fqn)
         return reason is None
 
-    convert_to_float8_training(model, config=config, module_filter_fn=convert)
+    _torchao().convert_to_float8_training(model, config=config, module_filter_fn=convert)
     logger.info(_summary(recipe, len(converted_modules(model)), kept))
     return model
 
 
 def converted_modules(model: nn.Module) -> list[str]:
-    """Names of the model's `Float8Linear` layers, in module order."""
-    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    """Names of the model's `Float8Linear` layers, in module order.
+
+    Without torchao imported no layer can be a Float8Linear, so this does not import it.
+    """
+    if "torchao.float8.float8_linear" not in sys.modules:
+        return []
+    float8_linear = _torchao().Float8Linear
+    return [name for name, module in model.named_modules() if isinstance(module, float8_linear)]
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
@@ -125,7 +164,7 @@ def precompute_float8_scales(model: nn.Module) -> None:
     Call after every optimizer step when `enable_fsdp_float8_all_gather` and
     `precompute_float8_dynamic_scale_for_fsdp` are on; the next all-gathers then use them.
     """
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def float8_tp_all_gather(device_type: str, backend: str | None, recipe: str) -> bool:
@@ -151,6 +190,7 @@ def check_float8_support(
     Returns the warnings to log, one line each: today only that tensor-parallel activations
     will be all-gathered in high precision because the backend cannot carry float8.
     """
+    _torchao()  # raises Float8Unavailable (a ValueError) where torchao cannot be imported
     _check_recipe(recipe, enable_fsdp_float8_all_gather)
     if precompute_float8_dynamic_scale_for_fsdp and not enable_fsdp_float8_all_gather:
         raise ValueError(
@@ -183,10 +223,11 @@ def float8_tp_styles() -> dict[str, type[ParallelStyle]]:
     Drop-in replacements for ColwiseParallel, RowwiseParallel and PrepareModuleInput on blocks
     whose linear layers are all `Float8Linear`; they need float8 collectives (NCCL).
     """
+    ao = _torchao()
     return {
-        "colwise": Float8ColwiseParallel,
-        "rowwise": Float8RowwiseParallel,
-        "prepare_input": PrepareFloat8ModuleInput,
+        "colwise": ao.Float8ColwiseParallel,
+        "rowwise": ao.Float8RowwiseParallel,
+        "prepare_input": ao.PrepareFloat8ModuleInput,
     }
 
 
@@ -202,11 +243,13 @@ def _check_recipe(recipe: str, enable_fsdp_float8_all_gather: bool) -> None:
         raise ValueError(f"float8.enable_fsdp_float8_all_gather needs float8.recipe = tensorwise, got {recipe!r}")
 
 
-def _float8_config(recipe: str, enable_fsdp_float8_all_gather: bool) -> Float8LinearConfig:
+def _float8_config(recipe: str, enable_fsdp_float8_all_gather: bool):
+    """torchao's Float8LinearConfig for the recipe."""
     _check_recipe(recipe, enable_fsdp_float8_all_gather)
+    config_type = _torchao().Float8LinearConfig
     if recipe == "rowwise":
-        return Float8LinearConfig.from_recipe_name("rowwise")
-    return Float8LinearConfig(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+        return config_type.from_recipe_name("rowwise")
+    return config_type(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
 
 
 def _reason_to_keep(fqn: str, linear: nn.Module, filter_fqns: tuple[str, ...], min_dim: int) -> str | None:

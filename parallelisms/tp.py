@@ -107,9 +107,9 @@ def llama_tp_plan(*, loss_parallel: bool = True, float8_all_gather: bool = False
         "output": _output_style(loss_parallel, input_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
         # Attention and the feed-forward need the whole sequence: gather it at their entrance.
-        # Rotary cos/sin (the attention's other inputs) are plain tensors and pass through.
+        # The rotary rotations (the attention's other input) are a plain tensor and pass through.
         "layers.*.attention": prepare_input(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
         "layers.*.attention.wq": colwise(),
         "layers.*.attention.wk": colwise(),

@@ -18,9 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torchao.float8 import Float8LinearConfig
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_tensor_parallel import (
+
+pytest.importorskip("torchao", reason="float8 needs torchao; tests/test_float8_optional.py covers its absence")
+
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_tensor_parallel import (  # noqa: E402
     Float8ColwiseParallel,
     Float8RowwiseParallel,
     PrepareFloat8ModuleInput,

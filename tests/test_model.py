@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
-from models.llama.model import apply_rotary_emb, rope_frequencies
+from models.llama.model import apply_rotary_emb, rope_frequencies, rope_rotations
 
 # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors indexes).
 PUBLISHED_PARAMETER_COUNTS = {
@@ -69,13 +69,35 @@ def test_llama31_rope_scaling_matches_closed_form():
     assert any(1.01 < r < 7.99 for r in ratios)
 
 
-def test_rotary_embedding_is_complex_rotation():
-    x = torch.randn(2, 5, 3, 8)
-    angles = torch.outer(torch.arange(5.0), rope_frequencies(8, 10000.0).float())
-    as_complex = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    want = torch.view_as_real(as_complex * torch.polar(torch.ones_like(angles), angles)[None, :, None]).flatten(-2)
-    got = apply_rotary_emb(x, angles.cos(), angles.sin())
-    torch.testing.assert_close(got, want)
+def rotary_by_cos_sin(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """The rotation of each channel pair written out in real numbers, in float64:
+    (a, b) -> (a cos θ - b sin θ, a sin θ + b cos θ); angles: [seq, head_dim/2]."""
+    a, b = x.double().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = angles.double().cos()[:, None], angles.double().sin()[:, None]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+
+def test_rotary_embedding_matches_cos_sin_formula():
+    torch.manual_seed(0)
+    args = replace(TINY, max_seq_len=512)
+    x = torch.randn(2, 512, 3, args.head_dim)
+    angles = torch.outer(torch.arange(512, dtype=torch.float64), rope_frequencies(args.head_dim, args.rope_theta))
+    got = apply_rotary_emb(x, rope_rotations(args))
+    torch.testing.assert_close(got.double(), rotary_by_cos_sin(x, angles), rtol=0, atol=1e-6)
+    # bf16 in, bf16 out: the rotation itself runs in float32.
+    got_bf16 = apply_rotary_emb(x.bfloat16(), rope_rotations(args))
+    assert got_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(got_bf16, rotary_by_cos_sin(x.bfloat16(), angles).bfloat16(), rtol=2**-8, atol=0)
+
+
+def test_rotations_are_unit_complex_numbers_at_llama31_angles():
+    args = LLAMA_FLAVORS["llama3_8b"]
+    rotations = rope_rotations(replace(args, max_seq_len=1024))
+    assert rotations.dtype == torch.complex64 and rotations.shape == (1024, args.head_dim // 2)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    angles = torch.outer(torch.arange(1024, dtype=torch.float64), freqs)
+    torch.testing.assert_close(torch.view_as_real(rotations).double(),
+                               torch.stack((angles.cos(), angles.sin()), -1), rtol=0, atol=1e-7)
 
 
 def reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:

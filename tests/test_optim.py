@@ -68,3 +68,33 @@ def test_zero_max_norm_measures_without_clipping():
     p.grad = torch.tensor([3.0, 4.0, 0.0])
     assert clip_grad_norm_([p], 0.0).item() == pytest.approx(5.0)
     assert p.grad.tolist() == [3.0, 4.0, 0.0]
+
+
+def adamw_by_hand(param, grads, *, lr, beta1, beta2, eps, weight_decay):
+    """AdamW (Loshchilov & Hutter) written out in float64, one update per gradient."""
+    p, m, v = param.double().clone(), torch.zeros_like(param, dtype=torch.float64), torch.zeros_like(
+        param, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p * (1 - lr * weight_decay)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+        p = p - lr * m_hat / (v_hat.sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach", "fused"])
+def test_adamw_updates_match_the_formula(implementation):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8, bias=False)
+    start = model.weight.detach().clone()
+    settings = dict(lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    optimizer = build_optimizer(model, Optimizer(implementation=implementation, **settings))
+    assert optimizer.defaults["fused"] == (implementation in ("auto", "fused"))  # CPU has the fused kernel
+    grads = [torch.randn(8, 16) for _ in range(3)]
+    for g in grads:
+        model.weight.grad = g.clone()
+        optimizer.step()
+    want = adamw_by_hand(start, grads, **settings)
+    torch.testing.assert_close(model.weight.detach().double(), want, rtol=1e-5, atol=1e-6)

@@ -44,22 +44,25 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     )
 
 
-def rope_cos_sin(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position × frequency for every position < max_seq_len: [max_seq_len, head_dim/2]."""
+def rope_rotations(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """e^(i · position · frequency), the rotation of every channel pair at every position < max_seq_len:
+    complex64 [max_seq_len, head_dim/2] (angles computed in float64)."""
     freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_emb(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent channel pair (x[2i], x[2i+1]) of every head by its position's angle.
 
-    x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim/2] or [batch, seq, head_dim/2].
+    Read as the complex number x[2i] + i·x[2i+1], a pair rotates by angle θ when multiplied by
+    e^(iθ): one element-wise kernel, where the same rotation written with cos and sin takes four
+    multiplies, two adds and a stack (and their backwards).
+    x: [batch, seq, heads, head_dim]; rotations: [seq, head_dim/2] or [batch, seq, head_dim/2].
     """
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    rotated = pairs * rotations.unsqueeze(-2)  # broadcast over heads
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +79,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x.float()  # one upcast, shared by the statistic and the scaling
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -102,13 +106,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Head counts are inferred (-1) so the same code runs on a tensor-parallel shard of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = apply_rotary_emb(q, rotations), apply_rotary_emb(k, rotations)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -136,8 +140,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotations)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -154,9 +158,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_cos_sin(args, device=self.tok_embeddings.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Complex: `model.to(dtype)` would keep only its real part; cast parameters, not the model.
+        rotations = rope_rotations(args, device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_rotations", rotations, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, seq] → logits [batch, seq, vocab].
@@ -165,12 +169,12 @@ class Transformer(nn.Module):
         default to 0..seq-1 and differ only when the sequence is split across devices.
         """
         if positions is None:
-            cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
+            rotations = self.rope_rotations[: tokens.shape[1]]
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            rotations = self.rope_rotations[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, rotations)
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -197,9 +201,7 @@ class Transformer(nn.Module):
             else:
                 std = 0.02
             param.copy_(_trunc_normal(param.shape, std, param.dtype, param.device, _param_seed(seed, name)))
-        cos, sin = rope_cos_sin(self.args, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.rope_rotations.copy_(rope_rotations(self.args, device=self.rope_rotations.device))
 
 
 def _param_seed(seed: int, name: str) -> int:

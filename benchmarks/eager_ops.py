@@ -1,0 +1,98 @@
+"""How many aten ops does one eager training step dispatch? Counts them by name, per step.
+
+One step is what train.py does on one device: forward, cross-entropy, backward, gradient
+clipping, AdamW. Every op that reaches a kernel is counted once, forward and backward alike
+(a TorchDispatchMode sits below autograd, so composite ops are counted as the kernels they
+become, and views too; `_foreach_*` and `_fused_adamw_` count once each however many
+tensors they take). Fewer element-wise ops is less launch overhead on a GPU and less memory
+traffic everywhere; this makes the count visible without one.
+
+    OMP_NUM_THREADS=2 python benchmarks/eager_ops.py                         # debug model, CPU
+    python benchmarks/eager_ops.py --optimizer foreach --top 15              # what foreach costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from components.config import Optimizer  # noqa: E402
+from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
+from models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active, by op name (overloads merged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def training_step(model: Transformer, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    clip_grad_norm_([p for p in model.parameters()], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--optimizer", default="auto", choices=("auto", "foreach", "fused", "for-loop"),
+                        help="optimizer.implementation, as in train.py")
+    parser.add_argument("--timed-steps", type=int, default=10, help="steps timed after the counted one")
+    parser.add_argument("--top", type=int, default=10, help="print the most frequent ops")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model_args = LLAMA_FLAVORS[args.flavor]
+    model = Transformer(model_args)
+    model.init_weights(seed=0)
+    optimizer = build_optimizer(model, Optimizer(implementation=args.optimizer))
+    tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1))
+    training_step(model, optimizer, tokens)  # first step: optimizer state is created here
+
+    counter = OpCounter()
+    with counter:
+        training_step(model, optimizer, tokens)
+    seconds = []
+    for _ in range(args.timed_steps):
+        start = time.perf_counter()
+        training_step(model, optimizer, tokens)
+        seconds.append(time.perf_counter() - start)
+
+    counts = counter.counts
+    implementation = "fused" if optimizer.defaults.get("fused") else "foreach" if optimizer.defaults.get(
+        "foreach") else "for-loop"
+    print(f"{args.flavor} ({model_args.n_layers} layers), batch {args.batch} x seq {args.seq_len}, "
+          f"AdamW {implementation}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"aten ops per step: {sum(counts.values())}  (mul {counts['mul']}, add {counts['add']}, "
+          f"sub {counts['sub']}, stack {counts['stack']}, _local_scalar_dense {counts['_local_scalar_dense']})")
+    print(f"step time: median {1000 * statistics.median(seconds):.1f} ms, min {1000 * min(seconds):.1f} ms "
+          f"over {len(seconds)} steps")
+    for name, n in counts.most_common(args.top):
+        print(f"  {n:5d}  aten::{name}")
+
+
+if __name__ == "__main__":
+    main()
