@@ -28,6 +28,7 @@ from components.config import (
     parse_args,
     to_toml,
 )
+from components.dry_run import dry_run
 from components.data import DataError, Tokenizer, TokenWindowLoader, find_text_files
 from components.distributed import (
     Preemption,
@@ -69,6 +70,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def train(cfg: JobConfig) -> list[float]:
     """Run the training described by cfg; return the loss of every logged step."""
+
+    # 0. --job.dry_run: plan this run in one process without devices (same transforms, meta
+    #    device, fake process group), print the layout and a memory estimate, write nothing.
+    if cfg.job.dry_run:
+        dry_run(cfg, parallelize_model)
+        return []
 
     # 1. Check everything the user can get wrong before any process group, file or tensor
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
