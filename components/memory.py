@@ -218,6 +218,11 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     """The estimate for one rank of the parallelised meta-device `model` running steps of shape `s`
     (`state`: parameter, gradient and optimizer bytes if already known, else counted from `model`)."""
     params, grads, optimizer = state or state_bytes(model)
+    if s.tp > 1 and s.fsdp == 1 and not s.args.tie_embeddings:
+        # Measured (torch 2.13): without FSDP to reduce-scatter it, the gradient of the vocabulary-
+        # split embedding comes back Replicate, so each rank holds the whole fp32 embedding gradient.
+        vocab, dim = s.args.vocab_size, s.args.dim
+        grads += (vocab - vocab // s.tp) * dim * 4
     kept, recompute = activation_bytes(s)
     held_logits, loss_work = logits_bytes(s)
     pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
