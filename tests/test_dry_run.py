@@ -48,7 +48,7 @@ def test_a_layout_that_does_not_fit_exits_2_with_the_figures(capsys):
 def test_a_layout_that_fails_at_start_fails_the_dry_run_with_the_same_error(tmp_path, capsys):
     """tp 3 cannot split 8 heads: the dry run and a (simulated) real start say the same line."""
     common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "3",
-              "--parallelism.dp_shard", "1", "--no-metrics.enable_tensorboard"]
+              "--parallelism.dp_shard", "1", "--training.seq_len", "96", "--no-metrics.enable_tensorboard"]
     assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "3"]) == 2
     dry = capsys.readouterr().err
     assert train.main(common + ["--job.simulate_world_size", "3"]) == 2
