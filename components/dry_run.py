@@ -94,8 +94,9 @@ def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
     print(f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
           f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'}):")
     print(estimate.table())
-    print(layouts_table(cfg, args, dims, limit))
-    _verdict(estimate, limit, cfg, dims)
+    table, best = layouts_table(cfg, args, dims, limit)
+    print(table)
+    _verdict(estimate, limit, cfg, dims, best)
     return estimate
 
 
@@ -118,9 +119,10 @@ def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[
     return layouts
 
 
-def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit: float | None, rows: int = 12) -> str:
+def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit: float | None,
+                  rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
     """The estimated peak of each layout of this world size, smallest first (parameters counted
-    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout)."""
+    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout); and the best one."""
     with torch.device("meta"):
         plain = Transformer(args)
     results = []
@@ -137,10 +139,11 @@ def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit:
         lines.append(f"  {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / GIB:9.2f}{mark}{here}")
     if len(results) > rows:
         lines.append(f"  ({len(results) - rows} more, with larger peaks)")
-    return "\n".join(lines)
+    return "\n".join(lines), results[0]
 
 
-def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims: ParallelDims) -> None:
+def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims: ParallelDims,
+             best: tuple[int, ParallelDims]) -> None:
     if limit is None:
         return
     peak = estimate.peak / GIB
@@ -153,7 +156,10 @@ def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims
         f"{peak:.2f} GiB per device ({estimate.peak_phase}) exceeds {limit:g} GiB by {peak - limit:.2f} GiB "
         f"(parameters {estimate.parameters / GIB:.2f}, gradients {estimate.gradients / GIB:.2f}, optimizer "
         f"{estimate.optimizer / GIB:.2f}, activations {estimate.activations / GIB:.2f} GiB) with "
-        f"{dims.describe()}; see the layouts table above"
+        f"{dims.describe()}; " + (
+            f"dp_shard={best[1].dp_shard} cp={best[1].cp} tp={best[1].tp} would need {best[0] / GIB:.2f} GiB"
+            + (" and fits" if best[0] <= limit * GIB else f", so no layout of {dims.world_size} ranks fits "
+               "(more ranks, activation checkpointing or a smaller batch)"))
     )
 
 
