@@ -48,6 +48,7 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
         reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, autocast=single and param_dtype != torch.float32,
+        foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
     )
 
 

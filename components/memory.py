@@ -105,6 +105,7 @@ class StepShape:
     float8: bool = False
     loss_parallel: bool = True
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
+    foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
 
     @property
     def tokens(self) -> int:
@@ -246,8 +247,8 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     phases = {
         "end of forward": params + optimizer + kept + held_logits + loss_work // 2 + gather + autocast,
         "during backward": max(start, end),
-        # The optimizer step: foreach/fused AdamW works on state in place, plus ~one fp32 temporary
-        # per parameter for the foreach path; logits stay alive until the next forward.
-        "optimizer step": params + grads + optimizer + held_logits + params,
+        # The optimizer step: fused AdamW updates state in place; foreach makes ~one fp32 temporary
+        # per parameter. The logits stay alive until the next forward.
+        "optimizer step": params + grads + optimizer + held_logits + (params if s.foreach_optimizer else 0),
     }
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)
