@@ -33,6 +33,10 @@ LAYOUTS = {
     "fsdp2": (2, ["--parallelism.dp_shard", "2"]),
     "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
+    # The activation formula under activation checkpointing and bf16 compute (FSDP's param dtype).
+    "fsdp2_full_ac": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "full"]),
+    "fsdp2_selective_op_bf16": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "selective",
+                                    "--training.mixed_precision_param", "bfloat16"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
     "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
