@@ -11,22 +11,17 @@ Measured in the real run (rank 0 of each layout, debug model, fp32, CPU):
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-from pathlib import Path
+import contextlib
 
 import pytest
 import torch
 
 from components.config import parse_args
-from components.dry_run import candidate_layouts, dry_run, step_shape
-from components.memory import GIB, device_memory_gib, estimate_memory, state_bytes, tp_fsdp_state_bytes
+from components.dry_run import step_shape
+from components.memory import estimate_memory, local_tensor
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.parallel_dims import ParallelDims
 from tests.dist_utils import run_distributed
-
-REPO = Path(__file__).resolve().parent.parent
 
 # name -> (world size, overrides)
 LAYOUTS = {
@@ -49,8 +44,6 @@ def layout_config(overrides: list[str]):
 
 
 def _bytes(tensors) -> int:
-    from components.memory import local_tensor
-
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
 
 
@@ -82,7 +75,6 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
     """Worker: for each layout, the real bytes held (one step after a warm-up step) and the estimate."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     import train
@@ -118,7 +110,7 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
             positions = None
             if dims.cp > 1:
                 (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
-            context = loss_parallel if dims.tp > 1 else __import__("contextlib").nullcontext
+            context = loss_parallel if dims.tp > 1 else contextlib.nullcontext
             with context():
                 logits = model(inputs, positions)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
