@@ -132,12 +132,13 @@ def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit:
         state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
         results.append((estimate_memory(plain, shape, state).peak, dims))
     results.sort(key=lambda r: r[0])
+    scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")
     lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}), by estimated peak:",
-             f"  {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak GiB':>9}" + ("  fits" if limit else "")]
+             f"  {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
     for peak, dims in results[:rows]:
         mark = ("  yes" if peak <= limit * GIB else "  no") if limit else ""
         here = "   <- this run" if (dims.dp_shard, dims.cp, dims.tp) == (current.dp_shard, current.cp, current.tp) else ""
-        lines.append(f"  {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / GIB:9.2f}{mark}{here}")
+        lines.append(f"  {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}")
     if len(results) > rows:
         lines.append(f"  ({len(results) - rows} more, with larger peaks)")
     return "\n".join(lines), results[0]
