@@ -28,9 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def planned_world_size(cfg: JobConfig) -> int:
-    """job.dry_run_world_size, else the product of the degrees (dp_shard -1 counting as 1)."""
-    if cfg.job.dry_run_world_size:
-        return cfg.job.dry_run_world_size
+    """job.dry_run_world_size, else job.simulate_world_size, else the product of the degrees
+    (dp_shard -1 counting as 1)."""
+    if cfg.job.dry_run_world_size or cfg.job.simulate_world_size:
+        return cfg.job.dry_run_world_size or cfg.job.simulate_world_size
     p = cfg.parallelism
     return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
 
