@@ -28,6 +28,7 @@ from components.config import (
     to_toml,
 )
 from components.data import DataError, Tokenizer, TokenWindowLoader, check_text_files, find_text_files
+from components.dry_run import dry_run
 from components.distributed import (
     Preemption,
     all_reduce_mean,
@@ -58,18 +59,23 @@ from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.parallelize import parallelize
-from parallelisms.precision import precision_policy
+from parallelisms.precision import DTYPES, precision_policy
 
 logger = logging.getLogger("weft")
 
 # Mistakes a user can make in a config; reported as one line and exit code 2, never a traceback.
 USER_ERRORS = (ConfigError, DataError, LayoutError, CheckpointError)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def train(cfg: JobConfig) -> list[float]:
     """Run the training described by cfg; return the loss of every logged step."""
+
+    # 0. --job.dry_run: plan this run in one process without devices (same transforms, meta
+    #    device, fake process group), print the layout and a memory estimate, write nothing.
+    if cfg.job.dry_run:
+        dry_run(cfg, parallelize_model)
+        return []
 
     # 1. Check everything the user can get wrong before any process group, file or tensor
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.

@@ -79,6 +79,16 @@ class Job:
     simulate_world_size: int = opt(
         0, "Run rank 0 of a job of this many ranks in this one process, collectives faked: its memory and step "
            "time are real, its losses meaningless (0: off)", min=0)
+    dry_run: bool = opt(
+        False, "Plan the run in one process without devices: build every transform on the meta device, print the "
+               "layout, parameters per rank and a per-device memory estimate, write nothing")
+    dry_run_world_size: int = opt(
+        0, "World size the dry run plans for (0: job.simulate_world_size if set, else the product of the "
+           "parallelism degrees, dp_shard -1 counting as 1)",
+        min=0)
+    dry_run_device_memory_gib: str = opt(
+        "", "Device memory the dry run checks the estimate against: GiB ('80') or a GPU name ('h100', 'a100-40gb', "
+            "'4090'); exit 2 if it does not fit ('': no check)")
 
 
 @dataclass

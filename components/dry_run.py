@@ -1,0 +1,194 @@
+"""--job.dry_run: plan a run of any size in one process, without devices, and say whether it fits.
+
+The model is built on the meta device and every configured transform is applied to it through
+train.py's own `parallelize_model`, over a fake process group of the planned world size: a
+layout that would fail at start fails here with the same one-line error. Then the plan (mesh,
+each transform's log line, parameters per rank, batch, tokens per step) and the memory estimate
+of components/memory.py are printed; nothing is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+
+from components.config import ConfigError, JobConfig
+from components.distributed import init_fake_distributed, launched_world_size
+from components.memory import GIB, MemoryEstimate, StepShape, device_memory_gib, estimate_memory, tp_fsdp_state_bytes
+from components.metrics import count_parameters, setup_logging
+from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from parallelisms.parallel_dims import LayoutError, ParallelDims
+from parallelisms.precision import DTYPES, precision_policy
+
+logger = logging.getLogger("weft")
+
+
+
+def planned_world_size(cfg: JobConfig) -> int:
+    """job.dry_run_world_size, else job.simulate_world_size, else the product of the degrees
+    (dp_shard -1 counting as 1)."""
+    if cfg.job.dry_run_world_size or cfg.job.simulate_world_size:
+        return cfg.job.dry_run_world_size or cfg.job.simulate_world_size
+    p = cfg.parallelism
+    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
+
+
+def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape:
+    """What the memory estimate needs from the config and layout. Compute dtype and mechanism are
+    train.py's precision policy (parallelisms/precision.py): FSDP's param dtype, else autocast."""
+    t = cfg.training
+    param_dtype = DTYPES[t.mixed_precision_param]
+    policy = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
+                              device_type="cuda")
+    compute = policy.compute_dtype
+    return StepShape(
+        args=args, local_batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
+        fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, compute_dtype=compute, param_dtype=param_dtype,
+        reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
+        ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
+        loss_parallel=cfg.parallelism.loss_parallel, autocast=policy.uses_autocast,
+        foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
+    )
+
+
+def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
+    """Build, print the plan and the estimate; raise ConfigError (exit 2) if it does not fit."""
+    if launched_world_size() > 1:
+        raise ConfigError(f"job.dry_run: plans in one process (python train.py), not {launched_world_size()}")
+    limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
+    args = LLAMA_FLAVORS[cfg.model.flavor]
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
+                          f"of model flavor {cfg.model.flavor}")
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                world_size=planned_world_size(cfg))
+    dims.check_seq_len(cfg.training.seq_len)
+    setup_logging(0)
+    logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
+
+    # Compile is left out: it changes neither parameters nor (in this estimate) activations, and the
+    # refusal of compile + TP in parallelize is about torch 2.13 on this machine, not the cluster's torch.
+    plan_cfg = copy.deepcopy(cfg)
+    plan_cfg.compile.enable = False
+    if dims.world_size > 1:
+        init_fake_distributed(dims.world_size)
+    meshes = dims.build_mesh("cpu") if dims.world_size > 1 else None
+    logger.info(f"mesh: {dims.describe()}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    n_params = count_parameters(model)
+    parallelize_model(model, plan_cfg, meshes, torch.device("cuda"))
+    if cfg.compile.enable:
+        logger.info(f"apply_compile: {args.n_layers} blocks would be compiled (not applied in a dry run)")
+
+    t = cfg.training
+    local = sum(x.numel() for x in map(_local, model.parameters()))
+    tokens = t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * dims.dp
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank")
+    logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
+                f"= {tokens // t.seq_len} samples = {tokens:,} tokens per step (seq_len {t.seq_len})")
+
+    shape = step_shape(cfg, args, dims)
+    estimate = estimate_memory(model, shape)
+    print(f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
+          f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'}):")
+    print(estimate.table())
+    table, best = layouts_table(cfg, args, dims, limit)
+    print(table)
+    _verdict(estimate, limit, cfg, dims, best)
+    return estimate
+
+
+def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[ParallelDims]:
+    """dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model and
+    sequence length allow: tp divides the query and key/value heads, cp and tp split the sequence."""
+    replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
+    rest = world_size // replicate
+    layouts = []
+    for tp in _divisors(rest):
+        if args.n_heads % tp or args.kv_heads % tp:
+            continue
+        for cp in _divisors(rest // tp):
+            dims = ParallelDims(replicate, rest // tp // cp, cp, tp, world_size)
+            try:
+                dims.check_seq_len(cfg.training.seq_len)
+            except LayoutError:
+                continue
+            layouts.append(dims)
+    return layouts
+
+
+def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit: float | None,
+                  rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
+    """The estimated peak of each layout of this world size, smallest first (parameters counted
+    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout); and the best one."""
+    with torch.device("meta"):
+        plain = Transformer(args)
+    results = []
+    for dims in candidate_layouts(cfg, args, current.world_size):
+        shape = step_shape(cfg, args, dims)
+        state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
+        results.append((estimate_memory(plain, shape, state).peak, dims))
+    results.sort(key=lambda r: r[0])
+    scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")
+    lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}), by estimated peak:",
+             f"  {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
+    for peak, dims in results[:rows]:
+        mark = ("  yes" if peak <= limit * GIB else "  no") if limit else ""
+        here = "   <- this run" if (dims.dp_shard, dims.cp, dims.tp) == (current.dp_shard, current.cp, current.tp) else ""
+        lines.append(f"  {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}")
+    if len(results) > rows:
+        lines.append(f"  ({len(results) - rows} more, with larger peaks)")
+    return "\n".join(lines), results[0]
+
+
+def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims: ParallelDims,
+             best: tuple[int, ParallelDims]) -> None:
+    if limit is None:
+        return
+    peak = estimate.peak / GIB
+    if peak <= limit:
+        print(f"fits: estimated peak {peak:.2f} GiB per device ({estimate.peak_phase}) of {limit:g} GiB, "
+              f"{limit - peak:.2f} GiB to spare")
+        return
+    raise ConfigError(
+        f"job.dry_run_device_memory_gib = {cfg.job.dry_run_device_memory_gib}: does not fit: estimated peak "
+        f"{peak:.2f} GiB per device ({estimate.peak_phase}) exceeds {limit:g} GiB by {peak - limit:.2f} GiB "
+        f"(parameters {estimate.parameters / GIB:.2f}, gradients {estimate.gradients / GIB:.2f}, optimizer "
+        f"{estimate.optimizer / GIB:.2f}, activations {estimate.activations / GIB:.2f} GiB) with "
+        f"{dims.describe()}; " + (
+            f"dp_shard={best[1].dp_shard} cp={best[1].cp} tp={best[1].tp} would need {best[0] / GIB:.2f} GiB"
+            + (" and fits" if best[0] <= limit * GIB else f", so no layout of {dims.world_size} ranks fits "
+               "(more ranks, activation checkpointing or a smaller batch)"))
+    )
+
+
+def _memory_limit(text: str) -> float | None:
+    if not text:
+        return None
+    try:
+        return device_memory_gib(text)
+    except ValueError:
+        raise ConfigError(f"job.dry_run_device_memory_gib: expected GiB (e.g. 80) or a GPU name (h100, a100-40gb, "
+                          f"4090), got {text!r}") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ac(cfg: JobConfig) -> str:
+    ac = cfg.activation_checkpoint
+    return f"selective {ac.selective_option}" if ac.mode == "selective" else ac.mode

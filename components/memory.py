@@ -1,0 +1,257 @@
+"""Memory per device of one training step, estimated without a device.
+
+Persistent state is counted exactly from the parallelised (meta-device) model: each parameter's
+local shard (DTensor `to_local()`, or the plain tensor) × its dtype's bytes; gradients have the
+shape and dtype of the (sharded) parameters; AdamW keeps two fp32 states per element.
+
+Activations come from an analytic formula per transformer block (`block_activation_bytes`):
+the tensors autograd saves in weft's Llama block, written out term by term for T = local batch
+× seq_len / cp tokens, dim h, query width hq = n_heads·head_dim / tp, key/value width
+hkv = kv_heads·head_dim / tp, SwiGLU width f = ffn_dim / tp, compute bytes e:
+
+    norms (sequence-parallel, T/tp tokens):   2 × T/tp·h·(4 + e)    fp32 upcast, normed
+    norm outputs (all-gathered under tp > 1): 2 × T·h·e           inputs of wq/wk/wv and w1/w3
+    attention: q, k, v, output, wo input:     T·e·(3·hq + 2·hkv)
+    feed-forward: w1 out, silu, w3 out, product:  4 × T·f·e
+
+Full AC keeps a block's input (T/tp·h·e) and recomputes one block at a time in backward;
+selective "op" keeps the matmul and attention outputs; selective N checkpoints every N-th
+block fully. float8 saves the linear inputs in 1 byte instead of e (and the fp8 weight copies).
+Known error: it leaves out tensors below T·h (rsqrt statistics, attention log-sum-exp, RoPE
+tables) and allocator fragmentation. On the debug model on CPU (tests/test_memory.py) the total
+is 0.91–1.09× the measured peak (fsdp, tp, cp, fsdp × tp, hsdp; fp32, full AC, selective op in
+bf16); tp without FSDP is the low end (DTensor redistribution buffers not modelled). Not yet
+measured: float8, GPU kernels' workspaces (flash attention), long-sequence CP. CP's ring attention keeps its gathered
+key/value chunks (2·T·cp·hkv·e per block, the whole sequence's keys and values) in addition.
+
+Transient buffers: FSDP all-gathers ~2 blocks unsharded in the param dtype (the one running and
+the one prefetched) and reduce-scatters one block's gradients in the reduce dtype; the root's
+parameters (embedding, output) stay unsharded from the output projection's forward to its
+backward. Logits and loss: T × vocab (/ tp under loss parallel) in the compute dtype (held by
+the training loop until the next step), plus the fp32 copy cross-entropy works on and its
+log-softmax output, and in backward their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.llama import ModelArgs
+
+GIB = 1024**3
+
+# GPU names a user may give instead of a size, and the memory the device reports in GiB.
+GPU_MEMORY_GIB = {
+    "h100": 79.1, "h100-80gb": 79.1, "h200": 139.8, "a100": 79.1, "a100-80gb": 79.1, "a100-40gb": 39.4,
+    "l40s": 44.4, "a6000": 47.5, "4090": 23.6, "rtx4090": 23.6, "3090": 23.6, "rtx3090": 23.6,
+    "a10g": 22.1, "l4": 22.1, "v100": 31.7, "v100-16gb": 15.8, "t4": 14.6, "b200": 178.4,
+    "mi300x": 191.5,
+}
+
+
+def device_memory_gib(text: str) -> float:
+    """'80', '79.1' or a GPU name ('h100', 'a100-40gb', '4090') → GiB; raises ValueError."""
+    name = text.strip().lower()
+    if name in GPU_MEMORY_GIB:
+        return GPU_MEMORY_GIB[name]
+    value = float(name.removesuffix("gib").removesuffix("gb"))
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters, gradients, AdamW state) bytes this rank holds, from the local shards.
+
+    Gradients take the shape and dtype of the local parameter (FSDP casts reduced gradients back
+    to the parameter dtype); AdamW keeps exp_avg and exp_avg_sq in fp32 (its 4-byte `step`
+    counters are left out: a few hundred bytes)."""
+    params = grads = optimizer = 0
+    for p in model.parameters():
+        local = local_tensor(p)
+        size = local.numel() * local.element_size()
+        params += size
+        if p.requires_grad:
+            grads += size
+            optimizer += 2 * local.numel() * 4
+    return params, grads, optimizer
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What decides activation memory: the model, the local tokens and the layout."""
+
+    args: ModelArgs
+    local_batch: int
+    seq_len: int
+    tp: int = 1
+    cp: int = 1
+    fsdp: int = 1  # ranks sharing parameters (dp_shard · cp); 1: no FSDP
+    compute_dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    ac_mode: str = "none"
+    ac_option: str = "op"
+    float8: bool = False
+    loss_parallel: bool = True
+    autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
+    foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one rank's activations cover (before sequence parallelism): local batch × seq / cp."""
+        return self.local_batch * self.seq_len // self.cp
+
+
+def block_activation_bytes(s: StepShape) -> int:
+    """Bytes autograd keeps for one block without activation checkpointing (the formula above)."""
+    a, t, e, tp = s.args, s.tokens, dtype_bytes(s.compute_dtype), s.tp
+    h, hq, hkv, f = a.dim, a.n_heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.ffn_hidden_dim // tp
+    linear_in = 1 if s.float8 else e  # float8 linears save their input already cast
+    # The norms keep their fp32 upcast and normed output (T/tp tokens); the linears after them keep
+    # their input (the all-gathered one under tp > 1, so T tokens).
+    norms = 2 * (t // tp) * h * (4 + e) + 2 * t * h * linear_in
+    attention = t * e * (3 * hq + 2 * hkv) + (t * hq * (linear_in - e))
+    feed_forward = t * f * (3 * e + linear_in)
+    ring = 2 * t * s.cp * hkv * e if s.cp > 1 else 0
+    return norms + attention + feed_forward + ring
+
+
+def block_selective_op_bytes(s: StepShape) -> int:
+    """Selective "op": matmul outputs (q, k, v, wo, w1, w3, w2), the attention output, and the
+    block input kept; the norms and element-wise ops recomputed."""
+    a, t, e, tp = s.args, s.tokens, dtype_bytes(s.compute_dtype), s.tp
+    h, hq, hkv, f = a.dim, a.n_heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.ffn_hidden_dim // tp
+    kept = t * e * (2 * hq + 2 * hkv + 2 * h + 2 * f)
+    reduce_scattered = 2 * (t // tp) * h * e if tp > 1 else 0
+    return kept + reduce_scattered + block_input_bytes(s)
+
+
+def block_input_bytes(s: StepShape) -> int:
+    """What full AC keeps of a block: its input, the (sequence-parallel) residual stream."""
+    return (s.tokens // s.tp) * s.args.dim * dtype_bytes(s.compute_dtype)
+
+
+def activation_bytes(s: StepShape) -> tuple[int, int]:
+    """(kept at the end of forward, extra while one checkpointed block is recomputed in backward)."""
+    n, full = s.args.n_layers, block_activation_bytes(s)
+    if s.ac_mode == "none":
+        return n * full, 0
+    if s.ac_mode == "full":
+        return n * block_input_bytes(s), full
+    if s.ac_option == "op":
+        return n * block_selective_op_bytes(s), full - block_selective_op_bytes(s)
+    every = int(s.ac_option)
+    checkpointed = (n + every - 1) // every
+    return checkpointed * block_input_bytes(s) + (n - checkpointed) * full, full
+
+
+def logits_bytes(s: StepShape) -> tuple[int, int]:
+    """(held: logits in compute dtype, transient: fp32 copy + log-softmax output) of the loss."""
+    vocab = s.args.vocab_size // s.tp if s.tp > 1 and s.loss_parallel else s.args.vocab_size
+    n = s.tokens * vocab
+    return n * dtype_bytes(s.compute_dtype), n * 8
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device, by kind, and the total at each phase of a step."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def table(self) -> str:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state (AdamW, 2 x fp32)", self.optimizer), ("activations (end of forward)", self.activations)]
+        rows += [(name, size) for name, size in self.buffers.items()]
+        scale, unit = (GIB, "GiB") if self.peak >= GIB else (1024**2, "MiB")  # the debug model is MiB-sized
+        lines = [f"  {name:<44} {size / scale:9.2f} {unit}" for name, size in rows]
+        lines += [f"  {'total ' + phase:<44} {size / scale:9.2f} {unit}"
+                  + ("   <- peak" if phase == self.peak_phase else "") for phase, size in self.phases.items()]
+        return "\n".join(lines)
+
+
+def block_numel(args: ModelArgs) -> int:
+    """Parameters of one transformer block."""
+    attention = args.dim * (2 * args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim)
+    return attention + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim
+
+
+def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int, int]:
+    """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
+    built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
+    wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
+    ceil). Checked against the real transforms in tests/test_memory.py."""
+    params = 0
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if tp > 1 and not name.endswith("norm.weight"):
+            split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
+            shape[split] = -(-shape[split] // tp)
+        if fsdp > 1:
+            shape[0] = -(-shape[0] // fsdp)
+        params += torch.Size(shape).numel() * p.element_size()
+    return params, params, params * 2  # fp32 parameters: gradients alike, AdamW 2 x fp32
+
+
+def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] | None = None) -> MemoryEstimate:
+    """The estimate for one rank of the parallelised meta-device `model` running steps of shape `s`
+    (`state`: parameter, gradient and optimizer bytes if already known, else counted from `model`)."""
+    params, grads, optimizer = state or state_bytes(model)
+    if s.tp > 1 and s.fsdp == 1 and not s.args.tie_embeddings:
+        # Measured (torch 2.13): without FSDP to reduce-scatter it, the gradient of the vocabulary-
+        # split embedding comes back Replicate, so each rank holds the whole fp32 embedding gradient.
+        vocab, dim = s.args.vocab_size, s.args.dim
+        grads += (vocab - vocab // s.tp) * dim * 4
+    kept, recompute = activation_bytes(s)
+    held_logits, loss_work = logits_bytes(s)
+    pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
+    block = block_numel(s.args) // s.tp
+    root = (s.args.vocab_size * s.args.dim * (1 if s.args.tie_embeddings else 2)) // s.tp
+    buffers: dict[str, int] = {}
+    if s.fsdp > 1:
+        buffers["FSDP all-gather (2 blocks + root, unsharded)"] = (2 * block + root) * pb
+        buffers["FSDP reduce-scatter (1 block's gradients)"] = block * (pb + rb)
+    if s.autocast:
+        buffers["autocast bf16 weight copies"] = params // 2  # of fp32 parameters
+    buffers["logits (held by the loop)"] = held_logits
+    buffers["loss: fp32 logits + log-softmax (+ grads)"] = loss_work
+    gather = buffers.get("FSDP all-gather (2 blocks + root, unsharded)", 0)
+    scatter = buffers.get("FSDP reduce-scatter (1 block's gradients)", 0)
+    autocast = buffers.get("autocast bf16 weight copies", 0)
+    # Backward: activations are freed block by block as gradients appear; the peak is at its start
+    # (all activations, the loss gradients, one block recomputed) or its end (all gradients).
+    start = params + optimizer + kept + recompute + held_logits + loss_work + gather + scatter + autocast
+    end = params + optimizer + grads + held_logits + gather + scatter + recompute
+    phases = {
+        "end of forward": params + optimizer + kept + held_logits + loss_work // 2 + gather + autocast,
+        "during backward": max(start, end),
+        # The optimizer step: fused AdamW updates state in place; foreach makes ~one fp32 temporary
+        # per parameter. The logits stay alive until the next forward.
+        "optimizer step": params + grads + optimizer + held_logits + (params if s.foreach_optimizer else 0),
+    }
+    return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)

@@ -1,0 +1,103 @@
+"""--job.dry_run: plans through the same transforms as a real run, writes nothing, exits 2 with
+the figures when the layout does not fit; the layouts table's parameter counts equal the real
+transforms'; every shipped config plans in under a minute and a few GB."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from components.config import parse_args
+from components.distributed import init_fake_distributed
+from components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
+from models.llama import LLAMA_FLAVORS, Transformer
+from parallelisms.parallel_dims import ParallelDims
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    dump = tmp_path / "out"
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--job.dry_run",
+            "--job.dry_run_world_size", "4", "--parallelism.tp", "2", "--job.dry_run_device_memory_gib", "a100-40gb"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    for expected in ("mesh: dp_replicate=1 dp_shard=2 cp=1 tp=2 (world size 4)", "apply_tp:", "apply_fsdp:",
+                     "1,000,576 on each rank", "2,048 tokens per step", "optimizer state", "<- this run", "fits:"):
+        assert expected in out
+    assert not dump.exists() and not dist.is_initialized()
+
+
+def test_a_layout_that_does_not_fit_exits_2_with_the_figures(capsys):
+    argv = ["--job.config_file", "llama8b", "--job.dry_run", "--job.dry_run_world_size", "8",
+            "--job.dry_run_device_memory_gib", "4090"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("weft: error: job.dry_run_device_memory_gib = 4090: does not fit")
+    assert "exceeds 23.6 GiB by" in err[0] and "parameters 3.74" in err[0]
+
+
+def test_a_layout_that_fails_at_start_fails_the_dry_run_with_the_same_error(tmp_path, capsys):
+    """tp 3 cannot split 8 heads: the dry run and a (simulated) real start say the same line."""
+    common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "3",
+              "--parallelism.dp_shard", "1", "--training.seq_len", "96", "--no-metrics.enable_tensorboard"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "3"]) == 2
+    dry = capsys.readouterr().err
+    assert train.main(common + ["--job.simulate_world_size", "3"]) == 2
+    real = capsys.readouterr().err
+    assert dry == real and dry.startswith("weft: error: parallelism.tp = 3")
+
+
+def test_bad_memory_value_is_one_line():
+    with pytest.raises(ValueError):
+        device_memory_gib("lots")
+    assert device_memory_gib("h100") == 79.1 and device_memory_gib("80") == 80.0
+    assert train.main(["--job.config_file", "debug_model", "--job.dry_run", "--job.dry_run_device_memory_gib",
+                       "lots"]) == 2
+
+
+@pytest.mark.parametrize("flavor, world_size, tp, fsdp", [
+    ("debugmodel", 4, 2, 2), ("debugmodel", 8, 1, 8), ("debugmodel", 2, 2, 1), ("llama3_8b", 16, 8, 2),
+])
+def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_size, tp, fsdp):
+    cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--parallelism.tp", str(tp),
+                      "--parallelism.dp_shard", str(fsdp), "--parallelism.dp_replicate", str(world_size // tp // fsdp)])
+    args = LLAMA_FLAVORS[flavor]
+    with torch.device("meta"):
+        plain, model = Transformer(args), Transformer(args)
+    init_fake_distributed(world_size)
+    try:
+        dims = ParallelDims.resolve(dp_replicate=world_size // tp // fsdp, dp_shard=fsdp, tp=tp, world_size=world_size)
+        train.parallelize_model(model, cfg, dims.build_mesh("cpu"), torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert tp_fsdp_state_bytes(plain, tp, fsdp) == state_bytes(model)
+
+
+# Shipped configs and the world size their comments plan for.
+SHIPPED = {"debug_model": 1, "llama8b": 8, "llama2_7b": 8, "llama8b_128k": 8, "llama3_70b": 64, "llama3_405b": 512}
+
+
+def _dry_run_subprocess(config: str, world_size: int) -> tuple[float, float]:
+    """(seconds, peak resident GiB) of a dry run of a shipped config in a fresh process."""
+    start = time.monotonic()
+    subprocess.run([sys.executable, "train.py", "--job.config_file", config, "--job.dry_run",
+                    "--job.dry_run_world_size", str(world_size)], cwd=REPO, check=True, capture_output=True)
+    rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2  # KiB on Linux
+    return time.monotonic() - start, rss_gib
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c != "debug_model" else c
+                                    for c in SHIPPED])
+def test_every_shipped_config_plans_in_under_a_minute_and_a_few_gb(config):
+    seconds, rss_gib = _dry_run_subprocess(config, SHIPPED[config])
+    assert seconds < 60, f"{config}: {seconds:.0f} s"
+    assert rss_gib < 4, f"{config}: {rss_gib:.1f} GiB resident"

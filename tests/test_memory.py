@@ -1,0 +1,163 @@
+"""The memory estimate against what real gloo runs hold, and the dry run end to end.
+
+Measured in the real run (rank 0 of each layout, debug model, fp32, CPU):
+  - parameters: the bytes of every local parameter shard; gradients: of every local gradient
+    after backward; optimizer state: of every tensor in AdamW's state after a step;
+  - the peak: torch's profiler with profile_memory=True records every allocation and free of
+    the CPU allocator with its running total (resizes of FSDP's unsharded storages included);
+    the peak of one steady-state step (the second) is the bytes live when it starts
+    (parameters, optimizer state, buffers) plus the highest running total during it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from components.config import parse_args
+from components.dry_run import step_shape
+from components.memory import estimate_memory, local_tensor
+from models.llama import LLAMA_FLAVORS, Transformer
+from parallelisms.parallel_dims import ParallelDims
+from tests.dist_utils import run_distributed
+
+# name -> (world size, overrides)
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.dp_shard", "2"]),
+    "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
+    "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
+    # The activation formula under activation checkpointing and bf16 compute (FSDP's param dtype).
+    "fsdp2_full_ac": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "full"]),
+    "fsdp2_selective_op_bf16": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "selective",
+                                    "--training.mixed_precision_param", "bfloat16"]),
+    "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+    "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+}
+
+
+def layout_config(overrides: list[str]):
+    return parse_args(["--job.config_file", "debug_model", "--training.seq_len", "256",
+                       "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
+                       "--training.mixed_precision_reduce", "float32", *overrides])
+
+
+def _bytes(tensors) -> int:
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
+
+
+def _profiled_peak(fn) -> int:
+    """Highest running total of CPU allocations (bytes) during fn(), relative to its start."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(event):
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        for child in event.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
+    """Worker: for each layout, the real bytes held (one step after a warm-up step) and the estimate."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import train
+    from components.optim import build_optimizer
+    from parallelisms.cp import shard_sequence
+    from parallelisms.materialize import materialize
+
+    results = {}
+    for name in names:
+        world_size, overrides = LAYOUTS[name]
+        cfg = layout_config(overrides)
+        p = cfg.parallelism
+        dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                    world_size=world_size)
+        meshes = dims.build_mesh("cpu")
+        args = LLAMA_FLAVORS["debugmodel"]
+        with torch.device("meta"):
+            planned = Transformer(args)
+        train.parallelize_model(planned, cfg, meshes, torch.device("cpu"))
+        estimate = estimate_memory(planned, step_shape(cfg, args, dims))
+
+        with torch.device("meta"):
+            model = Transformer(args)
+        train.parallelize_model(model, cfg, meshes, torch.device("cpu"))
+        materialize(model, torch.device("cpu"), seed=0)
+        optimizer = build_optimizer(model, cfg.optimizer)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        held = {}
+
+        def step():
+            inputs, labels = torch.randint(0, 2048, (2, cfg.training.local_batch_size, cfg.training.seq_len),
+                                           generator=generator)
+            positions = None
+            if dims.cp > 1:
+                (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
+            context = loss_parallel if dims.tp > 1 else contextlib.nullcontext
+            with context():
+                logits = model(inputs, positions)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+                loss.backward()
+            held["grads"] = _bytes(q.grad for q in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+            held["logits"] = logits  # the training loop keeps them until the next step
+
+        step()  # warm-up: creates the optimizer state
+        held.clear()
+        optimizer.zero_grad(set_to_none=True)
+        params = _bytes(model.parameters())
+        state = _bytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
+        buffers = _bytes(model.buffers())
+        peak = params + state + buffers + _profiled_peak(step)
+        results[name] = dict(params=params, grads=held["grads"], optimizer=state, peak=peak,
+                             est_params=estimate.parameters, est_grads=estimate.gradients,
+                             est_optimizer=estimate.optimizer, est_peak=estimate.peak)
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict[str, int]]:
+    results: dict[str, dict[str, int]] = {}
+    for world_size in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world_size]
+        results.update(run_distributed(measure_layouts, world_size, names, timeout=300)[0])
+    for name, r in results.items():
+        print(f"{name}: state {r['est_params'] + r['est_grads'] + r['est_optimizer']:,} estimated vs "
+              f"{r['params'] + r['grads'] + r['optimizer']:,} held; peak {r['est_peak']:,} estimated vs "
+              f"{r['peak']:,} measured (ratio {r['est_peak'] / r['peak']:.3f})")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_state_estimate_matches_the_real_run_within_2_percent(layout, measured):
+    r = measured[layout]
+    assert r["est_params"] == pytest.approx(r["params"], rel=0.02)
+    assert r["est_grads"] == pytest.approx(r["grads"], rel=0.02)
+    assert r["est_optimizer"] == pytest.approx(r["optimizer"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_total_estimate_within_15_percent_of_the_measured_peak(layout, measured):
+    r = measured[layout]
+    assert r["est_peak"] == pytest.approx(r["peak"], rel=0.15), f"ratio {r['est_peak'] / r['peak']:.3f}"
