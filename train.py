@@ -67,7 +67,6 @@ logger = logging.getLogger("weft")
 USER_ERRORS = (ConfigError, DataError, LayoutError, CheckpointError)
 
 
-
 def train(cfg: JobConfig) -> list[float]:
     """Run the training described by cfg; return the loss of every logged step."""
 
