@@ -373,6 +373,10 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[
     if "chat" in formats and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
         raise DataError(f"model.tokenizer_path: '{resolve_tokenizer_path(cfg)}' has no chat template, which "
                         "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
+    for data_format, files in [(cfg.data.format, data_files), (cfg.validation.format or cfg.data.format, validation_files)]:
+        if files and data_format != "text":  # every record, checked before anything is written
+            build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,
+                         dp_rank=0, dp_world_size=1).check_records()
     check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
     f8 = cfg.float8
     float8_warnings = []

@@ -71,24 +71,15 @@ def chat_sample(record: Any, tokenizer: Any, where: str) -> Sample:
     those character spans through the tokenizer's offsets, so the ids are exactly those of the
     whole rendered conversation (what `apply_chat_template` returns).
     """
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: expected a JSON object with a non-empty list 'messages'")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] must be an object with a string 'content'")
-        if message.get("role") not in CHAT_ROLES:
-            raise DataError(f"{where}: messages[{i}] has unknown role {message.get('role')!r}; "
-                            f"expected one of {', '.join(CHAT_ROLES)}")
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not turns:
-        raise DataError(f"{where}: the conversation has no assistant turn, so nothing to learn")
+    messages = check_chat_record(record, where)
     if not hasattr(tokenizer, "render_chat"):
         raise DataError("data.format = 'chat' needs a Hugging Face tokenizer folder with a chat template "
                         "(model.tokenizer_path); a SentencePiece model has none")
     text = tokenizer.render_chat(messages)
     spans = []
-    for i in turns:
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
         start = tokenizer.render_chat(messages[:i], add_generation_prompt=True)
         end = tokenizer.render_chat(messages[: i + 1])
         if not (text.startswith(start) and text.startswith(end)):
@@ -100,9 +91,33 @@ def chat_sample(record: Any, tokenizer: Any, where: str) -> Sample:
     return Sample(ids, supervised)
 
 
+def check_chat_record(record: Any, where: str) -> list[dict[str, Any]]:
+    """The record's messages, checked: known roles, string contents, at least one assistant turn."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected a JSON object with a non-empty list 'messages'")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: messages[{i}] must be an object with a string 'content'")
+        if message.get("role") not in CHAT_ROLES:
+            raise DataError(f"{where}: messages[{i}] has unknown role {message.get('role')!r}; "
+                            f"expected one of {', '.join(CHAT_ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn, so nothing to learn")
+    return messages
+
+
 def prompt_completion_sample(record: Any, tokenizer: Any, where: str) -> Sample:
     """`{"prompt", "completion"}` (or Alpaca's `instruction`, optional `input`, `output`) as
     [BOS] prompt completion [EOS]; the completion and EOS are supervised."""
+    prompt, completion = check_prompt_completion_record(record, where)
+    prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
+    completion_ids = tokenizer.encode(completion, bos=False, eos=True)
+    return Sample(prompt_ids + completion_ids, [False] * len(prompt_ids) + [True] * len(completion_ids))
+
+
+def check_prompt_completion_record(record: Any, where: str) -> tuple[str, str]:
+    """(prompt, completion) of a prompt/completion or Alpaca record, checked."""
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         prompt, completion = record["prompt"], record["completion"]
     elif isinstance(record, dict) and isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
@@ -114,12 +129,11 @@ def prompt_completion_sample(record: Any, tokenizer: Any, where: str) -> Sample:
     else:
         raise DataError(f"{where}: expected a JSON object with string fields 'prompt' and 'completion' "
                         "(or 'instruction' and 'output')")
-    prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
-    completion_ids = tokenizer.encode(completion, bos=False, eos=True)
-    return Sample(prompt_ids + completion_ids, [False] * len(prompt_ids) + [True] * len(completion_ids))
+    return prompt, completion
 
 
 _SAMPLE_BUILDERS = {"chat": chat_sample, "prompt_completion": prompt_completion_sample}
+_RECORD_CHECKS = {"chat": check_chat_record, "prompt_completion": check_prompt_completion_record}
 
 
 def document_layout(inputs: torch.Tensor, bos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +216,20 @@ class PackedSampleLoader(TokenWindowLoader):
                             f"{len(self.files)} files")
         start = _DocStart(state["epoch"], state["file_index"], state["byte_offset"], state["line_number"])
         self._docs, self._pending = self._documents(start), None
+
+    def check_records(self) -> int:
+        """Read every record once before training, so a bad one fails at start-up (naming its
+        file:line) rather than hours in; the first is also tokenized, which checks the chat
+        template. Returns the number of records."""
+        count = 0
+        for doc, record in self._documents(_DocStart(epoch=0, file_index=0)):
+            if doc.epoch > 0:
+                break
+            if count == 0:
+                _SAMPLE_BUILDERS[self.data_format](record, self.tokenizer, self._where(doc))
+            _RECORD_CHECKS[self.data_format](record, self._where(doc))
+            count += 1
+        return count
 
     def _parse_jsonl_line(self, line: bytes, doc: _DocStart) -> Any:  # the record, not a text field
         try:

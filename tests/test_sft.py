@@ -1,0 +1,220 @@
+"""Supervised fine-tuning: chat and prompt/completion samples, loss masks, packing with document
+masking, global loss normalisation, resumable packing, bad input, and parity across layouts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from assets.make_chat_data import speeches
+from components.config import parse_args
+from components.data import DataError
+from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from components.sft_data import PackedSampleLoader, chat_sample, document_layout, prompt_completion_sample
+from components.tokenizer import HFTokenizer
+from models.llama import ModelArgs, Transformer
+from tests.dist_utils import run_distributed
+from tests.hf_tokenizer import build_tokenizer_folder
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, multiple_of=16, max_seq_len=128)
+
+
+def make_chats(n: int, seed: int = 0, long_chars: int = 120) -> list[dict]:
+    """Chat records from Hamlet whose answers are either one word or a long speech, so supervised
+    lengths differ by more than an order of magnitude (a wrong normalisation would show)."""
+    rng = random.Random(seed)
+    lines = [s[1] for s in speeches(REPO / "assets/data/shakespeare/hamlet.txt") if s is not None]
+    records = []
+    for i in range(n):
+        question = lines[i % len(lines)].split("\n")[0][:60]
+        answer = lines[(i + 1) % len(lines)]
+        answer = answer.split()[0] if rng.random() < 0.5 else answer[:long_chars]
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Answer as a player would."})
+        records.append({"messages": messages})
+    return records
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    return build_tokenizer_folder(tmp_path_factory.mktemp("tok") / "hf")
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_folder) -> HFTokenizer:
+    return HFTokenizer(tokenizer_folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples and masks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_chat_sample_supervises_exactly_the_assistant_turns(tok, tokenizer_folder):
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who's there?"},
+                {"role": "assistant", "content": "Nay, answer me."}, {"role": "user", "content": "Long live the king!"},
+                {"role": "assistant", "content": "Bernardo?"}]
+    sample = chat_sample({"messages": messages}, tok, "x.jsonl:1")
+    ids = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder)).apply_chat_template(messages)
+    assert sample.tokens == (ids["input_ids"] if hasattr(ids, "keys") else ids)
+    supervised = tok.decode([t for t, keep in zip(sample.tokens, sample.supervised) if keep])
+    assert supervised == "Nay, answer me.<|eot_id|>Bernardo?<|eot_id|>"
+
+
+def test_prompt_completion_and_alpaca(tok):
+    sample = prompt_completion_sample({"prompt": "Q: who?\n", "completion": "A: I."}, tok, "x:1")
+    assert sample.tokens[0] == tok.bos_id and sample.tokens[-1] == tok.eos_id
+    assert tok.decode([t for t, k in zip(sample.tokens, sample.supervised) if k]) == "A: I.<|end_of_text|>"
+    alpaca = prompt_completion_sample({"instruction": "Say hi", "input": "to Horatio", "output": "Hi."}, tok, "x:1")
+    assert tok.decode(alpaca.tokens[1:]).startswith("Say hi\n\nto Horatio\n\nHi.")
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown role 'narrator'"),
+    ({"text": "no messages"}, "non-empty list 'messages'"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+])
+def test_bad_chat_records_name_file_and_line(tok, record, message):
+    with pytest.raises(DataError, match=f"data.jsonl:7: .*{message}"):
+        chat_sample(record, tok, "data.jsonl:7")
+
+
+def test_masked_labels_change_nothing_supervised_do():
+    """Changing the targets of unsupervised tokens changes neither loss nor gradients; a supervised one does."""
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    model.init_weights(0)
+    tokens = torch.randint(0, 1000, (2, 17))
+    supervised = torch.rand(2, 16) < 0.4
+    supervised[0, 3] = True
+
+    def loss_and_grads(targets):
+        model.zero_grad()
+        labels = torch.where(supervised, targets, IGNORE_INDEX)
+        loss = token_loss(model(tokens[:, :-1]), labels, global_supervised_count([labels], None))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    base_loss, base_grads = loss_and_grads(tokens[:, 1:])
+    changed = torch.where(supervised, tokens[:, 1:], (tokens[:, 1:] + 7) % 1000)
+    loss, grads = loss_and_grads(changed)
+    assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    one = tokens[:, 1:].clone()
+    one[0, 3] = (one[0, 3] + 1) % 1000
+    assert not torch.equal(loss_and_grads(one)[0], base_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and document masking
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packed_logits_equal_each_document_alone():
+    torch.manual_seed(0)
+    model = Transformer(TINY).eval()
+    model.init_weights(0)
+    lengths = [5, 17, 1, 9]
+    docs = [torch.randint(0, 1000, (n,)) for n in lengths]
+    packed = torch.cat(docs)[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        logits = model(packed, positions, document_ids=document_ids)[0]
+        alone = torch.cat([model(d[None])[0] for d in docs])
+    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_document_layout_restarts_at_bos():
+    inputs = torch.tensor([[7, 7, 0, 5, 6, 0, 9]])
+    positions, documents = document_layout(inputs, bos_id=0)
+    assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 1]]
+    assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 2]]
+
+
+def test_packing_keeps_samples_whole_and_counts_long_ones(tok, tmp_path):
+    records = make_chats(40, long_chars=40) + [{"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y"}]}]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    loader = PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=4)
+    batch = next(iter(loader))
+    for row in range(4):
+        docs, pos = batch.document_ids[row], batch.positions[row]
+        starts = torch.nonzero(torch.diff(docs, prepend=docs[:1] - 1)).flatten()
+        assert torch.equal(pos[starts], torch.zeros_like(starts))  # every document starts at position 0
+        assert (batch.labels[row] != IGNORE_INDEX).any()
+    drop = PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=4, long_samples="drop")
+    for _, _ in zip(range(8), drop):
+        pass
+    assert drop.dropped == 1 and drop.truncated == 0
+
+
+def test_resume_mid_epoch_in_another_layout(tok, tmp_path):
+    """State saved by one rank of a 1-rank loader resumes 2-rank loaders on the same windows."""
+    path = write_jsonl(tmp_path / "chat.jsonl", make_chats(60))
+
+    def loader(rank=0, world=1, batch=4):
+        return PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=batch,
+                                  dp_rank=rank, dp_world_size=world)
+
+    whole = loader()
+    stream = iter(whole)
+    next(stream)
+    state = whole.state_dict()
+    expected = [next(stream) for _ in range(2)]
+    halves = []
+    for rank in range(2):
+        resumed = loader(rank, 2, 2)
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        halves.append([b for _, b in zip(range(2), resumed)])
+    for step in range(2):
+        for field in range(4):
+            assert torch.equal(torch.cat([halves[0][step][field], halves[1][step][field]]), expected[step][field])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input through train.py: one line, exit 2, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [{"role": "king", "content": "x"}, {"role": "assistant", "content": "y"}]}', "chat.jsonl:2: messages\\[0\\] has unknown role 'king'"),
+    ('{"prompt": "x"}', "chat.jsonl:2: expected a JSON object with a non-empty list 'messages'"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "chat.jsonl:2: the conversation has no assistant turn"),
+])
+def test_train_rejects_bad_chat_records(tokenizer_folder, tmp_path, capsys, line, message):
+    import train
+
+    good = json.dumps(make_chats(1)[0])
+    data = write_jsonl(tmp_path / "chat.jsonl", [good, line])
+    dump = tmp_path / "out"
+    code = train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "1",
+                       "--training.seq_len", "32", "--training.local_batch_size", "8", "--data.format", "chat",
+                       "--data.dataset_path", str(data), "--model.tokenizer_path", str(tokenizer_folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert __import__("re").search(message, err), err
+    assert not dump.exists()
+
+
+def test_train_refuses_chat_without_template(tmp_path, capsys):
+    import train
+
+    folder = build_tokenizer_folder(tmp_path / "plain", chat_template=None)
+    data = write_jsonl(tmp_path / "chat.jsonl", make_chats(2))
+    code = train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "out"),
+                       "--data.format", "chat", "--data.dataset_path", str(data), "--model.tokenizer_path", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"'{folder}' has no chat template" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
