@@ -340,3 +340,18 @@ def test_hf_finetune_end_to_end(sft_runs):
     tokens = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_path_equals_the_exact_mask():
+    """The CUDA path (FlexAttention block mask) computes the same attention as the CPU path; checked
+    forward-only on the CPU, where FlexAttention has no backward (PyTorch 2.13)."""
+    from models.llama.model import document_attention, flex_document_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 48, 16), torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)
+    docs = torch.tensor([[0] * 10 + [1] * 30 + [2] * 8, [0] * 48])
+    with torch.no_grad():
+        for start in (0, 16):  # the whole sequence, and a query chunk aligned to the end (as under CP)
+            got = flex_document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
+            want = document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

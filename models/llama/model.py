@@ -102,18 +102,25 @@ def document_attention(
     (where FlexAttention has no backward as of PyTorch 2.13) SDPA takes the boolean mask.
     """
     if q.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        offset = kv_docs.shape[-1] - q_docs.shape[-1]
-
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
-
-        block_mask = create_block_mask(same_document_causal, q.shape[0], None, q.shape[-2], k.shape[-2],
-                                       device=q.device)
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex_document_attention(q, k, v, q_docs, kv_docs)
     mask = document_causal_mask(q_docs, kv_docs)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor
+) -> torch.Tensor:
+    """`document_attention` with FlexAttention: the same mask as a block mask, whose fully masked
+    blocks (across documents) are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    offset = kv_docs.shape[-1] - q_docs.shape[-1]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
+
+    block_mask = create_block_mask(same_document_causal, q.shape[0], None, q.shape[-2], k.shape[-2], device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class CausalAttention(nn.Module):
