@@ -120,7 +120,15 @@ def flex_document_attention(
         return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
 
     block_mask = create_block_mask(same_document_causal, q.shape[0], None, q.shape[-2], k.shape[-2], device=q.device)
+    if q.is_cuda and not torch.compiler.is_compiling():  # eager FlexAttention materialises the scores: compile it once
+        global _compiled_flex_attention
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+        flex_attention = _compiled_flex_attention
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+_compiled_flex_attention = None
 
 
 class CausalAttention(nn.Module):
