@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ASSETS / "data" / "shakespeare_chat")
     parser.add_argument("--tokenizer-out", type=Path, default=ASSETS / "tokenizer" / "shakespeare_hf")
-    parser.add_argument("--plays", type=int, default=4, help="how many plays (alphabetical) to draw from")
+    parser.add_argument("--plays", type=int, default=6, help="how many plays (alphabetical) to draw from")
     parser.add_argument("--vocab-size", type=int, default=2000, help="at most the debug model's 2048")
     args = parser.parse_args()
     plays = sorted(PLAYS.glob("*.txt"))[: args.plays]
