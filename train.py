@@ -260,7 +260,7 @@ def train(cfg: JobConfig) -> list[float]:
             with loss_context():
                 validation_loss = evaluate(
                     model, make_loader(cfg.validation.format or cfg.data.format, validation_files),
-                    cfg.validation.steps, device=device, mesh=meshes.cp if dims.cp > 1 else None,
+                    cfg.validation.steps * accumulation, device=device, mesh=meshes.cp if dims.cp > 1 else None,
                     loss_group=loss_group, document_masking=cfg.data.document_masking, forward_context=forward_context)
             metrics.log_validation(step, validation_loss)
 
@@ -295,7 +295,7 @@ def shard_batch(cp_mesh, batch: Batch) -> Batch:
 @torch.no_grad()
 def evaluate(model, loader, steps: int, *, device, mesh, loss_group, document_masking: bool,
              forward_context) -> float:
-    """Mean loss over the supervised tokens of the loader's first `steps` global batches.
+    """Mean loss over the supervised tokens of the loader's first `steps` micro-batches.
 
     Runs in eval mode without gradients on a loader of its own, so the training data cursor
     and random state are untouched; sums and counts are reduced over data/context-parallel ranks,

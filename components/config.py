@@ -145,7 +145,7 @@ class Validation:
     format: str = opt("", "Format of the validation data; empty: data.format",
                       choices=("", "text", "chat", "prompt_completion"))
     freq: int = opt(100, "Evaluate every N steps (and after the last step)", min=1)
-    steps: int = opt(10, "Global batches evaluated each time, always the first ones of the dataset", min=1)
+    steps: int = opt(10, "Global batches (as in training, accumulation included) evaluated each time: always the first ones of the dataset", min=1)
 
 
 @dataclass

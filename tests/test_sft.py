@@ -228,27 +228,42 @@ def test_train_refuses_chat_without_template(tmp_path, capsys):
 
 STEPS = 10
 GLOBAL_BATCH = 8
-SFT_LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "accumulation2": (1, ["--training.gradient_accumulation_steps", "2"]),
-    "fsdp2": (2, ["--parallelism.dp_shard", "2"]),
-    "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
-    "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
-    "fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+# Text with short documents, packed with document masking (positions restart at each BOS).
+TEXT_DOCUMENTS = ["--data.format", "text", "--data.dataset_path", "{text}", "--data.document_masking",
+                  "--validation.format", "text", "--validation.dataset_path", "{text}"]
+# name -> (world size, overrides, the single-device run it must match)
+SFT_LAYOUTS: dict[str, tuple[int, list[str], str]] = {
+    "accumulation2": (1, ["--training.gradient_accumulation_steps", "2"], "reference"),
+    "fsdp2": (2, ["--parallelism.dp_shard", "2"], "reference"),
+    "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], "reference"),
+    "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"], "reference"),
+    "fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2"],
+                            "reference"),
+    "text_documents_cp2": (2, [*TEXT_DOCUMENTS, "--parallelism.dp_shard", "1", "--parallelism.cp", "2"],
+                           "text_reference"),
+    "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], "reference"),
+    "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"], "reference"),
 }
 
 
-def sft_args(dump: str, data: Path, tokenizer: Path | str, overrides: list[str], dp: int = 1) -> list[str]:
+def sft_args(dump: str, files: dict[str, str], tokenizer: Path | str, overrides: list[str], dp: int = 1) -> list[str]:
+    """Ten packed chat steps of the debug model at seq_len 64, global batch 8, one validation at the end."""
     accumulation = 2 if "--training.gradient_accumulation_steps" in overrides else 1
     return ["--job.config_file", "debug_model", "--job.dump_folder", dump, "--training.steps", str(STEPS),
             "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH // dp // accumulation),
             "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32",
             "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
-            "--data.format", "chat", "--data.dataset_path", str(data), "--model.tokenizer_path", str(tokenizer),
-            *overrides]
+            "--data.format", "chat", "--data.dataset_path", files["chat"], "--model.tokenizer_path", str(tokenizer),
+            "--validation.enable", "--validation.dataset_path", files["validation"], "--validation.freq", str(STEPS),
+            "--validation.steps", "2", *(o.format(**files) for o in overrides)]
 
 
-def sft_worker(names: list[str], root: str, data: str, tokenizer: str, hf_job: list[str] | None) -> dict:
+def validation_losses(dump: Path) -> list[float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r["validation/loss"] for r in records if "validation/loss" in r]
+
+
+def sft_worker(names: list[str], root: str, files: dict[str, str], tokenizer: str, hf_job: list[str] | None) -> dict:
     """Train each layout in this process group (and, if given, the end-to-end HF job); return losses."""
     import torch.distributed as dist
 
@@ -258,7 +273,7 @@ def sft_worker(names: list[str], root: str, data: str, tokenizer: str, hf_job: l
     for name in names:
         overrides = SFT_LAYOUTS[name][1]
         dp = 2 if name.startswith("fsdp2") else 1
-        losses[name] = train.train(parse_args(sft_args(f"{root}/{name}", Path(data), tokenizer, overrides, dp)))
+        losses[name] = train.train(parse_args(sft_args(f"{root}/{name}", files, tokenizer, overrides, dp)))
         dist.barrier()
     if hf_job is not None:
         losses["hf"] = train.train(parse_args(hf_job))
@@ -286,21 +301,22 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory, tokenizer_folder) -> dict:
     root = tmp_path_factory.mktemp("sft")
-    data = write_jsonl(root / "chat.jsonl", make_chats(400))
-    validation = write_jsonl(root / "validation.jsonl", make_chats(40, seed=1))
+    lines = [s[1] for s in speeches(REPO / "assets/data/shakespeare/hamlet.txt") if s is not None]
+    files = {"chat": str(write_jsonl(root / "chat.jsonl", make_chats(400))),
+             "validation": str(write_jsonl(root / "validation.jsonl", make_chats(40, seed=1))),
+             "text": str(write_jsonl(root / "text.jsonl", [{"text": line} for line in lines[:300]]))}
     hf = tiny_hf_folder(root / "hf", tokenizer_folder)
-    hf_job = sft_args(str(root / "hf_run"), data, "", ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], dp=2)
+    hf_job = sft_args(str(root / "hf_run"), files, "", ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], dp=2)
     hf_job += ["--training.steps", "20", "--checkpoint.initial_load_path", str(hf), "--checkpoint.enable",
-               "--checkpoint.interval", "20", "--validation.enable", "--validation.dataset_path", str(validation),
-               "--validation.freq", "10", "--validation.steps", "2", "--metrics.log_freq", "10"]
+               "--checkpoint.interval", "20", "--validation.freq", "10", "--metrics.log_freq", "10"]
     import train
 
-    runs = {"reference": train.train(parse_args(sft_args(str(root / "reference"), data, tokenizer_folder, [])))}
-    runs["accumulation2"] = train.train(parse_args(sft_args(str(root / "accumulation2"), data, tokenizer_folder,
-                                                            SFT_LAYOUTS["accumulation2"][1])))
+    single = {"reference": [], "text_reference": TEXT_DOCUMENTS, "accumulation2": SFT_LAYOUTS["accumulation2"][1]}
+    runs = {name: train.train(parse_args(sft_args(str(root / name), files, tokenizer_folder, overrides)))
+            for name, overrides in single.items()}
     for world in (2, 4):
-        names = [n for n, (w, _) in SFT_LAYOUTS.items() if w == world]
-        runs.update(run_distributed(sft_worker, world, names, str(root), str(data), str(tokenizer_folder),
+        names = [n for n, (w, _, _) in SFT_LAYOUTS.items() if w == world]
+        runs.update(run_distributed(sft_worker, world, names, str(root), files, str(tokenizer_folder),
                                     hf_job if world == 4 else None, timeout=600)[0])
     runs["root"] = root
     return runs
@@ -309,11 +325,27 @@ def sft_runs(tmp_path_factory, tokenizer_folder) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(SFT_LAYOUTS))
 def test_sft_layout_matches_single_device(layout, sft_runs):
-    reference, losses = sft_runs["reference"], sft_runs[layout]
+    """Training and validation losses equal the single-device run's within 1e-5 relative."""
+    reference_name = SFT_LAYOUTS[layout][2]
+    reference, losses = sft_runs[reference_name], sft_runs[layout]
     assert len(losses) == len(reference) == STEPS
     assert reference[-1] < reference[0], "the reference run must learn"
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         assert got == pytest.approx(want, rel=1e-5), f"{layout} step {step}: {got} vs {want}"
+    root = sft_runs["root"]
+    want, got = validation_losses(root / reference_name), validation_losses(root / layout)
+    assert len(want) == 1 and got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_document_masking_changes_text_training(sft_runs, tokenizer_folder, tmp_path):
+    """Sanity check of the text comparison: without document masking the same run differs."""
+    import train
+
+    files = {k: str(sft_runs["root"] / f"{k}.jsonl") for k in ("chat", "validation", "text")}
+    plain = [o for o in TEXT_DOCUMENTS if o != "--data.document_masking"]
+    losses = train.train(parse_args(sft_args(str(tmp_path / "plain"), files, tokenizer_folder, plain)))
+    assert losses[0] != pytest.approx(sft_runs["text_reference"][0], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -327,7 +359,7 @@ def test_hf_finetune_end_to_end(sft_runs):
 
     root = sft_runs["root"]
     records = [json.loads(line) for line in (root / "hf_run/metrics.jsonl").read_text().splitlines()]
-    validation = [r["validation/loss"] for r in records if "validation/loss" in r]
+    validation = validation_losses(root / "hf_run")
     assert len(validation) == 2 and validation[1] < validation[0]
     assert all(r["validation/perplexity"] == pytest.approx(math.exp(r["validation/loss"]))
                for r in records if "validation/loss" in r)
