@@ -387,3 +387,20 @@ def test_flex_attention_path_equals_the_exact_mask():
             got = flex_document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
             want = document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_train_resumes_mid_epoch_on_the_same_samples(tokenizer_folder, tmp_path):
+    """Resuming packed chat training from a mid-run checkpoint gives the losses of the uninterrupted run."""
+    import shutil
+
+    import train
+
+    files = {"chat": str(write_jsonl(tmp_path / "chat.jsonl", make_chats(60))),
+             "validation": str(write_jsonl(tmp_path / "validation.jsonl", make_chats(4, seed=1)))}
+    args = sft_args(str(tmp_path / "run"), files, tokenizer_folder,
+                    ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+                     "--training.local_batch_size", "2", "--no-validation.enable"])
+    whole = train.train(parse_args(args))
+    shutil.rmtree(tmp_path / "run/checkpoint/step-6")
+    resumed = train.train(parse_args(args))
+    assert len(whole) == 6 and resumed == pytest.approx(whole[3:], rel=1e-6)
