@@ -425,7 +425,8 @@ def check_dump_folder(cfg: JobConfig) -> None:
     saved = _read_toml(saved_path)
     for key in RUN_IDENTITY:
         section, name = key.split(".")
-        before, now = saved.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        default = getattr(getattr(JobConfig(), section), name)  # a key newer than the saved run
+        before, now = saved.get(section, {}).get(name, default), getattr(getattr(cfg, section), name)
         if before != now:
             raise ConfigError(
                 f"job.dump_folder: {saved_path} is a run with {key} = {before!r}, this run has {now!r}; "
