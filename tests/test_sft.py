@@ -404,3 +404,28 @@ def test_train_resumes_mid_epoch_on_the_same_samples(tokenizer_folder, tmp_path)
     shutil.rmtree(tmp_path / "run/checkpoint/step-6")
     resumed = train.train(parse_args(args))
     assert len(whole) == 6 and resumed == pytest.approx(whole[3:], rel=1e-6)
+
+
+def test_prompt_completion_trains_with_a_sentencepiece_tokenizer(tmp_path):
+    """prompt_completion needs no chat template: the shipped SentencePiece tokenizer works, Alpaca
+    records included, and only completions are supervised."""
+    import train
+
+    records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 5)} for i in range(20)]
+    records += [{"instruction": "Stand.", "input": "Unfold yourself.", "output": "Long live the king!"}] * 5
+    files = {"chat": str(write_jsonl(tmp_path / "pc.jsonl", records)), "validation": str(tmp_path / "pc.jsonl")}
+    losses = train.train(parse_args(sft_args(str(tmp_path / "run"), files, REPO / "assets/tokenizer/shakespeare.model",
+                                             ["--data.format", "prompt_completion", "--training.steps", "2"])))
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_train_refuses_a_folder_without_tokenizer_json(tmp_path, capsys):
+    import train
+
+    (tmp_path / "tok").mkdir()
+    code = train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "out"),
+                       "--model.tokenizer_path", str(tmp_path / "tok")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"weft: error: model.tokenizer_path: '{tmp_path / 'tok'}' is a folder without " \
+                                "tokenizer.json (a Hugging Face tokenizer folder has one)\n"
+    assert not (tmp_path / "out").exists()
