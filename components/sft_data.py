@@ -251,13 +251,20 @@ class PackedSampleLoader(TokenWindowLoader):
         positions: list[int] = []
         documents: list[int] = []
         n_documents = 0
+        first_dropped: _DocStart | None = None  # start of a run of dropped samples
         while len(inputs) < self.seq_len:
-            _, sample = self._peek()
+            doc, sample = self._peek()
             too_long = len(sample.tokens) - 1 > self.seq_len  # a sample of n tokens fills n - 1 input slots
             if too_long and self.long_samples == "drop":
+                first_dropped = first_dropped or doc
+                if doc.epoch > first_dropped.epoch and (doc.file_index, doc.byte_offset) >= (
+                        first_dropped.file_index, first_dropped.byte_offset):
+                    raise DataError(f"data.dataset_path: every sample is longer than training.seq_len + 1 = "
+                                    f"{self.seq_len + 1} tokens; raise seq_len or set data.long_samples = 'truncate'")
                 self.dropped += 1
                 self._pending = None
                 continue
+            first_dropped = None
             tokens, supervised = sample.tokens[: self.seq_len + 1], sample.supervised[: self.seq_len + 1]
             length = len(tokens) - 1
             if length > self.seq_len - len(inputs):

@@ -160,6 +160,10 @@ def test_packing_keeps_samples_whole_and_counts_long_ones(tok, tmp_path):
     for _, _ in zip(range(8), drop):
         pass
     assert drop.dropped == 1 and drop.truncated == 0
+    only_long = write_jsonl(tmp_path / "long.jsonl", records[-1:] * 3)
+    with pytest.raises(DataError, match="every sample is longer than training.seq_len"):
+        next(iter(PackedSampleLoader([only_long], tok, data_format="chat", seq_len=64, local_batch_size=1,
+                                     long_samples="drop")))
 
 
 def test_resume_mid_epoch_in_another_layout(tok, tmp_path):
