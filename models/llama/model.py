@@ -94,7 +94,8 @@ def document_causal_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor) -> torch.T
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ / √d + block-causal mask) v: causal attention that never crosses documents.
 
@@ -102,13 +103,14 @@ def document_attention(
     (where FlexAttention has no backward as of PyTorch 2.13) SDPA takes the boolean mask.
     """
     if q.is_cuda:
-        return flex_document_attention(q, k, v, q_docs, kv_docs)
+        return flex_document_attention(q, k, v, q_docs, kv_docs, scale)
     mask = document_causal_mask(q_docs, kv_docs)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def flex_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """`document_attention` with FlexAttention: the same mask as a block mask, whose fully masked
     blocks (across documents) are skipped."""
@@ -125,7 +127,7 @@ def flex_document_attention(
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
         flex_attention = _compiled_flex_attention
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 _compiled_flex_attention = None
