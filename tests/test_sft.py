@@ -433,3 +433,18 @@ def test_train_refuses_a_folder_without_tokenizer_json(tmp_path, capsys):
     assert code == 2 and err == f"weft: error: model.tokenizer_path: '{tmp_path / 'tok'}' is a folder without " \
                                 "tokenizer.json (a Hugging Face tokenizer folder has one)\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_validation_leaves_training_untouched(tokenizer_folder, tmp_path):
+    """Evaluating every 2 steps changes no training loss: the data cursor and random state are untouched."""
+    import train
+
+    files = {"chat": str(write_jsonl(tmp_path / "chat.jsonl", make_chats(60))),
+             "validation": str(write_jsonl(tmp_path / "validation.jsonl", make_chats(8, seed=1)))}
+    common = ["--training.steps", "4", "--training.local_batch_size", "2"]
+    plain = train.train(parse_args(sft_args(str(tmp_path / "plain"), files, tokenizer_folder,
+                                            [*common, "--no-validation.enable"])))
+    evaluated = train.train(parse_args(sft_args(str(tmp_path / "evaluated"), files, tokenizer_folder,
+                                                [*common, "--validation.freq", "2", "--validation.steps", "1"])))
+    assert evaluated == plain
+    assert len(validation_losses(tmp_path / "evaluated")) == 2
