@@ -2,6 +2,13 @@
 
     python generate.py --checkpoint outputs/checkpoint/step-1000 --flavor debugmodel --prompt "ROMEO:"
     python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
+    python generate.py --hf Llama-3.1-8B-Instruct --chat --prompt "Who wrote Hamlet?"
+
+With --chat the prompt is a user message: the tokenizer's chat template renders it (after an
+optional --system message) with the assistant's header, and generation stops at the end of the
+assistant's turn (Llama 3's <|eot_id|>, or EOS); only the reply is printed. The tokenizer is a
+SentencePiece model file or a Hugging Face tokenizer folder; a --hf folder's own tokenizer is the
+default.
 
 One process, one device (CUDA if available, else the CPU). Every step runs the full forward
 over the whole context: no KV cache, which keeps the loop obviously correct and is fast enough
@@ -13,12 +20,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Collection
+from pathlib import Path
 
 import torch
 
 from components.checkpoint import CheckpointError, load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from components.data import DataError, Tokenizer
+from components.data import DataError
 from components.errors import EXIT_USER_ERROR, PREFIX, report_user_error
+from components.tokenizer import HFTokenizer, load_tokenizer
 from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
@@ -44,12 +54,14 @@ def sample(
     generator: torch.Generator | None = None,
     *,
     eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[int]:
     """Continue `prompt_ids` by up to max_new_tokens tokens; return the new tokens only.
 
     temperature 0 picks the most likely token (greedy); otherwise tokens are drawn from the
     softmax of logits / temperature, restricted to the top_k most likely (None: all), with
-    `generator` (a CPU generator) for reproducible draws. Stops after `eos_id` if given. The
+    `generator` (a CPU generator) for reproducible draws. Stops after `eos_id` if given, or after
+    any of `stop_ids` (e.g. a chat model's end-of-turn tokens). The
     context is the last max_seq_len tokens.
     """
     if temperature < 0:
@@ -65,7 +77,7 @@ def sample(
         context = torch.tensor([ids[-model.args.max_seq_len:]], device=device)
         token = _next_token(model(context)[0, -1], temperature, top_k, generator)
         ids.append(token)
-        if token == eos_id:
+        if token == eos_id or token in stop_ids:
             break
     return ids[len(prompt_ids):]
 
@@ -84,8 +96,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--hf", help="Hugging Face LlamaForCausalLM folder (config.json + safetensors)")
     parser.add_argument("--flavor", default="debugmodel", choices=list(LLAMA_FLAVORS),
                         help="model flavor of --checkpoint (a --hf folder brings its own config)")
-    parser.add_argument("--tokenizer", default="assets/tokenizer/shakespeare.model", help="SentencePiece model file")
-    parser.add_argument("--prompt", default="", help="text to continue (after the BOS token)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece model file or Hugging Face tokenizer folder (default: the --hf folder "
+                             "if it has a tokenizer.json, else assets/tokenizer/shakespeare.model)")
+    parser.add_argument("--prompt", default="", help="text to continue (after the BOS token); with --chat, the user message")
+    parser.add_argument("--chat", action="store_true", help="render --prompt with the tokenizer's chat template and "
+                        "print the assistant's reply, stopping at the end of its turn")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
@@ -107,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        tokenizer = Tokenizer(opts.tokenizer)
+        tokenizer = load_tokenizer(_tokenizer_path(opts))
+        if opts.chat and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
+            raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
+                            "(a Hugging Face folder whose tokenizer_config.json has one)")
         if opts.hf is not None:
             args: ModelArgs = model_args_from_hf_config(read_hf_config(opts.hf))
         else:
@@ -127,12 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError) as e:
         return report_user_error(e)
 
-    prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     generator = torch.Generator().manual_seed(opts.seed)
+    if opts.chat:
+        messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
+            {"role": "user", "content": opts.prompt}]
+        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        stops = tokenizer.stop_ids
+        new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator, stop_ids=stops)
+        print(tokenizer.decode(new_ids[:-1] if new_ids and new_ids[-1] in stops else new_ids))
+        return 0
+    prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator,
                      eos_id=tokenizer.eos_id)
     print(tokenizer.decode(prompt_ids + new_ids))
     return 0
+
+
+def _tokenizer_path(opts: argparse.Namespace) -> str:
+    """--tokenizer, else the --hf folder's own tokenizer, else the shipped Shakespeare model."""
+    if opts.tokenizer:
+        return opts.tokenizer
+    if opts.hf is not None and (Path(opts.hf) / "tokenizer.json").is_file():
+        return opts.hf
+    return str(Path(__file__).resolve().parent / "assets/tokenizer/shakespeare.model")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -27,7 +26,7 @@ from components.config import (
     parse_args,
     to_toml,
 )
-from components.data import DataError, Tokenizer, TokenWindowLoader, check_text_files, find_text_files
+from components.data import DataError, check_text_files, find_text_files
 from components.dry_run import dry_run
 from components.distributed import (
     Preemption,
@@ -40,6 +39,7 @@ from components.distributed import (
 )
 from components.errors import report_user_error
 from components.hf import load_hf_into_model
+from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from components.metrics import (
     MetricsLogger,
     StepStats,
@@ -48,6 +48,8 @@ from components.metrics import (
     setup_logging,
 )
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from components.sft_data import Batch, batches, build_loader
+from components.tokenizer import HFTokenizer, load_tokenizer
 from float8 import (
     check_float8_support,
     float8_tp_all_gather,
@@ -78,7 +80,7 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 1. Check everything the user can get wrong before any process group, file or tensor
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
-    model_args, dims, tokenizer, data_files, float8_warnings = check_inputs(cfg)
+    model_args, dims, tokenizer, data_files, validation_files, float8_warnings = check_inputs(cfg)
     p, f8 = cfg.parallelism, cfg.float8
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
@@ -95,15 +97,19 @@ def train(cfg: JobConfig) -> list[float]:
     logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
-    loader = TokenWindowLoader(
-        data_files,
-        tokenizer,
+    #    Chat and prompt/completion samples are packed whole, each with its own positions and
+    #    document id (attention stays inside it) and labels only where the loss applies.
+    make_loader = functools.partial(
+        build_loader,
+        tokenizer=tokenizer,
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
         dp_rank=meshes.dp.get_local_rank() if meshes else 0,
         dp_world_size=dims.dp,
         text_field=cfg.data.text_field,
+        long_samples=cfg.data.long_samples,
     )
+    loader = make_loader(cfg.data.format, data_files)
 
     # 4. The model, built on the meta device: shapes without memory, so any size fits here.
     with torch.device("meta"):
@@ -160,9 +166,11 @@ def train(cfg: JobConfig) -> list[float]:
         checkpointer.save(0, model_only=True, blocking=True)
         return []
 
-    # 9. The loop. The loss of each rank is the mean over its tokens; gradients are averaged
-    #    over data-parallel and context-parallel ranks, so together they follow the global mean.
+    # 9. The loop. The loss is the mean over the supervised tokens of the whole global batch:
+    #    their number is counted over all micro-batches and data/context-parallel ranks first,
+    #    then each micro-batch contributes its sum of token losses (components/loss.py).
     loss_group = meshes.dp_cp.get_group() if meshes else None
+    grad_ranks = dims.dp * dims.cp  # gradients are averaged over these ranks
     # With loss parallel, the loss and its backward must run where DTensor knows the logits are
     # vocabulary-sharded. Without FSDP to compute in bf16, autocast does (parallelisms/precision.py).
     loss_context = loss_parallel if dims.tp > 1 and p.loss_parallel else contextlib.nullcontext
@@ -177,22 +185,22 @@ def train(cfg: JobConfig) -> list[float]:
         jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
         start_step=start_step,
     )
-    batches = iter(loader)
+    train_batches = batches(loader, document_masking=cfg.data.document_masking)
     history: list[float] = []
     preemption = Preemption()
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
         optimizer.zero_grad()
         step_loss = torch.zeros((), device=device)
-        for _ in range(accumulation):
-            inputs, labels = (t.to(device) for t in next(batches))
-            positions = None
-            if dims.cp > 1:
-                (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
+        micro_batches = [next(train_batches).to(device) for _ in range(accumulation)]
+        if dims.cp > 1:
+            micro_batches = [shard_batch(meshes.cp, batch) for batch in micro_batches]
+        supervised = global_supervised_count([batch.labels for batch in micro_batches], loss_group)
+        for batch in micro_batches:
             with loss_context():
                 with forward_context():
-                    logits = model(inputs, positions)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accumulation
+                    logits = model(batch.inputs, batch.positions, document_ids=batch.document_ids)
+                loss = token_loss(logits, batch.labels, supervised, grad_ranks)
                 loss.backward()
             step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
@@ -210,6 +218,15 @@ def train(cfg: JobConfig) -> list[float]:
             stats = StepStats(step, loss_value, grad_norm.item(), lr)
             metrics.log(stats)
             history.append(stats.loss)
+            report_long_samples(loader)
+
+        if validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
+            with loss_context():
+                validation_loss = evaluate(
+                    model, make_loader(cfg.validation.format or cfg.data.format, validation_files),
+                    cfg.validation.steps * accumulation, device=device, mesh=meshes.cp if dims.cp > 1 else None,
+                    loss_group=loss_group, document_masking=cfg.data.document_masking, forward_context=forward_context)
+            metrics.log_validation(step, validation_loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
         if saved:
@@ -235,7 +252,64 @@ def write_config(dump: Path, cfg: JobConfig) -> None:
     (dump / "config.toml").write_text(to_toml(cfg))
 
 
-def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, list[Path], list[str]]:
+def shard_batch(cp_mesh, batch: Batch) -> Batch:
+    """This CP rank's shard of every tensor of the batch. Positions: the documents' own if packed,
+    else the global positions `shard_sequence` returns; document ids travel with the tokens."""
+    present = [t for t in batch if t is not None]
+    shards, global_positions = shard_sequence(cp_mesh, *present)
+    shards = iter(shards)
+    sharded = Batch(*(None if t is None else next(shards) for t in batch))
+    return sharded if batch.positions is not None else sharded._replace(positions=global_positions)
+
+
+@torch.no_grad()
+def evaluate(model, loader, steps: int, *, device, mesh, loss_group, document_masking: bool,
+             forward_context) -> float:
+    """Mean loss over the supervised tokens of the loader's first `steps` micro-batches.
+
+    Runs in eval mode without gradients on a loader of its own, so the training data cursor
+    and random state are untouched; sums and counts are reduced over data/context-parallel ranks,
+    so every layout gets the same value."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for _, batch in zip(range(steps), batches(loader, document_masking=document_masking)):
+        batch = batch.to(device)
+        if mesh is not None:
+            batch = shard_batch(mesh, batch)
+        with forward_context():
+            logits = model(batch.inputs, batch.positions, document_ids=batch.document_ids)
+        loss_sum = token_loss(logits, batch.labels, 1.0)
+        total += (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).double()
+        count += (batch.labels != IGNORE_INDEX).sum()
+    if loss_group is not None:
+        both = torch.stack((total, count))
+        torch.distributed.all_reduce(both, group=loss_group)
+        total, count = both[0], both[1]
+    model.train()
+    return (total / count.clamp(min=1)).item()
+
+
+def report_long_samples(loader) -> None:
+    """Log how many samples were cut or skipped for exceeding seq_len, if any."""
+    truncated, dropped = getattr(loader, "truncated", 0), getattr(loader, "dropped", 0)
+    if truncated or dropped:
+        logger.info(f"data: {truncated} samples longer than training.seq_len + 1 tokens truncated, "
+                    f"{dropped} dropped so far")
+
+
+def resolve_tokenizer_path(cfg: JobConfig) -> str:
+    """model.tokenizer_path, or by default the tokenizer of an initial Hugging Face folder, else
+    the shipped Shakespeare tokenizer."""
+    if cfg.model.tokenizer_path:
+        return cfg.model.tokenizer_path
+    initial = Path(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
+    if initial is not None and (initial / "tokenizer.json").is_file():
+        return str(initial)
+    return str(Path(__file__).resolve().parent / "assets/tokenizer/shakespeare.model")
+
+
+def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[Path], list[Path], list[str]]:
     """Every check that needs no process group: model size, layout, tokenizer, data, dump folder,
     float8 support. Returns what they resolved, and float8 warnings to log."""
     model_args = LLAMA_FLAVORS[cfg.model.flavor]
@@ -251,14 +325,31 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
         world_size=cfg.job.simulate_world_size or launched_world_size(),
     )
     dims.check_seq_len(cfg.training.seq_len)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(cfg))
     if tokenizer.vocab_size > model_args.vocab_size:
         raise DataError(
             f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than "
             f"the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})"
         )
     data_files = find_text_files(cfg.data.dataset_path)
-    check_text_files(data_files, cfg.data.text_field)  # the start of every file: seconds even for a big corpus
+    validation_files = []
+    if cfg.validation.enable:
+        if not cfg.validation.dataset_path:
+            raise ConfigError("validation.dataset_path: required when validation.enable is set")
+        try:
+            validation_files = find_text_files(cfg.validation.dataset_path)
+        except DataError as e:
+            raise DataError(str(e).replace("data.dataset_path", "validation.dataset_path", 1)) from None
+    formats = {cfg.data.format, cfg.validation.format or cfg.data.format} if cfg.validation.enable else {cfg.data.format}
+    if "chat" in formats and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
+        raise DataError(f"model.tokenizer_path: '{resolve_tokenizer_path(cfg)}' has no chat template, which "
+                        "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
+    for data_format, files in [(cfg.data.format, data_files), (cfg.validation.format or cfg.data.format, validation_files)]:
+        if files and data_format == "text":  # the start of every file: seconds even for a big corpus
+            check_text_files(files, cfg.data.text_field)
+        elif files:  # every record, checked before anything is written
+            build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,
+                         dp_rank=0, dp_world_size=1).check_records()
     check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
     if cfg.checkpoint.enable:
         check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
@@ -280,7 +371,7 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, Tokenizer, li
     if cfg.checkpoint.create_seed_checkpoint and dims.world_size > 1:
         raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
                           f"not {dims.world_size}")
-    return model_args, dims, tokenizer, data_files, float8_warnings
+    return model_args, dims, tokenizer, data_files, validation_files, float8_warnings
 
 
 # Which setting each transform argument comes from, to name it when a transform refuses it.

@@ -94,8 +94,9 @@ class Job:
 @dataclass
 class Model:
     flavor: str = opt("debugmodel", "Model architecture and size", choices=MODEL_FLAVORS)
-    tokenizer_path: str = opt("assets/tokenizer/shakespeare.model", "SentencePiece tokenizer model file",
-                              check=_NOT_EMPTY)
+    tokenizer_path: str = opt(
+        "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
+        "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")
 
 
 @dataclass
@@ -150,6 +151,27 @@ class LRScheduler:
 class Data:
     dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them", check=_NOT_EMPTY)
     text_field: str = opt("text", "Field of each JSONL record that holds the text", check=_NOT_EMPTY)
+    format: str = opt(
+        "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
+        "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
+        "completion", choices=("text", "chat", "prompt_completion"))
+    document_masking: bool = opt(
+        False, "format text: attention stays within each document and positions restart at each BOS "
+        "(chat and prompt_completion samples are always masked this way)")
+    long_samples: str = opt(
+        "truncate", "Chat / prompt_completion samples longer than seq_len + 1 tokens: cut to fit, or skip; "
+        "either is counted in the log", choices=("truncate", "drop"))
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate the loss on a held-out dataset during training")
+    dataset_path: str = opt("", "A .txt or .jsonl file, or a folder of them, read in data.format unless "
+                            "validation.format is set")
+    format: str = opt("", "Format of the validation data; empty: data.format",
+                      choices=("", "text", "chat", "prompt_completion"))
+    freq: int = opt(100, "Evaluate every N steps (and after the last step)", min=1)
+    steps: int = opt(10, "Global batches (as in training, accumulation included) evaluated each time: always the first ones of the dataset", min=1)
 
 
 @dataclass
@@ -206,6 +228,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     float8: Float8 = field(default_factory=Float8)
@@ -443,7 +466,7 @@ def _validate_combinations(cfg: JobConfig, origins: dict[str, str]) -> None:
 
 # Settings that make a run what it is: a dump folder holding a run with other values for these
 # belongs to another experiment, and resuming into it would mix the two.
-RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "data.text_field",
+RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "data.text_field", "data.format",
                 "training.seq_len", "training.seed")
 
 
@@ -469,7 +492,8 @@ def check_dump_folder(cfg: JobConfig) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"job.dump_folder: {saved_path} holds [{section}] as {_toml_value_or_repr(table)}, "
                               f"not a table; it is not a weft run's config")
-        before, now = table.get(name), getattr(getattr(cfg, section), name)
+        default = getattr(getattr(JobConfig(), section), name)  # a key newer than the saved run
+        before, now = table.get(name, default), getattr(getattr(cfg, section), name)
         if before != now:
             raise ConfigError(
                 f"job.dump_folder: {saved_path} is a run with {key} = {before!r}, this run has {now!r}; "

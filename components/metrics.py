@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import sys
 import time
@@ -156,6 +157,19 @@ class MetricsLogger:
             self.jsonl.flush()
         self._window_start = time.perf_counter()
         self._window_steps = 0
+        return values
+
+    def log_validation(self, step: int, loss: float) -> dict[str, float]:
+        """The validation loss and its perplexity: a log line, TensorBoard scalars, a JSON line."""
+        values = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0))}
+        logger.info(f"step {step:>6}  validation loss {loss:8.4f}  perplexity {values['validation/perplexity']:.2f}")
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.flush()
         return values
 
     def close(self) -> None:

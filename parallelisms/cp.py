@@ -31,10 +31,12 @@ Gradients. Each rank computes the loss over its own tokens; averaging the parame
 over the CP group (as data parallelism does) gives the gradient of the loss over the whole
 sequence, provided each rank's loss is the mean over its equally many tokens.
 
-Masks. The core has no mask argument: it computes plain causal attention over the whole
-sequence and nothing else (no document masking, no sliding window). `apply_cp` therefore only
-replaces cores that are exactly `CausalAttention`, and refuses subclasses, which may mask
-differently.
+Masks. The core computes causal attention over the whole sequence, or, given `document_ids`
+(packed samples), block-causal attention: the ids are sharded with `shard_sequence` like the
+tokens, all-gathered with K and V (they are small integers, no gradient), and each query chunk
+is masked against the keys' ids (`document_attention` of the model, with the same lower-right
+alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
+exactly `CausalAttention`, and refuses subclasses, which may mask differently.
 
 Other models. A transformers model looks its attention function up by name
 (`config._attn_implementation`) in transformers' attention registry. `apply_cp` registers the
@@ -64,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from models.llama.model import CausalAttention
+from models.llama.model import CausalAttention, document_attention
 from parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -152,9 +154,20 @@ class ContextParallelAttention(nn.Module):
         self.cp_size = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """softmax(q kᵀ · scale + causal mask) v, where k and v range over the whole sequence;
-        scale defaults to 1/√head_dim."""
+        scale defaults to 1/√head_dim.
+
+        document_ids: this rank's shard ([batch, s], from `shard_sequence`) of each token's
+        document; the mask is then block-causal over the whole sequence.
+        """
         local_len = q.shape[-2]
         # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
         if k.shape[-2] != local_len or v.shape[-2] != local_len or local_len % 2:
@@ -164,10 +177,16 @@ class ContextParallelAttention(nn.Module):
             )
         chunk = local_len // 2
         k_all, v_all = self._gather_kv(k, v, chunk)
+        docs_all = None if document_ids is None else self._gather_documents(document_ids, chunk)
         outputs = []
         for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank)):
             q_chunk = q[..., slot * chunk : (slot + 1) * chunk, :]
             kv_len = (j + 1) * chunk
+            if docs_all is not None:
+                q_docs = document_ids[:, slot * chunk : (slot + 1) * chunk]
+                outputs.append(document_attention(q_chunk, k_all[..., :kv_len, :], v_all[..., :kv_len, :],
+                                                  q_docs, docs_all[:, :kv_len], scale=scale))
+                continue
             outputs.append(
                 F.scaled_dot_product_attention(
                     q_chunk,
@@ -180,6 +199,10 @@ class ContextParallelAttention(nn.Module):
             )
         return torch.cat(outputs, dim=-2)
 
+    def _gather_documents(self, document_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Every rank's document ids, in global order, to mask against the gathered K/V."""
+        return _gather_documents_impl(document_ids, chunk, self.cp_mesh)
+
     def _gather_kv(self, k: torch.Tensor, v: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather K and V (one collective) and return them over the whole sequence, in global order."""
         kv = _all_gather_autograd(torch.stack((k, v)), gather_dim=3, group=self.cp_mesh)  # [2, b, h, S, d]
@@ -188,6 +211,14 @@ class ContextParallelAttention(nn.Module):
         by_rank = kv.unflatten(3, (self.cp_size, 2, chunk))  # [2, b, h, rank, slot, chunk, d]
         ordered = torch.cat((by_rank[:, :, :, :, 0], by_rank[:, :, :, :, 1].flip(3)), dim=3).flatten(3, 4)
         return ordered[0], ordered[1]
+
+
+def _gather_documents_impl(document_ids: torch.Tensor, chunk: int, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """All-gather the document ids [batch, s] of the CP group and return them in global order."""
+    cp_size = cp_mesh.size()
+    gathered = funcol.all_gather_tensor(document_ids.contiguous(), gather_dim=1, group=cp_mesh)  # [b, cp·s]
+    by_rank = gathered.unflatten(1, (cp_size, 2, chunk))  # [b, rank, slot, chunk]
+    return torch.cat((by_rank[:, :, 0], by_rank[:, :, 1].flip(1)), dim=1).flatten(1, 2)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:

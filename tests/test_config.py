@@ -314,3 +314,12 @@ def test_to_toml_round_trip_of_defaults(tmp_path):
     reloaded = parse_args(["--job.config_file", path])
     reloaded.job.config_file = ""
     assert reloaded == JobConfig()
+
+
+def test_sft_options():
+    cfg = parse_args(["--data.format", "chat", "--data.document_masking", "--validation.enable",
+                      "--validation.dataset_path", "val.jsonl", "--validation.freq", "5"])
+    assert (cfg.data.format, cfg.data.document_masking, cfg.validation.freq) == ("chat", True, 5)
+    assert cfg.validation.format == "" and cfg.data.long_samples == "truncate"
+    with pytest.raises(ConfigError, match="--validation.format: expected one of , text, chat, prompt_completion"):
+        parse_args(["--validation.format", "alpaca"])

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from components.checkpoint import load_model_weights
 from components.data import Tokenizer
-from components.hf import export_to_hf
+from components.hf import export_to_hf, load_hf_into_model
 from generate import main, sample
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
@@ -124,3 +124,32 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_sampling_stops_at_any_stop_id(model):
+    first = sample(model, [1, 2, 3], 10)[0]
+    assert sample(model, [1, 2, 3], 10, stop_ids={first}) == [first]
+
+
+def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
+    """--chat renders the user message with the folder's own tokenizer and template, and prints
+    only the reply, which ends before the end-of-turn token."""
+    from components.tokenizer import HFTokenizer
+    from tests.hf_tokenizer import build_tokenizer_folder
+    from tests.test_sft import tiny_hf_folder
+
+    folder = tiny_hf_folder(tmp_path / "hf", build_tokenizer_folder(tmp_path / "tok"))
+    # No --tokenizer: the folder's own is the default.
+    assert main(["--hf", str(folder), "--chat", "--prompt", "Who's there?", "--max-new-tokens", "6"]) == 0
+    reply = capsys.readouterr().out
+    tok = HFTokenizer(folder)
+    model = Transformer(LLAMA_FLAVORS["debugmodel"])
+    load_hf_into_model(model, folder)
+    ids = tok.encode_chat([{"role": "user", "content": "Who's there?"}], add_generation_prompt=True)
+    new = sample(model, ids, 6, stop_ids=tok.stop_ids)
+    assert reply == tok.decode([t for t in new if t not in tok.stop_ids]) + "\n"
+
+
+def test_chat_needs_a_chat_template(tmp_path, capsys):
+    assert main(["--hf", str(tmp_path), "--chat", "--tokenizer", str(TOKENIZER), "--prompt", "x"]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -84,16 +84,75 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def document_causal_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor) -> torch.Tensor:
+    """Block-causal mask: query i sees key j iff j <= i and both lie in the same document.
+
+    q_docs [batch, q_len], kv_docs [batch, kv_len] hold each token's document id, with the queries
+    aligned to the end of the keys (query i sits at key position i + kv_len - q_len). Returns a
+    boolean [batch, 1, q_len, kv_len] (True = attend). Every query sees at least itself.
+    """
+    q_len, kv_len = q_docs.shape[-1], kv_docs.shape[-1]
+    q_at = torch.arange(q_len, device=q_docs.device) + (kv_len - q_len)
+    causal = torch.arange(kv_len, device=q_docs.device)[None, :] <= q_at[:, None]
+    return (causal & (q_docs[:, :, None] == kv_docs[:, None, :])).unsqueeze(1)
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d + block-causal mask) v: causal attention that never crosses documents.
+
+    On CUDA, FlexAttention with a block mask skips the blocks that cross documents; on the CPU
+    (where FlexAttention has no backward as of PyTorch 2.13) SDPA takes the boolean mask.
+    """
+    if q.is_cuda:
+        return flex_document_attention(q, k, v, q_docs, kv_docs, scale)
+    mask = document_causal_mask(q_docs, kv_docs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`document_attention` with FlexAttention: the same mask as a block mask, whose fully masked
+    blocks (across documents) are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    offset = kv_docs.shape[-1] - q_docs.shape[-1]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
+
+    block_mask = create_block_mask(same_document_causal, q.shape[0], None, q.shape[-2], k.shape[-2], device=q.device)
+    if q.is_cuda and not torch.compiler.is_compiling():  # eager FlexAttention materialises the scores: compile it once
+        global _compiled_flex_attention
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+        flex_attention = _compiled_flex_attention
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+_compiled_flex_attention = None
+
+
 class CausalAttention(nn.Module):
     """softmax(q kᵀ / √d + causal mask) v with grouped-query heads.
 
     q: [batch, n_heads, seq, head_dim]; k, v: [batch, n_kv_heads, seq, head_dim]; each key/value
-    head serves n_heads / n_kv_heads consecutive query heads. A module of its own so that
-    context parallelism can swap in a version that sees the whole sequence.
+    head serves n_heads / n_kv_heads consecutive query heads. With `document_ids` ([batch, seq],
+    for packed samples) the mask is block-causal: tokens attend only within their document. A
+    module of its own so that context parallelism can swap in a version that sees the whole
+    sequence.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if document_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return document_attention(q, k, v, document_ids, document_ids)
 
 
 class Attention(nn.Module):
@@ -106,14 +165,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Head counts are inferred (-1) so the same code runs on a tensor-parallel shard of heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rotary_emb(q, rotations), apply_rotary_emb(k, rotations)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids=document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -140,8 +200,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rotations)
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotations, document_ids=document_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -162,11 +222,15 @@ class Transformer(nn.Module):
         rotations = rope_rotations(args, device=self.tok_embeddings.weight.device)
         self.register_buffer("rope_rotations", rotations, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens: [batch, seq] → logits [batch, seq, vocab].
 
-        positions ([seq] or [batch, seq]) give each token's place in the full sequence; they
-        default to 0..seq-1 and differ only when the sequence is split across devices.
+        positions ([seq] or [batch, seq]) give each token's place in its sequence; they default
+        to 0..seq-1 and differ when the sequence is split across devices, or when several
+        documents are packed into one sample (each restarts at 0). document_ids ([batch, seq])
+        make attention block-causal: no token attends to another document.
         """
         if positions is None:
             rotations = self.rope_rotations[: tokens.shape[1]]
@@ -174,7 +238,7 @@ class Transformer(nn.Module):
             rotations = self.rope_rotations[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, rotations)
+            h = layer(h, rotations, document_ids=document_ids)
         return self.output(self.norm(h))
 
     @torch.no_grad()
