@@ -10,6 +10,7 @@ the defaults of each model size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path

@@ -8,7 +8,6 @@ test reproduces that torch bug, so a torch release that fixes it turns the test 
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallelisms.common import TransformError, transformer_blocks
+from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import ParallelDims
