@@ -54,6 +54,7 @@ BATCH = 2  # local batch: samples per data-parallel rank
 SEQ = 32
 MAX_NORM = 1.0  # train.py's default gradient clipping
 TOLERANCE = 0.05
+OPTIMIZER = Optimizer(implementation="fused")  # train.py's "auto" on CPU and CUDA; the theory depends on it
 FP32 = 4  # bytes per element: no mixed precision, so every collective moves fp32
 
 
@@ -206,7 +207,7 @@ def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
     dims.check_seq_len(SEQ)
     meshes = dims.build_mesh("cpu")
     model = build_model(layout, meshes, args)
-    optimizer = build_optimizer(model, Optimizer())
+    optimizer = build_optimizer(model, OPTIMIZER)
     params = [p for p in model.parameters() if p.requires_grad]
 
     # Every rank of one data-parallel replica (its TP ranks) reads the same batch.
@@ -293,7 +294,8 @@ def fsdp_unit_bytes(weights: list[Weight], tp: int, fsdp: int) -> int:
     return numel * FP32
 
 
-def theory(layout: Layout, args: ModelArgs = ARGS, batch: int = BATCH, seq: int = SEQ) -> list[Expected]:
+def theory(layout: Layout, args: ModelArgs = ARGS, batch: int = BATCH, seq: int = SEQ,
+           optimizer_implementation: str = OPTIMIZER.implementation) -> list[Expected]:
     """The collectives of one training step of `layout`, per rank."""
     fsdp, tp, n_layers = layout.dp_shard, layout.tp, args.n_layers
     n_tensors = len(block_weights(args)) * n_layers + len(root_weights(args))
@@ -366,10 +368,11 @@ def theory(layout: Layout, args: ModelArgs = ARGS, batch: int = BATCH, seq: int 
         else:
             # Without FSDP nothing resolves them: p.grad stays Partial and every DTensor op that
             # reads it with a Replicate operand all-reduces it again, and discards the result:
-            # _foreach_norm in clip_grad_norm_, _foreach_lerp_ (exp_avg) and _foreach_addcmul_
-            # (exp_avg_sq, which reads the gradient twice) in AdamW: 4 all-reduces where 1 would do.
-            # (Scaling by the clip coefficient keeps Partial: no communication.)
-            uses = 4
+            # _foreach_norm in clip_grad_norm_, then AdamW's reads of the gradient: one for the
+            # fused kernel (train.py's default on CPU and CUDA), three for foreach (_foreach_lerp_
+            # for exp_avg, _foreach_addcmul_ for exp_avg_sq, which reads it twice). So 2 or 4
+            # all-reduces where 1 would do. (Scaling by the clip coefficient keeps Partial.)
+            uses = 2 if optimizer_implementation == "fused" else 4
             expected.append(Expected("step", "all_reduce", "tp", uses * n_norms, uses * n_norms * norm_grad,
                                      f"RMSNorm weight grads left Partial, reduced {uses}x each", avoidable=True))
 

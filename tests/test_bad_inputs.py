@@ -92,7 +92,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("cli-beta1-nan", lambda t: ["--optimizer.beta1", "nan"], "--optimizer.beta1"),
     ("cli-empty-dataset", lambda t: ["--data.dataset_path="], "--data.dataset_path: must be a non-empty"),
     ("cli-empty-dump-folder", lambda t: ["--job.dump_folder="], "--job.dump_folder: must be a non-empty"),
-    ("cli-empty-tokenizer", lambda t: ["--model.tokenizer_path="], "--model.tokenizer_path"),
+    # (an empty model.tokenizer_path means the default: the HF folder's tokenizer, else Shakespeare's)
+    ("cli-tokenizer-folder-without-tokenizer-json", lambda t: ["--model.tokenizer_path", str(t)],
+     "is a folder without tokenizer.json"),
     ("cli-empty-text-field", lambda t: ["--data.text_field="], "--data.text_field"),
     ("cli-empty-checkpoint-folder", lambda t: ["--checkpoint.folder="], "--checkpoint.folder"),
     ("cli-absurd-batch", lambda t: ["--training.local_batch_size", "1000000000"], "--training.local_batch_size"),

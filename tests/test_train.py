@@ -109,6 +109,6 @@ def test_torchrun_two_processes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     result = run_train_py(*quick_args(tmp_path, "--training.steps", "3"), launcher=torchrun)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "fsdp over (2,) ranks" in result.stdout
+    assert "apply_fsdp: fsdp over dp_mesh size 2" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
