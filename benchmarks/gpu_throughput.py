@@ -60,6 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from components.config import Optimizer  # noqa: E402
+from components.hf import hf_config  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
 from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
 from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
@@ -213,19 +214,9 @@ def build_hf_model(model_args: ModelArgs, device: torch.device, *, seq_len: int,
     as weft's blocks are, unless not `fullgraph`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=model_args.vocab_size,
-        hidden_size=model_args.dim,
-        intermediate_size=model_args.ffn_hidden_dim,
-        num_hidden_layers=model_args.n_layers,
-        num_attention_heads=model_args.n_heads,
-        num_key_value_heads=model_args.kv_heads,
-        max_position_embeddings=max(seq_len, model_args.max_seq_len),
-        rms_norm_eps=model_args.norm_eps,
-        tie_word_embeddings=model_args.tie_embeddings,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    # The config weft exports for this shape (rotary settings included), sized for seq_len.
+    config = LlamaConfig(**{**hf_config(model_args), "max_position_embeddings": max(seq_len, model_args.max_seq_len),
+                            "attn_implementation": "sdpa", "use_cache": False})
     with torch.device(device):
         model = LlamaForCausalLM(config)
     with torch.device("meta"):
