@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import zlib
 from collections.abc import Callable
 
@@ -11,8 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
-
-logger = logging.getLogger("weft")
 
 InitFn = Callable[[nn.Module], None]
 
