@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models.llama import Transformer
 from parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -73,8 +74,6 @@ def apply_tp(
 
 def default_tp_plan(model: nn.Module, *, loss_parallel: bool = True, float8_all_gather: bool = False) -> Plan:
     """weft's Llama plan, or the plan a transformers model declares; else an error asking for one."""
-    from models.llama import Transformer
-
     if isinstance(model, Transformer):
         return llama_tp_plan(loss_parallel=loss_parallel, float8_all_gather=float8_all_gather)
     if float8_all_gather:
@@ -177,8 +176,6 @@ def _output_style(loss_parallel: bool, input_layouts) -> ParallelStyle:
 
 
 def _plan_name(model: nn.Module) -> str:
-    from models.llama import Transformer
-
     return "weft Llama" if isinstance(model, Transformer) else type(model).__name__
 
 
