@@ -174,9 +174,17 @@ class Preemption:
         return bool(flag.item())
 
     def close(self) -> None:
+        """Restore the signal handling, and end the watchdog before its socket closes: a thread
+        still inside select() on a closed socket at interpreter exit aborted multi-node runs
+        ("terminate called without an active exception") after their last step."""
         self._closed = True
         signal.signal(signal.SIGTERM, self._previous)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
+        try:
+            self._writer.send(b"\0")  # wakes select(); not a SIGTERM byte
+        except OSError:
+            pass
+        self._watchdog.join(timeout=5)
         self._writer.close()
         self._reader.close()
 
