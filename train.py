@@ -201,7 +201,8 @@ def train(cfg: JobConfig) -> list[float]:
             with loss_context():
                 with forward_context():
                     logits = model(batch.inputs, batch.positions, document_ids=batch.document_ids)
-                loss = token_loss(logits, batch.labels, supervised, grad_ranks)
+                loss = token_loss(logits, batch.labels, supervised, grad_ranks, compiled=cfg.compile.enable)
+                del logits  # freed by backward, not held until the next forward
                 loss.backward()
             step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
@@ -226,7 +227,8 @@ def train(cfg: JobConfig) -> list[float]:
                 validation_loss = evaluate(
                     model, make_loader(cfg.validation.format or cfg.data.format, validation_files),
                     cfg.validation.steps * accumulation, device=device, mesh=meshes.cp if dims.cp > 1 else None,
-                    loss_group=loss_group, document_masking=cfg.data.document_masking, forward_context=forward_context)
+                    loss_group=loss_group, document_masking=cfg.data.document_masking, forward_context=forward_context,
+                    compiled_loss=cfg.compile.enable)
             metrics.log_validation(step, validation_loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
@@ -265,7 +267,7 @@ def shard_batch(cp_mesh, batch: Batch) -> Batch:
 
 @torch.no_grad()
 def evaluate(model, loader, steps: int, *, device, mesh, loss_group, document_masking: bool,
-             forward_context) -> float:
+             forward_context, compiled_loss: bool) -> float:
     """Mean loss over the supervised tokens of the loader's first `steps` micro-batches.
 
     Runs in eval mode without gradients on a loader of its own, so the training data cursor
@@ -280,7 +282,7 @@ def evaluate(model, loader, steps: int, *, device, mesh, loss_group, document_ma
             batch = shard_batch(mesh, batch)
         with forward_context():
             logits = model(batch.inputs, batch.positions, document_ids=batch.document_ids)
-        loss_sum = token_loss(logits, batch.labels, 1.0)
+        loss_sum = token_loss(logits, batch.labels, 1.0, compiled=compiled_loss)
         total += (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).double()
         count += (batch.labels != IGNORE_INDEX).sum()
     if loss_group is not None:

@@ -208,7 +208,7 @@ class Float8:
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile each transformer block")
+    enable: bool = opt(False, "torch.compile each transformer block and the loss")
 
 
 @dataclass

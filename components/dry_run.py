@@ -49,7 +49,7 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
         fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, compute_dtype=compute, param_dtype=param_dtype,
         reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
-        loss_parallel=cfg.parallelism.loss_parallel, autocast=policy.uses_autocast,
+        loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
         foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
     )
 

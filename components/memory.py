@@ -19,7 +19,7 @@ selective "op" keeps the matmul and attention outputs; selective N checkpoints e
 block fully. float8 saves the linear inputs in 1 byte instead of e (and the fp8 weight copies).
 Known error: it leaves out tensors below T·h (rsqrt statistics, attention log-sum-exp, RoPE
 tables) and allocator fragmentation. On the debug model on CPU (tests/test_memory.py) the total
-is 0.91–1.09× the measured peak (fsdp, tp, cp, fsdp × tp, hsdp; fp32, full AC, selective op in
+is 0.94–1.03× the measured peak (fsdp, tp, cp, fsdp × tp, hsdp; fp32, full AC, selective op in
 bf16); tp without FSDP is the low end (DTensor redistribution buffers not modelled). Not yet
 measured: float8, GPU kernels' workspaces (flash attention), long-sequence CP. CP's ring attention keeps its gathered
 key/value chunks (2·T·cp·hkv·e per block, the whole sequence's keys and values) in addition.
@@ -27,9 +27,11 @@ key/value chunks (2·T·cp·hkv·e per block, the whole sequence's keys and valu
 Transient buffers: FSDP all-gathers ~2 blocks unsharded in the param dtype (the one running and
 the one prefetched) and reduce-scatters one block's gradients in the reduce dtype; the root's
 parameters (embedding, output) stay unsharded from the output projection's forward to its
-backward. Logits and loss: T × vocab (/ tp under loss parallel) in the compute dtype (held by
-the training loop until the next step), plus the fp32 copy cross-entropy works on and its
-log-softmax output, and in backward their gradients.
+backward. Logits and loss (`loss_bytes`): T × vocab (/ tp under loss parallel) in the compute
+dtype, alive until backward has used them, and the loss's own work (components/loss.py): under
+loss parallel the eager fp32 copy and its log-softmax (kept for backward) and their fp32
+gradients; compiled, only the logits' gradient; chunked, the logits' gradient plus the fp32 work
+of one chunk of rows.
 """
 
 from __future__ import annotations
@@ -62,6 +64,34 @@ def device_memory_gib(text: str) -> float:
     if value <= 0:
         raise ValueError(text)
     return value
+
+
+def measured_peak_bytes(fn) -> int:
+    """Highest running total of CPU allocations (bytes) during fn(), relative to its start.
+
+    torch's profiler with profile_memory=True records every allocation and free of the CPU
+    allocator with its size; their running sum in time order is the memory fn() held on top of
+    what existed before it. (On CUDA, torch.cuda.max_memory_allocated says the same directly.)"""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(event):
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        for child in event.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +136,7 @@ class StepShape:
     ac_option: str = "op"
     float8: bool = False
     loss_parallel: bool = True
+    compiled_loss: bool = False  # components/loss.py: compiled cross-entropy, else chunked (eager)
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
     foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
 
@@ -158,11 +189,18 @@ def activation_bytes(s: StepShape) -> tuple[int, int]:
     return checkpointed * block_input_bytes(s) + (n - checkpointed) * full, full
 
 
-def logits_bytes(s: StepShape) -> tuple[int, int]:
-    """(held: logits in compute dtype, transient: fp32 copy + log-softmax output) of the loss."""
+def loss_bytes(s: StepShape) -> tuple[int, int, int]:
+    """(logits, loss work in forward, loss work in backward) in bytes; see the module doc."""
+    from components.loss import CHUNK_BYTES
+
     vocab = s.args.vocab_size // s.tp if s.tp > 1 and s.loss_parallel else s.args.vocab_size
-    n = s.tokens * vocab
-    return n * dtype_bytes(s.compute_dtype), n * 8
+    n, e = s.tokens * vocab, dtype_bytes(s.compute_dtype)
+    if s.tp > 1 and s.loss_parallel:  # eager fp32 cross-entropy on the vocabulary shard
+        return n * e, n * 4, n * 8
+    if s.compiled_loss:
+        return n * e, 0, n * e
+    chunk = min(s.tokens, max(1, CHUNK_BYTES // (4 * vocab))) * vocab * 4
+    return n * e, 2 * chunk, n * e + chunk
 
 
 @dataclass
@@ -228,7 +266,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         vocab, dim = s.args.vocab_size, s.args.dim
         grads += (vocab - vocab // s.tp) * dim * 4
     kept, recompute = activation_bytes(s)
-    held_logits, loss_work = logits_bytes(s)
+    logits, loss_forward, loss_backward = loss_bytes(s)
     pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
     block = block_numel(s.args) // s.tp
     root = (s.args.vocab_size * s.args.dim * (1 if s.args.tie_embeddings else 2)) // s.tp
@@ -238,20 +276,23 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers["FSDP reduce-scatter (1 block's gradients)"] = block * (pb + rb)
     if s.autocast:
         buffers["autocast bf16 weight copies"] = params // 2  # of fp32 parameters
-    buffers["logits (held by the loop)"] = held_logits
-    buffers["loss: fp32 logits + log-softmax (+ grads)"] = loss_work
+    buffers["logits (until backward)"] = logits
+    buffers["loss: fp32 work and the logits' gradient"] = loss_backward
     gather = buffers.get("FSDP all-gather (2 blocks + root, unsharded)", 0)
     scatter = buffers.get("FSDP reduce-scatter (1 block's gradients)", 0)
     autocast = buffers.get("autocast bf16 weight copies", 0)
-    # Backward: activations are freed block by block as gradients appear; the peak is at its start
-    # (all activations, the loss gradients, one block recomputed) or its end (all gradients).
-    start = params + optimizer + kept + recompute + held_logits + loss_work + gather + scatter + autocast
-    end = params + optimizer + grads + held_logits + gather + scatter + recompute
+    # Backward: the loss's backward first (all activations, the logits and their gradient), which
+    # frees the logits; then blocks in reverse, freeing activations as gradients appear. The peak
+    # is at the loss, at the first block (one block recomputed, its gradients reduce-scattered),
+    # or at the end (all gradients).
+    at_loss = params + optimizer + kept + logits + loss_backward + gather + autocast
+    at_first_block = params + optimizer + kept + recompute + gather + scatter + autocast
+    end = params + optimizer + grads + gather + scatter + recompute
     phases = {
-        "end of forward": params + optimizer + kept + held_logits + loss_work // 2 + gather + autocast,
-        "during backward": max(start, end),
+        "end of forward": params + optimizer + kept + logits + loss_forward + gather + autocast,
+        "during backward": max(at_loss, at_first_block, end),
         # The optimizer step: fused AdamW updates state in place; foreach makes ~one fp32 temporary
-        # per parameter. The logits stay alive until the next forward.
-        "optimizer step": params + grads + optimizer + held_logits + (params if s.foreach_optimizer else 0),
+        # per parameter.
+        "optimizer step": params + grads + optimizer + (params if s.foreach_optimizer else 0),
     }
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)

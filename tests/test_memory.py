@@ -18,7 +18,7 @@ import torch
 
 from components.config import parse_args
 from components.dry_run import step_shape
-from components.memory import estimate_memory, local_tensor
+from components.memory import estimate_memory, local_tensor, measured_peak_bytes
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.parallel_dims import ParallelDims
 from tests.dist_utils import run_distributed
@@ -47,37 +47,13 @@ def _bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
 
 
-def _profiled_peak(fn) -> int:
-    """Highest running total of CPU allocations (bytes) during fn(), relative to its start."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(event):
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    running = peak = 0
-    for _, size in sorted(events):
-        running += size
-        peak = max(peak, running)
-    return peak
-
-
 def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
     """Worker: for each layout, the real bytes held (one step after a warm-up step) and the estimate."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
     import train
+    from components.loss import token_loss
     from components.optim import build_optimizer
     from parallelisms.cp import shard_sequence
     from parallelisms.materialize import materialize
@@ -113,12 +89,12 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
             context = loss_parallel if dims.tp > 1 else contextlib.nullcontext
             with context():
                 logits = model(inputs, positions)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+                loss = token_loss(logits, labels, float(labels.numel()))  # train.py's loss and its `del`
+                del logits
                 loss.backward()
             held["grads"] = _bytes(q.grad for q in model.parameters())
             optimizer.step()
             optimizer.zero_grad()
-            held["logits"] = logits  # the training loop keeps them until the next step
 
         step()  # warm-up: creates the optimizer state
         held.clear()
@@ -126,7 +102,7 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
         params = _bytes(model.parameters())
         state = _bytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
         buffers = _bytes(model.buffers())
-        peak = params + state + buffers + _profiled_peak(step)
+        peak = params + state + buffers + measured_peak_bytes(step)
         results[name] = dict(params=params, grads=held["grads"], optimizer=state, peak=peak,
                              est_params=estimate.parameters, est_grads=estimate.gradients,
                              est_optimizer=estimate.optimizer, est_peak=estimate.peak)
