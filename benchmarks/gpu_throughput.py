@@ -2,9 +2,11 @@
 
 A Llama-3-8B-shaped model (`llama3_8b` with as many blocks as fit, see `default_layers`), one
 sequence of 8192 random tokens per step. Every row trains with the same step: forward,
-cross-entropy on fp32 logits, backward, gradient clipping, fused AdamW over fp32 master
-weights, timed over steady-state steps (warm-up and compilation excluded, the device
-synchronised around every step). Rows (`<kind>_<eager|compile>`, compile = each decoder
+cross-entropy in fp32, backward, gradient clipping, fused AdamW over fp32 master weights, timed
+over steady-state steps (warm-up and compilation excluded, the device synchronised around every
+step). The loss is each library's own: weft's rows call train.py's `token_loss` (compiled with
+the row, else chunked: components/loss.py), transformers' rows the eager
+`F.cross_entropy(logits.float())` its causal-LM loss runs. Rows (`<kind>_<eager|compile>`, compile = each decoder
 block compiled on its own):
 
   bf16_*                     weft under FSDP2 on a one-rank mesh: bf16 compute through FSDP's
@@ -61,6 +63,7 @@ from torch import nn  # noqa: E402
 
 from components.config import Optimizer  # noqa: E402
 from components.hf import hf_config  # noqa: E402
+from components.loss import token_loss  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
 from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
 from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
@@ -68,6 +71,8 @@ from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
 from parallelisms.materialize import materialize  # noqa: E402
 from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
 from parallelisms.parallelize import parallelize  # noqa: E402
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> mean token loss
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
@@ -240,11 +245,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def training_step(forward: Callable[[torch.Tensor], torch.Tensor], model: nn.Module,
+def training_step(forward: Callable[[torch.Tensor], torch.Tensor], loss_fn: LossFn, model: nn.Module,
                   optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
     """train.py's step: forward, fp32 cross-entropy, backward, clipping at norm 1, AdamW."""
     logits = forward(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss = loss_fn(logits, tokens[:, 1:])
+    del logits  # freed by backward, as in train.py
     loss.backward()
     clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
     optimizer.step()
@@ -261,33 +267,35 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
 
 
 def build_config(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
-                 opts: argparse.Namespace) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """The model of one configuration, and its forward (tokens -> logits), under autocast for the
-    autocast_* and hf_* rows."""
+                 opts: argparse.Namespace) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], LossFn]:
+    """The model of one configuration, its forward (tokens -> logits; under autocast for the
+    autocast_* and hf_* rows) and its loss (logits, labels -> mean token loss)."""
     kind, mode = config.rsplit("_", 1)
     compile = mode == "compile"
     if kind == "hf":
         model = build_hf_model(model_args, device, seq_len=opts.seq_len, compile=compile, fullgraph=opts.hf_fullgraph)
         call = lambda tokens: model(input_ids=tokens).logits  # noqa: E731
+        loss_fn = lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())  # noqa: E731
     else:
         recipe = kind.removeprefix("float8_") if kind.startswith("float8") else None
         model = build_weft_model(model_args, device, meshes=None if kind == "autocast" else meshes,
                                  compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim)
         call = model
+        loss_fn = lambda logits, labels: token_loss(logits, labels, labels.numel(), compiled=compile)  # noqa: E731
     if kind not in ("hf", "autocast"):
-        return model, call
+        return model, call, loss_fn
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, torch.bfloat16):
             return call(tokens)
 
-    return model, forward
+    return model, forward, loss_fn
 
 
 def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
             opts: argparse.Namespace, run_id: str) -> Row:
     """Build one configuration, train it, and measure it."""
-    model, forward = build_config(config, model_args, device, meshes, opts)
+    model, forward, loss_fn = build_config(config, model_args, device, meshes, opts)
     optimizer = build_optimizer(model, Optimizer(implementation="fused"))
     generator = torch.Generator(device=device).manual_seed(0)
     batches = [torch.randint(0, model_args.vocab_size, (opts.batch_size, opts.seq_len + 1), device=device,
@@ -299,7 +307,7 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Me
     for i in range(opts.warmup + opts.steps):
         synchronize(device)
         start = time.perf_counter()
-        training_step(forward, model, optimizer, batches[i % 2])
+        training_step(forward, loss_fn, model, optimizer, batches[i % 2])
         synchronize(device)
         times.append(time.perf_counter() - start)
     row = Row(run_id, config, "ok", warmup_step_s=times[:opts.warmup], step_s=times[opts.warmup:])
@@ -310,7 +318,7 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Me
         row.peak_allocated_gib = stats["allocated_bytes.all.peak"] / 2**30
         row.peak_reserved_gib = stats["reserved_bytes.all.peak"] / 2**30
         row.alloc_retries = stats.get("num_alloc_retries", 0) - retries_before
-    row.sdpa_backends = sdpa_backends(lambda: training_step(forward, model, optimizer, batches[0]))
+    row.sdpa_backends = sdpa_backends(lambda: training_step(forward, loss_fn, model, optimizer, batches[0]))
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:
         with torch.device("meta"):
