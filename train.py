@@ -28,7 +28,7 @@ from components.config import (
     to_toml,
 )
 from components.data import DataError, check_text_files, find_text_files
-from components.dry_run import dry_run
+from components.dry_run import dry_run, model_and_layout
 from components.distributed import (
     Preemption,
     all_reduce_mean,
@@ -56,7 +56,7 @@ from float8 import (
     float8_tp_all_gather,
     precompute_float8_scales,
 )
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
@@ -315,19 +315,8 @@ def resolve_tokenizer_path(cfg: JobConfig) -> str:
 def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[Path], list[Path], list[str]]:
     """Every check that needs no process group: model size, layout, tokenizer, data, dump folder,
     float8 support. Returns what they resolved, and float8 warnings to log."""
-    model_args = LLAMA_FLAVORS[cfg.model.flavor]
-    if cfg.training.seq_len > model_args.max_seq_len:
-        raise ConfigError(
-            f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {model_args.max_seq_len} "
-            f"of model flavor {cfg.model.flavor}"
-        )
-    p = cfg.parallelism
     check_simulation(cfg)
-    dims = ParallelDims.resolve(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-        world_size=cfg.job.simulate_world_size or launched_world_size(),
-    )
-    dims.check_seq_len(cfg.training.seq_len)
+    model_args, dims = model_and_layout(cfg, cfg.job.simulate_world_size or launched_world_size())
     tokenizer = load_tokenizer(resolve_tokenizer_path(cfg))
     if tokenizer.vocab_size > model_args.vocab_size:
         raise DataError(

@@ -36,6 +36,21 @@ def planned_world_size(cfg: JobConfig) -> int:
     return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
 
 
+def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
+    """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
+    sequence length. train.py's start-up checks call this too, so a dry run refuses exactly what a
+    real start would (ConfigError / LayoutError, one line)."""
+    args = LLAMA_FLAVORS[cfg.model.flavor]
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
+                          f"of model flavor {cfg.model.flavor}")
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                world_size=world_size)
+    dims.check_seq_len(cfg.training.seq_len)
+    return args, dims
+
+
 def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape:
     """What the memory estimate needs from the config and layout. Compute dtype and mechanism are
     train.py's precision policy (parallelisms/precision.py): FSDP's param dtype, else autocast."""
@@ -59,14 +74,7 @@ def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
     if launched_world_size() > 1:
         raise ConfigError(f"job.dry_run: plans in one process (python train.py), not {launched_world_size()}")
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
-    args = LLAMA_FLAVORS[cfg.model.flavor]
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
-                          f"of model flavor {cfg.model.flavor}")
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                                world_size=planned_world_size(cfg))
-    dims.check_seq_len(cfg.training.seq_len)
+    args, dims = model_and_layout(cfg, planned_world_size(cfg))
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
 

@@ -207,7 +207,7 @@ def test_checkpoint_of_another_model_shape(tmp_path, monkeypatch):
 
     from models.llama import LLAMA_FLAVORS
 
-    monkeypatch.setitem(train.LLAMA_FLAVORS, "debugmodel", replace(LLAMA_FLAVORS["debugmodel"], dim=128))
+    monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", replace(LLAMA_FLAVORS["debugmodel"], dim=128))
     run(args(tmp_path / "other", "single", "--checkpoint.create_seed_checkpoint"))
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"tok_embeddings.weight has shape \[2048, 128\], "

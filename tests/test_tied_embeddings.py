@@ -53,7 +53,7 @@ def test_materialize_keeps_tied_parameters_shared():
 
 
 def test_tied_run_trains_saves_and_exports_one_matrix(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(train.LLAMA_FLAVORS, "debugmodel", TIED)
+    monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", TIED)
     seed = tmp_path / "seed"
     assert train.main(run_args(seed, "--checkpoint.create_seed_checkpoint")) == 0
     assert_one_matrix(seed / "checkpoint" / "step-0")
@@ -79,7 +79,7 @@ def test_tied_run_trains_saves_and_exports_one_matrix(tmp_path, monkeypatch, cap
 
 def fsdp_tied_run(dump: str) -> bool:
     """Worker: a tied FSDP run; whether its sharded parameters are still shared after training."""
-    train.LLAMA_FLAVORS["debugmodel"] = TIED
+    LLAMA_FLAVORS["debugmodel"] = TIED
     train.train(train.parse_args(run_args(Path(dump))))
     return True
 

@@ -59,7 +59,7 @@ def test_metrics_reach_tensorboard_and_jsonl(tmp_path):
 
 def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path, monkeypatch):
     small = replace(LLAMA_FLAVORS["debugmodel"], vocab_size=1000)
-    monkeypatch.setitem(train.LLAMA_FLAVORS, "debugmodel", small)
+    monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", small)
     with pytest.raises(DataError, match=r"tokenizer's vocabulary \(2048\) is larger than .* \(1000\)"):
         train.train(parse_args(quick_args(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
