@@ -95,7 +95,8 @@ def train(cfg: JobConfig) -> list[float]:
     for line in float8_warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
-    logger.info(f"devices: {dims.world_size} x {device.type}; mesh {dims.describe()}")
+    backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
+    logger.info(f"devices: {dims.world_size} x {device.type}{backend}; mesh {dims.describe()}")
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
     #    Chat and prompt/completion samples are packed whole, each with its own positions and

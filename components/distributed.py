@@ -21,18 +21,26 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def gpus_shared() -> bool:
+    """More ranks on this node than GPUs (e.g. a two-rank test on a one-GPU machine): ranks then
+    share GPUs, which NCCL refuses."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return torch.cuda.is_available() and local_ranks > torch.cuda.device_count()
+
+
 def collective_backend(device_type: str) -> str:
-    """NCCL between GPUs, gloo between CPU processes."""
-    return "nccl" if device_type == "cuda" else "gloo"
+    """NCCL between GPUs, gloo between CPU processes, and between ranks that share a GPU (gloo
+    moves CUDA tensors through host memory: correct, slow, for tests)."""
+    return "nccl" if device_type == "cuda" and not gpus_shared() else "gloo"
 
 
 def init_distributed(timeout_s: float = 600.0, simulate_world_size: int = 0) -> torch.device:
     """Choose this process's device (its local GPU if there is one, else the CPU) and, under
-    torchrun, join the default process group: NCCL on GPUs, gloo on CPU. Reuses a group that
-    already exists. simulate_world_size > 0: instead play rank 0 of that many ranks in this one
-    process (`init_fake_distributed`)."""
+    torchrun, join the default process group (`collective_backend`). Reuses a group that already
+    exists. simulate_world_size > 0: instead play rank 0 of that many ranks in this one process
+    (`init_fake_distributed`)."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
