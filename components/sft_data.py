@@ -45,8 +45,14 @@ class Batch(NamedTuple):
     positions: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(*(None if t is None else t.to(device) for t in self))
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        """The batch on `device`; `non_blocking` copies from pinned memory without waiting for them
+        (the step's kernels queue behind them on the device)."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, which CUDA copies asynchronously."""
+        return Batch(*(None if t is None else t.pin_memory() for t in self))
 
 
 @dataclass(frozen=True)
