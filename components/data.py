@@ -3,9 +3,23 @@
 Every document becomes [BOS] + tokens + [EOS]; documents are concatenated, in file order and
 epoch after epoch, into one global token stream, which is cut into consecutive windows of
 `seq_len + 1` tokens. Each global micro-batch is the next `local_batch_size * dp_world_size`
-windows, dealt to ranks in contiguous blocks of `local_batch_size`. Every rank reads the whole
-stream, so the loader state (the position of the next unread token) is global: identical on
-all ranks, and valid for any split of the same global micro-batch into ranks.
+windows, dealt to ranks in contiguous blocks of `local_batch_size`. Every rank follows the whole
+stream, so the loader state (the position of the next unread token) is global: identical on all
+ranks, and valid for any split of the same global micro-batch into ranks.
+
+Following the stream takes the token length of every document, but a rank needs the tokens of
+only the documents its own windows hold. So the ranks of the job count lengths together, in
+rounds: the next documents, about what the micro-batch still lacks, are shared out (each to the
+rank whose share of the micro-batch it is expected to fall in, by the tokens per byte so far);
+each rank tokenizes its own and keeps the tokens, and the ranks all-gather the lengths over a
+gloo group (`components.distributed.shared_gloo_group`). Then each rank tokenizes what its own
+windows need and it does not hold already. A rank thus tokenizes about 1/world of the documents
+plus its replica's share (1/dp, mostly the same documents), not all of them. Documents counted
+but not yet consumed carry over to the next micro-batch. Every decision rests on lengths and
+sizes all ranks know, so they all make the same ones, and a document that cannot be read is
+reported in the same exchange: every rank raises the same DataError (naming file:line) when the
+stream reaches it, after the same batches as a single loader. Without a process group, with one
+rank, or with the fake group of job.simulate_world_size, one process counts everything itself.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ supervises nothing. A sample longer than a window is cut to `seq_len + 1` tokens
 skipped (`drop`); either is counted and logged.
 
 `PackedSampleLoader` keeps the contract of the text loader (components/data.py): every rank
-builds the same global sequence of windows and takes its block of each global micro-batch, and
+plans the same global sequence of windows and takes its block of each global micro-batch, and
 the state is the position of the next unconsumed record, identical on all ranks, so a run can
-resume mid-epoch in any data-parallel layout.
+resume mid-epoch in any data-parallel layout. Planning needs only each sample's token count,
+which the ranks count together as the text loader counts document lengths; a rank builds the
+samples (tokens and supervision) of its own windows only.
 
 Labels are shifted inputs; a label of IGNORE_INDEX (-100) marks a token that is not supervised.
 """
