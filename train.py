@@ -49,6 +49,7 @@ from components.metrics import (
     setup_logging,
 )
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from components.prefetch import prefetch
 from components.sft_data import Batch, batches, build_loader
 from components.tokenizer import HFTokenizer, load_tokenizer
 from float8 import (
@@ -100,7 +101,9 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
     #    Chat and prompt/completion samples are packed whole, each with its own positions and
-    #    document id (attention stays inside it) and labels only where the loss applies.
+    #    document id (attention stays inside it) and labels only where the loss applies. The ranks
+    #    count document lengths together, so each tokenizes little more than its own share, and a
+    #    background thread prepares the next micro-batches (pinned on CUDA) while a step runs.
     make_loader = functools.partial(
         build_loader,
         tokenizer=tokenizer,
@@ -111,7 +114,8 @@ def train(cfg: JobConfig) -> list[float]:
         text_field=cfg.data.text_field,
         long_samples=cfg.data.long_samples,
     )
-    loader = make_loader(cfg.data.format, data_files)
+    loader = prefetch(make_loader(cfg.data.format, data_files), document_masking=cfg.data.document_masking,
+                      device=device)
 
     # 4. The model, built on the meta device: shapes without memory, so any size fits here.
     with torch.device("meta"):
@@ -187,14 +191,13 @@ def train(cfg: JobConfig) -> list[float]:
         jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
         start_step=start_step,
     )
-    train_batches = batches(loader, document_masking=cfg.data.document_masking)
     history: list[float] = []
     preemption = Preemption()
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
         optimizer.zero_grad()
         step_loss = torch.zeros((), device=device)
-        micro_batches = [next(train_batches).to(device) for _ in range(accumulation)]
+        micro_batches = [next(loader).to(device, non_blocking=True) for _ in range(accumulation)]
         if dims.cp > 1:
             micro_batches = [shard_batch(meshes.cp, batch) for batch in micro_batches]
         supervised = global_supervised_count([batch.labels for batch in micro_batches], loss_group)
@@ -244,6 +247,7 @@ def train(cfg: JobConfig) -> list[float]:
             break
 
     checkpointer.close()
+    loader.close()
     preemption.close()
     metrics.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")

@@ -72,6 +72,31 @@ def init_fake_distributed(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+# Gloo groups over every rank, one per name, for the current default process group (see below).
+_SHARED_GLOO_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def shared_gloo_group(name: str) -> dist.ProcessGroup | None:
+    """A gloo group of every rank of the job, created on the first call with this `name` and reused
+    after: for small CPU-side exchanges (the data loaders count document lengths together) that
+    must not queue behind, or interleave with, the training loop's NCCL collectives. Each thread
+    that communicates uses a name of its own, since the collectives of one group must come in the
+    same order on every rank.
+
+    The first call with a name is a collective (it creates a group): every rank makes it at the
+    same point of the program, from the main thread. A new default process group (tests create
+    several in one process) gets new groups. None without a process group, with one rank, or with
+    the fake process group of `init_fake_distributed` (there is no other rank to talk to).
+    """
+    if not dist.is_initialized() or is_fake_distributed() or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    cached = _SHARED_GLOO_GROUPS.get(name)
+    if cached is None or cached[0] is not world:
+        _SHARED_GLOO_GROUPS[name] = (world, dist.new_group(backend="gloo"))
+    return _SHARED_GLOO_GROUPS[name][1]
+
+
 def simulation_warning(world_size: int) -> str:
     """What a run under `init_fake_distributed` measures, in one log line."""
     return (f"simulating rank 0 of {world_size} ranks in one process (fake process group): collectives move "

@@ -9,9 +9,11 @@ supervises nothing. A sample longer than a window is cut to `seq_len + 1` tokens
 skipped (`drop`); either is counted and logged.
 
 `PackedSampleLoader` keeps the contract of the text loader (components/data.py): every rank
-builds the same global sequence of windows and takes its block of each global micro-batch, and
+plans the same global sequence of windows and takes its block of each global micro-batch, and
 the state is the position of the next unconsumed record, identical on all ranks, so a run can
-resume mid-epoch in any data-parallel layout.
+resume mid-epoch in any data-parallel layout. Planning needs only each sample's token count,
+which the ranks count together as the text loader counts document lengths; a rank builds the
+samples (tokens and supervision) of its own windows only.
 
 Labels are shifted inputs; a label of IGNORE_INDEX (-100) marks a token that is not supervised.
 """
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from components.data import DataError, TokenWindowLoader, _DocStart
+from components.data import DataError, TokenWindowLoader, _Counted, _DocStart, _RawDoc
 from components.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Batch", "PackedSampleLoader", "Sample", "batches", "build_loader", "chat_sample",
@@ -45,8 +47,14 @@ class Batch(NamedTuple):
     positions: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(*(None if t is None else t.to(device) for t in self))
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        """The batch on `device`; `non_blocking` copies from pinned memory without waiting for them
+        (the step's kernels queue behind them on the device)."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, which CUDA copies asynchronously."""
+        return Batch(*(None if t is None else t.pin_memory() for t in self))
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,10 @@ class PackedSampleLoader(TokenWindowLoader):
     Samples go whole into the current window while they fit, in record order; the window is then
     padded (pad token, label IGNORE_INDEX, a document id of its own). The state is the position of
     the next record not yet placed in a window.
+
+    Which samples fill which window depends only on their token counts, which the ranks count
+    together as the text loader counts document lengths (a record is the unit here); a rank then
+    builds the samples of its own windows only, mostly ones it built while counting.
     """
 
     def __init__(
@@ -172,9 +184,10 @@ class PackedSampleLoader(TokenWindowLoader):
         dp_rank: int = 0,
         dp_world_size: int = 1,
         long_samples: str = "truncate",
+        cooperate: bool = True,
     ) -> None:
         super().__init__(files, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-                         dp_rank=dp_rank, dp_world_size=dp_world_size)
+                         dp_rank=dp_rank, dp_world_size=dp_world_size, cooperate=cooperate)
         if data_format not in _SAMPLE_BUILDERS:
             raise ValueError(f"data_format must be one of {sorted(_SAMPLE_BUILDERS)}, got {data_format!r}")
         if long_samples not in ("truncate", "drop"):
@@ -188,20 +201,24 @@ class PackedSampleLoader(TokenWindowLoader):
         self.pad_id = getattr(tokenizer, "pad_id", None)
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_id
-        self._pending: tuple[_DocStart, Sample] | None = None
         self.truncated = 0  # samples cut to fit a window, since this loader was built
         self.dropped = 0  # samples skipped as too long
 
     def __iter__(self) -> Iterator[Batch]:
         """Yield Batch(inputs, labels, positions, document_ids), each [local_batch_size, seq_len]."""
         first = self.dp_rank * self.local_batch_size
+        n_windows = self.local_batch_size * self.dp_world_size
         while True:
-            windows = [self._next_window() for _ in range(self.local_batch_size * self.dp_world_size)]
-            ours = windows[first : first + self.local_batch_size]
+            plans = [self._plan_window(w * self.seq_len) for w in range(n_windows)]
+            ours = [self._fill_window(plan) for plan in plans[first : first + self.local_batch_size]]
+            self._forget_before(self._counted[0].index if self._counted else self._next_index)
             yield Batch(*(torch.tensor([w[i] for w in ours], dtype=torch.int64) for i in range(4)))
 
     def state_dict(self) -> dict[str, int]:
-        doc, _ = self._peek()
+        if self._counted:
+            doc = self._counted[0].raw.start
+        else:
+            doc = self._failure[0] if self._failure is not None else self._peek_raw().start
         return {"epoch": doc.epoch, "file_index": doc.file_index, "byte_offset": doc.byte_offset,
                 "line_number": doc.line_number, "token_offset": 0}
 
@@ -214,20 +231,19 @@ class PackedSampleLoader(TokenWindowLoader):
         if state["file_index"] >= len(self.files):
             raise DataError(f"data loader state: file_index {state['file_index']} is out of range for "
                             f"{len(self.files)} files")
-        start = _DocStart(state["epoch"], state["file_index"], state["byte_offset"], state["line_number"])
-        self._docs, self._pending = self._documents(start), None
+        self._seek(_DocStart(state["epoch"], state["file_index"], state["byte_offset"], state["line_number"]))
 
     def check_records(self) -> int:
         """Read every record once before training, so a bad one fails at start-up (naming its
         file:line) rather than hours in; the first is also tokenized, which checks the chat
         template. Returns the number of records."""
         count = 0
-        for doc, record in self._documents(_DocStart(epoch=0, file_index=0)):
-            if doc.epoch > 0:
+        for raw in self._documents(_DocStart(epoch=0, file_index=0)):
+            if raw.start.epoch > 0:
                 break
             if count == 0:
-                _SAMPLE_BUILDERS[self.data_format](record, self.tokenizer, self._where(doc))
-            _RECORD_CHECKS[self.data_format](record, self._where(doc))
+                self._build(raw)
+            _RECORD_CHECKS[self.data_format](self._read(raw), self._where(raw.start))
             count += 1
         return count
 
@@ -237,24 +253,27 @@ class PackedSampleLoader(TokenWindowLoader):
         except ValueError as err:
             raise DataError(f"{self._where(doc)}: expected a line of JSON ({err})") from err
 
-    def _peek(self) -> tuple[_DocStart, Sample]:
-        """The next record not yet placed, as a sample (read and tokenized once)."""
-        if self._pending is None:
-            doc, record = next(self._docs)
-            self._pending = doc, _SAMPLE_BUILDERS[self.data_format](record, self.tokenizer, self._where(doc))
-        return self._pending
+    def _build(self, raw: _RawDoc) -> Sample:
+        return _SAMPLE_BUILDERS[self.data_format](self._read(raw), self.tokenizer, self._where(raw.start))
 
-    def _next_window(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """(inputs, labels, positions, document_ids) of the next window, as lists of seq_len ints."""
-        inputs: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        documents: list[int] = []
-        n_documents = 0
+    def _length(self, sample: Sample) -> int:
+        return len(sample.tokens)
+
+    def _batch_tokens(self) -> int:
+        return self.local_batch_size * self.dp_world_size * self.seq_len
+
+    def _plan_window(self, offset: int) -> list[tuple[_Counted, int]]:
+        """The samples of the next window, each with how many of its tokens it keeps (a sample of
+        more than seq_len + 1 tokens is cut to that many), decided from token counts alone;
+        samples too long to keep are dropped here. The window starts `offset` input slots into
+        the global micro-batch (which tells how much is left to count, and who counts it)."""
+        plan: list[tuple[_Counted, int]] = []
+        filled = 0  # input slots taken
         first_dropped: _DocStart | None = None  # start of a run of dropped samples
-        while len(inputs) < self.seq_len:
-            doc, sample = self._peek()
-            too_long = len(sample.tokens) - 1 > self.seq_len  # a sample of n tokens fills n - 1 input slots
+        while filled < self.seq_len:
+            counted = self._peek_counted(self._batch_tokens() - offset - filled, offset + filled)
+            doc = counted.raw.start
+            too_long = counted.length - 1 > self.seq_len  # a sample of n tokens fills n - 1 input slots
             if too_long and self.long_samples == "drop":
                 first_dropped = first_dropped or doc
                 if doc.epoch > first_dropped.epoch and (doc.file_index, doc.byte_offset) >= (
@@ -262,22 +281,34 @@ class PackedSampleLoader(TokenWindowLoader):
                     raise DataError(f"data.dataset_path: every sample is longer than training.seq_len + 1 = "
                                     f"{self.seq_len + 1} tokens; raise seq_len or set data.long_samples = 'truncate'")
                 self.dropped += 1
-                self._pending = None
+                self._counted.popleft()
                 continue
             first_dropped = None
-            tokens, supervised = sample.tokens[: self.seq_len + 1], sample.supervised[: self.seq_len + 1]
-            length = len(tokens) - 1
-            if length > self.seq_len - len(inputs):
+            kept = min(counted.length, self.seq_len + 1)
+            if kept - 1 > self.seq_len - filled:
                 break
-            self._pending = None
+            self._counted.popleft()
             self.truncated += too_long
+            plan.append((counted, kept))
+            filled += max(kept - 1, 0)
+        return plan
+
+    def _fill_window(self, plan: list[tuple[_Counted, int]]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(inputs, labels, positions, document_ids) of a planned window, as lists of seq_len ints."""
+        inputs: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        documents: list[int] = []
+        for n_documents, (counted, kept) in enumerate(plan):
+            sample = self._unit(counted)
+            tokens, supervised = sample.tokens[:kept], sample.supervised[:kept]
+            length = len(tokens) - 1
             inputs += tokens[:-1]
             labels += [t if keep else IGNORE_INDEX for t, keep in zip(tokens[1:], supervised[1:])]
             positions += range(length)
             documents += [n_documents] * length
-            n_documents += 1
         padding = self.seq_len - len(inputs)
-        documents += [n_documents] * padding
+        documents += [len(plan)] * padding
         return (inputs + [self.pad_id] * padding, labels + [IGNORE_INDEX] * padding,
                 positions + list(range(padding)), documents)
 
@@ -298,9 +329,11 @@ def build_loader(
     dp_world_size: int,
     text_field: str = "text",
     long_samples: str = "truncate",
+    cooperate: bool = True,
 ) -> TokenWindowLoader:
     """The text loader for format 'text', else a packing loader of chat / prompt_completion samples."""
-    common = dict(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    common = dict(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                  cooperate=cooperate)
     if data_format == "text":
         return TokenWindowLoader(files, tokenizer, text_field=text_field, **common)
     return PackedSampleLoader(files, tokenizer, data_format=data_format, long_samples=long_samples, **common)

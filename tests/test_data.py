@@ -1,4 +1,5 @@
 import json
+import re
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -354,3 +355,137 @@ def test_shipped_corpus_has_the_plays() -> None:
     macbeth = (CORPUS_DIR / "macbeth.txt").read_text(encoding="utf-8")
     assert "Fair is foul, and foul is fair:\n" in macbeth
     assert not any(marker in macbeth for marker in ("**", "#", "_"))
+
+
+# Ranks count document lengths together (one spawn of 4 ranks checks it all)
+
+COOP_SEQ_LEN, COOP_GLOBAL_BATCH, COOP_STEPS = 63, 8, 6
+# Layout -> (dp rank, dp degree) of global rank r. "dp2_tp2": ranks 2k and 2k + 1 are one
+# data-parallel replica (its two tensor-parallel ranks), reading the same batches.
+COOP_LAYOUTS = {"dp4": lambda rank: (rank, 4), "dp2_tp2": lambda rank: (rank // 2, 2)}
+
+
+class CountingTokenizer:
+    """Any tokenizer, counting the documents it tokenizes (calls of encode / encode_with_offsets)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.calls += 1
+        return self.inner.encode(text, **kwargs)
+
+    def encode_with_offsets(self, text: str) -> Any:
+        self.calls += 1
+        return self.inner.encode_with_offsets(text)
+
+
+def coop_run(case: tuple, layout: tuple[int, int], steps: int, state: dict | None = None) -> dict:
+    """Up to `steps` batches of a case's loader for (dp rank, dp degree), as lists, with the state
+    and sample counts after each, the DataError that ended them if any, and tokenizer calls."""
+    from components.sft_data import batches as sft_batches, build_loader
+    from components.tokenizer import load_tokenizer
+
+    data_format, files, tokenizer_path, long_samples = case
+    dp_rank, dp = layout
+    tokenizer = CountingTokenizer(load_tokenizer(tokenizer_path))
+    loader = build_loader(data_format, [Path(f) for f in files], tokenizer, seq_len=COOP_SEQ_LEN,
+                          local_batch_size=COOP_GLOBAL_BATCH // dp, dp_rank=dp_rank, dp_world_size=dp,
+                          long_samples=long_samples)
+    if state is not None:
+        loader.load_state_dict(state)
+    run: dict = {"batches": [], "states": [], "error": None}
+    try:
+        for batch in islice(sft_batches(loader), steps):
+            run["batches"].append([None if t is None else t.tolist() for t in batch])
+            run["states"].append((loader.state_dict(), getattr(loader, "truncated", 0), getattr(loader, "dropped", 0)))
+    except DataError as error:
+        run["error"] = str(error)
+    run["calls"] = tokenizer.calls
+    return run
+
+
+def cooperative_worker(cases: dict[str, tuple], resume: dict[str, dict]) -> dict:
+    """On each rank: every case in every layout, and each resumable case from a saved state."""
+    import torch.distributed as dist
+
+    rank, runs = dist.get_rank(), {}
+    for layout, dp_of in COOP_LAYOUTS.items():
+        for name, case in cases.items():
+            runs[name, layout] = coop_run(case, dp_of(rank), COOP_STEPS)
+            if name in resume:
+                runs[name, layout, "resumed"] = coop_run(case, dp_of(rank), 2, resume[name])
+    return runs
+
+
+def coop_cases(root: Path) -> dict[str, tuple]:
+    """Many short documents (Hamlet's speeches, cut to 20-160 characters), as .txt files and as
+    JSONL; prompt/completion and chat samples packed (some too long: truncated, or dropped); and
+    JSONL with one bad record that one rank alone reads, a few micro-batches in."""
+    from assets.make_chat_data import speeches
+    from tests.hf_tokenizer import build_tokenizer_folder
+
+    texts = [s[1][: 20 + 7 * (i % 21)] for i, s in enumerate(
+        s for s in speeches(CORPUS_DIR / "hamlet.txt") if s is not None)][:240]
+    txt = write_txt(root / "txt", texts[:90])  # fewer than 6 micro-batches hold: the epoch wraps
+    jsonl = write_jsonl(root / "jsonl", texts)
+    pairs = [{"prompt": a, "completion": b * (4 if i % 9 == 0 else 1)}
+             for i, (a, b) in enumerate(zip(texts[:200], texts[1:201]))]
+    prompt_completion = root / "pc.jsonl"
+    prompt_completion.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p["prompt"]},
+                                                     {"role": "assistant", "content": p["completion"]}]}) + "\n"
+                            for p in pairs[:150]))
+    bad = root / "bad.jsonl"
+    lines = [json.dumps({"text": t}) for t in texts]
+    bad.write_text("\n".join(lines[:100] + ['{"text": "unterminated'] + lines[100:]) + "\n")
+    sp, hf = str(TOKENIZER_PATH), str(build_tokenizer_folder(root / "hf", vocab_size=600))
+    return {"txt": ("text", [str(p) for p in txt], sp, "truncate"),
+            "jsonl": ("text", [str(p) for p in jsonl], sp, "truncate"),
+            "prompt_completion": ("prompt_completion", [str(prompt_completion)], sp, "drop"),
+            "chat": ("chat", [str(chat)], hf, "truncate"),
+            "bad": ("text", [str(bad)], sp, "truncate")}
+
+
+def test_ranks_count_lengths_together(tmp_path: Path) -> None:
+    """Under 4 ranks (dp 4, and dp 2 x tp 2) every rank's batches are its block of the single
+    loader's global batches, states and sample counts equal the single loader's after every batch
+    (also resumed from a saved state), each rank tokenizes well under all of the documents, and a
+    bad record read by one rank raises the same DataError, after the same batches, on all four."""
+    from tests.dist_utils import run_distributed
+
+    cases = coop_cases(tmp_path)
+    reference = {name: coop_run(case, (0, 1), COOP_STEPS) for name, case in cases.items()}
+    resume = {name: reference[name]["states"][2][0] for name in ("jsonl", "prompt_completion")}
+    resumed = {name: coop_run(cases[name], (0, 1), 2, resume[name]) for name in resume}
+    assert reference["txt"]["states"][-1][0]["epoch"] == 1, "the txt case should wrap around an epoch"
+    assert reference["prompt_completion"]["states"][-1][2] > 0 and reference["chat"]["states"][-1][1] > 0
+    bad = reference["bad"]
+    assert bad["error"] is not None and re.search(r"bad\.jsonl:101: expected a line of JSON", bad["error"])
+    assert 1 <= len(bad["batches"]) < COOP_STEPS
+
+    runs = run_distributed(cooperative_worker, 4, cases, resume, timeout=120)
+    for layout, dp_of in COOP_LAYOUTS.items():
+        for name in cases:
+            calls = [runs[rank][name, layout]["calls"] for rank in range(4)]
+            print(f"{layout} {name}: documents tokenized per rank {calls}, single loader {reference[name]['calls']}")
+            for rank in range(4):
+                dp_rank, dp = dp_of(rank)
+                rows = slice(dp_rank * COOP_GLOBAL_BATCH // dp, (dp_rank + 1) * COOP_GLOBAL_BATCH // dp)
+                pairs = [(runs[rank][name, layout], reference[name])]
+                if name in resume:
+                    pairs.append((runs[rank][name, layout, "resumed"], resumed[name]))
+                for got, want in pairs:
+                    assert got["error"] == want["error"], (layout, name, rank)
+                    assert got["states"] == want["states"], (layout, name, rank)
+                    assert len(got["batches"]) == len(want["batches"])
+                    for step, (ours, whole) in enumerate(zip(got["batches"], want["batches"])):
+                        block = [None if t is None else t[rows] for t in whole]
+                        assert ours == block, (layout, name, rank, step)
+            if name != "bad":  # one in 4 to count with, its own windows besides (mostly the same ones)
+                share = 0.5 if layout == "dp4" else 0.75
+                assert max(calls) <= share * reference[name]["calls"], (layout, name, calls)

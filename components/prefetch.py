@@ -1,0 +1,162 @@
+"""Micro-batches prepared ahead of the training step, in a background thread.
+
+`prefetch(loader, ...)` returns a `Prefetcher`: an iterator of `Batch`es (components/sft_data.py)
+that a daemon thread builds up to `depth` ahead while the step runs: reading and tokenizing (with
+the other ranks: components/data.py) and, on CUDA, copying into pinned memory, from which
+`Batch.to(device, non_blocking=True)` copies without stalling the step.
+
+It stands in for the loader wherever the loader's state is used: `state_dict()` is the loader's
+state before the first batch the caller has not taken yet (recorded with each queued batch), so a
+checkpoint resumes on exactly the batch the loop would have used next, whatever the thread has
+built beyond it; `load_state_dict()` loads the loader (closing the thread first if it runs; the
+next batch starts it again). The packed loader's counts of truncated and dropped samples are
+reported as of the batches taken, likewise.
+
+The thread communicates over a gloo group of its own, so its exchanges never meet the training
+loop's collectives or those of a loader read in the main thread (validation). It builds a batch
+whenever the queue has room and stops only once the queue is full, so every rank's thread makes
+the same exchanges whatever the timing, and `close()` never leaves one rank waiting for another.
+An exception in the thread (a DataError from a bad record) is raised by `next()` as itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from components.data import TokenWindowLoader
+from components.distributed import shared_gloo_group
+from components.sft_data import Batch, batches
+
+__all__ = ["Prefetcher", "prefetch"]
+
+# How long the thread waits on a full queue before it checks whether it was closed, and the main
+# thread on an empty one before it checks that the thread is still alive.
+_POLL_S = 0.05
+
+
+class Prefetcher:
+    """The loader's batches, built `depth` ahead by a daemon thread started by the first `next()`."""
+
+    def __init__(self, loader: TokenWindowLoader, *, document_masking: bool = False,
+                 device: torch.device | str | None = None, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.loader = loader
+        self.document_masking = document_masking
+        self.depth = depth
+        self.device = torch.device(device) if device is not None else None
+        # Pinned memory only helps (and only exists) for copies to a CUDA device.
+        self.pin_memory = self.device is not None and self.device.type == "cuda"
+        if loader.exchange_group is not None:  # the thread's exchanges: a group of their own
+            loader.exchange_group = shared_gloo_group("data prefetch")
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._closing = threading.Event()
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._taken: tuple[dict, int, int] | None = None  # (state, truncated, dropped) after the last batch taken
+
+    # -- the iterator -----------------------------------------------------------------------
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise StopIteration
+        if self._thread is None:
+            self._start()
+        kind, payload = self._get()
+        if kind == "error":
+            self._failure = payload
+            raise payload
+        batch, self._taken = payload
+        return batch
+
+    def _start(self) -> None:
+        self._taken = self._loader_snapshot()
+        self._queue = queue.Queue(maxsize=self.depth)
+        self._closing.clear()
+        self._thread = threading.Thread(target=self._produce, args=(self._queue,), name="weft-data-prefetch",
+                                        daemon=True)  # never keeps the process alive at exit
+        self._thread.start()
+
+    def _get(self) -> tuple[str, Any]:
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("data prefetch thread ended without a batch or an error") from None
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _produce(self, out: queue.Queue) -> None:
+        """Build batches into `out` until closed (seen only while the queue is full) or failed."""
+        try:
+            if self.pin_memory:  # pin where the CUDA context is: this thread's device defaults to 0
+                torch.cuda.set_device(self.device)
+            for batch in batches(self.loader, document_masking=self.document_masking):
+                if self.pin_memory:
+                    batch = batch.pin_memory()
+                if not self._put(out, ("batch", (batch, self._loader_snapshot()))):
+                    return
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, who raises it
+            self._put(out, ("error", error))
+
+    def _put(self, out: queue.Queue, item: tuple[str, Any]) -> bool:
+        """Queue `item`, waiting for room; False if closed meanwhile (the item is dropped)."""
+        while True:
+            try:
+                out.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                if self._closing.is_set():
+                    return False
+
+    def _loader_snapshot(self) -> tuple[dict, int, int]:
+        return (self.loader.state_dict(), getattr(self.loader, "truncated", 0), getattr(self.loader, "dropped", 0))
+
+    # -- the loader's interface -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader state before the next batch not yet taken."""
+        return dict(self._taken[0]) if self._taken is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load the loader's state; the next `next()` starts a thread from there."""
+        self.close()
+        self.loader.load_state_dict(state)
+        self._closed, self._failure, self._taken = False, None, None
+
+    @property
+    def truncated(self) -> int:
+        return self._taken[1] if self._taken is not None else getattr(self.loader, "truncated", 0)
+
+    @property
+    def dropped(self) -> int:
+        return self._taken[2] if self._taken is not None else getattr(self.loader, "dropped", 0)
+
+    def close(self) -> None:
+        """Stop the thread: it ends once the queue is full (every rank's thread then has made the
+        same exchanges) or it has failed; the batches built ahead are dropped. `next()` after
+        `close()` stops the iteration, until `load_state_dict` is called."""
+        self._closed = True
+        if self._thread is None:
+            return
+        self._closing.set()
+        self._thread.join()
+        self._thread, self._queue = None, None
+
+
+def prefetch(loader: TokenWindowLoader, *, document_masking: bool = False, device: torch.device | str | None = None,
+             depth: int = 2) -> Prefetcher:
+    """The loader's `Batch`es, prepared `depth` ahead in a background thread (pinned for a CUDA
+    `device`); use it in place of the loader, state_dict included."""
+    return Prefetcher(loader, document_masking=document_masking, device=device, depth=depth)
