@@ -2,7 +2,8 @@
 
 A failed command (train.py, generate.py, `python -m components.hf export`) given a bad input:
 - exits with status 2 (non-zero under torchrun);
-- prints exactly one `weft: error: ...` line per process, naming what is wrong;
+- prints exactly one `weft: error: ...` line per process, naming what is wrong (under torchrun:
+  per process that got that far before torchrun stopped the rest after the first exit);
 - prints no traceback;
 - finishes within 60 s;
 - leaves every file and folder that existed before it byte-identical, and creates nothing.
@@ -86,6 +87,16 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def every_rank_failed_or_was_stopped(stderr: str, processes: int) -> bool:
+    """Under torchrun, each rank either printed its own `weft: error:` line or was stopped by
+    torchrun (SIGTERM) because another rank had already failed: none waited for the others. Which
+    ranks print depends on how far each got before the first exit (start-up skew on a loaded
+    machine), so the split is not fixed; the sum is."""
+    lines = [line for line in stderr.splitlines() if line.startswith(PREFIX)]
+    stopped = stderr.count("(SIGTERM)")
+    return 1 <= len(lines) <= processes and len(lines) + stopped >= processes
+
+
 def assert_clean_failure(outcome: Outcome, expected: str | list[str], *, processes: int = 1,
                          before: dict[str, str] | None = None, root: Path | None = None) -> None:
     """The failure contract (module docstring). `expected`: text(s) each error line must contain
@@ -96,7 +107,10 @@ def assert_clean_failure(outcome: Outcome, expected: str | list[str], *, process
     else:
         assert outcome.code != 0, report
     lines = [line for line in outcome.stderr.splitlines() if line.startswith(PREFIX)]
-    assert len(lines) == processes, report
+    if processes == 1:
+        assert len(lines) == 1, report
+    else:
+        assert every_rank_failed_or_was_stopped(outcome.stderr, processes), report
     for line in lines:
         for text in [expected] if isinstance(expected, str) else expected:
             assert text in line, f"{text!r} not in {line!r}"
