@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.loss import CHUNK_BYTES
 from models.llama import ModelArgs
 
 GIB = 1024**3
@@ -191,8 +192,6 @@ def activation_bytes(s: StepShape) -> tuple[int, int]:
 
 def loss_bytes(s: StepShape) -> tuple[int, int, int]:
     """(logits, loss work in forward, loss work in backward) in bytes; see the module doc."""
-    from components.loss import CHUNK_BYTES
-
     vocab = s.args.vocab_size // s.tp if s.tp > 1 and s.loss_parallel else s.args.vocab_size
     n, e = s.tokens * vocab, dtype_bytes(s.compute_dtype)
     if s.tp > 1 and s.loss_parallel:  # eager fp32 cross-entropy on the vocabulary shard
