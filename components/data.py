@@ -251,7 +251,7 @@ class TokenWindowLoader:
         ours_size = self.local_batch_size * window
         after = (self.dp_world_size - self.dp_rank - 1) * self.local_batch_size * window
         while True:
-            self._count_ahead(before + ours_size + after)
+            self._count_ahead(self._batch_tokens())
             ours: list[int] = []
             self._advance(before)
             self._advance(ours_size, out=ours)
