@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint import CheckpointError, load_model_weights, model_tensor_metadata, require_complete_checkpoint
+from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from components.data import DataError
-from components.errors import EXIT_USER_ERROR, PREFIX, report_user_error
+from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from components.tokenizer import HFTokenizer, load_tokenizer
 from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             load_hf_into_model(model, opts.hf)
         else:
             load_model_weights(model, opts.checkpoint)
-    except (CheckpointError, DataError) as e:
+    except UserError as e:
         return report_user_error(e)
 
     generator = torch.Generator().manual_seed(opts.seed)

@@ -38,7 +38,7 @@ from components.distributed import (
     set_determinism,
     simulation_warning,
 )
-from components.errors import report_user_error
+from components.errors import UserError, report_user_error
 from components.hf import load_hf_into_model
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from components.metrics import (
@@ -61,14 +61,11 @@ from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import LayoutError, ParallelDims
+from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize
 from parallelisms.precision import DTYPES, precision_policy
 
 logger = logging.getLogger("weft")
-
-# Mistakes a user can make in a config; reported as one line and exit code 2, never a traceback.
-USER_ERRORS = (ConfigError, DataError, LayoutError, CheckpointError)
 
 
 def train(cfg: JobConfig) -> list[float]:
@@ -443,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         train(cfg)
-    except USER_ERRORS as e:
+    except UserError as e:  # any mistake the user can fix: one line, exit 2
         return report_user_error(e)
     finally:
         if torch.distributed.is_initialized():

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from components.config import Checkpoint
-from components.errors import one_line
+from components.errors import UserError, one_line
 from models.llama import ModelArgs, Transformer
 
 logger = logging.getLogger("weft")
@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message is one line naming the folder and why."""
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from components.distributed import shared_gloo_group
+from components.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -46,7 +47,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 SCAN_BYTES = 64 * 2**10
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset or tokenizer problem; the message names the path or value and what was expected."""
 
 

@@ -1,9 +1,10 @@
 """How weft's commands report a user's mistake: one line `weft: error: ...` on stderr, exit 2.
 
-train.py, generate.py and `python -m components.hf export` all end through `report_user_error`,
-so a user (and a script) sees the same shape whatever command failed, and never a traceback
-for something they can fix. The error classes stay where their checks live (ConfigError in
-config.py, DataError in data.py, ...); this module only knows how to print them.
+Every mistake a user can fix derives from `UserError`: each entry point (train.py, generate.py,
+`python -m components.hf export`) catches that one class and ends through `report_user_error`,
+so a user (and a script) sees the same shape whatever command failed, and never a traceback.
+The subclasses stay where their checks live (ConfigError in components/config, DataError in
+the data package, LayoutError beside the mesh, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import time
 
 PREFIX = "weft: error: "
 EXIT_USER_ERROR = 2
+
+
+class UserError(ValueError):
+    """A mistake the user can fix (a config value, a data file, a checkpoint, a layout); its
+    message is one line naming the key or file, the value and what was expected."""
 
 
 def one_line(message: object) -> str:

@@ -44,7 +44,7 @@ from components.checkpoint import (
     model_tensor_metadata,
     require_complete_checkpoint,
 )
-from components.errors import EXIT_USER_ERROR, PREFIX, one_line, report_user_error
+from components.errors import EXIT_USER_ERROR, PREFIX, UserError, one_line, report_user_error
 from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 
 __all__ = [
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[opts.dtype],
             max_shard_bytes=int(opts.max_shard_gb * 2**30),
         )
-    except CheckpointError as e:  # ConversionError included
+    except UserError as e:
         return report_user_error(e)
     print(f"exported {opts.checkpoint} ({opts.flavor}, {opts.dtype}) to {opts.out}")
     return 0

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from components.errors import UserError
 from parallelisms.common import refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -61,7 +62,7 @@ logger = logging.getLogger("weft")
 TORCHAO_HINT = "install torchao (pip install torchao; 0.17.0 is the release for torch 2.11)"
 
 
-class Float8Unavailable(ValueError):
+class Float8Unavailable(UserError):
     """float8 was asked for where torchao cannot be imported; the message is one line."""
 
 

@@ -8,13 +8,15 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from components.errors import UserError
+
 # Where common model families keep their repeated blocks, as attribute paths from the root:
 # weft's Llama and most hand-written models, transformers' *ForCausalLM (the base model sits in
 # `.model`), and GPT-2 / nanoGPT.
 BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h")
 
 
-class TransformError(ValueError):
+class TransformError(UserError):
     """A transform cannot apply to this model with these arguments.
 
     `function` and `argument` name what the caller passed (`apply_tp`, `tp_mesh`), so a caller

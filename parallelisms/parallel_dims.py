@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from components.errors import UserError
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -32,7 +34,7 @@ class Meshes:
     tp: DeviceMesh
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """A parallel layout that cannot run; the message is one line with the numbers."""
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from components import config
-from components.config import ConfigError, JobConfig, help_text, parse_args, to_dict, to_toml
+from components.config import parser as config
+from components.config import ConfigError, JobConfig, Training, help_text, parse_args, to_dict, to_toml
 
 
 def write_toml(tmp_path: Path, text: str, name: str = "job.toml") -> str:
@@ -265,7 +265,7 @@ def test_command_line_can_fix_a_bad_toml_value(tmp_path):
 
 
 def test_defaults_are_validated(monkeypatch):
-    monkeypatch.setattr(config, "JobConfig", lambda: JobConfig(training=config.Training(steps=0)))
+    monkeypatch.setattr(config, "JobConfig", lambda: JobConfig(training=Training(steps=0)))
     assert config_error([]) == "training.steps (default): must be >= 1, got 0"
 
 
@@ -284,7 +284,7 @@ def test_help_lists_every_field_with_its_default():
         assert f"[{section}]" in text
         for key, default in values.items():
             line = next(line for line in text.splitlines() if line.startswith(f"  --{section}.{key} "))
-            assert f"default {config._toml_value(default)}" in line
+            assert f"default {config.toml_value(default)}" in line
     assert "one of none, full, selective" in text
 
 

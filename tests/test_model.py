@@ -42,12 +42,6 @@ def test_debugmodel_parameter_count_by_formula():
     assert count_parameters(a) == expected
 
 
-def test_every_flavor_is_a_config_choice():
-    from components.config import MODEL_FLAVORS
-
-    assert set(MODEL_FLAVORS) == set(LLAMA_FLAVORS)
-
-
 def test_llama31_rope_scaling_matches_closed_form():
     scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
     got = rope_frequencies(128, 500000.0, scaling)

@@ -1,0 +1,26 @@
+"""weft's configuration: the schema (schema.py), how it is read (parser.py), the dump-folder check."""
+
+from components.config.dump_folder import RUN_IDENTITY, check_dump_folder
+from components.config.parser import ConfigError, help_text, parse_args, to_dict, to_toml
+from components.config.schema import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    Data,
+    Float8,
+    JobConfig,
+    Job,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+    Validation,
+)
+
+__all__ = [
+    "RUN_IDENTITY", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
+    "ActivationCheckpoint", "Checkpoint", "Compile", "Data", "Float8", "JobConfig", "Job", "LRScheduler",
+    "Metrics", "Model", "Optimizer", "Parallelism", "Training", "Validation",
+]

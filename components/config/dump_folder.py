@@ -1,0 +1,50 @@
+"""The dump-folder check: a run may resume in its own folder, never write into another run's."""
+
+import os
+from pathlib import Path
+
+from components.config.parser import ConfigError, read_toml, toml_value
+from components.config.schema import JobConfig
+
+# Settings that make a run what it is: a dump folder holding a run with other values for these
+# belongs to another experiment, and resuming into it would mix the two.
+RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "data.text_field", "data.format",
+                "training.seq_len", "training.seed")
+
+
+def check_dump_folder(cfg: JobConfig) -> None:
+    """Refuse a dump folder that cannot be created or written, or that already holds a run of
+    another configuration."""
+    dump = Path(cfg.job.dump_folder)
+    for above in (dump, *dump.parents):  # the folder itself, or its nearest existing ancestor
+        if above.exists():
+            if not above.is_dir():
+                what = "is a file" if above == dump else f"is below {above}, a file"
+                raise ConfigError(f"job.dump_folder: {dump} {what}; expected a folder")
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise ConfigError(f"job.dump_folder: {above} is not writable")
+            break
+    saved_path = dump / "config.toml"
+    if not saved_path.is_file():
+        return
+    saved = read_toml(saved_path, label=str(saved_path))
+    for key in RUN_IDENTITY:
+        section, name = key.split(".")
+        table = saved.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"job.dump_folder: {saved_path} holds [{section}] as {_spelled(table)}, "
+                              f"not a table; it is not a weft run's config")
+        default = getattr(getattr(JobConfig(), section), name)  # a key newer than the saved run
+        before, now = table.get(name, default), getattr(getattr(cfg, section), name)
+        if before != now:
+            raise ConfigError(
+                f"job.dump_folder: {saved_path} is a run with {key} = {before!r}, this run has {now!r}; "
+                f"use another dump folder"
+            )
+
+
+def _spelled(value: object) -> str:
+    try:
+        return toml_value(value)
+    except TypeError:
+        return repr(value)

@@ -1,0 +1,212 @@
+"""The run's configuration, as people read it: one dataclass per TOML section, one field per key.
+
+Each field carries a one-line help string and its constraints (choices, bounds, a check) in its
+metadata; components/config/parser.py reads them to merge command line, TOML file and defaults,
+validate every value and print --help. Add a key here and it is parsed, validated and documented.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.llama.args import LLAMA_FLAVORS
+
+
+def opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    lt: float | None = None,
+    check: tuple[Callable[[Any], bool], str] | None = None,
+) -> Any:
+    """A dataclass field with help and constraints; ``check`` is (predicate, "what it must be")."""
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _is_op_or_positive_int(value: str) -> bool:
+    return value == "op" or (value.isdecimal() and int(value) > 0)
+
+
+# A path or name that must not be empty: "" would mean the current folder (train on every text
+# file under it, or write outputs into it), which no one means.
+_NOT_EMPTY = (lambda value: value.strip() != "", "a non-empty path or name")
+
+# Tokens one device holds in one micro-batch (local_batch_size x seq_len). 2**24 is far beyond
+# what any model's activations fit in; a larger value is a typo that would otherwise allocate
+# for minutes before failing.
+MAX_MICRO_BATCH_TOKENS = 2**24
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file: a path, or a bare name found in train_configs/ ('.toml' optional)")
+    dump_folder: str = opt("./outputs", "Folder for every output of the run: logs, TensorBoard (tb/), checkpoints",
+                           check=_NOT_EMPTY)
+    description: str = opt("", "Free text shown in the startup summary")
+    simulate_world_size: int = opt(
+        0, "Run rank 0 of a job of this many ranks in this one process, collectives faked: its memory and step "
+           "time are real, its losses meaningless (0: off)", min=0)
+    dry_run: bool = opt(
+        False, "Plan the run in one process without devices: build every transform on the meta device, print the "
+               "layout, parameters per rank and a per-device memory estimate, write nothing")
+    dry_run_world_size: int = opt(
+        0, "World size the dry run plans for (0: job.simulate_world_size if set, else the product of the "
+           "parallelism degrees, dp_shard -1 counting as 1)",
+        min=0)
+    dry_run_device_memory_gib: str = opt(
+        "", "Device memory the dry run checks the estimate against: GiB ('80') or a GPU name ('h100', 'a100-40gb', "
+            "'4090'); exit 2 if it does not fit ('': no check)")
+
+
+@dataclass
+class Model:
+    flavor: str = opt("debugmodel", "Model architecture and size", choices=tuple(LLAMA_FLAVORS))
+    tokenizer_path: str = opt(
+        "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
+        "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")
+
+
+@dataclass
+class Training:
+    steps: int = opt(1000, "Number of optimizer steps to train", min=1)
+    seq_len: int = opt(2048, "Tokens per training sample", min=1)
+    local_batch_size: int = opt(8, "Samples per data-parallel rank per micro-step", min=1)
+    gradient_accumulation_steps: int = opt(1, "Micro-steps accumulated per optimizer step", min=1)
+    max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0)
+    seed: int = opt(0, "Random seed for weight initialization and data order", min=0, max=2**63 - 1)
+    deterministic: bool = opt(False, "Use deterministic algorithms (reproducible, slower)")
+    mixed_precision_param: str = opt(
+        "bfloat16", "Dtype FSDP computes parameters in", choices=("float32", "bfloat16"))
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype FSDP reduces gradients in", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = opt(1, "Data-parallel replicas (DDP, or the outer dimension of HSDP)", min=1)
+    dp_shard: int = opt(
+        -1, "FSDP shard degree; -1 takes what the other degrees leave of the world",
+        check=(lambda v: v == -1 or v >= 1, "-1 or >= 1"))
+    cp: int = opt(1, "Context-parallel degree", min=1)
+    tp: int = opt(1, "Tensor-parallel degree", min=1)
+    fsdp_reshard_after_forward: str = opt(
+        "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
+    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer", choices=("AdamW",))
+    lr: float = opt(3e-4, "Peak learning rate", gt=0)
+    beta1: float = opt(0.9, "Decay rate of the first-moment estimate", min=0, lt=1)
+    beta2: float = opt(0.95, "Decay rate of the second-moment estimate", min=0, lt=1)
+    eps: float = opt(1e-8, "Term added to the denominator for numerical stability", gt=0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay coefficient", min=0)
+    implementation: str = opt(
+        "auto", "Optimizer kernel implementation", choices=("auto", "foreach", "fused", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from 0 to the peak learning rate", min=0)
+    decay_type: str = opt("linear", "Shape of the decay after warmup", choices=("linear", "cosine"))
+    min_lr_ratio: float = opt(0.0, "Final learning rate as a fraction of the peak", min=0, max=1)
+
+
+@dataclass
+class Data:
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them", check=_NOT_EMPTY)
+    text_field: str = opt("text", "Field of each JSONL record that holds the text", check=_NOT_EMPTY)
+    format: str = opt(
+        "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
+        "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
+        "completion", choices=("text", "chat", "prompt_completion"))
+    document_masking: bool = opt(
+        False, "format text: attention stays within each document and positions restart at each BOS "
+        "(chat and prompt_completion samples are always masked this way)")
+    long_samples: str = opt(
+        "truncate", "Chat / prompt_completion samples longer than seq_len + 1 tokens: cut to fit, or skip; "
+        "either is counted in the log", choices=("truncate", "drop"))
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate the loss on a held-out dataset during training")
+    dataset_path: str = opt("", "A .txt or .jsonl file, or a folder of them, read in data.format unless "
+                            "validation.format is set")
+    format: str = opt("", "Format of the validation data; empty: data.format",
+                      choices=("", "text", "chat", "prompt_completion"))
+    freq: int = opt(100, "Evaluate every N steps (and after the last step)", min=1)
+    steps: int = opt(10, "Global batches (as in training, accumulation included) evaluated each time: always the first ones of the dataset", min=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every N steps", min=1)
+    enable_tensorboard: bool = opt(True, "Write TensorBoard scalars under <dump_folder>/tb/")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints and resume from the latest one")
+    interval: int = opt(500, "Save a checkpoint every N steps", min=1)
+    keep_latest_k: int = opt(0, "Keep only the newest K checkpoints; 0 keeps all", min=0)
+    async_mode: str = opt("disabled", "Save in the background while training continues", choices=("disabled", "async"))
+    load_step: int = opt(-1, "Step to resume from; -1 loads the latest complete checkpoint", min=-1)
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder", check=_NOT_EMPTY)
+    initial_load_path: str = opt(
+        "", "Weights to start from when dump_folder has no checkpoint: a DCP checkpoint folder or a Hugging Face folder")
+    create_seed_checkpoint: bool = opt(
+        False, "Only initialise the model on one process and save it as step-0, the seed every layout can start from")
+
+
+@dataclass
+class Float8:
+    enable: bool = opt(False, "Train linear layers with float8 matmuls")
+    recipe: str = opt("tensorwise", "Float8 scaling granularity", choices=("tensorwise", "rowwise"))
+    enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8 to halve traffic")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "Compute float8 scales for all FSDP parameters in one fused step after each optimizer step")
+    filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
+    min_dim: int = opt(1024, "Keep linear layers with a dimension below this in high precision (too small to gain)",
+                       min=16)
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block and the loss")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Recompute activations in backward to save memory", choices=("none", "full", "selective"))
+    selective_option: str = opt(
+        "op", "'op' saves matmul outputs and recomputes the rest; a positive N checkpoints every N-th block",
+        check=(_is_op_or_positive_int, "'op' or a positive integer"))
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    float8: Float8 = field(default_factory=Float8)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+
+
