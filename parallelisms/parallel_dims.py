@@ -1,8 +1,11 @@
-"""The N-D device mesh: how the world's ranks split into data, context and tensor parallel groups.
+"""The N-D device mesh: how the world's ranks split into pipeline, data, context and tensor parallel groups.
 
-Mesh dims, outermost first: dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
 its (most frequent, latency-bound) collectives stay between neighbouring ranks, i.e. inside a
-node. Besides the four named dims, the mesh carries the flattened groups the transforms need:
+node; pipeline parallelism is outermost, since it only sends one activation per micro-batch
+between neighbouring stages, which the slow links between nodes can afford. Besides the five
+named dims, the mesh carries the flattened groups the transforms need (each within one pipeline
+stage):
 
     dp           = dp_replicate × dp_shard        ranks that read different data
     dp_shard_cp  = dp_shard × cp                  ranks that shard parameters (FSDP)
@@ -17,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.errors import UserError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Meshes:
     dp_replicate: DeviceMesh  # DDP
     cp: DeviceMesh
     tp: DeviceMesh
+    pp: DeviceMesh  # pipeline stages: the ranks that hold the same shard of different stages
 
 
 class LayoutError(UserError):
@@ -45,31 +49,33 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @classmethod
     def resolve(
-        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
+        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1
     ) -> "ParallelDims":
         """Fill in dp_shard = -1 as 'the rest of the world' and check the layout multiplies out."""
-        for name, degree in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
+        for name, degree in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
             if degree < 1:
                 raise LayoutError(f"parallelism.{name} must be >= 1, got {degree}")
-        others = dp_replicate * cp * tp
+        if world_size % pp:
+            raise LayoutError(f"parallelism.pp = {pp} does not divide the world size {world_size}")
+        others = pp * dp_replicate * cp * tp
         if dp_shard == -1:
             if world_size % others:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by dp_replicate·cp·tp = "
-                    f"{dp_replicate}·{cp}·{tp} = {others}, so parallelism.dp_shard = -1 cannot fill it"
+                    f"world size {world_size} is not divisible by {_product_text(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)}, "
+                    "so parallelism.dp_shard = -1 cannot fill it"
                 )
             dp_shard = world_size // others
         elif dp_shard < 1:
             raise LayoutError(f"parallelism.dp_shard must be -1 or >= 1, got {dp_shard}")
-        if dp_replicate * dp_shard * cp * tp != world_size:
+        if pp * dp_replicate * dp_shard * cp * tp != world_size:
             raise LayoutError(
-                f"dp_replicate·dp_shard·cp·tp = {dp_replicate}·{dp_shard}·{cp}·{tp} = "
-                f"{dp_replicate * dp_shard * cp * tp} does not equal the world size {world_size}"
+                f"{_product_text(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)} does not equal the world size {world_size}"
             )
-        return cls(dp_replicate, dp_shard, cp, tp, world_size)
+        return cls(dp_replicate, dp_shard, cp, tp, world_size, pp)
 
     def check_seq_len(self, seq_len: int) -> None:
         """Reject sequence lengths the layout cannot split (the model's own shape is checked by
@@ -98,10 +104,19 @@ class ParallelDims:
         """Pure replication: dp_replicate > 1 with nothing to shard over."""
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks that hold one pipeline stage between them (the whole world without pipelining)."""
+        return self.world_size // self.pp
+
     def build_mesh(self, device_type: str) -> "Meshes":
-        """The world mesh with its four named dims, and the flattened meshes the transforms use."""
+        """The world mesh with its five named dims, and the flattened meshes the transforms use."""
         world = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
         )
         dp_cp = world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
         dp_shard_cp = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
@@ -116,10 +131,21 @@ class ParallelDims:
             dp_replicate=world["dp_replicate"],
             cp=world["cp"],
             tp=world["tp"],
+            pp=world["pp"],
         )
 
     def describe(self) -> str:
         return (
-            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
+            (f"pp={self.pp} " if self.pp > 1 else "") + f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
             f"(world size {self.world_size})"
         )
+
+
+def _product_text(**degrees: int) -> str:
+    """'dp_replicate·dp_shard·cp·tp = 1·3·1·1 = 3'; pp is named only when it is used."""
+    if degrees.get("pp") == 1:
+        del degrees["pp"]
+    product = 1
+    for degree in degrees.values():
+        product *= degree
+    return f"{'·'.join(degrees)} = {'·'.join(map(str, degrees.values()))} = {product}"

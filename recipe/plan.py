@@ -110,7 +110,7 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, Parall
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of model flavor {cfg.model.flavor}")
     p = cfg.parallelism
-    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+    dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size)
     dims.check_seq_len(cfg.training.seq_len)
     return args, dims

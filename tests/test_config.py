@@ -187,8 +187,20 @@ def test_out_of_range():
 
 def test_bad_choice():
     message = config_error(["--activation_checkpoint.mode", "fulll"])
-    assert message == "--activation_checkpoint.mode: expected one of none, full, selective; got 'fulll'"
+    assert message == ("--activation_checkpoint.mode: expected one of none, full, selective; got 'fulll' "
+                       "(did you mean full?)")
     assert "llama3_8b" in config_error(["--model.flavor=llama9"])
+
+
+def test_unknown_pipeline_schedule_suggests_the_closest():
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from components.config.schema import PIPELINE_SCHEDULES
+
+    message = config_error(["--parallelism.pp_schedule", "interleaved1f1b"])
+    assert message.endswith("got 'interleaved1f1b' (did you mean Interleaved1F1B?)")
+    # Every name offered is one torch resolves to a schedule class.
+    assert all(get_schedule_class(name).__name__.startswith("Schedule") for name in PIPELINE_SCHEDULES)
 
 
 def test_missing_value():

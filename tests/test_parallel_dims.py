@@ -47,3 +47,25 @@ def test_cp_needs_sequence_divisible_by_twice_cp():
 def test_sequence_parallel_needs_local_sequence_divisible_by_tp():
     with pytest.raises(LayoutError, match="training.seq_len / cp = 6 divisible by tp = 4"):
         resolve(8, dp_shard=1, cp=2, tp=4).check_seq_len(12)
+
+
+def test_pp_is_outermost_and_dp_shard_takes_what_it_leaves():
+    dims = ParallelDims.resolve(world_size=16, tp=2, pp=4)
+    assert (dims.pp, dims.dp_shard, dims.dp, dims.stage_world_size) == (4, 2, 2, 4)
+    assert dims.pp_enabled and dims.fsdp_enabled
+    assert dims.describe().startswith("pp=4 dp_replicate=1 dp_shard=2")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=6, pp=4), "parallelism.pp = 4 does not divide the world size 6"),
+        (dict(world_size=8, pp=2, tp=8), "world size 8 is not divisible by pp·dp_replicate·cp·tp = 2·1·1·8 = 16"),
+        (dict(world_size=8, pp=2, dp_shard=2), "pp·dp_replicate·dp_shard·cp·tp = 2·1·2·1·1 = 4 does not equal"),
+        (dict(world_size=8, pp=0), "parallelism.pp must be >= 1, got 0"),
+    ],
+)
+def test_invalid_pipeline_layouts(kwargs, message):
+    with pytest.raises(LayoutError) as error:
+        ParallelDims.resolve(**kwargs)
+    assert message in str(error.value) and "\n" not in str(error.value)

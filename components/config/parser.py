@@ -213,7 +213,9 @@ def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
         if f.type is int and not _INT64_MIN <= value <= _INT64_MAX:
             raise ConfigError(f"{where}: must fit in 64 bits, got {got}")
         if meta["choices"] is not None and value not in meta["choices"]:
-            raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}")
+            close = difflib.get_close_matches(str(value), meta["choices"], n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}{hint}")
         for bound, symbol, holds in _BOUNDS:
             if meta[bound] is not None and not holds(value, meta[bound]):
                 raise ConfigError(f"{where}: must be {symbol} {meta[bound]}, got {got}")

@@ -88,8 +88,22 @@ class Training:
         "float32", "Dtype FSDP reduces gradients in", choices=("float32", "bfloat16"))
 
 
+# Pipeline schedules of torch.distributed.pipelining (torch 2.13), by the names get_schedule_class takes.
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
+
+
 @dataclass
 class Parallelism:
+    pp: int = opt(1, "Pipeline-parallel degree: the model is cut into stages across this many ranks (outermost dim)",
+                  min=1)
+    pp_schedule: str = opt(
+        "1F1B", "Pipeline schedule; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV "
+        "put several stages on each rank", choices=PIPELINE_SCHEDULES)
+    pp_microbatches: int = opt(
+        0, "Micro-batches each local batch is split into for the pipeline (0: one per sample)", min=0)
+    pp_stages_per_rank: int = opt(
+        0, "Pipeline stages on each rank (0: 1 for GPipe and 1F1B, 2 for the schedules that need several)", min=0)
     dp_replicate: int = opt(1, "Data-parallel replicas (DDP, or the outer dimension of HSDP)", min=1)
     dp_shard: int = opt(
         -1, "FSDP shard degree; -1 takes what the other degrees leave of the world",
