@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -71,16 +72,23 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm (0: measure only); return the norm.
 
     With sharded (DTensor) gradients the local norms are partial; `full_tensor()` reduces them
     over every mesh dim the gradients are split on, so each rank sees the true global norm.
+    pp_group: the pipeline ranks, each holding other stages' parameters: the squared norms of
+    their stages are summed over it, so every stage clips by the whole model's norm.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
+    if pp_group is not None:
+        squared = total_norm.double() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total_norm = squared.sqrt().to(total_norm.dtype)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

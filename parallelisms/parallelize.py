@@ -37,12 +37,15 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    pipeline_schedule: str | None = None,
 ) -> nn.Module:
     """Apply every transform the arguments ask for, in the one order that composes; return the model.
 
     meshes: from `ParallelDims.build_mesh`; None for one plain device (float8, AC and compile
     only); meshes of one rank add FSDP over it, for mixed precision.
     A degree of 1 skips its transform. Each transform logs one line saying what it did.
+    pipeline_schedule: the model is one pipeline stage (parallelisms/pipeline.py cut it) run by
+    this torch schedule; it decides FSDP's resharding below.
     Then call `materialize` (a meta-device model) or load weights.
     """
     dims = meshes.dims if meshes is not None else None
@@ -87,13 +90,34 @@ def parallelize(
             meshes.fsdp,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=pipeline_reshard_policy(reshard_after_forward, pipeline_schedule),
             cpu_offload=cpu_offload,
             blocks=blocks,
         )
     elif dims is not None and dims.ddp_enabled:
         apply_ddp(model, meshes.dp_replicate)
     return model
+
+
+def pipeline_reshard_policy(reshard_after_forward: str, pipeline_schedule: str | None) -> str:
+    """FSDP's reshard policy for a pipeline stage.
+
+    A stage runs forward once per micro-batch, and its backwards come later, interleaved with
+    other micro-batches' forwards: keeping the gathered parameters ("never") saves an all-gather
+    per micro-batch, so that is the default under pipelining. The schedules that split backward
+    into an input part and a later weight part (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
+    also need it to be correct: with each block resharded after forward, torch 2.13 computed wrong
+    weight gradients (relative error 0.5-1.0, some None), so "always" is refused for them
+    (tests/test_pipeline_parity.py trains every schedule under pp 2 x fsdp 2)."""
+    if pipeline_schedule is None:
+        return reshard_after_forward
+    from parallelisms.pipeline import splits_backward
+
+    if reshard_after_forward == "always" and splits_backward(pipeline_schedule):
+        raise TransformError(
+            "parallelize", "reshard_after_forward", f"reshard_after_forward 'always' gives wrong gradients under the "
+            f"{pipeline_schedule} pipeline schedule, which splits backward into input and weight parts; use 'default'")
+    return "never" if reshard_after_forward == "default" else reshard_after_forward
 
 
 def torch_has_tp_compile_bug() -> bool:

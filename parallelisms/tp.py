@@ -56,8 +56,9 @@ def apply_tp(
     """
     refuse_data_parallel_model(model, "apply_tp")
     tp = tp_mesh.size()
-    if plan is None:
-        plan = default_tp_plan(model, loss_parallel=loss_parallel, float8_all_gather=float8_all_gather)
+    if plan is None:  # a pipeline stage holds only some of the modules its model's plan names
+        plan = _entries_present(model, default_tp_plan(model, loss_parallel=loss_parallel,
+                                                       float8_all_gather=float8_all_gather))
     elif float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
     targets = _plan_targets(model, plan)
@@ -189,6 +190,12 @@ def _plan_targets(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, Pa
             raise TransformError("apply_tp", "plan", f"plan entry {pattern!r} matches no module of {type(model).__name__}")
         targets += [(name, modules[name], style) for name in matched]
     return targets
+
+
+def _entries_present(model: nn.Module, plan: Plan) -> Plan:
+    """The plan's entries that match a module of the model."""
+    names = [name for name, _ in model.named_modules() if name]
+    return {pattern: style for pattern, style in plan.items() if any(_path_matches(n, pattern) for n in names)}
 
 
 def _path_matches(name: str, pattern: str) -> bool:

@@ -28,8 +28,9 @@ from parallelisms.common import TransformError
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import Meshes
 from parallelisms.parallelize import parallelize
+from parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
 from recipe.plan import RunPlan
-from recipe.step import StepSetup
+from recipe.step import PipelineLoss, StepSetup
 
 logger = logging.getLogger("weft")
 
@@ -60,6 +61,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     equal a single-device run's with the same seed, whatever the layout."""
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
+        return build_stages(plan, model, meshes, device)
     try:
         parallelize(model, meshes, **plan.parallelize_kwargs())
     except TransformError as e:
@@ -68,6 +71,24 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         materialize(model, device, seed=plan.cfg.training.seed)
         model.train()
     return model
+
+
+def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.device | None) -> PipelineStages:
+    """The stages of the meta model this rank holds under the pipeline layout (default split:
+    embedding first, norm and output last, blocks spread evenly), each through `parallelize` and
+    `materialize` like a whole model: every weight keeps its name and so its initial values."""
+    layout = plan.pipeline
+    ids = layout.stage_ids(meshes.pp.get_local_rank())
+    stages = split_model(model, default_split(model, layout.n_stages), ids)
+    for stage in stages:
+        try:
+            parallelize(stage, meshes, **plan.parallelize_kwargs())
+        except TransformError as e:
+            raise plan.config_error(e) from None
+        if device is not None:
+            materialize(stage, device, seed=plan.cfg.training.seed)
+            stage.train()
+    return PipelineStages(stages, ids, layout.n_stages)
 
 
 def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
@@ -107,7 +128,15 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py)."""
     cfg, dims = plan.cfg, plan.dims
+    pipeline = {}
+    if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
+        loss = PipelineLoss(compiled=cfg.compile.enable)
+        schedule = build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
+                                  microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
+                                  pp_group=meshes.pp.get_group())
+        pipeline = dict(pipeline=schedule, pipeline_loss=loss, pp_group=meshes.pp.get_group())
     return StepSetup(
+        **pipeline,
         model=model, optimizer=optimizer, scheduler=scheduler, device=device,
         max_norm=cfg.training.max_norm,
         loss_group=meshes.dp_cp.get_group() if meshes else None,

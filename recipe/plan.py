@@ -25,6 +25,7 @@ from float8 import check_float8_support, float8_tp_all_gather
 from models.llama import LLAMA_FLAVORS, ModelArgs
 from parallelisms.common import TransformError
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import PipelineLayout, plan_pipeline
 from parallelisms.precision import DTYPES, PrecisionPolicy, precision_policy
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
@@ -51,6 +52,7 @@ class RunPlan:
     # layout and model they act on: each a Setting, so a refusal names the key behind it.
     transforms: dict[str, Setting] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    pipeline: PipelineLayout | None = None  # with parallelism.pp > 1
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -77,7 +79,8 @@ class RunPlan:
                                      device_type=device_type)
         return cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
                    transforms=transform_settings(cfg, dims, device_type),
-                   warnings=float8_warnings(cfg, dims, device_type) if check_environment else [])
+                   warnings=float8_warnings(cfg, dims, device_type) if check_environment else [],
+                   pipeline=pipeline_layout(cfg, model_args, dims))
 
     @property
     def tokens_per_step(self) -> int:
@@ -116,6 +119,16 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, Parall
     return args, dims
 
 
+def pipeline_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> PipelineLayout | None:
+    """The pipeline's schedule, stages and micro-batches, checked against the model and batch."""
+    if not dims.pp_enabled:
+        return None
+    p = cfg.parallelism
+    return plan_pipeline(schedule=p.pp_schedule, pp=dims.pp, stages_per_rank_requested=p.pp_stages_per_rank,
+                         microbatches=p.pp_microbatches, local_batch_size=cfg.training.local_batch_size,
+                         n_blocks=args.n_layers, tied_embeddings=args.tie_embeddings)
+
+
 def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> dict[str, Setting]:
     """parallelize()'s arguments from the config, each with its key; plus the layout and model
     the transforms refer to as tp_mesh, plan, cp_mesh and model."""
@@ -141,6 +154,7 @@ def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> 
         "reduce_dtype": Setting(DTYPES[t.mixed_precision_reduce], "training.mixed_precision_reduce"),
         "reshard_after_forward": Setting(p.fsdp_reshard_after_forward, "parallelism.fsdp_reshard_after_forward"),
         "cpu_offload": Setting(p.fsdp_cpu_offload, "parallelism.fsdp_cpu_offload"),
+        "pipeline_schedule": Setting(p.pp_schedule if dims.pp_enabled else None, "parallelism.pp_schedule"),
     }
 
 

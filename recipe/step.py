@@ -30,6 +30,19 @@ def model_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 @dataclass
+class PipelineLoss:
+    """A pipeline schedule's loss_fn(logits, labels): `token_loss` with the step's global supervised
+    count, set before each schedule step (the schedule itself never rescales gradients)."""
+
+    global_count: torch.Tensor | float = 1.0
+    grad_ranks: int = 1
+    compiled: bool = False
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, labels, self.global_count, self.grad_ranks, compiled=self.compiled)
+
+
+@dataclass
 class StepSetup:
     """What every step needs, built once by `recipe.build.build_step`."""
 
@@ -47,6 +60,9 @@ class StepSetup:
     precompute_float8: bool = False  # one fused amax all-reduce after the update, for float8 all-gather
     forward: Callable[[nn.Module, Batch], torch.Tensor] = model_forward  # model, batch -> logits
     loss_fn: Callable[..., torch.Tensor] = token_loss  # as token_loss: logits, labels, count, grad_ranks, compiled=
+    pipeline: object = None  # under pp: torch's schedule over this rank's stages (model is their PipelineStages)
+    pipeline_loss: PipelineLoss | None = None  # the schedule's loss_fn
+    pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -70,6 +86,11 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     micro_batches = [place(setup, batch) for batch in micro_batches]
     supervised = global_supervised_count([batch.labels for batch in micro_batches], setup.loss_group)
     step_loss = torch.zeros((), device=setup.device)
+    if setup.pipeline is not None:
+        setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = supervised, setup.grad_ranks
+        on_phase("backward")  # the schedule interleaves forwards and backwards
+        step_loss = sum((pipeline_run(setup, batch, train=True) for batch in micro_batches), step_loss)
+        micro_batches = []
     for batch in micro_batches:
         with setup.loss_context():
             with setup.forward_context():
@@ -81,7 +102,7 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
         step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
         on_phase("forward")
     on_phase("step")
-    grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm)
+    grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pp_group)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
     setup.optimizer.step()
     setup.scheduler.step()
@@ -100,8 +121,14 @@ def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) ->
     setup.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=setup.device)
     count = torch.zeros((), dtype=torch.float64, device=setup.device)
+    if setup.pipeline is not None:
+        setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = 1.0, 1  # sums of token losses
     for _, batch in zip(range(steps), batches(loader, document_masking=document_masking)):
         batch = place(setup, batch)
+        if setup.pipeline is not None:
+            total += pipeline_run(setup, batch, train=False).double()
+            count += (batch.labels != IGNORE_INDEX).sum()
+            continue
         with setup.loss_context():
             with setup.forward_context():
                 logits = setup.forward(setup.model, batch)
@@ -114,6 +141,30 @@ def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) ->
         total, count = both[0], both[1]
     setup.model.train()
     return (total / count.clamp(min=1)).item()
+
+
+def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool) -> torch.Tensor:
+    """One local batch through the pipeline schedule, forward and backward (train) or forward only;
+    its loss summed over micro-batches, on every pipeline rank (the last stage computed it).
+
+    Every stage is given the positions (and document ids) of its micro-batch: a stage without the
+    embedding cannot tell them from its input, which is sequence-sharded under tp."""
+    positions = batch.positions if batch.positions is not None else torch.arange(
+        batch.inputs.shape[1], device=batch.inputs.device)
+    kwargs = {"positions": positions.expand(batch.inputs.shape[0], -1) if positions.ndim == 1 else positions}
+    if batch.document_ids is not None:
+        kwargs["document_ids"] = batch.document_ids
+    losses: list[torch.Tensor] = []
+    with setup.loss_context():
+        with setup.forward_context():
+            run = setup.pipeline.step if train else setup.pipeline.eval
+            extra = {"return_outputs": False} if train else {}
+            run(batch.inputs, target=batch.labels, losses=losses, **extra, **kwargs)
+    loss = torch.zeros((), device=setup.device)
+    for part in losses:
+        loss += (part.full_tensor() if isinstance(part, DTensor) else part).detach()
+    torch.distributed.all_reduce(loss, group=setup.pp_group)  # zero on ranks without the last stage
+    return loss
 
 
 def place(setup: StepSetup, batch: Batch) -> Batch:

@@ -236,10 +236,14 @@ class Transformer(nn.Module):
             rotations = self.rope_rotations[: tokens.shape[1]]
         else:
             rotations = self.rope_rotations[positions]
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (parallelisms/pipeline.py) lacks the modules other stages own (None):
+        # without the embedding its input is the previous stage's hidden state, and it must be
+        # given positions when that is split along the sequence.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rotations, document_ids=document_ids)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

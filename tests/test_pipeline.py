@@ -1,0 +1,159 @@
+"""parallelisms/pipeline.py: splitting a model into stages, placing them on ranks, checking layouts.
+
+The references: the unsplit model (its parameters, its forward), torch's own schedule classes,
+and the formulas the docstrings state. Multi-process training is in test_pipeline_parity.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+import train
+from components.config.schema import PIPELINE_SCHEDULES
+from models.llama import LLAMA_FLAVORS, Transformer
+from parallelisms.common import TransformError
+from parallelisms.materialize import materialize
+from parallelisms.parallel_dims import LayoutError
+from parallelisms.parallelize import pipeline_reshard_policy
+from parallelisms.pipeline import (
+    default_split,
+    plan_pipeline,
+    split_model,
+    stage_ids,
+    stages_per_rank,
+)
+from tests.failure_checks import assert_clean_failure, run_in_process, snapshot
+
+DEBUG = LLAMA_FLAVORS["debugmodel"]  # 4 blocks
+
+
+def meta_llama() -> Transformer:
+    with torch.device("meta"):
+        return Transformer(DEBUG)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_default_split_spreads_units_evenly_in_model_order(n_stages):
+    split = default_split(meta_llama(), n_stages)
+    units = [["tok_embeddings"], ["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"], ["norm", "output"]]
+    assert [name for stage in split for name in stage] == [name for unit in units for name in unit]
+    sizes = [sum(1 for unit in units if unit[0] in stage) for stage in split]  # units per stage
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert split[0][0] == "tok_embeddings" and split[-1][-2:] == ["norm", "output"]
+
+
+def test_split_partitions_the_parameters_under_their_full_names():
+    model = meta_llama()
+    stages = split_model(model, default_split(model, 4))
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    full = {n: p.shape for n, p in model.named_parameters()}
+    assert sorted(names) == sorted(full)  # each parameter in exactly one stage
+    assert all(p.shape == full[n] for stage in stages for n, p in stage.named_parameters())
+    assert stages[0].norm is None and stages[-1].tok_embeddings is None
+
+
+def test_stages_materialise_to_the_full_models_weights_and_chain_to_its_logits():
+    """Each stage, materialised on its own with the seed, holds the full model's values (seeded by
+    name), and feeding each stage's output to the next gives the unsplit model's logits."""
+    model = materialize(meta_llama(), "cpu", seed=3)
+    stages = [materialize(stage, "cpu", seed=3) for stage in split_model(meta_llama(), default_split(meta_llama(), 3))]
+    weights = dict(model.named_parameters())
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            assert torch.equal(param, weights[name]), name
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, -1)
+    hidden = tokens
+    with torch.no_grad():
+        for stage in stages:
+            hidden = stage(hidden, positions)
+        torch.testing.assert_close(hidden, model(tokens), rtol=0, atol=0)
+
+
+def test_transformers_llama_split_keeps_its_names():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    split = default_split(model, 2)
+    assert split == [["model.embed_tokens", "model.layers.0", "model.layers.1"],
+                     ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+    stages = split_model(model, split)
+    assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_split_refuses_unknown_and_doubly_owned_names():
+    with pytest.raises(LayoutError, match="'layers.9', which is not a module"):
+        split_model(meta_llama(), [["tok_embeddings", "layers.9"], ["norm"]])
+    with pytest.raises(LayoutError, match="'layers.0' is named by stages 0 and 1"):
+        split_model(meta_llama(), [["layers.0"], ["layers.0"]])
+
+
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_stage_lives_on_exactly_one_rank(schedule, pp):
+    per_rank = stages_per_rank(schedule)
+    assert per_rank == (2 if issubclass(get_schedule_class(schedule), PipelineScheduleMulti) else 1)
+    placed = [stage_ids(schedule, rank, pp, per_rank) for rank in range(pp)]
+    assert sorted(s for ids in placed for s in ids) == list(range(pp * per_rank))
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):  # V order: rank 0 holds the first and the last stage
+        assert placed[0] == [0, 2 * pp - 1] and placed[-1] == [pp - 1, pp]
+    else:  # loop order
+        assert all(ids == list(range(rank, pp * per_rank, pp)) for rank, ids in enumerate(placed))
+
+
+LAYOUT = dict(pp=2, stages_per_rank_requested=0, microbatches=0, local_batch_size=4, n_blocks=4,
+              tied_embeddings=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(pp=4, schedule="Interleaved1F1B"), "parallelism.pp = 4 × 2 stages per rank = 8 stages, more than the model's 4 blocks"),
+    (dict(microbatches=3), "parallelism.pp_microbatches = 3 does not divide training.local_batch_size = 4"),
+    (dict(microbatches=1), "needs at least as many micro-batches as stages (2); got parallelism.pp_microbatches = 1"),
+    (dict(schedule="DualPipeV", microbatches=2), "needs at least as many micro-batches as stages (4)"),
+    (dict(schedule="Interleaved1F1B", stages_per_rank_requested=1), "runs several stages per rank; parallelism.pp_stages_per_rank = 1"),
+    (dict(schedule="ZBVZeroBubble", stages_per_rank_requested=3, n_blocks=8), "exactly 2 stages per rank"),
+    (dict(stages_per_rank_requested=2), "runs one stage per rank"),
+    (dict(tied_embeddings=True), "ties its output projection"),
+    (dict(schedule="Interleaved1F1B", local_batch_size=10, microbatches=5), "not a multiple of its 2 rounds"),
+])
+def test_bad_pipeline_layouts(change, message):
+    kwargs = dict(LAYOUT, schedule="1F1B") | change
+    with pytest.raises(LayoutError) as error:
+        plan_pipeline(**kwargs)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_fsdp_keeps_stage_parameters_gathered_and_refuses_resharding_for_split_backward():
+    assert pipeline_reshard_policy("default", None) == "default"
+    assert pipeline_reshard_policy("default", "1F1B") == "never"
+    assert pipeline_reshard_policy("always", "1F1B") == "always"
+    with pytest.raises(TransformError, match="'always' gives wrong gradients under the ZBVZeroBubble"):
+        pipeline_reshard_policy("always", "ZBVZeroBubble")
+
+
+BASE = ["--job.config_file", "debug_model", "--training.steps", "2", "--training.seq_len", "32",
+        "--training.local_batch_size", "4", "--no-metrics.enable_tensorboard"]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--parallelism.pp", "2"], "parallelism.pp = 2 does not divide the world size 1"),
+    (["--parallelism.pp", "3", "--job.simulate_world_size", "6", "--parallelism.pp_schedule", "Interleaved1F1B"],
+     "6 stages, more than the model's 4 blocks"),
+    (["--parallelism.pp", "2", "--job.simulate_world_size", "2", "--parallelism.pp_microbatches", "3"],
+     "parallelism.pp_microbatches = 3 does not divide training.local_batch_size = 4"),
+    (["--parallelism.pp", "2", "--job.simulate_world_size", "2", "--parallelism.pp_microbatches", "1"],
+     "needs at least as many micro-batches as stages (2)"),
+    (["--parallelism.pp", "2", "--job.simulate_world_size", "2", "--parallelism.pp_schedule", "LoopedBFS",
+      "--parallelism.pp_stages_per_rank", "1"], "runs several stages per rank"),
+    (["--parallelism.pp_schedule", "ZBV"], "--parallelism.pp_schedule: expected one of"),
+    (["--parallelism.pp", "2", "--job.simulate_world_size", "4", "--parallelism.pp_schedule", "DualPipeV",
+      "--parallelism.fsdp_reshard_after_forward", "always"], "'always' gives wrong gradients"),
+])
+def test_bad_pipeline_input_is_one_line_and_writes_nothing(tmp_path, capsys, extra, expected):
+    argv = BASE + ["--job.dump_folder", str(tmp_path / "out")] + extra
+    before = snapshot(tmp_path)
+    assert_clean_failure(run_in_process(train.main, argv, capsys), expected, before=before, root=tmp_path)
