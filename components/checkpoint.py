@@ -25,13 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state
 
 from components.config import Checkpoint
 from components.errors import UserError, one_line
@@ -217,10 +211,10 @@ class Checkpointer:
     # -- what is saved ----------------------------------------------------------------------
 
     def _state(self, step: int, model_only: bool = False) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {"model": model_state(self.model)}
         if model_only:
             return state
-        state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        state["optimizer"] = optimizer_state(self.model, self.optimizer)
         state["lr_scheduler"] = self.scheduler.state_dict()
         state["dataloader"] = self.dataloader.state_dict()
         state["train_state"] = {"step": step, "rng": torch.get_rng_state()}
@@ -312,8 +306,8 @@ class Checkpointer:
         model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
         state = self._state(step=0)
         dcp_call("load", state, folder)
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        load_model_state(self.model, state["model"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self.dataloader.load_state_dict(state["dataloader"])
         torch.set_rng_state(state["train_state"]["rng"])
@@ -330,6 +324,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     a model of any layout: DCP reshards them."""
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, model.args)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state(model)}
     dcp_call("load", state, folder)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    load_model_state(model, state["model"], strict=True)

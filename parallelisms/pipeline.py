@@ -237,3 +237,8 @@ class PipelineStages(nn.ModuleList):
     @property
     def has_last_stage(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
+
+    @property
+    def args(self):
+        """The whole model's shape (weft's Llama), as every stage carries it."""
+        return self[0].args

@@ -1,0 +1,72 @@
+"""Model and optimizer state dicts keyed by the full model's parameter names, for a whole model or
+for the pipeline stages one rank holds.
+
+A pipeline rank's stages sit in one container (`parallelisms.pipeline.PipelineStages`, a list of
+modules marked by `stage_ids`), and torch's state-dict functions would prefix every name with the
+stage's place in that list ("0.layers.3..."). Each stage keeps the full model's names, so these
+functions take the state of each stage as it is: checkpoints of every layout, with or without a
+pipeline, then hold the same keys and DCP reshards between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def model_parts(model: nn.Module) -> list[nn.Module]:
+    """A pipeline rank's stages, else [model]."""
+    return list(model) if hasattr(model, "stage_ids") else [model]
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for part in model_parts(model):
+        state.update(get_model_state_dict(part))
+    return state
+
+
+def load_model_state(model: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
+    for part in model_parts(model):
+        own = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: v for k, v in state.items() if k in own}, options=StateDictOptions(strict=strict))
+
+
+def _prefixed_names(model: nn.Module) -> dict[str, str]:
+    """{full model name: name inside the stage container} of a pipeline rank's parameters."""
+    if not hasattr(model, "stage_ids"):
+        return {}
+    return {name.split(".", 1)[1]: name for name, _ in model.named_parameters()}
+
+
+def optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    state = get_optimizer_state_dict(model, optimizer)
+    plain = {prefixed: name for name, prefixed in _prefixed_names(model).items()}
+    return _rename(state, plain) if plain else state
+
+
+def load_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+    """Load `state` (as DCP filled it in) into the optimizer. Each group's hyperparameters come from
+    the checkpoint, its parameters are the live optimizer's: a checkpoint's list of names is one
+    rank's, which under a pipeline holds only its own stages' parameters."""
+    prefixed = _prefixed_names(model)
+    if prefixed:  # this rank's parameters under their container names; other stages' entries dropped
+        state = _rename(state, prefixed)
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    groups = [dict(saved, params=[name_of[id(p)] for p in live["params"]])
+              for saved, live in zip(state["param_groups"], optimizer.param_groups, strict=True)]
+    set_optimizer_state_dict(model, optimizer, {"state": state["state"], "param_groups": groups})
+
+
+def _rename(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The optimizer state dict with its parameter names mapped by `names`; others left out."""
+    groups = [dict(group, params=[names[p] for p in group["params"] if p in names]) for group in state["param_groups"]]
+    return {"state": {names[k]: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
