@@ -245,6 +245,12 @@ SFT_LAYOUTS: dict[str, tuple[int, list[str], str]] = {
                             "reference"),
     "text_documents_cp2": (2, [*TEXT_DOCUMENTS, "--parallelism.dp_shard", "1", "--parallelism.cp", "2"],
                            "text_reference"),
+    # Pipeline parallelism: packed chat, and text with document masking; validation through the pipeline.
+    "pp2": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--parallelism.pp_microbatches", "4"],
+            "reference"),
+    "text_documents_pp2": (2, [*TEXT_DOCUMENTS, "--parallelism.pp", "2", "--parallelism.dp_shard", "1",
+                               "--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_microbatches", "2"],
+                           "text_reference"),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], "reference"),
     "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"], "reference"),
 }
