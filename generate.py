@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from components.data import DataError
+from components.data import DataError, HFTokenizer, load_tokenizer
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
-from components.tokenizer import HFTokenizer, load_tokenizer
 from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 

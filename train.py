@@ -27,7 +27,17 @@ from components.config import (
     parse_args,
     to_toml,
 )
-from components.data import DataError, check_text_files, find_text_files
+from components.data import (
+    Batch,
+    DataError,
+    HFTokenizer,
+    batches,
+    build_loader,
+    check_text_files,
+    find_text_files,
+    load_tokenizer,
+    prefetch,
+)
 from components.dry_run import dry_run, model_and_layout
 from components.distributed import (
     Preemption,
@@ -49,9 +59,6 @@ from components.metrics import (
     setup_logging,
 )
 from components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from components.prefetch import prefetch
-from components.sft_data import Batch, batches, build_loader
-from components.tokenizer import HFTokenizer, load_tokenizer
 from float8 import (
     check_float8_support,
     float8_tp_all_gather,

@@ -1,4 +1,4 @@
-"""Micro-batches prepared ahead (components/prefetch.py): the same batches as the loader, the state
+"""Micro-batches prepared ahead (components/data/prefetch.py): the same batches as the loader, the state
 of the batches taken (not of those built ahead), errors raised as themselves, pinned memory only
 for CUDA, and a thread that stops."""
 
@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import DataError, Tokenizer
-from components.prefetch import prefetch
-from components.sft_data import Batch, batches, build_loader
+from components.data import Batch, DataError, Tokenizer, batches, build_loader, prefetch
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets/tokenizer/shakespeare.model"
 LINES = [f"To be, or not to be{', that is the question' * (i % 4)}: line {i}." for i in range(60)]
