@@ -124,6 +124,16 @@ class DocStart:
     line_number: int = 1  # 1-based, for error messages
 
 
+# A loader's state: where the document it stands in starts, and how many of its tokens were read.
+STATE_KEYS = ("epoch", "file_index", "byte_offset", "line_number", "token_offset")
+
+
+def position_state(doc: DocStart, token_offset: int) -> dict[str, int]:
+    """The loader state of a position in the stream: token `token_offset` of the document at `doc`."""
+    return {"epoch": doc.epoch, "file_index": doc.file_index, "byte_offset": doc.byte_offset,
+            "line_number": doc.line_number, "token_offset": token_offset}
+
+
 class RawDoc(NamedTuple):
     """A document found but not yet read: its start, its size in bytes (what every rank knows of
     it before anyone tokenizes it), and its line if it is one of a .jsonl file (None for a .txt

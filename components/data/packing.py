@@ -25,9 +25,8 @@ import torch.distributed as dist
 from components.data.batch import Batch, BatchShape
 from components.data.cursor import Counted, Cursor
 from components.data.errors import DataError
-from components.data.files import DocStart, RawDoc, documents, where
+from components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, where
 from components.data.formats import SAMPLE_FORMATS, Sample, parse_record
-from components.data.windows import STATE_KEYS
 from components.loss import IGNORE_INDEX
 
 LONG_SAMPLES = ("truncate", "drop")
@@ -78,9 +77,7 @@ class PackedSamples:
             yield Batch(*(torch.tensor([w[i] for w in ours], dtype=torch.int64) for i in range(4)))
 
     def state_dict(self, cursor: Cursor) -> dict[str, int]:
-        doc = cursor.next_start()
-        return {"epoch": doc.epoch, "file_index": doc.file_index, "byte_offset": doc.byte_offset,
-                "line_number": doc.line_number, "token_offset": 0}
+        return position_state(cursor.next_start(), 0)
 
     def load_state_dict(self, cursor: Cursor, state: dict) -> None:
         """Seek to the saved record, without reading what precedes it."""

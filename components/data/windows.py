@@ -20,9 +20,7 @@ import torch.distributed as dist
 from components.data.batch import Batch, BatchShape
 from components.data.cursor import Counted, Cursor
 from components.data.errors import DataError
-from components.data.files import DocStart, RawDoc, read_text, where
-
-STATE_KEYS = ("epoch", "file_index", "byte_offset", "line_number", "token_offset")
+from components.data.files import STATE_KEYS, DocStart, RawDoc, position_state, read_text, where
 
 
 class TextWindows:
@@ -85,9 +83,7 @@ class TextWindows:
             n -= take
 
     def state_dict(self, cursor: Cursor) -> dict[str, int]:
-        doc = self._current.raw.start
-        return {"epoch": doc.epoch, "file_index": doc.file_index, "byte_offset": doc.byte_offset,
-                "line_number": doc.line_number, "token_offset": self._pos}
+        return position_state(self._current.raw.start, self._pos)
 
     def load_state_dict(self, cursor: Cursor, state: dict) -> None:
         """Seek to the saved document (without reading what precedes it) and token within it.
