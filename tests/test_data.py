@@ -268,6 +268,28 @@ def test_find_text_files_single_file_and_sorted_folder(tmp_path: Path) -> None:
     assert find_text_files(str(files[0])) == [files[0]]
 
 
+def test_cursor_counts_the_stream_in_order(corpus: str, tokenizer: Tokenizer) -> None:
+    """The cursor on its own, without a loader: documents come counted in file order, epoch after
+    epoch, each with its SentencePiece length, and it starts again wherever it is sought."""
+    from components.data.cursor import Cursor
+    from components.data.files import read_text
+
+    sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER_PATH))
+    lengths = [len(sp.encode(doc)) + 2 for doc in DOCS]
+    files = find_text_files(corpus)
+    cursor = Cursor(files, lambda raw: tokenizer.encode(read_text(files, raw, "text")), len, batch_tokens=16)
+    starts = []
+    for index in range(2 * len(DOCS) + 1):
+        counted = cursor.peek(16, 0, None)
+        assert (counted.index, counted.length, counted.raw.start.epoch) == (index, lengths[index % len(DOCS)],
+                                                                             index // len(DOCS))
+        assert cursor.unit(counted) == [sp.bos_id(), *sp.encode(DOCS[index % len(DOCS)]), sp.eos_id()]
+        starts.append(cursor.next_start())
+        cursor.counted.popleft()
+    cursor.seek(starts[3])
+    assert cursor.peek(16, 0, None).length == lengths[3] and cursor.next_start() == starts[3]
+
+
 def test_tokenizer_encode_decode(tokenizer: Tokenizer) -> None:
     sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER_PATH))
     text = DOCS[0]
