@@ -9,14 +9,15 @@ It stands in for the loader wherever the loader's state is used: `state_dict()` 
 state before the first batch the caller has not taken yet (recorded with each queued batch), so a
 checkpoint resumes on exactly the batch the loop would have used next, whatever the thread has
 built beyond it; `load_state_dict()` loads the loader (closing the thread first if it runs; the
-next batch starts it again). The packed loader's counts of truncated and dropped samples are
-reported as of the batches taken, likewise.
+next batch starts it again). The loader's counts of truncated and dropped samples are reported
+as of the batches taken, likewise.
 
 The thread communicates over a gloo group of its own (`exchange_group`, given to the constructor;
 `prefetch` creates it), so its exchanges never meet the training loop's collectives or those of a
-loader read in the main thread (validation). It builds a batch
-whenever the queue has room and stops only once the queue is full, so every rank's thread makes
-the same exchanges whatever the timing, and `close()` never leaves one rank waiting for another.
+loader read in the main thread (validation); the loader itself is left as it was built. The thread
+builds a batch whenever the queue has room and stops only once the queue is full, so every rank's
+thread makes the same exchanges whatever the timing, and `close()` never leaves one rank waiting
+for another.
 An exception in the thread (a DataError from a bad record) is raised by `next()` as itself.
 """
 
