@@ -33,8 +33,10 @@ from components.distributed import (
     Preemption,
     all_reduce_mean,
     collective_backend,
+    gpu_binding_line,
     init_distributed,
     launched_world_size,
+    local_world_size,
     set_determinism,
     simulation_warning,
 )
@@ -84,16 +86,20 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
     #    With job.simulate_world_size this one process is rank 0 of that many, collectives faked.
-    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size)
+    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size, share_gpus=p.share_gpus,
+                              cpu_offload=p.fsdp_cpu_offload)
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
     if cfg.job.simulate_world_size:
         logger.warning(simulation_warning(dims.world_size))
+    binding = gpu_binding_line(local_world_size(), torch.cuda.device_count(), p.share_gpus) if device.type == "cuda" else None
+    if binding and rank == 0:
+        logger.warning(binding)
     for line in float8_warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
-    backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
+    backend = f", collectives {torch.distributed.get_backend()}" if meshes and not cfg.job.simulate_world_size else ""
     logger.info(f"devices: {dims.world_size} x {device.type}{backend}; mesh {dims.describe()}")
 
     # 3. Data: every rank of one data-parallel replica (its TP and CP ranks) reads the same batches.
@@ -126,7 +132,7 @@ def train(cfg: JobConfig) -> list[float]:
     # 6. Materialise on the device and initialise. Each parameter is drawn whole and every rank
     #    keeps its slice (parallelisms/materialize.py), so the weights equal a single-device
     #    run's with the same seed, whatever the layout.
-    materialize(model, device, seed=cfg.training.seed)
+    materialize(model, device, seed=cfg.training.seed, cpu_offload=p.fsdp_cpu_offload and dims.fsdp_enabled)
     model.train()
 
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -354,7 +360,8 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[
         try:
             float8_warnings = check_float8_support(
                 device_type,
-                collective_backend(device_type) if dims.world_size > 1 else None,
+                collective_backend(device_type, share_gpus=cfg.parallelism.share_gpus,
+                                   cpu_offload=cfg.parallelism.fsdp_cpu_offload) if dims.world_size > 1 else None,
                 recipe=f8.recipe,
                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
                 precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp,
@@ -393,7 +400,7 @@ def parallelize_model(model: torch.nn.Module, cfg: JobConfig, meshes, device: to
             float8_min_dim=f8.min_dim,
             float8_fsdp_all_gather=f8.enable_fsdp_float8_all_gather,
             float8_tp_all_gather=f8.enable and meshes is not None
-            and float8_tp_all_gather(device.type, collective_backend(device.type), f8.recipe),
+            and float8_tp_all_gather(device.type, collective_backend(device.type, share_gpus=p.share_gpus), f8.recipe),
             loss_parallel=p.loss_parallel,
             ac_mode=ac.mode,
             ac_selective_option=ac.selective_option,
