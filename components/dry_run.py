@@ -9,7 +9,6 @@ of components/memory.py are printed; nothing is written.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 
@@ -78,10 +77,6 @@ def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
 
-    # Compile is left out: it changes neither parameters nor (in this estimate) activations, and the
-    # refusal of compile + TP in parallelize is about torch 2.13 on this machine, not the cluster's torch.
-    plan_cfg = copy.deepcopy(cfg)
-    plan_cfg.compile.enable = False
     if dims.world_size > 1:
         init_fake_distributed(dims.world_size)
     meshes = dims.build_mesh("cpu") if dims.world_size > 1 else None
@@ -89,9 +84,9 @@ def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
     with torch.device("meta"):
         model = Transformer(args)
     n_params = count_parameters(model)
-    parallelize_model(model, plan_cfg, meshes, torch.device("cuda"))
-    if cfg.compile.enable:
-        logger.info(f"apply_compile: {args.n_layers} blocks would be compiled (not applied in a dry run)")
+    # Every transform a real start applies, compile included (it only wraps forwards until the first
+    # call), so the dry run refuses exactly what the real run refuses (compile + TP on torch 2.13).
+    parallelize_model(model, cfg, meshes, torch.device("cuda"))
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))
