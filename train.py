@@ -88,6 +88,8 @@ def train(cfg: JobConfig) -> list[float]:
     #    With job.simulate_world_size this one process is rank 0 of that many, collectives faked.
     device = init_distributed(simulate_world_size=cfg.job.simulate_world_size, share_gpus=p.share_gpus,
                               cpu_offload=p.fsdp_cpu_offload)
+    if cfg.checkpoint.create_seed_checkpoint:  # the whole fp32 model (70B: 280 GB) fits host memory, not a GPU
+        device = torch.device("cpu")
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
