@@ -232,7 +232,7 @@ def train(cfg: JobConfig) -> list[float]:
             report_long_samples(loader)
 
         if validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-            with loss_context():
+            with loss_context(), metrics.untimed():
                 validation_loss = evaluate(
                     model, make_loader(cfg.validation.format or cfg.data.format, validation_files),
                     cfg.validation.steps * accumulation, device=device, mesh=meshes.cp if dims.cp > 1 else None,
@@ -241,10 +241,11 @@ def train(cfg: JobConfig) -> list[float]:
             metrics.log_validation(step, validation_loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        if saved:
-            checkpointer.save(step)
-        else:
-            checkpointer.finish_pending(wait=False)
+        with metrics.untimed():
+            if saved:
+                checkpointer.save(step)
+            else:
+                checkpointer.finish_pending(wait=False)
         if preemption.requested():  # SIGTERM: save (if enabled) and stop cleanly on every rank
             if cfg.checkpoint.enable and not saved:
                 checkpointer.save(step, blocking=True)
