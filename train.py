@@ -65,7 +65,7 @@ from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize
-from parallelisms.precision import DTYPES, precision_policy
+from parallelisms.precision import DTYPES, attention_kernel_warning, precision_policy
 
 logger = logging.getLogger("weft")
 
@@ -81,7 +81,7 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 1. Check everything the user can get wrong before any process group, file or tensor
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
-    model_args, dims, tokenizer, data_files, validation_files, float8_warnings = check_inputs(cfg)
+    model_args, dims, tokenizer, data_files, validation_files, start_warnings = check_inputs(cfg)
     p, f8 = cfg.parallelism, cfg.float8
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
@@ -98,7 +98,7 @@ def train(cfg: JobConfig) -> list[float]:
     binding = gpu_binding_line(local_world_size(), torch.cuda.device_count(), p.share_gpus) if device.type == "cuda" else None
     if binding and rank == 0:
         logger.warning(binding)
-    for line in float8_warnings if rank == 0 else []:
+    for line in start_warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
     backend = f", collectives {torch.distributed.get_backend()}" if meshes and not cfg.job.simulate_world_size else ""
@@ -325,7 +325,7 @@ def resolve_tokenizer_path(cfg: JobConfig) -> str:
 
 def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[Path], list[Path], list[str]]:
     """Every check that needs no process group: model size, layout, tokenizer, data, dump folder,
-    float8 support. Returns what they resolved, and float8 warnings to log."""
+    float8 support. Returns what they resolved, and warnings to log (one line each)."""
     check_simulation(cfg)
     model_args, dims = model_and_layout(cfg, cfg.job.simulate_world_size or launched_world_size())
     tokenizer = load_tokenizer(resolve_tokenizer_path(cfg))
@@ -357,11 +357,14 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[
     if cfg.checkpoint.enable:
         check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
     f8 = cfg.float8
-    float8_warnings = []
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    compute_dtype = precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+                                     fsdp=dims.fsdp_enabled, device_type=device_type).compute_dtype
+    start_warnings = [line for line in [attention_kernel_warning(device_type, compute_dtype, model_args.n_heads,
+                                                                  model_args.kv_heads)] if line]
     if f8.enable:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            float8_warnings = check_float8_support(
+            start_warnings += check_float8_support(
                 device_type,
                 collective_backend(device_type, share_gpus=cfg.parallelism.share_gpus,
                                    cpu_offload=cfg.parallelism.fsdp_cpu_offload) if dims.world_size > 1 else None,
@@ -369,13 +372,15 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[
                 enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
                 precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp,
                 tp_degree=dims.tp,
+                compute_dtype=compute_dtype,
+                matmul_tokens=cfg.training.local_batch_size * cfg.training.seq_len // dims.cp,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.checkpoint.create_seed_checkpoint and dims.world_size > 1:
         raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
                           f"not {dims.world_size}")
-    return model_args, dims, tokenizer, data_files, validation_files, float8_warnings
+    return model_args, dims, tokenizer, data_files, validation_files, start_warnings
 
 
 # Which setting each transform argument comes from, to name it when a transform refuses it.

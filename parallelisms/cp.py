@@ -56,6 +56,8 @@ process group does, gloo included.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 
 import torch
@@ -130,12 +132,19 @@ def shard_sequence(
     if len(lengths) != 1:
         raise ValueError(f"shard_sequence needs tensors of one sequence length, got {sorted(lengths)}")
     seq_len, cp_size, cp_rank = lengths.pop(), cp_mesh.size(), cp_mesh.get_local_rank()
-    positions = load_balanced_indices(seq_len, cp_size, cp_rank)
+    positions = _device_indices(seq_len, cp_size, cp_rank, tensors[0].device)
     chunk = seq_len // (2 * cp_size)
     for j in _held_chunks(cp_size, cp_rank):  # ready for the attention cores, compiled or not
         _lower_right_causal_mask(chunk, (j + 1) * chunk)
-    shards = [t.index_select(seq_dim, positions.to(t.device)) for t in tensors]
-    return shards, positions.to(tensors[0].device)
+    shards = [t.index_select(seq_dim, _device_indices(seq_len, cp_size, cp_rank, t.device)) for t in tensors]
+    return shards, positions
+
+
+@functools.lru_cache(maxsize=16)
+def _device_indices(seq_len: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """`load_balanced_indices` on `device`, made once: every micro-batch reuses it instead of copying
+    it from pageable host memory (a synchronising copy on a GPU). Read-only by every user."""
+    return load_balanced_indices(seq_len, cp_size, cp_rank).to(device)
 
 
 class ContextParallelAttention(nn.Module):

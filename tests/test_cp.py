@@ -180,3 +180,21 @@ def test_errors_are_raised_identically_on_every_rank():
     assert "got q 4, k 6, v 6" in rank0["mismatch"]
     assert "found no attention to make context-parallel" in rank0["no_core"]
     assert "core (SlidingWindowAttention)" in rank0["subclass"]
+
+
+def test_positions_are_made_once_per_shape_not_copied_each_micro_batch():
+    """Under CP every micro-batch needs the same positions: shard_sequence hands back one tensor
+    on the batch's device (no host-to-device copy per micro-batch), equal to load_balanced_indices."""
+    class Mesh:  # what shard_sequence reads of a CP mesh
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 1
+
+    batches = [torch.arange(32).reshape(2, 16) + i for i in range(3)]
+    results = [shard_sequence(Mesh(), batch) for batch in batches]
+    assert all(positions is results[0][1] for _, positions in results)
+    assert torch.equal(results[0][1], load_balanced_indices(16, 2, 1))
+    for (shards, _), batch in zip(results, batches):
+        assert torch.equal(shards[0], batch[:, load_balanced_indices(16, 2, 1)])
