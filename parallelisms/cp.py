@@ -170,12 +170,14 @@ class ContextParallelAttention(nn.Module):
         v: torch.Tensor,
         scale: float | None = None,
         document_ids: torch.Tensor | None = None,
+        mask=None,
     ) -> torch.Tensor:
         """softmax(q kᵀ · scale + causal mask) v, where k and v range over the whole sequence;
         scale defaults to 1/√head_dim.
 
         document_ids: this rank's shard ([batch, s], from `shard_sequence`) of each token's
-        document; the mask is then block-causal over the whole sequence.
+        document; the mask is then block-causal over the whole sequence. mask: not used (a
+        mask of the local tokens alone; this core masks each chunk against the gathered keys).
         """
         local_len = q.shape[-2]
         # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
