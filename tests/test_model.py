@@ -254,3 +254,26 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
         monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: True)
         flex = model(tokens, positions, document_ids=docs)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward and the compiled block mask need CUDA")
+def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
+    """On a GPU: forward and backward through the BlockMask path equal the dense SDPA mask path."""
+    from models.llama import model as llama_model
+
+    model = Transformer(PACKED).cuda()
+    model.init_weights(seed=0)
+    tokens, positions, docs = (t.cuda() for t in packed_batch())
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(tokens, positions, document_ids=docs)
+        logits.float().square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    flex, flex_grads = logits_and_grads()
+    monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: False)
+    dense, dense_grads = logits_and_grads()
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    for a, b in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
