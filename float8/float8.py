@@ -185,14 +185,9 @@ def check_float8_support(
     enable_fsdp_float8_all_gather: bool = False,
     precompute_float8_dynamic_scale_for_fsdp: bool = False,
     tp_degree: int = 1,
-    compute_dtype: torch.dtype | None = None,
-    matmul_tokens: int | None = None,
 ) -> list[str]:
     """Check a float8 setup before any work: raise ValueError (one line) where it cannot run.
 
-    On CUDA also: the rowwise recipe needs bf16 compute (cuBLAS's rowwise-scaled `_scaled_mm`
-    writes bf16 only), and `_scaled_mm` needs every dimension a multiple of 16, including the
-    tokens of one matmul (local batch x seq_len / cp), which the weight-gradient GEMM reduces over.
     Returns the warnings to log, one line each: today only that tensor-parallel activations
     will be all-gathered in high precision because the backend cannot carry float8.
     """
@@ -214,14 +209,6 @@ def check_float8_support(
                 f"float8 needs a GPU of compute capability {'.'.join(map(str, MIN_CUDA_CAPABILITY))} or newer "
                 f"for float8 matmuls; {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}"
             )
-    if device_type == "cuda" and recipe == "rowwise" and compute_dtype not in (None, torch.bfloat16):
-        raise ValueError(f"float8.recipe = rowwise: needs bf16 compute on a GPU (rowwise-scaled float8 matmuls "
-                         f"output bf16 only), this run computes in {str(compute_dtype).removeprefix('torch.')}; "
-                         "set training.mixed_precision_param = bfloat16")
-    if device_type == "cuda" and matmul_tokens is not None and matmul_tokens % _DIM_MULTIPLE:
-        raise ValueError(f"float8.enable: float8 matmuls need the tokens of one micro-batch per device "
-                         f"(training.local_batch_size x training.seq_len / parallelism.cp = {matmul_tokens}) "
-                         f"to be a multiple of {_DIM_MULTIPLE}")
     warnings = []
     if tp_degree > 1 and recipe == "tensorwise" and not _float8_collectives(device_type, backend):
         warnings.append(
@@ -229,6 +216,24 @@ def check_float8_support(
             "all-gathers activations in high precision (matmuls still run in float8)"
         )
     return warnings
+
+
+def check_float8_compute(device_type: str, recipe: str, compute_dtype: torch.dtype, matmul_tokens: int) -> None:
+    """What a GPU's float8 matmuls need of the run, checked up front (ValueError, one line); the
+    CPU kernel needs neither. The rowwise recipe needs bf16 compute (rowwise-scaled `_scaled_mm`
+    writes bf16 only), and `_scaled_mm` needs every dimension a multiple of 16, including the
+    tokens of one micro-batch per device (local batch x seq_len / cp), which the weight-gradient
+    matmul reduces over. Needs no torchao: a dry run checks it anywhere."""
+    if device_type != "cuda":
+        return
+    if recipe == "rowwise" and compute_dtype != torch.bfloat16:
+        raise ValueError(f"float8.recipe = rowwise: needs bf16 compute on a GPU (rowwise-scaled float8 matmuls "
+                         f"output bf16 only), this run computes in {str(compute_dtype).removeprefix('torch.')}; "
+                         "set training.mixed_precision_param = bfloat16")
+    if matmul_tokens % _DIM_MULTIPLE:
+        raise ValueError(f"float8.enable: float8 matmuls need the tokens of one micro-batch per device "
+                         f"(training.local_batch_size x training.seq_len / parallelism.cp = {matmul_tokens}) "
+                         f"to be a multiple of {_DIM_MULTIPLE}")
 
 
 def float8_tp_styles() -> dict[str, type[ParallelStyle]]:

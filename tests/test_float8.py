@@ -33,6 +33,7 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
 from components.data import Tokenizer, TokenWindowLoader, find_text_files
 from float8 import (
     apply_float8,
+    check_float8_compute,
     check_float8_support,
     converted_modules,
     float8_tp_all_gather,
@@ -173,20 +174,24 @@ def test_gpu_capability_is_checked(monkeypatch):
     assert not float8_tp_all_gather("cuda", "nccl", "rowwise")
 
 
-def test_gpu_only_float8_requirements_are_checked_up_front(monkeypatch):
+def test_gpu_only_float8_requirements_are_checked_up_front():
     """On CUDA: rowwise scaling writes bf16 only, and _scaled_mm needs the micro-batch's tokens per
     device (local batch x seq_len / cp) in multiples of 16. The CPU kernel needs neither."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match="^float8.recipe = rowwise: needs bf16 compute on a GPU .* computes in "
                                          "float32; set training.mixed_precision_param = bfloat16$"):
-        check_float8_support("cuda", "nccl", recipe="rowwise", compute_dtype=torch.float32)
-    assert check_float8_support("cuda", "nccl", recipe="rowwise", compute_dtype=torch.bfloat16) == []
+        check_float8_compute("cuda", "rowwise", torch.float32, 8192)
+    check_float8_compute("cuda", "rowwise", torch.bfloat16, 8192)
+    check_float8_compute("cuda", "tensorwise", torch.float32, 8192)
     with pytest.raises(ValueError, match=r"\(training.local_batch_size x training.seq_len / parallelism.cp = 24\) "
                                          "to be a multiple of 16$"):
-        check_float8_support("cuda", "nccl", matmul_tokens=24)
-    assert check_float8_support("cuda", "cuda:nccl,cpu:gloo", enable_fsdp_float8_all_gather=True,
-                                matmul_tokens=8192) == []
-    assert check_float8_support("cpu", "gloo", recipe="rowwise", compute_dtype=torch.float32, matmul_tokens=24) == []
+        check_float8_compute("cuda", "tensorwise", torch.bfloat16, 24)
+    check_float8_compute("cpu", "rowwise", torch.float32, 24)
+
+
+def test_offload_backend_carries_float8(monkeypatch):
+    """FSDP CPU offload's "cuda:nccl,cpu:gloo" all-gathers the GPU copies over NCCL: float8 is fine."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert check_float8_support("cuda", "cuda:nccl,cpu:gloo", enable_fsdp_float8_all_gather=True) == []
 
 
 def test_inconsistent_float8_options_are_errors():
