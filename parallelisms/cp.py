@@ -33,9 +33,10 @@ sequence, provided each rank's loss is the mean over its equally many tokens.
 
 Masks. The core computes causal attention over the whole sequence, or, given `document_ids`
 (packed samples), block-causal attention: the ids are sharded with `shard_sequence` like the
-tokens, all-gathered with K and V (they are small integers, no gradient), and each query chunk
-is masked against the keys' ids (`document_attention` of the model, with the same lower-right
-alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
+tokens, all-gathered once per micro-batch (they are small integers, no gradient) when the model
+asks the core for its masks before the blocks (`ContextParallelAttention.document_mask`), and
+each query chunk is masked against the keys' ids (`document_mask` of the model, with the same
+lower-right alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
 exactly `CausalAttention`, and refuses subclasses, which may mask differently.
 
 Other models. A transformers model looks its attention function up by name
@@ -68,7 +69,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from models.llama.model import CausalAttention, document_attention
+from models.llama.model import CausalAttention, document_mask, masked_attention, use_flex_attention
 from parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -176,8 +177,8 @@ class ContextParallelAttention(nn.Module):
         scale defaults to 1/√head_dim.
 
         document_ids: this rank's shard ([batch, s], from `shard_sequence`) of each token's
-        document; the mask is then block-causal over the whole sequence. mask: not used (a
-        mask of the local tokens alone; this core masks each chunk against the gathered keys).
+        document; the mask is then block-causal over the whole sequence. mask: those masks,
+        built once per micro-batch by `document_mask` (then document_ids are not read).
         """
         local_len = q.shape[-2]
         # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
@@ -188,15 +189,15 @@ class ContextParallelAttention(nn.Module):
             )
         chunk = local_len // 2
         k_all, v_all = self._gather_kv(k, v, chunk)
-        docs_all = None if document_ids is None else self._gather_documents(document_ids, chunk)
+        if mask is None and document_ids is not None:
+            mask = self.document_mask(document_ids)
         outputs = []
         for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank)):
             q_chunk = q[..., slot * chunk : (slot + 1) * chunk, :]
             kv_len = (j + 1) * chunk
-            if docs_all is not None:
-                q_docs = document_ids[:, slot * chunk : (slot + 1) * chunk]
-                outputs.append(document_attention(q_chunk, k_all[..., :kv_len, :], v_all[..., :kv_len, :],
-                                                  q_docs, docs_all[:, :kv_len], scale=scale))
+            if mask is not None:
+                outputs.append(masked_attention(q_chunk, k_all[..., :kv_len, :], v_all[..., :kv_len, :], mask[slot],
+                                                scale=scale))
                 continue
             outputs.append(
                 F.scaled_dot_product_attention(
@@ -209,6 +210,19 @@ class ContextParallelAttention(nn.Module):
                 )
             )
         return torch.cat(outputs, dim=-2)
+
+    def document_mask(self, document_ids: torch.Tensor) -> tuple:
+        """The masks `forward` takes for this rank's shard of document ids, one per local query
+        chunk against the keys before it: block-causal over the whole sequence (the ids all-gathered
+        over the CP group once), FlexAttention block masks on CUDA. Built once per micro-batch, by
+        `Transformer.forward` before the blocks."""
+        chunk = document_ids.shape[-1] // 2
+        docs_all = self._gather_documents(document_ids, chunk)
+        flex = use_flex_attention(document_ids.device)
+        return tuple(
+            document_mask(document_ids[:, slot * chunk : (slot + 1) * chunk], docs_all[:, : (j + 1) * chunk], flex=flex)
+            for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank))
+        )
 
     def _gather_documents(self, document_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """Every rank's document ids, in global order, to mask against the gathered K/V."""

@@ -104,16 +104,18 @@ def use_flex_attention(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def document_mask(document_ids: torch.Tensor, *, flex: bool):
-    """The block-causal mask of one micro-batch of packed documents ([batch, seq] ids): a
-    FlexAttention `BlockMask` (flex), else the dense boolean [batch, 1, seq, seq] SDPA takes.
+def document_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor | None = None, *, flex: bool):
+    """The block-causal mask of packed documents (`document_causal_mask`; kv_docs default to
+    q_docs): a FlexAttention `BlockMask` (flex), else the dense boolean [batch, 1, q, kv] SDPA takes.
 
-    `Transformer.forward` builds it once per micro-batch, before the blocks, and every block (and
-    its activation-checkpoint recompute) reuses it. On CUDA the block mask comes from a compiled
-    `create_block_mask`, which never materialises the dense mask."""
+    Attention cores build it once per micro-batch (`CausalAttention.document_mask`, called by
+    `Transformer.forward` before the blocks), and every block and its activation-checkpoint
+    recompute reuse it. On CUDA the block mask comes from a compiled `create_block_mask`, which
+    never materialises the dense mask."""
+    kv_docs = q_docs if kv_docs is None else kv_docs
     if flex:
-        return document_block_mask(document_ids, document_ids)
-    return document_causal_mask(document_ids, document_ids)
+        return document_block_mask(q_docs, kv_docs)
+    return document_causal_mask(q_docs, kv_docs)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
@@ -132,7 +134,7 @@ def document_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ / √d + block-causal mask) v: causal attention that never crosses documents, with
-    a mask built here (context parallelism, whose queries and keys differ per chunk).
+    a mask built here (for a core called without the one `Transformer.forward` builds).
 
     On CUDA, FlexAttention with a block mask skips the blocks that cross documents; on the CPU
     (where FlexAttention has no backward as of PyTorch 2.13) SDPA takes the boolean mask.
@@ -176,6 +178,10 @@ class CausalAttention(nn.Module):
     `document_ids` ([batch, seq]) alone build it here. A module of its own so that context
     parallelism can swap in a version that sees the whole sequence.
     """
+
+    def document_mask(self, document_ids: torch.Tensor):
+        """The mask `forward` takes for these document ids, built once per micro-batch."""
+        return document_mask(document_ids, flex=use_flex_attention(document_ids.device))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
@@ -272,18 +278,16 @@ class Transformer(nn.Module):
             rotations = self.rope_rotations[: tokens.shape[1]]
         else:
             rotations = self.rope_rotations[positions]
-        # Packed documents: the mask is built once here, outside the (compiled, checkpointed) blocks.
-        # A context-parallel core masks each chunk against the gathered keys itself.
+        # Packed documents: the attention core's mask is built once here, outside the (compiled,
+        # checkpointed) blocks, and every block uses it.
         mask = None
-        if document_ids is not None and self._plain_attention_cores():
-            mask = document_mask(document_ids, flex=use_flex_attention(document_ids.device))
+        if document_ids is not None:
+            core = next(iter(self.layers.values())).attention.core
+            mask = core.document_mask(document_ids) if hasattr(core, "document_mask") else None
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rotations, document_ids=document_ids, mask=mask)
         return self.output(self.norm(h))
-
-    def _plain_attention_cores(self) -> bool:
-        return all(type(layer.attention.core) is CausalAttention for layer in self.layers.values())
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
