@@ -87,16 +87,19 @@ def train(cfg: JobConfig) -> list[float]:
             history.append(stats.loss)
             report_long_samples(loader)
 
+        # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
         if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            metrics.log_validation(step, evaluate(step_setup, validation_loader(), batches,
-                                                  document_masking=cfg.data.document_masking))
+            with metrics.untimed():
+                loss = evaluate(step_setup, validation_loader(), batches, document_masking=cfg.data.document_masking)
+            metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        if saved:
-            checkpointer.save(step)
-        else:
-            checkpointer.finish_pending(wait=False)
+        with metrics.untimed():
+            if saved:
+                checkpointer.save(step)
+            else:
+                checkpointer.finish_pending(wait=False)
         if preemption.requested():
             if cfg.checkpoint.enable and not saved:
                 checkpointer.save(step, blocking=True)

@@ -378,14 +378,14 @@ def test_hf_finetune_end_to_end(sft_runs):
 def test_flex_attention_path_equals_the_exact_mask():
     """The CUDA path (FlexAttention block mask) computes the same attention as the CPU path; checked
     forward-only on the CPU, where FlexAttention has no backward (PyTorch 2.13)."""
-    from models.llama.model import document_attention, flex_document_attention
+    from models.llama.model import document_attention, document_block_mask, masked_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 48, 16), torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)
     docs = torch.tensor([[0] * 10 + [1] * 30 + [2] * 8, [0] * 48])
     with torch.no_grad():
         for start in (0, 16):  # the whole sequence, and a query chunk aligned to the end (as under CP)
-            got = flex_document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
+            got = masked_attention(q[..., start:, :], k, v, document_block_mask(docs[:, start:], docs))
             want = document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

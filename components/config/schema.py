@@ -99,6 +99,8 @@ class Parallelism:
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    share_gpus: bool = opt(
+        False, "Processes of a node share GPUs (tests on one GPU): collectives on gloo, slow; off: one GPU each, NCCL")
     loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
 
 
