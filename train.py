@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from components.checkpoint import Checkpointer, CheckpointError, check_resume, load_model_weights
+from components.checkpoint import Checkpointer, CheckpointError, check_resume, load_model_weights, resume_folder
 from components.config import (
     ConfigError,
     JobConfig,
@@ -39,8 +39,11 @@ from components.distributed import (
     simulation_warning,
 )
 from components.errors import UserError, report_user_error
+from components.fingerprint import FINGERPRINT_FILE, check_resumed_data
 from components.hf import load_hf_into_model
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from components.nonfinite import NonFinitePolicy
+from components.timeouts import CommTimeouts, collective_failure
 from components.metrics import (
     MetricsLogger,
     StepStats,
@@ -81,16 +84,20 @@ def train(cfg: JobConfig) -> list[float]:
     #    exists: a bad run then fails the same way on every rank, at once, writing nothing.
     model_args, dims, tokenizer, data_files, validation_files, float8_warnings = check_inputs(cfg)
     p, f8 = cfg.parallelism, cfg.float8
+    # The data's fingerprint, compared with the one saved in the checkpoint this run resumes from.
+    data_fingerprint, data_note = check_resumed_data(
+        data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
+        if cfg.checkpoint.enable else None, cfg.data.allow_changed_data)
 
     # 2. Processes and devices. Mesh dims: dp_replicate, dp_shard, cp, tp (tp innermost).
     #    With job.simulate_world_size this one process is rank 0 of that many, collectives faked.
-    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size)
+    device = init_distributed(cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size)
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
     if cfg.job.simulate_world_size:
         logger.warning(simulation_warning(dims.world_size))
-    for line in float8_warnings if rank == 0 else []:
+    for line in [*float8_warnings, *([data_note] if data_note else [])] if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
     backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
@@ -137,7 +144,7 @@ def train(cfg: JobConfig) -> list[float]:
     #    optimizer and data cursor into this layout, whatever layout saved them); else the
     #    seed checkpoint step-0 or checkpoint.initial_load_path; else the fresh initialisation.
     checkpointer = Checkpointer(cfg.checkpoint, Path(cfg.job.dump_folder), model=model, optimizer=optimizer,
-                                scheduler=scheduler, dataloader=loader)
+                                scheduler=scheduler, dataloader=loader, extra_files={FINGERPRINT_FILE: data_fingerprint})
     start_step = 0
     resume_step = checkpointer.resume_step() if cfg.checkpoint.enable else None
     if resume_step == 0:
@@ -190,8 +197,14 @@ def train(cfg: JobConfig) -> list[float]:
     )
     history: list[float] = []
     preemption = Preemption()
+    # Faults: a step with a non-finite loss or gradient norm stops the run or skips its update
+    # (components/nonfinite.py); collectives wait comm.train_timeout_seconds after the first step.
+    nonfinite = NonFinitePolicy(cfg.training.on_nonfinite, cfg.training.max_skipped_steps,
+                                on_first=checkpointer.protect_before, before_stop=lambda: checkpointer.finish_pending(True))
+    timeouts = CommTimeouts(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
+        timeouts.at_step(step)
         optimizer.zero_grad()
         step_loss = torch.zeros((), device=device)
         micro_batches = [next(loader).to(device, non_blocking=True) for _ in range(accumulation)]
@@ -208,23 +221,24 @@ def train(cfg: JobConfig) -> list[float]:
             step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm)
         lr = scheduler.get_last_lr()[0]  # the rate this step's update used, read before it moves on
-        optimizer.step()
-        scheduler.step()
-        if f8.enable and f8.precompute_float8_dynamic_scale_for_fsdp:
-            precompute_float8_scales(model)  # one fused amax all-reduce for the next float8 all-gather
+        if nonfinite.allows_update(step, *torch.stack([grad_norm.float(), step_loss.float()]).tolist()):
+            optimizer.step()
+            scheduler.step()
+            if f8.enable and f8.precompute_float8_dynamic_scale_for_fsdp:
+                precompute_float8_scales(model)  # one fused amax all-reduce for the next float8 all-gather
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
             write_config(dump, cfg)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             loss_value = all_reduce_mean(step_loss, loss_group)
-            stats = StepStats(step, loss_value, grad_norm.item(), lr)
+            stats = StepStats(step, loss_value, grad_norm.item(), lr, skipped_steps=nonfinite.skipped)
             metrics.log(stats)
             history.append(stats.loss)
             report_long_samples(loader)
 
         if validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-            with loss_context():
+            with loss_context(), timeouts.long():
                 validation_loss = evaluate(
                     model, make_loader(cfg.validation.format or cfg.data.format, validation_files),
                     cfg.validation.steps * accumulation, device=device, mesh=meshes.cp if dims.cp > 1 else None,
@@ -233,13 +247,15 @@ def train(cfg: JobConfig) -> list[float]:
             metrics.log_validation(step, validation_loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        if saved:
-            checkpointer.save(step)
-        else:
-            checkpointer.finish_pending(wait=False)
+        with timeouts.long():
+            if saved:
+                checkpointer.save(step)
+            else:
+                checkpointer.finish_pending(wait=False)  # a failed background save is reported here
         if preemption.requested():  # SIGTERM: save (if enabled) and stop cleanly on every rank
             if cfg.checkpoint.enable and not saved:
-                checkpointer.save(step, blocking=True)
+                with timeouts.long():
+                    checkpointer.save(step, blocking=True)
             logger.info(f"stopped by SIGTERM after step {step}")
             break
 
@@ -442,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except UserError as e:  # any mistake the user can fix: one line, exit 2
         return report_user_error(e)
+    except RuntimeError as e:  # a collective that timed out or lost a rank: one line naming the step
+        if (fault := collective_failure(e)) is None:
+            raise
+        return report_user_error(fault)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
