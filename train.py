@@ -35,6 +35,7 @@ from components.distributed import (
     collective_backend,
     init_distributed,
     launched_world_size,
+    restart_warning,
     set_determinism,
     simulation_warning,
 )
@@ -97,7 +98,8 @@ def train(cfg: JobConfig) -> list[float]:
     setup_logging(rank)
     if cfg.job.simulate_world_size:
         logger.warning(simulation_warning(dims.world_size))
-    for line in [*float8_warnings, *([data_note] if data_note else [])] if rank == 0 else []:
+    notes = [*float8_warnings, data_note, restart_warning()]  # the data note: data.allow_changed_data
+    for line in [note for note in notes if note] if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
     backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
