@@ -353,3 +353,11 @@ def test_a_disabled_section_in_toml_is_named_with_its_file(tmp_path):
         parse_args(["--job.config_file", path])
     # a key equal to its default changes nothing, and keys that act on their own are exempt
     assert parse_args(["--checkpoint.interval", "500", "--checkpoint.initial_load_path", "x"]).checkpoint.interval == 500
+    # a switch turned off on purpose keeps its section's settings dormant (a config with
+    # checkpoints, run once without them)
+    path = write_toml(tmp_path, """
+        [checkpoint]
+        enable = true
+        interval = 10
+    """)
+    assert parse_args(["--job.config_file", path, "--no-checkpoint.enable"]).checkpoint.interval == 10

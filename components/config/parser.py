@@ -261,14 +261,16 @@ def _validate_combinations(cfg: JobConfig, origins: dict[str, str]) -> None:
 
 
 def _check_disabled_sections(cfg: JobConfig, origins: dict[str, str]) -> None:
-    """One rule for every section with an `enable` switch: while it is off, a key of that section
-    set to anything but its default would be silently ignored, so it is an error naming the key and
-    the switch (keys marked `without_enable` act on their own and are exempt)."""
+    """One rule for every section with an `enable` switch: a key of that section set to anything
+    but its default while the switch is off by default (set nowhere) would be silently ignored, so
+    it is an error naming the key and the switch. A switch turned off explicitly (in the TOML file or
+    on the command line) keeps its section's keys dormant; keys marked `without_enable` act on
+    their own and are exempt."""
     defaults = JobConfig()
     for name, f in _OPTIONS.items():
         section, key = name.split(".")
         switch = f"{section}.enable"
-        if key == "enable" or switch not in _OPTIONS or getattr(getattr(cfg, section), "enable"):
+        if key == "enable" or switch not in _OPTIONS or switch in origins or getattr(getattr(cfg, section), "enable"):
             continue
         value = getattr(getattr(cfg, section), key)
         if f.metadata["without_enable"] or value == getattr(getattr(defaults, section), key):
