@@ -12,6 +12,8 @@ import logging
 import math
 from collections.abc import Callable
 
+import torch
+
 from components.errors import UserError
 
 logger = logging.getLogger("weft")
@@ -41,8 +43,11 @@ class NonFinitePolicy:
         self.first_nonfinite_step: int | None = None
         self._on_first, self._before_stop = on_first, before_stop
 
-    def allows_update(self, step: int, grad_norm: float, loss: float) -> bool:
-        """Whether step `step` may update the weights; raises NonFiniteError to stop the run."""
+    def allows_update(self, step: int, grad_norm: float | torch.Tensor, loss: float | torch.Tensor) -> bool:
+        """Whether step `step` may update the weights; raises NonFiniteError to stop the run.
+        Tensors are read back together (one device sync a step)."""
+        if isinstance(grad_norm, torch.Tensor) or isinstance(loss, torch.Tensor):
+            grad_norm, loss = torch.stack([torch.as_tensor(grad_norm).float(), torch.as_tensor(loss).float()]).tolist()
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.consecutive = 0
             return True

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,12 +27,13 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import recipe.build as build_module
 import train
 from components import checkpoint as checkpoint_module
 from tests.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
 
-# The module whose training loop calls token_loss and prefetch (the injection points).
-LOOP = train
+# The injections go into the step's loss function (set up by recipe.build.build_step, which
+# train.py calls) and into the data loader's prefetching (recipe.build.prefetch).
 
 
 def run_args(dump: Path, *extra: str) -> list[str]:
@@ -53,17 +53,24 @@ def step_folders(dump: Path) -> list[str]:
 
 def inject_nan(monkeypatch, steps: set[int], on_inject=lambda step: None) -> None:
     """The loss of the given steps (one micro-batch each) becomes NaN, and so do their gradients."""
-    real, calls = LOOP.token_loss, [0]
+    real_build_step, calls = train.build_step, [0]
 
-    def token_loss(*args, **kwargs):
-        calls[0] += 1
-        loss = real(*args, **kwargs)
-        if calls[0] in steps:
-            on_inject(calls[0])
-            return loss * float("nan")
-        return loss
+    def build_step(*args, **kwargs):
+        setup = real_build_step(*args, **kwargs)
+        real_loss = setup.loss_fn
 
-    monkeypatch.setattr(LOOP, "token_loss", token_loss)
+        def loss_fn(*loss_args, **loss_kwargs):
+            calls[0] += 1
+            loss = real_loss(*loss_args, **loss_kwargs)
+            if calls[0] in steps:
+                on_inject(calls[0])
+                return loss * float("nan")
+            return loss
+
+        setup.loss_fn = loss_fn
+        return setup
+
+    monkeypatch.setattr(train, "build_step", build_step)
 
 
 # -- non-finite steps -----------------------------------------------------------------------
@@ -124,8 +131,8 @@ def test_skip_a_bad_batch_ends_where_a_run_without_it_ends(tmp_path, monkeypatch
     assert "step 3: loss nan (this rank), gradient norm nan: not finite; optimizer step skipped" in skipping.stdout
     monkeypatch.undo()
 
-    real_prefetch = LOOP.prefetch
-    monkeypatch.setattr(LOOP, "prefetch", lambda *a, **k: DropBatch(real_prefetch(*a, **k), index=3))
+    real_prefetch = build_module.prefetch
+    monkeypatch.setattr(build_module, "prefetch", lambda *a, **k: DropBatch(real_prefetch(*a, **k), index=3))
     without = run_in_process(train.main, run_args(tmp_path / "without", "--training.steps", "5", *common), capsys)
     assert without.code == 0, without.stderr
 
