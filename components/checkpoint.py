@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from components.config import Checkpoint
 from components.distributed import shared_gloo_group
 from components.errors import UserError, one_line
+from components.timeouts import keep_long_timeout
 from components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
 from models.llama import ModelArgs, Transformer
 
@@ -230,6 +231,7 @@ class Checkpointer:
         self._async_group = None
         if cfg.async_mode == "async" and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")
+            keep_long_timeout(self._async_group)  # its gather waits for the slowest writer
         # The ranks agree on every save's outcome over this one (CPU flags, whatever the backend).
         self._agree_group = shared_gloo_group("checkpoint") if cfg.enable or cfg.create_seed_checkpoint else None
 

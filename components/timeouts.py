@@ -31,17 +31,30 @@ _LOST_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "br
 CHECK_IN_S = 3.0
 
 
+# Groups whose collectives may legitimately wait long at any time (a background save's gather
+# waits for the slowest writer): they keep the long limit.
+_LONG_GROUPS: list[dist.ProcessGroup] = []
+
+
+def keep_long_timeout(group: dist.ProcessGroup | None) -> None:
+    """Exempt `group` from the short training limit (see _LONG_GROUPS)."""
+    if group is not None:
+        _LONG_GROUPS.append(group)
+
+
 class CollectiveTimeoutError(UserError):
     """A collective that waited longer than its limit, or lost its peer."""
 
 
-def set_collective_timeout(seconds: float) -> None:
+def set_collective_timeout(seconds: float, long_seconds: float | None = None) -> None:
     """Make `seconds` the limit of every process group of this process (the default one and every
-    group created from it: device-mesh dims, gloo side groups)."""
+    group created from it: device-mesh dims, gloo side groups), `long_seconds` (default: the same)
+    that of the groups given to keep_long_timeout."""
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     for group in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        limit = long_seconds if long_seconds is not None and any(group is g for g in _LONG_GROUPS) else seconds
+        c10d._set_pg_timeout(timedelta(seconds=limit), group)
 
 
 class CommTimeouts:
@@ -60,7 +73,7 @@ class CommTimeouts:
 
     def _set(self, seconds: float) -> None:
         self._limit = seconds
-        set_collective_timeout(seconds)
+        set_collective_timeout(seconds, long_seconds=self.init_s)
 
     def at_step(self, step: int) -> None:
         """Call at the start of each step: the first keeps the long limit (compile), later ones the short."""
