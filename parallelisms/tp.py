@@ -37,7 +37,7 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     plan: Plan | None = None,
     *,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     float8_all_gather: bool = False,
 ) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
@@ -47,10 +47,11 @@ def apply_tp(
     output features (whole heads), row-split layers whole input features; the heads and every
     split dimension must be divisible by the mesh size, which is checked before anything changes.
 
-    loss_parallel: the output projection's logits stay vocabulary-sharded (a DTensor); compute
-    the loss under `torch.distributed.tensor.parallel.loss_parallel()`. Otherwise they are
-    gathered. float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came
-    first; needs NCCL).
+    loss_parallel False (default): the output projection's logits are gathered, so the model
+    returns what it returned before (a plain tensor; a transformers model's `labels=` loss works).
+    True: they stay vocabulary-sharded (a DTensor) and the loss must be computed under
+    `torch.distributed.tensor.parallel.loss_parallel()`; train.py chooses this (parallelism.loss_parallel).
+    float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came first; needs NCCL).
 
     Apply after float8 and before context parallelism, activation checkpointing, compile and
     FSDP/DDP, on the meta-device or real model.
@@ -73,7 +74,7 @@ def apply_tp(
     return model
 
 
-def default_tp_plan(model: nn.Module, *, loss_parallel: bool = True, float8_all_gather: bool = False) -> Plan:
+def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
     """weft's Llama plan, or the plan a transformers model declares; else an error asking for one."""
     if isinstance(model, Transformer):
         if not float8_all_gather:
@@ -101,7 +102,7 @@ _BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", 
 
 
 def llama_tp_plan(
-    *, loss_parallel: bool = True, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
+    *, loss_parallel: bool = False, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
 ) -> Plan:
     """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
     heads, so grouped-query attention stays local), wo and w2 by input features.
@@ -163,7 +164,7 @@ def _hf_style(name: str, loss_parallel: bool) -> ParallelStyle | None:
     return None
 
 
-def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = True) -> Plan:
+def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     """The plan a transformers model declares (`model._tp_plan`, else its config's
     `base_model_tp_plan` under the base model's prefix), in PyTorch styles.
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint import check_resume
+from components.checkpoint import check_resume, resume_folder
 from components.config import ConfigError, JobConfig, check_dump_folder
 from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
-from components.distributed import collective_backend, launched_world_size
+from components.distributed import collective_backend, launched_world_size, restart_warning
+from components.fingerprint import check_resumed_data
 from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from models.llama import LLAMA_FLAVORS, ModelArgs
 from parallelisms.common import TransformError
@@ -49,6 +50,7 @@ class RunPlan:
     # layout and model they act on: each a Setting, so a refusal names the key behind it.
     transforms: dict[str, Setting] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -60,6 +62,7 @@ class RunPlan:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size)
         tokenizer, data_files, validation_files = None, [], []
+        fingerprint, notes = "", []
         if check_environment:
             tokenizer = load_tokenizer(tokenizer_path(cfg))
             if tokenizer.vocab_size > model_args.vocab_size:
@@ -70,6 +73,11 @@ class RunPlan:
             check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
             if cfg.checkpoint.enable:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
+            # the data against the fingerprint of the checkpoint this run resumes from
+            fingerprint, data_note = check_resumed_data(
+                data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
+                if cfg.checkpoint.enable else None, cfg.data.allow_changed_data)
+            notes = [note for note in (data_note, restart_warning()) if note]
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)
@@ -78,7 +86,9 @@ class RunPlan:
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         return cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
                    transforms=transform_settings(cfg, dims, device_type),
-                   warnings=warnings + (float8_warnings(cfg, dims, device_type) if check_environment else []))
+                   warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
+                   else warnings,
+                   data_fingerprint=fingerprint)
 
     @property
     def tokens_per_step(self) -> int:
