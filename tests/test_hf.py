@@ -17,13 +17,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import CheckpointError
-from components.hf import (
-    ConversionError,
-    export_to_hf,
+from components.hf import ConversionError, export_to_hf, load_hf_into_model, main
+from models.llama.hf_mapping import (
     hf_config,
     hf_to_weft_name,
-    load_hf_into_model,
-    main,
     model_args_from_hf_config,
     permute_for_hf,
     unpermute_from_hf,
@@ -337,7 +334,7 @@ def test_export_never_overwrites(tmp_path, tiny_export):
 def test_import_refuses_another_architecture(tmp_path):
     config = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=f"^HF folder {tmp_path} is a mistral model, not llama$"):
+    with pytest.raises(ConversionError, match=f"^HF folder {tmp_path}: model_type is mistral, not llama$"):
         load_hf_into_model(tiny_model(TINY, 0), tmp_path)
 
 

@@ -1,0 +1,48 @@
+"""`python -m components.hf export ...`: export a DCP checkpoint to a Hugging Face folder."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from components.hf.export import export_to_hf
+from components.hf.safetensors_io import DTYPE_NAMES
+from models.llama import LLAMA_FLAVORS
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, export, and return the exit status (2 for a user's mistake)."""
+    parser = _OneLineParser(prog="python -m components.hf",
+                            description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")
+    export.add_argument("--checkpoint", required=True, help="DCP step folder, e.g. outputs/checkpoint/step-1000")
+    export.add_argument("--flavor", required=True, choices=list(LLAMA_FLAVORS), help="model flavor it was trained as")
+    export.add_argument("--out", required=True, help="new (or empty) output folder")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    opts = parser.parse_args(argv)
+    if not (math.isfinite(opts.max_shard_gb) and opts.max_shard_gb > 0):
+        parser.error(f"--max-shard-gb: expected a positive number, got {opts.max_shard_gb}")
+    try:
+        export_to_hf(
+            opts.checkpoint,
+            opts.out,
+            flavor=opts.flavor,
+            dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[opts.dtype],
+            max_shard_bytes=int(opts.max_shard_gb * 2**30),
+        )
+    except UserError as e:
+        return report_user_error(e)
+    print(f"exported {opts.checkpoint} ({opts.flavor}, {opts.dtype}) to {opts.out}")
+    return 0
