@@ -39,7 +39,7 @@ from components.distributed import (
     simulation_warning,
 )
 from components.errors import UserError, report_user_error
-from components.hf import load_hf_into_model
+from components.hf import check_export_folder, export_at_end, load_hf_into_model, record_hf_files
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from components.metrics import (
     MetricsLogger,
@@ -215,6 +215,7 @@ def train(cfg: JobConfig) -> list[float]:
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
             write_config(dump, cfg)
+            record_hf_files(dump, model_args, resolve_tokenizer_path(cfg), cfg.checkpoint.initial_load_path)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             loss_value = all_reduce_mean(step_loss, loss_group)
@@ -244,6 +245,9 @@ def train(cfg: JobConfig) -> list[float]:
             break
 
     checkpointer.close()
+    if cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, streamed one tensor at a time
+        export_at_end(model, dump, cfg.export.hf_folder, dtype=DTYPES[cfg.export.dtype],
+                      max_shard_gib=cfg.export.max_shard_gib)
     loader.close()
     preemption.close()
     metrics.close()
@@ -345,6 +349,8 @@ def check_inputs(cfg: JobConfig) -> tuple[ModelArgs, ParallelDims, object, list[
             build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,
                          dp_rank=0, dp_world_size=1).check_records()
     check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+    if cfg.export.hf_folder:
+        check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
     if cfg.checkpoint.enable:
         check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
     f8 = cfg.float8

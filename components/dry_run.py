@@ -17,9 +17,10 @@ import torch
 
 from components.config import ConfigError, JobConfig
 from components.distributed import init_fake_distributed, launched_world_size
+from components.hf import model_args_for_run
 from components.memory import GIB, MemoryEstimate, StepShape, device_memory_gib, estimate_memory, tp_fsdp_state_bytes
 from components.metrics import count_parameters, setup_logging
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from models.llama import ModelArgs, Transformer
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.precision import DTYPES, precision_policy
 
@@ -40,7 +41,7 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, Parall
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length. train.py's start-up checks call this too, so a dry run refuses exactly what a
     real start would (ConfigError / LayoutError, one line)."""
-    args = LLAMA_FLAVORS[cfg.model.flavor]
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of model flavor {cfg.model.flavor}")

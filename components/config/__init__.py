@@ -6,7 +6,9 @@ from components.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
     Compile,
+    FROM_HF_CONFIG,
     Data,
+    Export,
     Float8,
     JobConfig,
     Job,
@@ -21,6 +23,6 @@ from components.config.schema import (
 
 __all__ = [
     "RUN_IDENTITY", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
-    "ActivationCheckpoint", "Checkpoint", "Compile", "Data", "Float8", "JobConfig", "Job", "LRScheduler",
+    "ActivationCheckpoint", "Checkpoint", "Compile", "Data", "Export", "FROM_HF_CONFIG", "Float8", "JobConfig", "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Training", "Validation",
 ]

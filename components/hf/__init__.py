@@ -10,10 +10,17 @@ config.json) lives with the model, in `models/llama/hf_mapping.py`.
 """
 
 from components.hf.cli import main
-from components.hf.export import export_to_hf
+from components.hf.export import (
+    check_export_folder,
+    export_at_end,
+    export_model_to_hf,
+    export_to_hf,
+    record_hf_files,
+)
 from components.hf.load import (
     check_same_architecture,
     load_hf_into_model,
+    model_args_for_run,
     model_args_from_hf_folder,
     read_hf_config,
 )
@@ -21,10 +28,15 @@ from components.hf.safetensors_io import ConversionError
 
 __all__ = [
     "ConversionError",
+    "check_export_folder",
     "check_same_architecture",
+    "export_at_end",
+    "export_model_to_hf",
     "export_to_hf",
+    "record_hf_files",
     "load_hf_into_model",
     "main",
+    "model_args_for_run",
     "model_args_from_hf_folder",
     "read_hf_config",
 ]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
 from components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
@@ -20,6 +25,8 @@ from components.hf.safetensors_io import (
 )
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
+
+logger = logging.getLogger("weft")
 
 
 def _read_dcp_tensor(folder: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
@@ -38,6 +45,7 @@ def export_to_hf(
     model_args: ModelArgs | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
+    hf_files: Path | None = None,
 ) -> None:
     """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
 
@@ -46,7 +54,8 @@ def export_to_hf(
     (DCP reshards on load), permuted, cast to `dtype` and gathered into safetensors files of at
     most `max_shard_bytes`, which is also about the most memory held at once. One file is
     `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with an index.
-    `config.json` is written last. Refuses a missing or unfinished checkpoint, one of another
+    `config.json` is written last; with `hf_files` (a run's recorded files, see model_files) it is
+    that folder's, beside its tokenizer and generation_config.json. Refuses a missing or unfinished checkpoint, one of another
     shape, and an `out_dir` that exists and is not empty.
     """
     if (flavor is None) == (model_args is None):
@@ -74,4 +83,87 @@ def export_to_hf(
                for name, meta in stored.items())
     with new_folder(out) as partial:
         write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
-        (partial / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+        _write_config(partial, args, dtype, hf_files)
+
+
+def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path | None) -> None:
+    if hf_files is None:
+        (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    else:
+        finish_hf_folder(hf_files, out, dtype)
+
+
+def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """The files a run recorded for export (`<dump_folder>/hf_files`, see model_files) above one of
+    its checkpoint step folders; None for a checkpoint without them (an older run, a copied folder)."""
+    for above in list(Path(checkpoint_dir).resolve().parents)[:4]:
+        if (above / HF_FILES / "config.json").is_file():
+            return above / HF_FILES
+    return None
+
+
+def export_model_to_hf(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    hf_files: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
+
+    Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
+    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
+    so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
+    memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
+    generation_config.json. Written into a hidden folder renamed into place by rank 0 at the end.
+    """
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out_dir)
+    args = model.args
+    state = get_model_state_dict(model)  # names without wrapper prefixes; DTensor shards, nothing gathered
+    names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
+
+    def tensors():
+        for name in names:
+            full = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+            yield weft_to_hf_name(name), to_hf_tensor(name, full.detach().to("cpu", dtype), args) if is_writer else None
+
+    if is_writer:
+        with new_folder(out) as partial:
+            write_shards(partial, shards, tensors())
+            _write_config(partial, args, dtype, hf_files)
+    else:
+        for _ in tensors():  # the same collectives, in the same order, as the writer
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_folder(dump_folder: Path, hf_folder: str) -> Path:
+    return dump_folder / hf_folder  # an absolute hf_folder stays as it is
+
+
+def check_export_folder(dump_folder: Path, hf_folder: str) -> None:
+    """Refuse, before a run starts, an export.hf_folder that is not new or empty."""
+    try:
+        check_output_folder(_export_folder(dump_folder, hf_folder))
+    except ConversionError as e:
+        raise ConversionError(f"export.hf_folder: {e}") from None
+
+
+def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, initial_load_path: str) -> None:
+    """What an export of this run needs besides weights, in <dump_folder>/hf_files (see model_files)."""
+    source = Path(initial_load_path) if initial_load_path else None
+    write_hf_files(dump_folder / HF_FILES, args, tokenizer_path,
+                   source if source is not None and (source / "config.json").is_file() else None)
+
+
+def export_at_end(model: torch.nn.Module, dump_folder: Path, hf_folder: str, *, dtype: torch.dtype,
+                  max_shard_gib: float) -> None:
+    """export.hf_folder after the last step: `export_model_to_hf` with the run's recorded files."""
+    out = _export_folder(dump_folder, hf_folder)
+    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype, max_shard_bytes=int(max_shard_gib * 2**30))
+    logger.info(f"export: the model as a Hugging Face folder in {out}")

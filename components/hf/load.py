@@ -11,8 +11,9 @@ import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
 from components.checkpoint import listing
+from components.config import FROM_HF_CONFIG, ConfigError
 from components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
-from models.llama import ModelArgs
+from models.llama import LLAMA_FLAVORS, ModelArgs
 from models.llama.hf_mapping import (
     HFConfigError,
     architecture_fields,
@@ -96,3 +97,25 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike) -> Non
                 )
             full = from_hf_tensor(name, full, model.args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
+    """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
+    config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
+    a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
+    naming the first field that differs. Reads config.json only, so it plans without weights."""
+    folder = Path(initial_load_path) if initial_load_path else None
+    is_hf = folder is not None and (folder / "config.json").is_file()
+    try:
+        if flavor == FROM_HF_CONFIG:
+            if not is_hf:
+                raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
+                                  f"Face folder holding config.json, got {initial_load_path!r}")
+            return model_args_from_hf_folder(folder)
+        args = LLAMA_FLAVORS[flavor]
+        if is_hf:
+            check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
+        return args
+    except ConversionError as e:
+        hint = f" (model.flavor = {FROM_HF_CONFIG} takes the folder's)" if flavor != FROM_HF_CONFIG else ""
+        raise ConversionError(f"checkpoint.initial_load_path: {e}{hint}") from None

@@ -171,35 +171,48 @@ def _required(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
+# Fields weft's Llama has no counterpart for, with the one value it matches (transformers' default).
+_FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0))
+
+
+def _rope_scaling(config: dict[str, Any]) -> tuple[RopeScaling | None, dict[str, Any]]:
+    """(weft's scaling, the rotary dict) of either format: `rope_scaling` + `rope_theta`
+    (transformers 4) or `rope_parameters` (transformers 5, which holds rope_theta too)."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None, rope
+    if rope_type != "llama3":
+        raise HFConfigError(f"{key}.rope_type is {rope_type}; weft's Llama implements default and llama3")
+    try:
+        return RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        ), rope
+    except KeyError as e:
+        raise HFConfigError(f"{key} of rope_type llama3 has no {e.args[0]}") from None
+
+
 def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a Llama config.json that decide the model's function, with HF's defaults
-    filled in and both rotary formats (`rope_scaling` + `rope_theta`, or `rope_parameters`) read.
-    Raises HFConfigError for what weft's Llama cannot represent."""
+    """The fields of a Llama config.json that decide the model's function, with transformers'
+    defaults filled in. Raises HFConfigError, naming the field and its value, for a model weft's
+    Llama cannot represent: another architecture, biases, an activation other than SiLU, dropout
+    or a rotary scaling other than Llama 3's."""
     model_type = config.get("model_type")
     if model_type != "llama":
         raise HFConfigError(f"model_type is {model_type}, not llama")
     architectures = config.get("architectures") or ["LlamaForCausalLM"]
     if "LlamaForCausalLM" not in architectures:
         raise HFConfigError(f"architectures is {architectures}, not LlamaForCausalLM")
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    for key, supported in _FIXED:
         if config.get(key, supported) != supported:
             raise HFConfigError(f"{key} is {config[key]}; weft's Llama supports only {supported}")
-
+    scaling, rope = _rope_scaling(config)
     hidden = _required(config, "hidden_size")
     heads = _required(config, "num_attention_heads")
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        scaling = None
-    elif rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
-    else:
-        raise HFConfigError(f"rope_type {rope_type} is not supported (default or llama3)")
     return {
         "hidden_size": hidden,
         "intermediate_size": _required(config, "intermediate_size"),
@@ -210,38 +223,30 @@ def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": _required(config, "vocab_size"),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         "rope_scaling": scaling,
     }
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
-    """The ModelArgs of a Hugging Face Llama `config.json` (as a dict)."""
+    """The ModelArgs of a Hugging Face Llama `config.json` (as a dict): every field weft's Llama
+    represents, an explicit head_dim and intermediate_size included."""
     a = architecture_fields(config)
-    if a["head_dim"] != a["hidden_size"] // a["num_attention_heads"]:
-        raise HFConfigError(f"head_dim {a['head_dim']} is not hidden_size / num_attention_heads, which weft requires")
-    # ModelArgs rounds the SwiGLU width up to a multiple of `multiple_of`. With multiple_of set to
-    # intermediate_size itself, any width in (0, intermediate_size] rounds to exactly it; the
-    # multiplier brings the default 8/3·dim width into that range when it is larger.
-    intermediate = a["intermediate_size"]
-    default_width = int(2 * (4 * a["hidden_size"]) / 3)
+    hidden, heads = a["hidden_size"], a["num_attention_heads"]
     try:
-        args = ModelArgs(
-            dim=a["hidden_size"],
+        return ModelArgs(
+            dim=hidden,
             n_layers=a["num_hidden_layers"],
-            n_heads=a["num_attention_heads"],
+            n_heads=heads,
             n_kv_heads=a["num_key_value_heads"],
             vocab_size=a["vocab_size"],
-            multiple_of=intermediate,
-            ffn_dim_multiplier=None if default_width <= intermediate else intermediate / default_width,
             norm_eps=a["rms_norm_eps"],
             rope_theta=a["rope_theta"],
             rope_scaling=a["rope_scaling"],
             max_seq_len=int(config.get("max_position_embeddings", 2048)),
             tie_embeddings=a["tie_word_embeddings"],
+            explicit_head_dim=None if a["head_dim"] * heads == hidden else a["head_dim"],
+            explicit_ffn_hidden_dim=a["intermediate_size"],
         )
-    except ValueError as e:  # head counts that do not divide
+    except ValueError as e:  # head counts that do not divide, an odd head_dim
         raise HFConfigError(str(e)) from None
-    if args.ffn_hidden_dim != intermediate:
-        raise HFConfigError(f"intermediate_size {intermediate} cannot be expressed by ModelArgs")
-    return args
