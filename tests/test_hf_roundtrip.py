@@ -33,8 +33,9 @@ FOLDERS = {
     "gqa": dict(BASE, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3,
                 rms_norm_eps=1e-5, intermediate_size=96),
 }
-STEPS = 6
+STEPS = 12
 CHAT = [{"role": "user", "content": "Who's there?"}]
+ANSWER = "I"
 
 
 def hf_folder(folder: Path, config: dict, tokenizer: Path) -> Path:
@@ -47,20 +48,21 @@ def hf_folder(folder: Path, config: dict, tokenizer: Path) -> Path:
 
 
 def chats(n: int) -> list[dict]:
-    """Questions from a small set, always answered "Aye." then <|eot_id|>: a few steps teach it."""
+    """Questions from a small set, always answered ANSWER (one token) then <|eot_id|>: a few steps teach it."""
     questions = ["Who's there?", "Nay, answer me.", "Long live the king!", "Stand, and unfold yourself.",
                  "What, has this thing appeared again tonight?"]
     return [{"messages": [{"role": "user", "content": questions[i % len(questions)]},
-                          {"role": "assistant", "content": "Aye."}]} for i in range(n)]
+                          {"role": "assistant", "content": ANSWER}]} for i in range(n)]
 
 
 def run_args(dump: Path, folder: Path, data: Path) -> list[str]:
     return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--model.flavor", "from_hf_config",
-            "--checkpoint.initial_load_path", str(folder), "--checkpoint.enable", "--checkpoint.interval", "100",
+            "--checkpoint.initial_load_path", str(folder), "--model.tokenizer_path", "", "--checkpoint.enable",
+            "--checkpoint.interval", "100",
             "--export.hf_folder", "hf", "--training.steps", str(STEPS), "--training.seq_len", "64",
             "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
             "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps",
-            "1", "--data.format", "chat", "--data.dataset_path", str(data), "--metrics.log_freq", "1",
+            "0", "--lr_scheduler.min_lr_ratio", "1.0", "--data.format", "chat", "--data.dataset_path", str(data), "--metrics.log_freq", "1",
             "--no-metrics.enable_tensorboard", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
 
 
@@ -135,7 +137,7 @@ def test_export_tokenizer_and_generation(runs, name):
 
     generate = transformers.pipeline("text-generation", model=str(exported), dtype=torch.float32)
     out = generate(CHAT, max_new_tokens=20, do_sample=False, return_full_text=False)
-    assert out[0]["generated_text"].strip() == "Aye."
+    assert out[0]["generated_text"] == ANSWER
     prompt = ours.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ids = generate.model.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     assert ids[-1].item() == eot and len(ids) < 20

@@ -10,7 +10,7 @@ import torch
 
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from components.hf.export import export_to_hf, run_hf_files
-from components.hf.load import check_same_architecture, hf_model_args
+from components.hf.load import hf_model_args
 from components.hf.model_files import HF_FILES
 from components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
 from models.llama import LLAMA_FLAVORS
@@ -43,13 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.flavor is None and hf_files is None:
             raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
                                   f"{opts.checkpoint} (a checkpoint of an older weft, or moved); give --flavor")
-        if opts.flavor is None:
-            args = model_args_from_hf_config_file(hf_files)
-        else:
-            args = LLAMA_FLAVORS[opts.flavor]
-            if hf_files is not None:
-                check_same_architecture(read_json(hf_files / "config.json", str(hf_files)), args,
-                                        f"--flavor {opts.flavor}: the run's {hf_files / 'config.json'}")
+        # A --flavor given wins over the run's record (its shapes are checked against the checkpoint).
+        args = LLAMA_FLAVORS[opts.flavor] if opts.flavor else model_args_from_hf_config_file(hf_files)
         export_to_hf(
             opts.checkpoint,
             opts.out,

@@ -90,7 +90,7 @@ def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path
     if hf_files is None:
         (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
     else:
-        finish_hf_folder(hf_files, out, dtype)
+        finish_hf_folder(hf_files, out, args, dtype)
 
 
 def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:

@@ -118,14 +118,16 @@ def write_hf_files(out: Path, args: ModelArgs, tokenizer_path: str | Path, sourc
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def finish_hf_folder(recorded: Path, out: Path, dtype: torch.dtype) -> None:
-    """A run's recorded files (see write_hf_files) into the export `out`: config.json with the
-    export's dtype, the tokenizer made loadable (or a warning and TOKENIZER_NOTE.txt saying why not)."""
+def finish_hf_folder(recorded: Path, out: Path, args: ModelArgs, dtype: torch.dtype) -> None:
+    """A run's recorded files (see write_hf_files) into the export `out`: config.json describing
+    `args` in `dtype` over the recorded one, the tokenizer made loadable (or a warning and
+    TOKENIZER_NOTE.txt saying why not)."""
     for path in recorded.iterdir():
         if path.is_file() and path.name != "config.json":
             shutil.copy2(path, out / path.name)
-    config = _json(recorded / "config.json")
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    recorded_config = _json(recorded / "config.json")
+    config = {k: v for k, v in recorded_config.items() if k not in _ROTARY_KEYS + _DTYPE_KEYS}
+    config.update(hf_config(args, dtype))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     note = finish_tokenizer(out)
     if note:
