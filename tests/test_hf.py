@@ -386,6 +386,12 @@ def test_command_line(tmp_path, tiny_export, capsys):
         main(["export", "--checkpoint", str(tmp_path / "step-2"), "--flavor", "nope", "--out", str(out)])
     assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
+    # Without --flavor the run's record decides; a checkpoint without one (this one) is refused.
+    assert main(["export", "--checkpoint", str(tmp_path / "step-2"), "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--flavor: not given, and no hf_files/config.json recorded" in err
+    assert not (tmp_path / "none").exists()
+
 
 # ---------------------------------------------------------------------------------------------
 # Any Llama-shaped config.json (models/llama/hf_mapping.py, components/hf/load.py)
