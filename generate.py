@@ -31,6 +31,7 @@ from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_er
 from components.tokenizer import HFTokenizer, load_tokenizer
 from components.hf import load_hf_into_model, model_args_from_hf_folder
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from recipe.plan import SHIPPED_TOKENIZER
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
@@ -171,7 +172,7 @@ def _tokenizer_path(opts: argparse.Namespace) -> str:
         return opts.tokenizer
     if opts.hf is not None and (Path(opts.hf) / "tokenizer.json").is_file():
         return opts.hf
-    return str(Path(__file__).resolve().parent / "assets/tokenizer/shakespeare.model")
+    return str(SHIPPED_TOKENIZER)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ Exit code 0 when every layout's measurement matches its theory, 1 otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
@@ -35,19 +34,17 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from components.config import Optimizer  # noqa: E402
+from components.config import Optimizer, parse_args  # noqa: E402
 from components.distributed import all_reduce_mean  # noqa: E402
-from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
-from parallelisms.materialize import materialize  # noqa: E402
-from parallelisms.parallelize import parallelize  # noqa: E402
-from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from components.sft_data import Batch  # noqa: E402
+from models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
+from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from recipe.plan import RunPlan  # noqa: E402
+from recipe.step import train_step  # noqa: E402
+from components.testing import run_distributed  # noqa: E402
 
 ARGS = LLAMA_FLAVORS["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank
@@ -141,7 +138,7 @@ def _nbytes(value: object) -> int:
 class CollectiveCounter(TorchDispatchMode):
     """Counts every collective op this rank issues, and its bytes, by (phase, kind, group).
 
-    `phase` is set by the caller as the step moves on. Ops of the collective namespaces that are
+    `set_phase` is train_step's on_phase hook: the phase moves on with the step. Ops of the collective namespaces that are
     not in the table are counted too, under their own name with 0 bytes, so nothing goes unseen.
     """
 
@@ -150,6 +147,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.group_labels = group_labels
         self.phase = PHASES[0]
         self.traffic: dict[Key, list[int]] = defaultdict(lambda: [0, 0])
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -179,36 +179,32 @@ class CollectiveCounter(TorchDispatchMode):
         return self.group_labels.get(name, f"group {name}")
 
 
-def build_model(layout: Layout, meshes: Meshes, args: ModelArgs) -> Transformer:
-    """The model as train.py builds it for this layout (activation checkpointing and compile off,
-    as by default: they add no collective of their own), fp32 everywhere."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(
-        model,
-        meshes,
-        loss_parallel=True,
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-        reshard_after_forward=layout.reshard_after_forward,
-    )
-    materialize(model, "cpu", seed=0)
-    model.train()
-    return model
+def layout_plan(layout: Layout, args: ModelArgs, world_size: int) -> RunPlan:
+    """train.py's plan for this layout: the debug config at BATCH x SEQ, fp32 everywhere,
+    activation checkpointing and compile off (as by default: they add no collective of their own)."""
+    cfg = parse_args([
+        "--job.config_file", "debug_model", "--training.local_batch_size", str(BATCH), "--training.seq_len", str(SEQ),
+        "--parallelism.dp_shard", str(layout.dp_shard), "--parallelism.tp", str(layout.tp),
+        "--parallelism.fsdp_reshard_after_forward", layout.reshard_after_forward,
+        "--training.mixed_precision_param", "float32", "--training.max_norm", str(MAX_NORM),
+        "--optimizer.implementation", OPTIMIZER.implementation,
+    ])
+    plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+    return replace(plan, model_args=args)
 
 
 def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
-    """Worker: one training step as in train.py's loop; the collectives this rank issued."""
+    """Worker: one step of train.py's own `train_step` and the logged-loss average; the collectives
+    this rank issued."""
     # DTensor warns that the grad-norm all-reduces over (dp, tp) run one per mesh dim; the theory
     # counts them, the warning would only bury the tables.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    dims = ParallelDims.resolve(dp_replicate=1, dp_shard=layout.dp_shard, cp=1, tp=layout.tp,
-                                world_size=dist.get_world_size())
-    dims.check_seq_len(SEQ)
-    meshes = dims.build_mesh("cpu")
-    model = build_model(layout, meshes, args)
-    optimizer = build_optimizer(model, OPTIMIZER)
-    params = [p for p in model.parameters() if p.requires_grad]
+    plan = layout_plan(layout, args, dist.get_world_size())
+    meshes = plan.dims.build_mesh("cpu")
+    device = torch.device("cpu")
+    model = build_model(plan, meshes, device)
+    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
+    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
 
     # Every rank of one data-parallel replica (its TP ranks) reads the same batch.
     generator = torch.Generator().manual_seed(meshes.dp.get_local_rank())
@@ -221,17 +217,8 @@ def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
                     meshes.tp.get_group().group_name: "tp"}
     counter = CollectiveCounter(group_labels)
     with counter:
-        optimizer.zero_grad()
-        with loss_parallel() if layout.tp > 1 else contextlib.nullcontext():
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            counter.phase = "backward"
-            loss.backward()
-        step_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        counter.phase = "step"
-        clip_grad_norm_(params, MAX_NORM)
-        optimizer.step()
-        all_reduce_mean(step_loss, meshes.dp_cp.get_group())  # the logged loss
+        result = train_step(setup, [Batch(inputs, labels)], on_phase=counter.set_phase)
+        all_reduce_mean(result.loss, setup.loss_group)  # the logged loss
     return {key: (count, nbytes) for key, (count, nbytes) in counter.traffic.items()}
 
 
@@ -383,6 +370,9 @@ def theory(layout: Layout, args: ModelArgs = ARGS, batch: int = BATCH, seq: int 
     for group in grad_dims:
         expected.append(Expected("step", "all_reduce", group, 1, n_tensors * FP32,
                                  f"grad-norm: {n_tensors} per-tensor norms"))
+    # The loss is normalised by the supervised tokens of the global batch (components/loss.py): one
+    # float counted over the data-parallel ranks before the first forward.
+    expected.append(Expected("forward", "all_reduce", "dp", 1, FP32, "supervised-token count of the global batch"))
     # train.py averages the logged loss over the data-parallel ranks with one c10d all-reduce of a
     # scalar; it is issued even when that group has a single rank (tp only).
     expected.append(Expected("step", "all_reduce", "dp", 1, FP32, "loss average for logging"))

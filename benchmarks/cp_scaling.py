@@ -28,7 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.cp import apply_cp, shard_sequence
-from tests.dist_utils import run_distributed
+from components.testing import run_distributed
 
 SEQ_LEN = 1024
 BATCH = 1

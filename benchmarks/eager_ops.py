@@ -1,7 +1,7 @@
 """How many aten ops does one eager training step dispatch? Counts them by name, per step.
 
-One step is what train.py does on one device: forward, cross-entropy, backward, gradient
-clipping, AdamW. Every op that reaches a kernel is counted once, forward and backward alike
+One step is train.py's own `train_step` (recipe/step.py) on one device: forward, the fp32 token
+loss, backward, gradient clipping, AdamW, the schedule. Every op that reaches a kernel is counted once, forward and backward alike
 (a TorchDispatchMode sits below autograd, so composite ops are counted as the kernels they
 become, and views too; `_foreach_*` and `_fused_adamw_` count once each however many
 tensors they take). Fewer element-wise ops is less launch overhead on a GPU and less memory
@@ -24,12 +24,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from components.config import Optimizer  # noqa: E402
-from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
-from models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
+from components.config import parse_args  # noqa: E402
+from components.sft_data import Batch  # noqa: E402
+from models.llama import LLAMA_FLAVORS  # noqa: E402
+from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from recipe.plan import RunPlan  # noqa: E402
+from recipe.step import StepSetup, train_step  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -44,13 +46,15 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def training_step(model: Transformer, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
-    clip_grad_norm_([p for p in model.parameters()], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tuple[StepSetup, RunPlan]:
+    """train.py's plan, model, optimizer and step for this shape, on one CPU process."""
+    cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
+                      "--training.local_batch_size", str(batch), "--optimizer.implementation", optimizer])
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu")
+    device = torch.device("cpu")
+    model = build_model(plan, None, device)
+    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
+    return build_step(plan, model, optimizer, scheduler, None, device), plan
 
 
 def main() -> None:
@@ -64,21 +68,20 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=10, help="print the most frequent ops")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    model_args = LLAMA_FLAVORS[args.flavor]
-    model = Transformer(model_args)
-    model.init_weights(seed=0)
-    optimizer = build_optimizer(model, Optimizer(implementation=args.optimizer))
-    tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1))
-    training_step(model, optimizer, tokens)  # first step: optimizer state is created here
+    setup, plan = build_setup(args.flavor, seq_len=args.seq_len, batch=args.batch, optimizer=args.optimizer)
+    optimizer, model_args = setup.optimizer, plan.model_args
+    tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    batch = Batch(tokens[:, :-1], tokens[:, 1:])
+    train_step(setup, [batch])  # first step: optimizer state is created here
 
     counter = OpCounter()
     with counter:
-        training_step(model, optimizer, tokens)
+        train_step(setup, [batch])
     seconds = []
     for _ in range(args.timed_steps):
         start = time.perf_counter()
-        training_step(model, optimizer, tokens)
+        train_step(setup, [batch])
         seconds.append(time.perf_counter() - start)
 
     counts = counter.counts

@@ -1,8 +1,9 @@
 """Single-GPU training throughput: weft's Llama in bf16 and float8, against Hugging Face.
 
 A Llama-3-8B-shaped model (`llama3_8b` with as many blocks as fit, see `default_layers`), one
-sequence of 8192 random tokens per step. Every row trains with the same step: forward,
-cross-entropy in fp32, backward, gradient clipping, fused AdamW over fp32 master weights, timed
+sequence of 8192 random tokens per step. Every row trains with train.py's own step
+(recipe/step.py: train_step): forward, cross-entropy in fp32, backward, gradient clipping at norm
+1, fused AdamW over fp32 master weights, timed
 over steady-state steps (warm-up and compilation excluded, the device synchronised around every
 step). The loss is each library's own: weft's rows call train.py's `token_loss` (compiled with
 the row, else chunked: components/loss.py), transformers' rows the eager
@@ -40,6 +41,7 @@ Run from the repository root (no install needed: PYTHONPATH=.):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -65,14 +67,14 @@ from components.config import Optimizer  # noqa: E402
 from models.llama.hf_mapping import hf_config  # noqa: E402
 from components.loss import token_loss  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
-from components.optim import build_optimizer, clip_grad_norm_  # noqa: E402
+from components.optim import build_optimizer  # noqa: E402
+from components.sft_data import Batch  # noqa: E402
 from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
 from parallelisms.materialize import materialize  # noqa: E402
 from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
 from parallelisms.parallelize import parallelize  # noqa: E402
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> mean token loss
+from recipe.step import StepSetup, model_forward, train_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
@@ -245,18 +247,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def training_step(forward: Callable[[torch.Tensor], torch.Tensor], loss_fn: LossFn, model: nn.Module,
-                  optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    """train.py's step: forward, fp32 cross-entropy, backward, clipping at norm 1, AdamW."""
-    logits = forward(tokens[:, :-1])
-    loss = loss_fn(logits, tokens[:, 1:])
-    del logits  # freed by backward, as in train.py
-    loss.backward()
-    clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def sdpa_backends(step: Callable[[], None]) -> list[str]:
     """The SDPA backends one call of `step` ran, from the aten op names the profiler records
     (compiled code calls the same ops)."""
@@ -266,40 +256,45 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
     return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
 
 
+def transformers_loss(logits: torch.Tensor, labels: torch.Tensor, count, grad_ranks: int = 1, *,
+                      compiled: bool = False) -> torch.Tensor:
+    """transformers' causal-LM loss: eager cross-entropy over fp32 logits (summed here and divided
+    by the supervised count, as token_loss is, so both rows' steps optimise the same quantity)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * grad_ranks / count
+
+
 def build_config(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
-                 opts: argparse.Namespace) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], LossFn]:
-    """The model of one configuration, its forward (tokens -> logits; under autocast for the
-    autocast_* and hf_* rows) and its loss (logits, labels -> mean token loss)."""
+                 opts: argparse.Namespace) -> StepSetup:
+    """The model of one configuration in train.py's step (recipe/step.py): its forward (tokens ->
+    logits; under bf16 autocast for the autocast_* and hf_* rows), its loss (weft's rows: train.py's
+    `token_loss`; hf rows: transformers' own), clipping at norm 1 and fused AdamW."""
     kind, mode = config.rsplit("_", 1)
     compile = mode == "compile"
     if kind == "hf":
         model = build_hf_model(model_args, device, seq_len=opts.seq_len, compile=compile, fullgraph=opts.hf_fullgraph)
-        call = lambda tokens: model(input_ids=tokens).logits  # noqa: E731
-        loss_fn = lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())  # noqa: E731
+        forward, loss_fn = (lambda model, batch: model(input_ids=batch.inputs).logits), transformers_loss
     else:
         recipe = kind.removeprefix("float8_") if kind.startswith("float8") else None
         model = build_weft_model(model_args, device, meshes=None if kind == "autocast" else meshes,
                                  compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim)
-        call = model
-        loss_fn = lambda logits, labels: token_loss(logits, labels, labels.numel(), compiled=compile)  # noqa: E731
-    if kind not in ("hf", "autocast"):
-        return model, call, loss_fn
-
-    def forward(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, torch.bfloat16):
-            return call(tokens)
-
-    return model, forward, loss_fn
+        forward, loss_fn = model_forward, token_loss
+    optimizer = build_optimizer(model, Optimizer(implementation="fused"))
+    autocast = kind in ("hf", "autocast")
+    return StepSetup(
+        model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        device=device, max_norm=1.0, compiled_loss=compile and kind != "hf", forward=forward, loss_fn=loss_fn,
+        forward_context=(lambda: torch.autocast(device.type, torch.bfloat16)) if autocast else contextlib.nullcontext,
+    )
 
 
 def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
             opts: argparse.Namespace, run_id: str) -> Row:
     """Build one configuration, train it, and measure it."""
-    model, forward, loss_fn = build_config(config, model_args, device, meshes, opts)
-    optimizer = build_optimizer(model, Optimizer(implementation="fused"))
+    setup = build_config(config, model_args, device, meshes, opts)
     generator = torch.Generator(device=device).manual_seed(0)
-    batches = [torch.randint(0, model_args.vocab_size, (opts.batch_size, opts.seq_len + 1), device=device,
-                             generator=generator) for _ in range(2)]  # two batches, alternated
+    tokens = [torch.randint(0, model_args.vocab_size, (opts.batch_size, opts.seq_len + 1), device=device,
+                            generator=generator) for _ in range(2)]
+    batches = [Batch(t[:, :-1], t[:, 1:]) for t in tokens]  # two batches, alternated
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
@@ -307,7 +302,7 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Me
     for i in range(opts.warmup + opts.steps):
         synchronize(device)
         start = time.perf_counter()
-        training_step(forward, loss_fn, model, optimizer, batches[i % 2])
+        train_step(setup, [batches[i % 2]])
         synchronize(device)
         times.append(time.perf_counter() - start)
     row = Row(run_id, config, "ok", warmup_step_s=times[:opts.warmup], step_s=times[opts.warmup:])
@@ -318,7 +313,7 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Me
         row.peak_allocated_gib = stats["allocated_bytes.all.peak"] / 2**30
         row.peak_reserved_gib = stats["reserved_bytes.all.peak"] / 2**30
         row.alloc_retries = stats.get("num_alloc_retries", 0) - retries_before
-    row.sdpa_backends = sdpa_backends(lambda: training_step(forward, loss_fn, model, optimizer, batches[0]))
+    row.sdpa_backends = sdpa_backends(lambda: train_step(setup, [batches[0]]))
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:
         with torch.device("meta"):

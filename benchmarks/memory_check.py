@@ -2,7 +2,7 @@
 
 For one config (a train_configs file plus command-line overrides, exactly as train.py takes
 them), optionally with fewer layers than its flavor (`--layers`, to fit an 8B-shaped model on
-one GPU): first the dry run's estimate (components/dry_run.py), then a real `train.train` of a few
+one GPU): first the dry run's estimate (recipe/dry_run.py), then a real `train.train` of a few
 steps in this process, then `torch.cuda.max_memory_allocated`, which the training loop's
 metrics also log. With `--job.simulate_world_size N` among the overrides the real run is rank 0
 of an N-rank job (fake process group: real per-rank shards, compute and memory). Prints one
@@ -32,9 +32,9 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from components.config import parse_args  # noqa: E402
-from components.dry_run import dry_run  # noqa: E402
 from components.memory import GIB  # noqa: E402
 from models.llama import LLAMA_FLAVORS  # noqa: E402
+from recipe.dry_run import dry_run  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
         LLAMA_FLAVORS[flavor] = replace(LLAMA_FLAVORS[flavor], n_layers=opts.layers)
 
     plan = parse_args(argv + ["--job.dry_run"])
-    estimate = dry_run(plan, train.parallelize_model)
+    estimate = dry_run(plan)
     if dist.is_initialized():
         dist.destroy_process_group()  # the dry run's fake group; the real run makes its own
 

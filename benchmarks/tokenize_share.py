@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from assets.make_chat_data import speeches  # noqa: E402
 from components.data import Tokenizer, TokenWindowLoader, find_text_files  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from components.testing import run_distributed  # noqa: E402
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"

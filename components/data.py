@@ -75,7 +75,7 @@ class Tokenizer:
         return self._sp.decode(ids)
 
 
-def find_text_files(dataset_path: str) -> list[Path]:
+def find_text_files(dataset_path: str, key: str = "data.dataset_path") -> list[Path]:
     """The .txt/.jsonl file at `dataset_path`, or all of them under that folder, sorted."""
     path = Path(dataset_path)
     if path.is_file():
@@ -83,9 +83,9 @@ def find_text_files(dataset_path: str) -> list[Path]:
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
     else:
-        raise DataError(f"data.dataset_path: no file or folder at '{dataset_path}'")
+        raise DataError(f"{key}: no file or folder at '{dataset_path}'")
     if not files:
-        raise DataError(f"data.dataset_path: no .txt or .jsonl file at or under '{dataset_path}'")
+        raise DataError(f"{key}: no .txt or .jsonl file at or under '{dataset_path}'")
     return files
 
 

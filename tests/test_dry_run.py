@@ -20,6 +20,8 @@ from components.distributed import init_fake_distributed
 from components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
 from models.llama import LLAMA_FLAVORS, Transformer
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallelize import parallelize
+from recipe.plan import RunPlan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +78,8 @@ def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_
     init_fake_distributed(world_size)
     try:
         dims = ParallelDims.resolve(dp_replicate=world_size // tp // fsdp, dp_shard=fsdp, tp=tp, world_size=world_size)
-        train.parallelize_model(model, cfg, dims.build_mesh("cpu"), torch.device("cpu"))
+        plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+        parallelize(model, dims.build_mesh("cpu"), **plan.parallelize_kwargs())
     finally:
         dist.destroy_process_group()
     assert tp_fsdp_state_bytes(plain, tp, fsdp) == state_bytes(model)

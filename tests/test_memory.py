@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from components.config import parse_args
-from components.dry_run import step_shape
 from components.memory import estimate_memory, local_tensor, measured_peak_bytes
-from models.llama import LLAMA_FLAVORS, Transformer
+from models.llama import LLAMA_FLAVORS
 from parallelisms.parallel_dims import ParallelDims
+from recipe.dry_run import step_shape
 from tests.dist_utils import run_distributed
 
 # name -> (world size, overrides)
@@ -52,11 +52,11 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
-    import train
     from components.loss import token_loss
     from components.optim import build_optimizer
     from parallelisms.cp import shard_sequence
-    from parallelisms.materialize import materialize
+    from recipe.build import build_model
+    from recipe.plan import RunPlan
 
     results = {}
     for name in names:
@@ -67,15 +67,10 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
                                     world_size=world_size)
         meshes = dims.build_mesh("cpu")
         args = LLAMA_FLAVORS["debugmodel"]
-        with torch.device("meta"):
-            planned = Transformer(args)
-        train.parallelize_model(planned, cfg, meshes, torch.device("cpu"))
+        plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+        planned = build_model(plan, meshes, device=None)
         estimate = estimate_memory(planned, step_shape(cfg, args, dims))
-
-        with torch.device("meta"):
-            model = Transformer(args)
-        train.parallelize_model(model, cfg, meshes, torch.device("cpu"))
-        materialize(model, torch.device("cpu"), seed=0)
+        model = build_model(plan, meshes, torch.device("cpu"))
         optimizer = build_optimizer(model, cfg.optimizer)
         generator = torch.Generator().manual_seed(dist.get_rank())
         held = {}

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import recipe.build
+from recipe.plan import check_launch
 import train
 from components.config import ConfigError, parse_args
 from components.distributed import init_fake_distributed, is_fake_distributed
@@ -29,13 +31,13 @@ def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:
 @pytest.mark.parametrize("world_size, tp", [(8, 1), (4, 2)], ids=["fsdp8", "fsdp2_tp2"])
 def test_rank0_of_a_layout_runs_and_holds_its_share(tmp_path, monkeypatch, world_size, tp):
     built = {}
-    build_optimizer = train.build_optimizer
+    build_optimizer = recipe.build.build_optimizer
 
     def spy(model, cfg):  # the model train.py built, after every transform and materialisation
         built["model"], built["fake"] = model, is_fake_distributed()
         return build_optimizer(model, cfg)
 
-    monkeypatch.setattr(train, "build_optimizer", spy)
+    monkeypatch.setattr(recipe.build, "build_optimizer", spy)
     argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
             "--training.steps", "2", "--no-metrics.enable_tensorboard",
             "--job.simulate_world_size", str(world_size), "--parallelism.tp", str(tp)]
@@ -82,11 +84,11 @@ def test_fake_group_is_rank0_of_n_and_collectives_do_nothing():
 def test_simulation_refuses_checkpoints(extra, message):
     cfg = parse_args(["--job.config_file", "debug_model", "--job.simulate_world_size", "8", *extra])
     with pytest.raises(ConfigError, match=message):
-        train.check_simulation(cfg)
+        check_launch(cfg)
 
 
 def test_simulation_refuses_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = parse_args(["--job.config_file", "debug_model", "--job.simulate_world_size", "8"])
     with pytest.raises(ConfigError, match="run it as python train.py, not 2 processes"):
-        train.check_simulation(cfg)
+        check_launch(cfg)

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from components.config import Export
 from components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
 from components.hf.safetensors_io import (
     DTYPE_NAMES,
@@ -161,9 +162,11 @@ def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, ini
                    source if source is not None and (source / "config.json").is_file() else None)
 
 
-def export_at_end(model: torch.nn.Module, dump_folder: Path, hf_folder: str, *, dtype: torch.dtype,
-                  max_shard_gib: float) -> None:
-    """export.hf_folder after the last step: `export_model_to_hf` with the run's recorded files."""
-    out = _export_folder(dump_folder, hf_folder)
-    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype, max_shard_bytes=int(max_shard_gib * 2**30))
+def export_at_end(model: torch.nn.Module, dump_folder: Path, export: Export) -> None:
+    """[export] after the last step: `export_model_to_hf` into export.hf_folder with the run's
+    recorded files (<dump_folder>/hf_files), in export.dtype."""
+    out = _export_folder(dump_folder, export.hf_folder)
+    dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[export.dtype]
+    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype,
+                       max_shard_bytes=int(export.max_shard_gib * 2**30))
     logger.info(f"export: the model as a Hugging Face folder in {out}")

@@ -1,7 +1,7 @@
 """--job.dry_run: plan a run of any size in one process, without devices, and say whether it fits.
 
-The model is built on the meta device and every configured transform is applied to it through
-train.py's own `parallelize_model`, over a fake process group of the planned world size: a
+The run's own plan (recipe/plan.py) is built for the planned world size and its model is built
+on the meta device by `recipe.build.build_model`, over a fake process group of that size: a
 layout that would fail at start fails here with the same one-line error. Then the plan (mesh,
 each transform's log line, parameters per rank, batch, tokens per step) and the memory estimate
 of components/memory.py are printed; nothing is written.
@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 
 import torch
 
 from components.config import ConfigError, JobConfig
 from components.distributed import init_fake_distributed, launched_world_size
-from components.hf import model_args_for_run
 from components.memory import GIB, MemoryEstimate, StepShape, device_memory_gib, estimate_memory, tp_fsdp_state_bytes
 from components.metrics import count_parameters, setup_logging
 from models.llama import ModelArgs, Transformer
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.precision import DTYPES, precision_policy
+from recipe.build import build_model
+from recipe.plan import RunPlan
 
 logger = logging.getLogger("weft")
-
 
 
 def planned_world_size(cfg: JobConfig) -> int:
@@ -35,21 +34,6 @@ def planned_world_size(cfg: JobConfig) -> int:
         return cfg.job.dry_run_world_size or cfg.job.simulate_world_size
     p = cfg.parallelism
     return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
-
-
-def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
-    """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
-    sequence length. train.py's start-up checks call this too, so a dry run refuses exactly what a
-    real start would (ConfigError / LayoutError, one line)."""
-    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
-                          f"of model flavor {cfg.model.flavor}")
-    p = cfg.parallelism
-    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                                world_size=world_size)
-    dims.check_seq_len(cfg.training.seq_len)
-    return args, dims
 
 
 def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape:
@@ -70,36 +54,34 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
     )
 
 
-def dry_run(cfg: JobConfig, parallelize_model: Callable) -> MemoryEstimate:
-    """Build, print the plan and the estimate; raise ConfigError (exit 2) if it does not fit."""
+def dry_run(cfg: JobConfig) -> MemoryEstimate:
+    """Plan, build on meta, print the plan and the estimate; raise ConfigError (exit 2) if it does not fit."""
     if launched_world_size() > 1:
         raise ConfigError(f"job.dry_run: plans in one process (python train.py), not {launched_world_size()}")
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
-    args, dims = model_and_layout(cfg, planned_world_size(cfg))
-    setup_logging(0)
-    logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
-
     # Compile is left out: it changes neither parameters nor (in this estimate) activations, and the
     # refusal of compile + TP in parallelize is about torch 2.13 on this machine, not the cluster's torch.
     plan_cfg = copy.deepcopy(cfg)
     plan_cfg.compile.enable = False
+    plan = RunPlan.from_config(plan_cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
+    args, dims = plan.model_args, plan.dims
+    setup_logging(0)
+    logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
     if dims.world_size > 1:
         init_fake_distributed(dims.world_size)
     meshes = dims.build_mesh("cpu") if dims.world_size > 1 else None
     logger.info(f"mesh: {dims.describe()}")
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = build_model(plan, meshes, device=None)
     n_params = count_parameters(model)
-    parallelize_model(model, plan_cfg, meshes, torch.device("cuda"))
     if cfg.compile.enable:
         logger.info(f"apply_compile: {args.n_layers} blocks would be compiled (not applied in a dry run)")
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))
-    tokens = t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * dims.dp
     logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank")
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
-                f"= {tokens // t.seq_len} samples = {tokens:,} tokens per step (seq_len {t.seq_len})")
+                f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
+                f"(seq_len {t.seq_len})")
 
     shape = step_shape(cfg, args, dims)
     estimate = estimate_memory(model, shape)

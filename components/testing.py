@@ -1,0 +1,77 @@
+"""Run a function on N CPU processes joined by a gloo process group, and collect what each returns.
+
+For tests and benchmarks: each rank is a spawned process with one thread; results come back in rank
+order, and a failure on any rank is raised in the caller with that rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Call fn(*args) on every rank of a fresh gloo group; return the results in rank order.
+
+    fn must be importable (defined at module level). A failure on any rank raises here with
+    that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                crashed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
+                if crashed:
+                    raise RuntimeError(f"ranks {crashed} died without reporting (exit codes "
+                                       f"{[procs[r].exitcode for r in crashed]})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed run did not finish in {timeout:.0f} s") from None
+                continue
+            outcomes[rank] = (status, value)
+            if status == "error":
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=timeout if len(outcomes) == world_size else 5)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
+    if errors:
+        raise RuntimeError("distributed run failed\n" + "\n".join(errors))
+    return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,9 @@
+"""The recipe layer: what train.py, the dry run, generate.py and the benchmarks share.
+
+    plan.py   RunPlan.from_config(cfg, world_size): everything the config decides, checked, nothing built
+    build.py  processes and meshes, model, data, optimizer, the step's setup, from a plan
+    step.py   train_step and evaluate
+    dry_run.py  --job.dry_run: the plan and the model built on meta, a memory estimate, nothing written
+
+Imports run one way: train.py -> recipe -> components, parallelisms, models, float8.
+"""

@@ -1,0 +1,178 @@
+"""Building a run from its plan: processes and meshes, the model, the data, the optimizer, the step.
+
+Each function takes the plan (recipe/plan.py) and what the functions before it built, so
+train.py, the dry run and the benchmarks assemble the same pieces the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
+from components.distributed import collective_backend, init_distributed, set_determinism, simulation_warning
+from components.hf import load_hf_into_model
+from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
+from components.optim import build_lr_scheduler, build_optimizer
+from components.prefetch import prefetch
+from components.sft_data import build_loader
+from models.llama import Transformer
+from parallelisms.common import TransformError
+from parallelisms.materialize import materialize
+from parallelisms.parallel_dims import Meshes
+from parallelisms.parallelize import parallelize
+from recipe.plan import RunPlan
+from recipe.step import StepSetup
+
+logger = logging.getLogger("weft")
+
+
+def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
+    """The process group, this rank's device, the meshes (None for one process) and the rank;
+    logging and random state set up. With job.simulate_world_size this one process is rank 0 of
+    that many, collectives faked."""
+    cfg, dims = plan.cfg, plan.dims
+    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size)
+    meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
+    rank = torch.distributed.get_rank() if meshes else 0
+    setup_logging(rank)
+    if cfg.job.simulate_world_size:
+        logger.warning(simulation_warning(dims.world_size))
+    for line in plan.warnings if rank == 0 else []:
+        logger.warning(line)
+    set_determinism(cfg.training.seed, cfg.training.deterministic)
+    backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
+    logger.info(f"devices: {dims.world_size} x {device.type}{backend}; mesh {dims.describe()}")
+    return device, meshes, rank
+
+
+def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | None) -> nn.Module:
+    """The model built on the meta device (shapes without memory, so any size fits), transformed by
+    `parallelize` in its one order, then materialised on `device` (None: left on meta, as the dry
+    run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
+    equal a single-device run's with the same seed, whatever the layout."""
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    try:
+        parallelize(model, meshes, **plan.parallelize_kwargs())
+    except TransformError as e:
+        raise plan.config_error(e) from None
+    if device is not None:
+        materialize(model, device, seed=plan.cfg.training.seed)
+        model.train()
+    return model
+
+
+def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
+    """The training loader (prepared ahead in a background thread, pinned on CUDA) and a factory
+    of validation loaders (each evaluation reads the first batches of a fresh one).
+
+    Every rank of one data-parallel replica (its TP and CP ranks) reads the same batches. Chat and
+    prompt/completion samples are packed whole, each with its own positions and document id and
+    labels only where the loss applies; the ranks count document lengths together, so each
+    tokenizes little more than its own share."""
+    cfg = plan.cfg
+    make_loader = functools.partial(
+        build_loader,
+        tokenizer=plan.tokenizer,
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        dp_rank=meshes.dp.get_local_rank() if meshes else 0,
+        dp_world_size=plan.dims.dp,
+        text_field=cfg.data.text_field,
+        long_samples=cfg.data.long_samples,
+    )
+    loader = prefetch(make_loader(cfg.data.format, plan.data_files), document_masking=cfg.data.document_masking,
+                      device=device)
+    validation_format = cfg.validation.format or cfg.data.format
+    return loader, functools.partial(make_loader, validation_format, plan.validation_files)
+
+
+def build_optimizer_and_schedule(plan: RunPlan, model: nn.Module):
+    """AdamW over the trainable parameters and its learning-rate schedule."""
+    optimizer = build_optimizer(model, plan.cfg.optimizer)
+    return optimizer, build_lr_scheduler(optimizer, plan.cfg.lr_scheduler, plan.cfg.training.steps)
+
+
+def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Meshes | None,
+               device: torch.device) -> StepSetup:
+    """How each step runs in this layout: with loss parallel (tp > 1), the loss and its backward
+    run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
+    autocast does (parallelisms/precision.py)."""
+    cfg, dims = plan.cfg, plan.dims
+    return StepSetup(
+        model=model, optimizer=optimizer, scheduler=scheduler, device=device,
+        max_norm=cfg.training.max_norm,
+        loss_group=meshes.dp_cp.get_group() if meshes else None,
+        grad_ranks=dims.dp * dims.cp,
+        cp_mesh=meshes.cp if dims.cp > 1 else None,
+        loss_context=loss_parallel if dims.tp > 1 and cfg.parallelism.loss_parallel else contextlib.nullcontext,
+        forward_context=plan.precision.forward_context(),
+        compiled_loss=cfg.compile.enable,
+        precompute_float8=cfg.float8.enable and cfg.float8.precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+
+def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:
+    """Where to start, returned as the last completed step: the latest complete checkpoint in the
+    dump folder (DCP reshards model, optimizer and data cursor into this layout, whatever layout
+    saved them); else the seed checkpoint step-0 or checkpoint.initial_load_path; else 0 with the
+    fresh initialisation."""
+    ckpt = plan.cfg.checkpoint
+    resume_step = checkpointer.resume_step() if ckpt.enable else None
+    if resume_step == 0:
+        load_model_weights(model, checkpointer.root / "step-0")
+        logger.info("checkpoint: starting from the seed checkpoint step-0")
+    elif resume_step is not None:
+        checkpointer.load(resume_step)
+        return resume_step
+    elif ckpt.initial_load_path:
+        load_initial_weights(model, Path(ckpt.initial_load_path))
+    return 0
+
+
+def load_initial_weights(model: nn.Module, path: Path) -> None:
+    """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json)."""
+    try:
+        if (path / "config.json").is_file():
+            load_hf_into_model(model, path)
+        else:
+            load_model_weights(model, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
+    logger.info(f"weights loaded from {path}")
+
+
+def log_summary(plan: RunPlan, model: nn.Module) -> None:
+    """The start-up summary: the model, its parameters per rank, precision, the global batch."""
+    cfg, args, t = plan.cfg, plan.model_args, plan.cfg.training
+    n_params = count_parameters(model)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank "
+                f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
+                f"{args.kv_heads} kv heads, vocab {args.vocab_size})")
+    logger.info(plan.precision.describe())
+    logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x "
+                f"{plan.dims.dp} dp = {plan.tokens_per_step // t.seq_len} samples "
+                f"= {plan.tokens_per_step:,} tokens per step")
+
+
+def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: int, start_step: int) -> MetricsLogger:
+    """The log line, TensorBoard and metrics.jsonl (written by rank 0 only, from the first log)."""
+    cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
+    return MetricsLogger(
+        device=device,
+        flops_per_token=flops_per_token(plan.model_args, count_parameters(model), cfg.training.seq_len),
+        tokens_per_step=plan.tokens_per_step,
+        world_size=plan.dims.world_size,
+        tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,
+        jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
+        start_step=start_step,
+    )

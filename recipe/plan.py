@@ -1,0 +1,219 @@
+"""The plan of a run: everything the config decides, checked, before any process group or file exists.
+
+`RunPlan.from_config(cfg, world_size)` resolves the model shape, the layout of `world_size`
+ranks, the tokenizer, the data and validation files, the precision policy, the batch and the
+arguments of `parallelize`, each with the config key it came from. It is pure: it reads files
+(tokenizer, the start of each data file, a saved config) but creates no process group and writes
+nothing, so a bad run fails the same way on every rank, at once, and the dry run plans exactly
+what a real start would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from components.checkpoint import check_resume
+from components.config import ConfigError, JobConfig, check_dump_folder
+from components.data import DataError, check_text_files, find_text_files
+from components.distributed import collective_backend, launched_world_size
+from components.hf import check_export_folder, model_args_for_run
+from components.sft_data import build_loader
+from components.tokenizer import HFTokenizer, load_tokenizer
+from float8 import check_float8_support, float8_tp_all_gather
+from models.llama import ModelArgs
+from parallelisms.common import TransformError
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.precision import DTYPES, PrecisionPolicy, precision_policy
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A value the plan passes on, and the config key it came from (to name it in an error)."""
+
+    value: object
+    key: str
+
+
+@dataclass
+class RunPlan:
+    cfg: JobConfig
+    model_args: ModelArgs
+    dims: ParallelDims
+    tokenizer: object
+    data_files: list[Path]
+    validation_files: list[Path]
+    precision: PrecisionPolicy
+    # parallelize()'s keyword arguments and, under the names the transforms use for them, the
+    # layout and model they act on: each a Setting, so a refusal names the key behind it.
+    transforms: dict[str, Setting] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
+                    check_environment: bool = True) -> RunPlan:
+        """Check the config against itself, the files it names and `world_size`; raise a UserError
+        (one line naming the key) on the first problem. device_type: where the run will compute
+        (default: cuda if this machine has it). check_environment=False (the dry run, which may plan on a
+        laptop for a cluster) skips the tokenizer, data, dump folder, checkpoints and float8 support."""
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        model_args, dims = model_and_layout(cfg, world_size)
+        tokenizer, data_files, validation_files = None, [], []
+        if check_environment:
+            tokenizer = load_tokenizer(tokenizer_path(cfg))
+            if tokenizer.vocab_size > model_args.vocab_size:
+                raise DataError(f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is "
+                                f"larger than the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})")
+            data_files, validation_files = data_and_validation_files(cfg)
+            check_formats(cfg, tokenizer, data_files, validation_files)
+            check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+            if cfg.export.hf_folder:
+                check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
+            if cfg.checkpoint.enable:
+                check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
+        t = cfg.training
+        precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
+                                     device_type=device_type)
+        return cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
+                   transforms=transform_settings(cfg, dims, device_type),
+                   warnings=float8_warnings(cfg, dims, device_type) if check_environment else [])
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.training
+        return t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
+
+    def parallelize_kwargs(self) -> dict[str, object]:
+        """The keyword arguments of `parallelize` (the layout entries are the meshes' business)."""
+        return {name: s.value for name, s in self.transforms.items() if name not in LAYOUT_ARGUMENTS}
+
+    def config_error(self, error: TransformError) -> ConfigError:
+        """A transform's refusal as a config error naming the key and value behind the argument
+        it refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`."""
+        setting = self.transforms.get(error.argument) or next(
+            (s for name, s in self.transforms.items() if name.endswith("_" + error.argument)), None)
+        if setting is None:
+            return ConfigError(str(error))
+        return ConfigError(f"{setting.key} = {setting.value}: {error}")
+
+
+# Arguments the transforms take from the layout and the model rather than from parallelize's keywords.
+LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
+
+
+def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
+    """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
+    sequence length (ConfigError / LayoutError, one line)."""
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
+                          f"of model flavor {cfg.model.flavor}")
+    p = cfg.parallelism
+    dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                world_size=world_size)
+    dims.check_seq_len(cfg.training.seq_len)
+    return args, dims
+
+
+def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> dict[str, Setting]:
+    """parallelize()'s arguments from the config, each with its key; plus the layout and model
+    the transforms refer to as tp_mesh, plan, cp_mesh and model."""
+    p, f8, ac, t = cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.training
+    distributed = dims.world_size > 1
+    return {
+        "tp_mesh": Setting(p.tp, "parallelism.tp"),
+        "plan": Setting(p.tp, "parallelism.tp"),
+        "cp_mesh": Setting(p.cp, "parallelism.cp"),
+        "model": Setting(cfg.model.flavor, "model.flavor"),
+        "float8_recipe": Setting(f8.recipe if f8.enable else None, "float8.recipe"),
+        "float8_filter_fqns": Setting(tuple(f8.filter_fqns), "float8.filter_fqns"),
+        "float8_min_dim": Setting(f8.min_dim, "float8.min_dim"),
+        "float8_fsdp_all_gather": Setting(f8.enable_fsdp_float8_all_gather, "float8.enable_fsdp_float8_all_gather"),
+        "float8_tp_all_gather": Setting(
+            f8.enable and distributed and float8_tp_all_gather(device_type, collective_backend(device_type), f8.recipe),
+            "float8.enable"),
+        "loss_parallel": Setting(p.loss_parallel, "parallelism.loss_parallel"),
+        "ac_mode": Setting(ac.mode, "activation_checkpoint.mode"),
+        "ac_selective_option": Setting(ac.selective_option, "activation_checkpoint.selective_option"),
+        "compile": Setting(cfg.compile.enable, "compile.enable"),
+        "param_dtype": Setting(DTYPES[t.mixed_precision_param], "training.mixed_precision_param"),
+        "reduce_dtype": Setting(DTYPES[t.mixed_precision_reduce], "training.mixed_precision_reduce"),
+        "reshard_after_forward": Setting(p.fsdp_reshard_after_forward, "parallelism.fsdp_reshard_after_forward"),
+        "cpu_offload": Setting(p.fsdp_cpu_offload, "parallelism.fsdp_cpu_offload"),
+    }
+
+
+def tokenizer_path(cfg: JobConfig) -> str:
+    """model.tokenizer_path, or by default the tokenizer of an initial Hugging Face folder, else
+    the shipped Shakespeare tokenizer."""
+    if cfg.model.tokenizer_path:
+        return cfg.model.tokenizer_path
+    initial = Path(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
+    if initial is not None and (initial / "tokenizer.json").is_file():
+        return str(initial)
+    return str(SHIPPED_TOKENIZER)
+
+
+def data_and_validation_files(cfg: JobConfig) -> tuple[list[Path], list[Path]]:
+    """The training files, and the validation files when validation is enabled."""
+    data_files = find_text_files(cfg.data.dataset_path)
+    if not cfg.validation.enable:
+        return data_files, []
+    if not cfg.validation.dataset_path:
+        raise ConfigError("validation.dataset_path: required when validation.enable is set")
+    return data_files, find_text_files(cfg.validation.dataset_path, key="validation.dataset_path")
+
+
+def check_formats(cfg: JobConfig, tokenizer, data_files: list[Path], validation_files: list[Path]) -> None:
+    """Every file readable in its format: the start of each text file (seconds even for a big
+    corpus), every record of a JSONL chat or prompt/completion file, before anything is written."""
+    validation_format = cfg.validation.format or cfg.data.format
+    formats = {cfg.data.format, validation_format} if validation_files else {cfg.data.format}
+    if "chat" in formats and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
+        raise DataError(f"model.tokenizer_path: '{tokenizer_path(cfg)}' has no chat template, which "
+                        "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
+    for data_format, files in [(cfg.data.format, data_files), (validation_format, validation_files)]:
+        if files and data_format == "text":
+            check_text_files(files, cfg.data.text_field)
+        elif files:
+            build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,
+                         dp_rank=0, dp_world_size=1).check_records()
+
+
+def float8_warnings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """What float8 support on this device and backend says (warnings), or a ConfigError."""
+    f8 = cfg.float8
+    if not f8.enable:
+        return []
+    try:
+        return check_float8_support(
+            device_type,
+            collective_backend(device_type) if dims.world_size > 1 else None,
+            recipe=f8.recipe,
+            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+            precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp,
+            tp_degree=dims.tp,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_launch(cfg: JobConfig) -> int:
+    """The world size this process is part of (job.simulate_world_size, else torchrun's), after
+    refusing what a simulated or seed-checkpoint run cannot do."""
+    simulated, launched = cfg.job.simulate_world_size, launched_world_size()
+    if simulated and launched > 1:
+        raise ConfigError(f"job.simulate_world_size: simulates {simulated} ranks in one process; "
+                          f"run it as python train.py, not {launched} processes")
+    if simulated and (cfg.checkpoint.enable or cfg.checkpoint.initial_load_path):
+        raise ConfigError("job.simulate_world_size: checkpoints need real ranks (a fake rank would save or load "
+                          "garbage); set checkpoint.enable = false and checkpoint.initial_load_path = ''")
+    world_size = simulated or launched
+    if cfg.checkpoint.create_seed_checkpoint and world_size > 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it as one process (python train.py), "
+                          f"not {world_size}")
+    return world_size

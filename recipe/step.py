@@ -1,0 +1,132 @@
+"""One training step and one evaluation, importable: train.py, the benchmarks and the tests run
+these same functions.
+
+The loss of a step is the mean over the supervised tokens of the whole global batch: their
+number is counted over all micro-batches and data/context-parallel ranks first, then each
+micro-batch contributes its sum of token losses divided by it (components/loss.py), so
+gradient accumulation and every layout give the same gradients as one big batch on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from components.optim import clip_grad_norm_
+from components.sft_data import Batch, batches
+from float8 import precompute_float8_scales
+from parallelisms.cp import shard_sequence
+
+
+def model_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """weft's Llama on a batch: logits for every position."""
+    return model(batch.inputs, batch.positions, document_ids=batch.document_ids)
+
+
+@dataclass
+class StepSetup:
+    """What every step needs, built once by `recipe.build.build_step`."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+    max_norm: float = 0.0
+    loss_group: torch.distributed.ProcessGroup | None = None  # ranks whose losses are averaged: dp × cp
+    grad_ranks: int = 1  # ranks over which gradients are averaged
+    cp_mesh: object = None  # the context-parallel mesh, when cp > 1: batches are sharded along it
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # loss parallel
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # autocast
+    compiled_loss: bool = False
+    precompute_float8: bool = False  # one fused amax all-reduce after the update, for float8 all-gather
+    forward: Callable[[nn.Module, Batch], torch.Tensor] = model_forward  # model, batch -> logits
+    loss_fn: Callable[..., torch.Tensor] = token_loss  # as token_loss: logits, labels, count, grad_ranks, compiled=
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's share of the global mean loss; all_reduce_mean over loss_group for the mean
+    grad_norm: torch.Tensor
+    lr: float  # the learning rate this step's update used
+
+
+def train_step(setup: StepSetup, micro_batches: list[Batch],
+               on_phase: Callable[[str], None] = lambda phase: None) -> StepResult:
+    """Forward and backward over the micro-batches, clip, update, advance the schedule.
+    on_phase("forward" | "backward" | "step") is called as each phase begins (benchmarks/comm.py
+    counts collectives per phase with it)."""
+    on_phase("forward")
+    setup.optimizer.zero_grad()
+    micro_batches = [place(setup, batch) for batch in micro_batches]
+    supervised = global_supervised_count([batch.labels for batch in micro_batches], setup.loss_group)
+    step_loss = torch.zeros((), device=setup.device)
+    for batch in micro_batches:
+        with setup.loss_context():
+            with setup.forward_context():
+                logits = setup.forward(setup.model, batch)
+            loss = setup.loss_fn(logits, batch.labels, supervised, setup.grad_ranks, compiled=setup.compiled_loss)
+            del logits  # freed by backward, not held until the next forward
+            on_phase("backward")
+            loss.backward()
+        step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        on_phase("forward")
+    on_phase("step")
+    grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm)
+    lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
+    setup.optimizer.step()
+    setup.scheduler.step()
+    if setup.precompute_float8:
+        precompute_float8_scales(setup.model)
+    return StepResult(step_loss, grad_norm, lr)
+
+
+@torch.no_grad()
+def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) -> float:
+    """Mean loss over the supervised tokens of the loader's first `steps` micro-batches.
+
+    Runs in eval mode without gradients on a loader of its own, so the training data cursor
+    and random state are untouched; sums and counts are reduced over data/context-parallel ranks,
+    so every layout gets the same value."""
+    setup.model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=setup.device)
+    count = torch.zeros((), dtype=torch.float64, device=setup.device)
+    for _, batch in zip(range(steps), batches(loader, document_masking=document_masking)):
+        batch = place(setup, batch)
+        with setup.loss_context():
+            with setup.forward_context():
+                logits = setup.forward(setup.model, batch)
+            loss_sum = setup.loss_fn(logits, batch.labels, 1.0, compiled=setup.compiled_loss)
+        total += (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).double()
+        count += (batch.labels != IGNORE_INDEX).sum()
+    if setup.loss_group is not None:
+        both = torch.stack((total, count))
+        torch.distributed.all_reduce(both, group=setup.loss_group)
+        total, count = both[0], both[1]
+    setup.model.train()
+    return (total / count.clamp(min=1)).item()
+
+
+def place(setup: StepSetup, batch: Batch) -> Batch:
+    """The batch on the step's device (a no-op for batches already there), this CP rank's shard under cp."""
+    batch = batch.to(setup.device, non_blocking=True)
+    return shard_batch(setup.cp_mesh, batch) if setup.cp_mesh is not None else batch
+
+
+def shard_batch(cp_mesh, batch: Batch) -> Batch:
+    """This CP rank's shard of every tensor of the batch. Positions: the documents' own if packed,
+    else the global positions `shard_sequence` returns; document ids travel with the tokens."""
+    present = [t for t in batch if t is not None]
+    shards, global_positions = shard_sequence(cp_mesh, *present)
+    shards = iter(shards)
+    sharded = Batch(*(None if t is None else next(shards) for t in batch))
+    return sharded if batch.positions is not None else sharded._replace(positions=global_positions)

@@ -1,0 +1,64 @@
+"""recipe/plan.py: the plan resolves the config without side effects and names the key behind a refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.config import ConfigError, parse_args
+from models.llama import LLAMA_FLAVORS
+from parallelisms.common import TransformError
+from parallelisms.parallelize import parallelize
+from recipe.plan import RunPlan
+
+
+def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:
+    cfg = parse_args(["--job.config_file", "debug_model", "--job.dump_folder", "/nonexistent/weft-plan", *overrides])
+    return RunPlan.from_config(cfg, world_size, device_type="cpu", **kwargs)
+
+
+def test_plan_resolves_the_layout_batch_and_precision():
+    plan = plan_for("--parallelism.tp", "2", "--training.local_batch_size", "3", "--training.seq_len", "64",
+                    "--training.gradient_accumulation_steps", "2", "--training.mixed_precision_param", "bfloat16",
+                    world_size=8, check_environment=False)
+    dims = plan.dims
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (1, 4, 1, 2)
+    assert plan.tokens_per_step == 64 * 3 * 2 * 4  # seq x local batch x accumulation x dp ranks
+    assert plan.model_args == LLAMA_FLAVORS["debugmodel"]
+    assert plan.precision.compute_dtype == torch.bfloat16  # FSDP's param dtype from the config
+
+
+def test_parallelize_kwargs_are_exactly_parallelize_keywords():
+    """Every keyword the plan passes is one parallelize accepts (a renamed argument fails here)."""
+    import inspect
+
+    accepted = set(inspect.signature(parallelize).parameters) - {"model", "meshes"}
+    assert set(plan_for(check_environment=False).parallelize_kwargs()) <= accepted
+
+
+@pytest.mark.parametrize("argument, expected", [
+    ("tp_mesh", "parallelism.tp = 3: apply_tp: refused"),
+    ("mode", "activation_checkpoint.mode = none: apply_ac: refused"),
+    ("selective_option", "activation_checkpoint.selective_option = op: apply_ac: refused"),
+    ("reshard_after_forward", "parallelism.fsdp_reshard_after_forward = default: apply_ac: refused"),
+    ("compile", "compile.enable = False: apply_ac: refused"),
+])
+def test_a_transform_refusal_names_the_config_key_it_came_from(argument, expected):
+    plan = plan_for("--parallelism.tp", "3", "--training.seq_len", "96", world_size=3, check_environment=False)
+    function = "apply_tp" if argument == "tp_mesh" else "apply_ac"
+    error = plan.config_error(TransformError(function, argument, "refused"))
+    assert isinstance(error, ConfigError) and str(error) == expected
+
+
+def test_environment_checks_are_skipped_only_when_asked(tmp_path):
+    missing = str(tmp_path / "no-such-data")
+    plan = plan_for("--data.dataset_path", missing, check_environment=False)  # the dry run plans without files
+    assert plan.data_files == [] and plan.tokenizer is None
+    with pytest.raises(Exception, match=f"data.dataset_path: no file or folder at '{missing}'"):
+        plan_for("--data.dataset_path", missing)
+
+
+def test_validation_files_errors_name_the_validation_key(tmp_path):
+    missing = str(tmp_path / "nothing")
+    with pytest.raises(Exception, match=f"^validation.dataset_path: no file or folder at '{missing}'$"):
+        plan_for("--validation.enable", "--validation.dataset_path", missing)
