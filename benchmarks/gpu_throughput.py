@@ -64,7 +64,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from components.config import Optimizer  # noqa: E402
-from components.hf import hf_config  # noqa: E402
+from models.llama.hf_mapping import hf_config  # noqa: E402
 from components.loss import token_loss  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
 from components.optim import build_optimizer  # noqa: E402

@@ -65,8 +65,9 @@ def apply_tp(
     targets = _plan_targets(model, plan)
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
-    _check_not_tied(model, targets)
+    tied = _tied_places(model, targets)
     parallelize_module(model, tp_mesh, plan)
+    _retie_split(tied)
     logger.info(
         f"apply_tp: split {len(targets)} modules over tp_mesh size {tp} "
         f"({_plan_name(model)} plan, loss_parallel={loss_parallel})"
@@ -259,16 +260,35 @@ def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: i
             )
 
 
-def _check_not_tied(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> None:
-    """A split parameter shared with another module would come apart: each would get its own DTensor."""
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(name)
-    for name, module, _ in targets:
-        for param in module.parameters(recurse=False):
-            aliases = names_by_param.get(id(param), [])
-            if len(aliases) > 1:
-                raise TransformError(
-                    "apply_tp", "model",
-                    f"tensor parallelism does not support tied parameters ({' and '.join(aliases)} are one tensor)",
-                )
+def _tied_places(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> list[list[tuple[str, nn.Module, str]]]:
+    """Each split parameter registered in more than one place (tied embeddings), as
+    (module path, module, attribute) places. A tie is kept only if every place is split by the plan."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((path, module, attr))
+    split = {id(module) for _, module, _ in targets}
+    groups = []
+    for group in places.values():
+        in_plan = [id(module) in split for _, module, _ in group]
+        if len(group) > 1 and any(in_plan):
+            names = " and ".join(f"{path}.{attr}" for path, _, attr in group)
+            if not all(in_plan):
+                raise TransformError("apply_tp", "model", f"tensor parallelism cannot split tied parameters ({names} "
+                                     "are one tensor) unless the plan splits every module holding it")
+            groups.append(group)
+    return groups
+
+
+def _retie_split(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """`parallelize_module` gives each place of a tied parameter its own DTensor; put the first back
+    in the others when they are split alike (weft's embedding and output both by vocabulary rows)."""
+    for (first_path, first, first_attr), *others in tied:
+        param = first._parameters[first_attr]
+        for path, module, attr in others:
+            mine = module._parameters[attr]
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise TransformError("apply_tp", "model", f"tied parameters {first_path}.{first_attr} and {path}.{attr} "
+                                     f"are split differently ({param.placements} and {mine.placements})")
+            module._parameters[attr] = param

@@ -20,8 +20,9 @@ from components.config import ConfigError, JobConfig, check_dump_folder
 from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
 from components.distributed import collective_backend, launched_world_size, restart_warning
 from components.fingerprint import check_resumed_data
+from components.hf import check_export_folder, model_args_for_run
 from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from models.llama import LLAMA_FLAVORS, ModelArgs
+from models.llama import ModelArgs
 from parallelisms.common import TransformError
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
@@ -71,6 +72,8 @@ class RunPlan:
             data_files, validation_files = data_and_validation_files(cfg)
             check_formats(cfg, tokenizer, data_files, validation_files)
             check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+            if cfg.export.hf_folder:
+                check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
             if cfg.checkpoint.enable:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
             # the data against the fingerprint of the checkpoint this run resumes from
@@ -116,7 +119,7 @@ LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
 def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length (ConfigError / LayoutError, one line)."""
-    args = LLAMA_FLAVORS[cfg.model.flavor]
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of model flavor {cfg.model.flavor}")

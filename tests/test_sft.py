@@ -287,7 +287,7 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from components.hf import hf_config
+    from models.llama.hf_mapping import hf_config
     from models.llama import LLAMA_FLAVORS
 
     torch.manual_seed(0)
