@@ -27,6 +27,11 @@ def model_parts(model: nn.Module) -> list[nn.Module]:
     return list(model) if hasattr(model, "stage_ids") else [model]
 
 
+def whole_model(model: nn.Module) -> nn.Module:
+    """The model a checkpoint of it holds: a pipeline rank's stages stand for the unsplit model."""
+    return getattr(model, "whole_model", model)
+
+
 def model_state(model: nn.Module) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for part in model_parts(model):

@@ -10,7 +10,7 @@ from torch import nn
 
 from parallelisms.ac import apply_ac
 from parallelisms.common import TransformError
-from parallelisms.compile import apply_compile
+from parallelisms.compile import apply_compile, check_compile_composes
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import Meshes
@@ -28,7 +28,7 @@ def parallelize(
     float8_fsdp_all_gather: bool = False,
     float8_tp_all_gather: bool = False,
     tp_plan: Plan | None = None,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     ac_mode: str = "none",
     ac_selective_option: str = "op",
     compile: bool = False,
@@ -50,12 +50,7 @@ def parallelize(
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
-    if compile and dims is not None and dims.tp > 1 and torch_has_tp_compile_bug():
-        raise TransformError(
-            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
-            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
-            "compile or tensor parallelism"
-        )
+    check_compile_composes(compile, dims.tp if dims is not None else 1)
     # float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
@@ -119,9 +114,3 @@ def pipeline_reshard_policy(reshard_after_forward: str, pipeline_schedule: str |
             f"{pipeline_schedule} pipeline schedule, which splits backward into input and weight parts; use 'default'")
     return "never" if reshard_after_forward == "default" else reshard_after_forward
 
-
-def torch_has_tp_compile_bug() -> bool:
-    """torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
-    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
-    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
-    return torch.__version__.startswith("2.13")

@@ -225,10 +225,17 @@ class PipelineStages(nn.ModuleList):
     """The stages one rank holds, in its schedule's order, as one module for the optimizer, the
     checkpoint and train/eval mode. Parameter names inside each stage are the full model's."""
 
-    def __init__(self, modules: Sequence[nn.Module], ids: Sequence[int], n_stages: int):
+    def __init__(self, modules: Sequence[nn.Module], ids: Sequence[int], n_stages: int, whole: nn.Module):
         super().__init__(modules)
         self.stage_ids = list(ids)
         self.n_stages = n_stages
+        self._whole = (whole,)  # in a tuple: not a submodule, its (meta) parameters are not this rank's
+
+    @property
+    def whole_model(self) -> nn.Module:
+        """The unsplit model the stages were cut from, on the meta device: what a checkpoint of
+        any layout holds."""
+        return self._whole[0]
 
     @property
     def has_first_stage(self) -> bool:
@@ -237,8 +244,3 @@ class PipelineStages(nn.ModuleList):
     @property
     def has_last_stage(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
-
-    @property
-    def args(self):
-        """The whole model's shape (weft's Llama), as every stage carries it."""
-        return self[0].args
