@@ -140,6 +140,17 @@ class StepShape:
     compiled_loss: bool = False  # components/loss.py: compiled cross-entropy, else chunked (eager)
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
     foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
+    # A pipeline rank: local_batch is then one micro-batch; `blocks` the block activations (one block,
+    # one micro-batch each) it holds at its peak (0: every block once), `blocks_with_gradients` those
+    # it holds after backward has begun (beside the gradients; schedules that interleave forwards
+    # and backwards), `in_flight` the micro-batches whose logits the last stage holds; only the
+    # first stage has the embedding, only the last the output, its logits and the loss.
+    blocks: int = 0
+    blocks_with_gradients: int = 0
+    in_flight: float = 1.0
+    gathered_blocks: int = 2  # blocks FSDP holds unsharded at once: 2, or every one when it never reshards
+    first_stage: bool = True
+    last_stage: bool = True
 
     @property
     def tokens(self) -> int:
@@ -178,7 +189,12 @@ def block_input_bytes(s: StepShape) -> int:
 
 def activation_bytes(s: StepShape) -> tuple[int, int]:
     """(kept at the end of forward, extra while one checkpointed block is recomputed in backward)."""
-    n, full = s.args.n_layers, block_activation_bytes(s)
+    return blocks_activation_bytes(s, s.blocks or s.args.n_layers)
+
+
+def blocks_activation_bytes(s: StepShape, n: int) -> tuple[int, int]:
+    """activation_bytes for n block activations."""
+    full = block_activation_bytes(s)
     if s.ac_mode == "none":
         return n * full, 0
     if s.ac_mode == "full":
@@ -191,15 +207,18 @@ def activation_bytes(s: StepShape) -> tuple[int, int]:
 
 
 def loss_bytes(s: StepShape) -> tuple[int, int, int]:
-    """(logits, loss work in forward, loss work in backward) in bytes; see the module doc."""
+    """(logits, loss work in forward, loss work in backward) in bytes; see the module doc. A pipeline
+    stage before the last has none; the last keeps the logits of each micro-batch in flight."""
+    if not s.last_stage:
+        return 0, 0, 0
     vocab = s.args.vocab_size // s.tp if s.tp > 1 and s.loss_parallel else s.args.vocab_size
     n, e = s.tokens * vocab, dtype_bytes(s.compute_dtype)
     if s.tp > 1 and s.loss_parallel:  # eager fp32 cross-entropy on the vocabulary shard
-        return n * e, n * 4, n * 8
+        return int(s.in_flight * n * e), n * 4, n * 8
     if s.compiled_loss:
-        return n * e, 0, n * e
+        return int(s.in_flight * n * e), 0, n * e
     chunk = min(s.tokens, max(1, CHUNK_BYTES // (4 * vocab))) * vocab * 4
-    return n * e, 2 * chunk, n * e + chunk
+    return int(s.in_flight * n * e), 2 * chunk, n * e + chunk
 
 
 @dataclass
@@ -268,17 +287,18 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     logits, loss_forward, loss_backward = loss_bytes(s)
     pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
     block = block_numel(s.args) // s.tp
-    root = (s.args.vocab_size * s.args.dim * (1 if s.args.tie_embeddings else 2)) // s.tp
+    ends = 1 if s.args.tie_embeddings else s.first_stage + s.last_stage  # embedding, output
+    root = (s.args.vocab_size * s.args.dim * ends) // s.tp
     buffers: dict[str, int] = {}
+    gather = scatter = 0
     if s.fsdp > 1:
-        buffers["FSDP all-gather (2 blocks + root, unsharded)"] = (2 * block + root) * pb
-        buffers["FSDP reduce-scatter (1 block's gradients)"] = block * (pb + rb)
+        gather, scatter = (s.gathered_blocks * block + root) * pb, block * (pb + rb)
+        buffers[f"FSDP all-gather ({s.gathered_blocks} blocks + root, unsharded)"] = gather
+        buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
     if s.autocast:
         buffers["autocast bf16 weight copies"] = params // 2  # of fp32 parameters
     buffers["logits (until backward)"] = logits
     buffers["loss: fp32 work and the logits' gradient"] = loss_backward
-    gather = buffers.get("FSDP all-gather (2 blocks + root, unsharded)", 0)
-    scatter = buffers.get("FSDP reduce-scatter (1 block's gradients)", 0)
     autocast = buffers.get("autocast bf16 weight copies", 0)
     # Backward: the loss's backward first (all activations, the logits and their gradient), which
     # frees the logits; then blocks in reverse, freeing activations as gradients appear. The peak
@@ -294,4 +314,8 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         # per parameter.
         "optimizer step": params + grads + optimizer + (params if s.foreach_optimizer else 0),
     }
+    if s.blocks_with_gradients:  # a pipeline's next forwards run beside the gradients of earlier backwards
+        kept_later = blocks_activation_bytes(s, s.blocks_with_gradients)[0]
+        phases["backward, micro-batches in flight"] = (params + optimizer + grads + kept_later + logits + loss_backward
+                                              + gather + scatter + recompute)
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)

@@ -10,9 +10,13 @@ pipeline, then hold the same keys and DCP reshards between them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,6 +47,30 @@ def load_model_state(model: nn.Module, state: dict[str, Any], *, strict: bool = 
     for part in model_parts(model):
         own = get_model_state_dict(part).keys()
         set_model_state_dict(part, {k: v for k, v in state.items() if k in own}, options=StateDictOptions(strict=strict))
+
+
+def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for each named tensor of the model's state, one at a time, on every rank
+    (each rank must iterate them all: they gather collectively). A sharded tensor is gathered
+    over its mesh; under a pipeline the stage holding it broadcasts it over the pipeline ranks."""
+    state = {name: t for part in model_parts(model) for name, t in get_model_state_dict(part).items()}
+    pp_group = getattr(model, "pp_group", None)
+    owners: dict[str, int] = {}
+    if pp_group is not None:
+        held: list[list[str]] = [[] for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(held, sorted(state), group=pp_group)
+        owners = {name: rank for rank, names_held in enumerate(held) for name in names_held}
+    whole = whole_model(model).state_dict() if pp_group is not None else {}
+    device = next(model.parameters()).device
+    for name in names:
+        tensor = state.get(name)
+        if tensor is not None:
+            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if pp_group is not None:
+            if tensor is None:
+                tensor = torch.empty(whole[name].shape, dtype=whole[name].dtype, device=device)
+            dist.broadcast(tensor, group=pp_group, group_src=owners[name])
+        yield name, tensor
 
 
 def _prefixed_names(model: nn.Module) -> dict[str, str]:

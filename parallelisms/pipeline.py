@@ -221,14 +221,56 @@ def build_schedule(stage_modules: Sequence[nn.Module], ids: Sequence[int], n_sta
     return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """What a pipeline rank holds at most under its schedule, in micro-batches of its blocks."""
+
+    blocks: int  # block activations (one block, one micro-batch each) held at the peak
+    blocks_with_gradients: int  # held at the peak after the first backward, beside the gradients
+    logits: int  # micro-batches the last stage has run forward and not yet backward (0 without it)
+
+
+def activations_in_flight(layout: PipelineLayout, pp_rank: int, pp_group, blocks_per_stage: dict[int, int]) -> InFlight:
+    """Count along torch's own order of the rank's actions: a forward of a stage adds a micro-batch
+    of its blocks' activations, a full or input backward frees it. Builds the schedule over
+    placeholder stages; sends nothing."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    ids = layout.stage_ids(pp_rank)
+    schedule = build_schedule([nn.Identity() for _ in ids], ids, layout.n_stages, schedule=layout.schedule,
+                              microbatches=layout.microbatches, loss_fn=None, device=torch.device("cpu"),
+                              pp_group=pp_group)
+    order = schedule.pipeline_order if isinstance(schedule, PipelineScheduleMulti) else schedule._get_pipeline_order()
+    last = layout.n_stages - 1
+    held = logits = peak = peak_after = peak_logits = 0
+    backward_seen = False
+    for action in order[pp_rank]:
+        if action is None or action.stage_index not in blocks_per_stage:
+            continue
+        weight = blocks_per_stage[action.stage_index]
+        if action.computation_type == _ComputationType.FORWARD:
+            held += weight
+            logits += action.stage_index == last
+        elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+            held -= weight
+            logits -= action.stage_index == last
+            backward_seen = True
+        peak, peak_logits = max(peak, held), max(peak_logits, logits)
+        if backward_seen:
+            peak_after = max(peak_after, held)
+    return InFlight(peak, peak_after, peak_logits)
+
+
 class PipelineStages(nn.ModuleList):
     """The stages one rank holds, in its schedule's order, as one module for the optimizer, the
     checkpoint and train/eval mode. Parameter names inside each stage are the full model's."""
 
-    def __init__(self, modules: Sequence[nn.Module], ids: Sequence[int], n_stages: int, whole: nn.Module):
+    def __init__(self, modules: Sequence[nn.Module], ids: Sequence[int], n_stages: int, whole: nn.Module,
+                 pp_group=None):
         super().__init__(modules)
         self.stage_ids = list(ids)
         self.n_stages = n_stages
+        self.pp_group = pp_group  # the process group of the pipeline ranks
         self._whole = (whole,)  # in a tuple: not a submodule, its (meta) parameters are not this rank's
 
     @property

@@ -101,7 +101,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
         if device is not None:
             materialize(stage, device, seed=plan.cfg.training.seed)
             stage.train()
-    return PipelineStages(stages, ids, layout.n_stages, model)
+    return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
 
 
 def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):

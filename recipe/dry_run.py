@@ -9,6 +9,7 @@ of components/memory.py are printed; nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -53,6 +54,20 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
     )
 
 
+def pipeline_step_shape(shape: StepShape, layout, stages, meshes) -> StepShape:
+    """The step shape of this rank's pipeline stages: one micro-batch at a time, its blocks only, as
+    many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
+    from parallelisms.pipeline import activations_in_flight
+
+    blocks = {stage_id: len(stage.layers) for stage_id, stage in zip(stages.stage_ids, stages)}
+    held = activations_in_flight(layout, meshes.pp.get_local_rank(), meshes.pp.get_group(), blocks)
+    return dataclasses.replace(
+        shape, local_batch=shape.local_batch // layout.microbatches, blocks=held.blocks,
+        blocks_with_gradients=held.blocks_with_gradients, in_flight=held.logits,
+        first_stage=stages.has_first_stage, last_stage=stages.has_last_stage,
+        gathered_blocks=sum(blocks.values()))  # FSDP never reshards under a pipeline
+
+
 def dry_run(cfg: JobConfig) -> MemoryEstimate:
     """Plan, build on meta, print the plan and the estimate; raise ConfigError (exit 2) if it does not fit."""
     if launched_world_size() > 1:
@@ -79,6 +94,10 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
                 f"(seq_len {t.seq_len})")
 
     shape = step_shape(cfg, args, dims)
+    if plan.pipeline is not None:
+        shape = pipeline_step_shape(shape, plan.pipeline, model, meshes)
+        logger.info(f"{plan.pipeline.describe()}; rank 0 holds stages {model.stage_ids}: at most {shape.blocks} "
+                    f"block activations of micro-batches of {shape.local_batch} in flight")
     estimate = estimate_memory(model, shape)
     print(f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
           f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'}):")

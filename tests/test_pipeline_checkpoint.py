@@ -3,7 +3,8 @@
 pp 2 × fsdp 2 trains 20 steps, saving after step 10 and 20. Resumed from its step-10 checkpoint,
 the same layout repeats steps 11-20 bit for bit; fsdp 4 and one process continue them within 1e-5
 (only the order of reductions differs). The other direction, from a one-process checkpoint into
-pp 2 × fsdp 2, too. Runs train.py's `train`, on gloo.
+pp 2 × fsdp 2, too. The pipeline run's Hugging Face export at its end holds the tensors that the
+offline export of its last checkpoint writes. Runs train.py's `train`, on gloo.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from components.config import parse_args
 from tests.dist_utils import run_distributed
@@ -42,7 +44,7 @@ def four_ranks(root: str, single_dump: str) -> dict[str, list[float]]:
     import train
 
     root_path, runs = Path(root), {}
-    runs["straight"] = train.train(parse_args(args(root_path / "pp", PP2_FSDP2)))
+    runs["straight"] = train.train(parse_args(args(root_path / "pp", PP2_FSDP2 + ["--export.hf_folder", "hf"])))
     dist.barrier()
     if dist.get_rank() == 0:
         resume_copy(root_path / "pp", root_path / "pp_resumed", 10)
@@ -67,6 +69,7 @@ def runs(tmp_path_factory) -> dict[str, list[float]]:
     runs["single"] = single
     shutil.copytree(root / "pp" / "checkpoint" / "step-10", root / "single_resumed" / "checkpoint" / "step-10")
     runs["single_resumed"] = train.train(parse_args(args(root / "single_resumed", [])))
+    runs["root"] = root
     return runs
 
 
@@ -79,6 +82,20 @@ def test_pp_fsdp_resumes_bit_for_bit(runs):
 @pytest.mark.parametrize("layout", ["fsdp4", "single_resumed"])
 def test_pp_checkpoint_resumes_in_another_layout(runs, layout):
     assert runs[layout] == pytest.approx(runs["straight"][10:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pp_run_exports_what_its_checkpoint_holds(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from components.hf import export_to_hf
+
+    root = runs["root"]
+    export_to_hf(root / "pp" / "checkpoint" / "step-20", tmp_path / "offline", flavor="debugmodel")
+    live, offline = load_file(root / "pp" / "hf" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
+    assert sorted(live) == sorted(offline) and len(live) == 2 + 9 * 4 + 1
+    for name, tensor in offline.items():
+        assert torch.equal(live[name], tensor), name
 
 
 @pytest.mark.slow

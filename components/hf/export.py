@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
 from components.config import Export
@@ -24,6 +23,7 @@ from components.hf.safetensors_io import (
     plan_shards,
     write_shards,
 )
+from components.model_state import full_tensors, whole_model
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
 
@@ -121,16 +121,16 @@ def export_model_to_hf(
     """
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
-    args = model.args
-    state = get_model_state_dict(model)  # names without wrapper prefixes; DTensor shards, nothing gathered
+    whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
+    args = whole.args
+    state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
     names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
 
     def tensors():
-        for name in names:
-            full = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
-            yield weft_to_hf_name(name), to_hf_tensor(name, full.detach().to("cpu", dtype), args) if is_writer else None
+        for name, full in full_tensors(model, names):
+            yield weft_to_hf_name(name), to_hf_tensor(name, full.to("cpu", dtype), args) if is_writer else None
 
     if is_writer:
         with new_folder(out) as partial:
