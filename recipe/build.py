@@ -27,6 +27,7 @@ from components.distributed import (
 )
 from components.hf import load_hf_into_model
 from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
+from components.model_state import whole_model
 from components.optim import build_lr_scheduler, build_optimizer
 from models.llama import Transformer
 from parallelisms.common import TransformError
@@ -195,7 +196,7 @@ def load_initial_weights(model: nn.Module, path: Path) -> None:
 def log_summary(plan: RunPlan, model: nn.Module) -> None:
     """The start-up summary: the model, its parameters per rank, precision, the global batch."""
     cfg, args, t = plan.cfg, plan.model_args, plan.cfg.training
-    n_params = count_parameters(model)
+    n_params = count_parameters(whole_model(model))  # a pipeline rank: of the whole model, not its stages
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank "
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
@@ -211,7 +212,8 @@ def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: i
     cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
     return MetricsLogger(
         device=device,
-        flops_per_token=flops_per_token(plan.model_args, count_parameters(model), cfg.training.seq_len),
+        flops_per_token=flops_per_token(plan.model_args, count_parameters(whole_model(model)),
+                                        cfg.training.seq_len),
         tokens_per_step=plan.tokens_per_step,
         world_size=plan.dims.world_size,
         tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,

@@ -18,6 +18,7 @@ from components.config import ConfigError, JobConfig
 from components.distributed import init_fake_distributed, launched_world_size
 from components.memory import GIB, MemoryEstimate, StepShape, device_memory_gib, estimate_memory, tp_fsdp_state_bytes
 from components.metrics import count_parameters, setup_logging
+from components.model_state import whole_model
 from models.llama import ModelArgs, Transformer
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.precision import DTYPES, precision_policy
@@ -84,7 +85,7 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     # Every transform a real start applies, compile included (it only wraps forwards until their first
     # call), so the dry run refuses exactly what a real start refuses (compile + TP on torch 2.13).
     model = build_model(plan, meshes, device=None)
-    n_params = count_parameters(model)
+    n_params = count_parameters(whole_model(model))  # a pipeline rank: of the whole model, not its stages
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))
