@@ -10,12 +10,14 @@ from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
 from parallelisms.parallelize import parallelize
+from parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
 from parallelisms.tp import apply_tp, hf_tp_plan, llama_tp_plan
 
 __all__ = [
     "LayoutError",
     "Meshes",
     "ParallelDims",
+    "PipelineStages",
     "TransformError",
     "apply_ac",
     "apply_compile",
@@ -23,10 +25,13 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp",
     "apply_tp",
+    "build_schedule",
+    "default_split",
     "hf_tp_plan",
     "llama_tp_plan",
     "materialize",
     "parallelize",
     "shard_sequence",
+    "split_model",
     "transformer_blocks",
 ]

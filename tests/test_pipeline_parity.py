@@ -22,16 +22,23 @@ PP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
+
+def schedule(name: str) -> list[str]:
+    """The schedule, with 2 micro-batches per local batch (fewer sends, a quicker test), or the 4 that
+    DualPipeV needs for its 4 stages."""
+    return ["--parallelism.pp_schedule", name, "--parallelism.pp_microbatches", "4" if name == "DualPipeV" else "2"]
+
+
 # name -> (world size, command-line overrides); the multi-stage schedules hold 2 stages per rank.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    **{f"pp2_{s}": (2, PP2 + ["--parallelism.pp_schedule", s]) for s in SCHEDULES},
+    **{f"pp2_{s}": (2, PP2 + schedule(s)) for s in SCHEDULES},
     # Two accumulated micro-steps of 4 samples: the same 8 samples per optimizer step.
     "pp2_accumulation2": (2, PP2 + ["--training.gradient_accumulation_steps", "2", "--training.local_batch_size", "4"]),
     # Every schedule under FSDP, the split-backward ones included (the reshard trap).
-    **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + ["--parallelism.pp_schedule", s]) for s in SCHEDULES},
+    **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s)) for s in SCHEDULES},
     "pp2_tp2": (4, PP2 + ["--parallelism.tp", "2"]),
     "pp2_cp2": (4, PP2 + ["--parallelism.cp", "2"]),
-    "pp2_fsdp2_tp2": (8, PP2_FSDP2 + ["--parallelism.tp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"]),
+    "pp2_fsdp2_tp2": (8, PP2_FSDP2 + ["--parallelism.tp", "2", *schedule("Interleaved1F1B")]),
 }
 
 
@@ -41,7 +48,7 @@ def config(dump_folder: str, overrides: list[str]):
         "--training.steps", str(STEPS), "--training.seq_len", "32", "--training.local_batch_size", "8",
         "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32",
         "--lr_scheduler.warmup_steps", "2", "--no-metrics.enable_tensorboard",
-        "--parallelism.pp_microbatches", "4", *overrides,
+        "--parallelism.pp_microbatches", "2", *overrides,
     ])
 
 
