@@ -88,12 +88,11 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     micro_batches = [place(setup, batch) for batch in micro_batches]
     supervised = global_supervised_count([batch.labels for batch in micro_batches], setup.loss_group)
     step_loss = torch.zeros((), device=setup.device)
-    if setup.pipeline is not None:
+    if setup.pipeline is not None:  # torch's schedule runs each micro-batch, forwards and backwards interleaved
         setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = supervised, setup.grad_ranks
-        on_phase("backward")  # the schedule interleaves forwards and backwards
+        on_phase("backward")
         step_loss = sum((pipeline_run(setup, batch, train=True) for batch in micro_batches), step_loss)
-        micro_batches = []
-    for batch in micro_batches:
+    for batch in micro_batches if setup.pipeline is None else []:
         with setup.loss_context():
             with setup.forward_context():
                 logits = setup.forward(setup.model, batch)
