@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from components.data import DataError
+from components.data import DataError, HFTokenizer, load_tokenizer
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
-from components.tokenizer import HFTokenizer, load_tokenizer
-from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
+from components.hf import load_hf_into_model, model_args_from_hf_folder
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from models.llama.model import rope_rotations
 from parallelisms.precision import DTYPES
@@ -136,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
                             "(a Hugging Face folder whose tokenizer_config.json has one)")
         if opts.hf is not None:
-            args: ModelArgs = model_args_from_hf_config(read_hf_config(opts.hf))
+            args: ModelArgs = model_args_from_hf_folder(opts.hf)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
             args = LLAMA_FLAVORS[opts.flavor]
-            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), args, f"--flavor {opts.flavor}")
+            with torch.device("meta"):
+                shapes = Transformer(args)
+            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, f"--flavor {opts.flavor}")
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")

@@ -251,3 +251,16 @@ def _exit_now(reason: str) -> None:
         sys.stderr.flush()
     finally:
         os._exit(EXIT_SIGTERM)
+
+
+def restart_warning() -> str | None:
+    """Under `torchrun --max-restarts N`, what the restarted ranks need from torchrun's environment.
+
+    torch 2.13's torchrun shares its rendezvous store with the workers, and the ranks of a
+    restarted round can then read the dead round's gloo addresses and fail to connect
+    (pytorch/pytorch#135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each round its own."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        return (f"torchrun --max-restarts {restarts}: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
+                "or a restarted job may fail to connect its ranks (pytorch/pytorch#135712)")
+    return None

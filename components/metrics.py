@@ -105,6 +105,7 @@ class StepStats:
     loss: float
     grad_norm: float
     lr: float
+    skipped_steps: int = 0  # optimizer steps skipped so far for a non-finite loss or gradient norm
 
 
 class MetricsLogger:
@@ -169,6 +170,7 @@ class MetricsLogger:
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
             "train/lr": stats.lr,
+            "train/skipped_steps": stats.skipped_steps,
             "train/tokens_per_second": tokens_per_second,
             "memory/peak_gib": peak_memory_gib(self.device),
         }
@@ -181,6 +183,7 @@ class MetricsLogger:
         logger.info(
             f"step {stats.step:>6}  loss {stats.loss:8.4f}  grad_norm {stats.grad_norm:8.4f}  lr {stats.lr:.3e}  "
             f"tokens/s/device {tokens_per_second:,.0f}  mfu {mfu}  peak_memory {values['memory/peak_gib']:.2f} GiB"
+            + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
         )
         if self.writer is not None:
             for tag, value in values.items():

@@ -27,7 +27,7 @@ def parallelize(
     float8_fsdp_all_gather: bool = False,
     float8_tp_all_gather: bool = False,
     tp_plan: Plan | None = None,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     ac_mode: str = "none",
     ac_selective_option: str = "op",
     compile: bool = False,

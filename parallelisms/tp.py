@@ -37,7 +37,7 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     plan: Plan | None = None,
     *,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     float8_all_gather: bool = False,
 ) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
@@ -47,10 +47,11 @@ def apply_tp(
     output features (whole heads), row-split layers whole input features; the heads and every
     split dimension must be divisible by the mesh size, which is checked before anything changes.
 
-    loss_parallel: the output projection's logits stay vocabulary-sharded (a DTensor); compute
-    the loss under `torch.distributed.tensor.parallel.loss_parallel()`. Otherwise they are
-    gathered. float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came
-    first; needs NCCL).
+    loss_parallel False (default): the output projection's logits are gathered, so the model
+    returns what it returned before (a plain tensor; a transformers model's `labels=` loss works).
+    True: they stay vocabulary-sharded (a DTensor) and the loss must be computed under
+    `torch.distributed.tensor.parallel.loss_parallel()`; train.py chooses this (parallelism.loss_parallel).
+    float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came first; needs NCCL).
 
     Apply after float8 and before context parallelism, activation checkpointing, compile and
     FSDP/DDP, on the meta-device or real model.
@@ -64,8 +65,9 @@ def apply_tp(
     targets = _plan_targets(model, plan)
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
-    _check_not_tied(model, targets)
+    tied = _tied_places(model, targets)
     parallelize_module(model, tp_mesh, plan)
+    _retie_split(tied)
     logger.info(
         f"apply_tp: split {len(targets)} modules over tp_mesh size {tp} "
         f"({_plan_name(model)} plan, loss_parallel={loss_parallel})"
@@ -73,7 +75,7 @@ def apply_tp(
     return model
 
 
-def default_tp_plan(model: nn.Module, *, loss_parallel: bool = True, float8_all_gather: bool = False) -> Plan:
+def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
     """weft's Llama plan, or the plan a transformers model declares; else an error asking for one."""
     if isinstance(model, Transformer):
         if not float8_all_gather:
@@ -101,7 +103,7 @@ _BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", 
 
 
 def llama_tp_plan(
-    *, loss_parallel: bool = True, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
+    *, loss_parallel: bool = False, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
 ) -> Plan:
     """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
     heads, so grouped-query attention stays local), wo and w2 by input features.
@@ -163,7 +165,7 @@ def _hf_style(name: str, loss_parallel: bool) -> ParallelStyle | None:
     return None
 
 
-def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = True) -> Plan:
+def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     """The plan a transformers model declares (`model._tp_plan`, else its config's
     `base_model_tp_plan` under the base model's prefix), in PyTorch styles.
 
@@ -258,16 +260,35 @@ def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: i
             )
 
 
-def _check_not_tied(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> None:
-    """A split parameter shared with another module would come apart: each would get its own DTensor."""
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(name)
-    for name, module, _ in targets:
-        for param in module.parameters(recurse=False):
-            aliases = names_by_param.get(id(param), [])
-            if len(aliases) > 1:
-                raise TransformError(
-                    "apply_tp", "model",
-                    f"tensor parallelism does not support tied parameters ({' and '.join(aliases)} are one tensor)",
-                )
+def _tied_places(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> list[list[tuple[str, nn.Module, str]]]:
+    """Each split parameter registered in more than one place (tied embeddings), as
+    (module path, module, attribute) places. A tie is kept only if every place is split by the plan."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((path, module, attr))
+    split = {id(module) for _, module, _ in targets}
+    groups = []
+    for group in places.values():
+        in_plan = [id(module) in split for _, module, _ in group]
+        if len(group) > 1 and any(in_plan):
+            names = " and ".join(f"{path}.{attr}" for path, _, attr in group)
+            if not all(in_plan):
+                raise TransformError("apply_tp", "model", f"tensor parallelism cannot split tied parameters ({names} "
+                                     "are one tensor) unless the plan splits every module holding it")
+            groups.append(group)
+    return groups
+
+
+def _retie_split(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """`parallelize_module` gives each place of a tied parameter its own DTensor; put the first back
+    in the others when they are split alike (weft's embedding and output both by vocabulary rows)."""
+    for (first_path, first, first_attr), *others in tied:
+        param = first._parameters[first_attr]
+        for path, module, attr in others:
+            mine = module._parameters[attr]
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise TransformError("apply_tp", "model", f"tied parameters {first_path}.{first_attr} and {path}.{attr} "
+                                     f"are split differently ({param.placements} and {mine.placements})")
+            module._parameters[attr] = param

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
+from components.data import build_loader, prefetch
 from components.distributed import (
     gpu_binding_line,
     init_distributed,
@@ -27,8 +28,6 @@ from components.distributed import (
 from components.hf import load_hf_into_model
 from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
 from components.optim import build_lr_scheduler, build_optimizer
-from components.prefetch import prefetch
-from components.sft_data import build_loader
 from models.llama import Transformer
 from parallelisms.common import TransformError
 from parallelisms.materialize import materialize
@@ -45,7 +44,8 @@ def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
     logging and random state set up. With job.simulate_world_size this one process is rank 0 of
     that many, collectives faked."""
     cfg, dims, p = plan.cfg, plan.dims, plan.cfg.parallelism
-    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size, share_gpus=p.share_gpus,
+    device = init_distributed(cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
+                              share_gpus=p.share_gpus,
                               cpu_offload=p.fsdp_cpu_offload)
     if cfg.checkpoint.create_seed_checkpoint:  # the whole fp32 model (70B: 280 GB) fits host memory, not a GPU
         device = torch.device("cpu")

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint import check_resume
+from components.checkpoint import check_resume, resume_folder
 from components.config import ConfigError, JobConfig, check_dump_folder
-from components.data import DataError, check_text_files, find_text_files
-from components.distributed import collective_backend, launched_world_size
-from components.sft_data import build_loader
-from components.tokenizer import HFTokenizer, load_tokenizer
+from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
+from components.distributed import collective_backend, launched_world_size, restart_warning
+from components.fingerprint import check_resumed_data
+from components.hf import check_export_folder, model_args_for_run
 from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from models.llama import LLAMA_FLAVORS, ModelArgs
+from models.llama import ModelArgs
 from parallelisms.common import TransformError
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
@@ -51,6 +51,7 @@ class RunPlan:
     # layout and model they act on: each a Setting, so a refusal names the key behind it.
     transforms: dict[str, Setting] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -62,6 +63,7 @@ class RunPlan:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size)
         tokenizer, data_files, validation_files = None, [], []
+        fingerprint, notes = "", []
         if check_environment:
             tokenizer = load_tokenizer(tokenizer_path(cfg))
             if tokenizer.vocab_size > model_args.vocab_size:
@@ -70,8 +72,15 @@ class RunPlan:
             data_files, validation_files = data_and_validation_files(cfg)
             check_formats(cfg, tokenizer, data_files, validation_files)
             check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+            if cfg.export.hf_folder:
+                check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
             if cfg.checkpoint.enable:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
+            # the data against the fingerprint of the checkpoint this run resumes from
+            fingerprint, data_note = check_resumed_data(
+                data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
+                if cfg.checkpoint.enable else None, cfg.data.allow_changed_data)
+            notes = [note for note in (data_note, restart_warning()) if note]
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)
@@ -80,7 +89,9 @@ class RunPlan:
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         return cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
                    transforms=transform_settings(cfg, dims, device_type),
-                   warnings=warnings + (float8_warnings(cfg, dims, device_type) if check_environment else []))
+                   warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
+                   else warnings,
+                   data_fingerprint=fingerprint)
 
     @property
     def tokens_per_step(self) -> int:
@@ -108,7 +119,7 @@ LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
 def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length (ConfigError / LayoutError, one line)."""
-    args = LLAMA_FLAVORS[cfg.model.flavor]
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of model flavor {cfg.model.flavor}")

@@ -30,7 +30,7 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
     PrepareFloat8ModuleInput,
 )
 
-from components.data import Tokenizer, TokenWindowLoader, find_text_files
+from components.data import Tokenizer, build_loader, find_text_files
 from float8 import (
     apply_float8,
     check_float8_compute,
@@ -213,12 +213,12 @@ def test_tp_styles_are_torchaos():
 def train(model: nn.Module, steps: int) -> list[float]:
     """AdamW on the shipped Shakespeare data; the loss of every step."""
     tokenizer = Tokenizer(ASSETS / "tokenizer" / "shakespeare.model")
-    loader = TokenWindowLoader(find_text_files(str(ASSETS / "data" / "shakespeare")), tokenizer,
-                               seq_len=SEQ_LEN, local_batch_size=BATCH)
+    loader = build_loader("text", find_text_files(str(ASSETS / "data" / "shakespeare")), tokenizer,
+                          seq_len=SEQ_LEN, local_batch_size=BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for _, (inputs, labels) in zip(range(steps), loader):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+    for _, batch in zip(range(steps), loader):
+        loss = F.cross_entropy(model(batch.inputs).flatten(0, 1).float(), batch.labels.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

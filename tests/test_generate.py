@@ -134,7 +134,7 @@ def test_sampling_stops_at_any_stop_id(model):
 def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
     """--chat renders the user message with the folder's own tokenizer and template, and prints
     only the reply, which ends before the end-of-turn token."""
-    from components.tokenizer import HFTokenizer
+    from components.data import HFTokenizer
     from tests.hf_tokenizer import build_tokenizer_folder
     from tests.test_sft import tiny_hf_folder
 
