@@ -175,3 +175,15 @@ def test_dry_run_from_config_only_folder(tmp_path, capsys):
             "--checkpoint.initial_load_path", str(tmp_path), "--training.seq_len", "4096"]
     assert main(argv) == 0
     assert f": {expected:,} parameters" in capsys.readouterr().out
+
+
+def test_nonempty_export_folder_refused_at_start(tmp_path, capsys):
+    """export.hf_folder that already holds files stops the run before anything is written."""
+    from train import main
+
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "run"), "--export.hf_folder", "hf"]
+    assert_clean_failure(run_in_process(main, argv, capsys), "export.hf_folder: output folder", before=before,
+                         root=tmp_path)
