@@ -68,7 +68,7 @@ from models.llama.hf_mapping import hf_config  # noqa: E402
 from components.loss import token_loss  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
 from components.optim import build_optimizer  # noqa: E402
-from components.sft_data import Batch  # noqa: E402
+from components.data import Batch  # noqa: E402
 from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
 from parallelisms.materialize import materialize  # noqa: E402

@@ -77,6 +77,34 @@ def test_odd_head_count_is_refused_even_when_a_plan_is_given():
         apply_tp(meta(lambda: Transformer(args)), MeshOfSize(4), {"output": ColwiseParallel()})
 
 
+def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
+    """Worker: a transformers LlamaForCausalLM's own `labels=` loss on one process, then on the
+    same weights under apply_tp(model, tp_mesh) alone; (logits are a plain tensor, both losses)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(input_ids=tokens, labels=tokens).loss.item()  # this process alone, no mesh
+        parallel = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (dist.get_world_size(),)))
+        output = parallel(input_ids=tokens, labels=tokens)
+    return type(output.logits) is torch.Tensor, output.loss.item(), reference
+
+
+def test_transformers_model_under_apply_tp_keeps_its_output_type():
+    """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
+    LM head), so the model's own loss works; loss parallelism is an explicit argument."""
+    from components.testing import run_distributed
+
+    for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
+        assert plain
+        assert loss == pytest.approx(reference, abs=1e-5)
+
+
 TIED = replace(LLAMA_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
                multiple_of=32, tie_embeddings=True)
 

@@ -6,7 +6,6 @@ import argparse
 import math
 from pathlib import Path
 
-import torch
 
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from components.hf.export import export_to_hf, run_hf_files

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from components.errors import one_line
-from components.tokenizer import load_tokenizer
+from components.data import load_tokenizer
 from models.llama import ModelArgs
 from models.llama.hf_mapping import hf_config
 
