@@ -67,10 +67,13 @@ def test_validation_files_errors_name_the_validation_key(tmp_path):
 def test_cpu_offload_needs_fsdp_and_gpu_float8_needs_its_shapes():
     """Checked by the plan, so a dry run for GPUs refuses them too: offload without FSDP would
     silently offload nothing, and CUDA's float8 kernels refuse these dtypes and token counts."""
+    offload = parse_args(["--job.config_file", "debug_model", "--parallelism.fsdp_cpu_offload"])
     with pytest.raises(ConfigError, match=r"^parallelism.fsdp_cpu_offload: offloads FSDP's shards, and this layout "):
-        plan_for("--parallelism.fsdp_cpu_offload", "--parallelism.tp", "2", "--parallelism.dp_shard", "1",
-                 world_size=2, check_environment=False)
-    assert plan_for("--parallelism.fsdp_cpu_offload", world_size=2, check_environment=False).dims.fsdp_enabled
+        RunPlan.from_config(offload, 1, device_type="cuda", check_environment=False)
+    assert RunPlan.from_config(offload, 2, device_type="cuda", check_environment=False).dims.fsdp_enabled
+    with pytest.raises(ConfigError, match="^parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run "
+                                          "has no GPU$"):  # (FSDP would fail pinning the shards on a CPU machine)
+        RunPlan.from_config(offload, 2, device_type="cpu", check_environment=False)
     gpu = parse_args(["--job.config_file", "debug_model", "--float8.enable", "--float8.recipe", "rowwise"])
     with pytest.raises(ConfigError, match="^float8.recipe = rowwise: needs bf16 compute on a GPU"):
         RunPlan.from_config(gpu, 1, device_type="cuda", check_environment=False)
