@@ -156,6 +156,16 @@ def test_too_many_skips_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
     assert step_folders(dump) == ["step-2"] and checkpoints(dump) == before
 
 
+def test_keep_latest_k_spares_the_last_checkpoint_before_a_skipped_step(tmp_path, monkeypatch, capsys):
+    """Step 5 is skipped: step-4 (the newest checkpoint before it) outlives keep_latest_k = 1."""
+    dump = tmp_path / "run"
+    inject_nan(monkeypatch, {5})
+    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1",
+                                                  "--training.on_nonfinite", "skip"), capsys)
+    assert outcome.code == 0, outcome.stderr
+    assert step_folders(dump) == ["step-4", "step-8"]
+
+
 # -- save errors ----------------------------------------------------------------------------
 
 class FillingDisk:
