@@ -20,6 +20,7 @@ from components.fingerprint import FINGERPRINT_FILE
 from components.config import JobConfig, parse_args, to_toml
 from components.distributed import Preemption, all_reduce_mean
 from components.errors import UserError, report_user_error
+from components.hf import export_at_end, record_hf_files
 from components.metrics import StepStats
 from components.nonfinite import NonFinitePolicy
 from components.timeouts import CommTimeouts, collective_failure
@@ -34,7 +35,7 @@ from recipe.build import (
     start_processes,
 )
 from recipe.dry_run import dry_run
-from recipe.plan import RunPlan, check_launch
+from recipe.plan import RunPlan, check_launch, tokenizer_path
 from recipe.step import evaluate, train_step
 
 logger = logging.getLogger("weft")
@@ -89,6 +90,7 @@ def train(cfg: JobConfig) -> list[float]:
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
             write_config(dump, cfg)
+            record_hf_files(dump, plan.model_args, tokenizer_path(cfg), cfg.checkpoint.initial_load_path)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
@@ -97,14 +99,15 @@ def train(cfg: JobConfig) -> list[float]:
             history.append(stats.loss)
             report_long_samples(loader)
 
+        # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
         if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            with timeouts.long():
-                metrics.log_validation(step, evaluate(step_setup, validation_loader(), batches,
-                                                      document_masking=cfg.data.document_masking))
+            with metrics.untimed(), timeouts.long():
+                loss = evaluate(step_setup, validation_loader(), batches, document_masking=cfg.data.document_masking)
+            metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        with timeouts.long():  # saves may wait on the slowest writer
+        with metrics.untimed(), timeouts.long():  # saves may wait on the slowest writer
             if saved:
                 checkpointer.save(step)
             else:
@@ -118,6 +121,8 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
+    if cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
+        export_at_end(model, dump, cfg.export)
     loader.close()
     preemption.close()
     metrics.close()

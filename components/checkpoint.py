@@ -38,7 +38,6 @@ from components.distributed import shared_gloo_group
 from components.errors import UserError, one_line
 from components.timeouts import keep_long_timeout
 from components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
-from models.llama import ModelArgs, Transformer
 
 logger = logging.getLogger("weft")
 
@@ -129,21 +128,33 @@ def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) ->
         raise checkpoint_failure(folder, action, e) from None
 
 
-def _expected_shapes(args: ModelArgs) -> tuple[dict[str, torch.Size], set[str]]:
-    """(shape of each distinct parameter, every model state-dict name) of a Transformer(args)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {name: p.shape for name, p in model.named_parameters()}, set(model.state_dict())
+# Wrappers that activation checkpointing and torch.compile put around a module: they appear in
+# parameter names but not in the names DCP saves (get_model_state_dict drops them too).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _saved_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _expected_shapes(model: torch.nn.Module) -> tuple[dict[str, torch.Size], set[str]]:
+    """(global shape of each distinct parameter, every state-dict name) of `model`, by the names
+    a checkpoint saves. Works on a meta model and on a parallelised one (a DTensor's shape is global)."""
+    shapes = {_saved_name(name): p.shape for name, p in model.named_parameters()}
+    return shapes, {_saved_name(name) for name in model.state_dict()}
 
 
 def model_tensor_metadata(
-    checkpoint_dir: str | os.PathLike, args: ModelArgs, expected_by: str = "the model"
+    checkpoint_dir: str | os.PathLike, model: torch.nn.Module, expected_by: str = "the model"
 ) -> dict[str, TensorStorageMetadata]:
-    """DCP metadata (global shape, dtype) of each parameter of a Transformer(args), by weft name,
-    after checking that the checkpoint holds exactly that model's tensors with its shapes.
+    """DCP metadata (global shape, dtype) of each parameter of `model`, by saved name, after
+    checking that the checkpoint holds exactly that model's tensors with its shapes.
 
-    With tied embeddings only `tok_embeddings.weight` is returned (a saved `output.weight` is
-    the same tensor). `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
+    `model` may be on the meta device. Tied parameters are returned once, under their first
+    name (a saved `output.weight` tied to `tok_embeddings.weight` is the same tensor).
+    `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
     """
     folder = Path(checkpoint_dir)
     try:
@@ -156,7 +167,7 @@ def model_tensor_metadata(
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    shapes, state_names = _expected_shapes(args)
+    shapes, state_names = _expected_shapes(model)
     for name, shape in shapes.items():
         if name in saved and saved[name].size != shape:
             raise CheckpointError(
@@ -391,7 +402,7 @@ class Checkpointer:
     def load(self, step: int) -> None:
         """Load the full training state saved after `step` into the live objects, in any layout."""
         folder = step_folder(self.root, step)
-        model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
+        model_tensor_metadata(folder, self.model)  # names and shapes, before reading anything
         state = self._state(step=0)
         dcp_call("load", state, folder)
         set_model_state_dict(self.model, state["model"])
@@ -415,7 +426,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint), into
     a model of any layout: DCP reshards them."""
     folder = require_complete_checkpoint(checkpoint_dir)
-    model_tensor_metadata(folder, model.args)
+    model_tensor_metadata(folder, model)
     state = {"model": get_model_state_dict(model)}
     dcp_call("load", state, folder)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

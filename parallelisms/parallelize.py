@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from parallelisms.ac import apply_ac
-from parallelisms.common import TransformError
-from parallelisms.compile import apply_compile
+from parallelisms.compile import apply_compile, check_compile_composes
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import Meshes
@@ -47,12 +46,7 @@ def parallelize(
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
-    if compile and dims is not None and dims.tp > 1 and torch_has_tp_compile_bug():
-        raise TransformError(
-            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
-            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
-            "compile or tensor parallelism"
-        )
+    check_compile_composes(compile, dims.tp if dims is not None else 1)
     # float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
@@ -95,9 +89,3 @@ def parallelize(
         apply_ddp(model, meshes.dp_replicate)
     return model
 
-
-def torch_has_tp_compile_bug() -> bool:
-    """torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
-    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
-    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
-    return torch.__version__.startswith("2.13")

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.data import Batch, batches
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from components.optim import clip_grad_norm_
-from components.sft_data import Batch, batches
 from float8 import precompute_float8_scales
 from parallelisms.cp import shard_sequence
 

@@ -70,9 +70,16 @@ class Job:
             "'4090'); exit 2 if it does not fit ('': no check)")
 
 
+# model.flavor's value for "the shape in config.json of the Hugging Face folder checkpoint.initial_load_path".
+FROM_HF_CONFIG = "from_hf_config"
+
+
 @dataclass
 class Model:
-    flavor: str = opt("debugmodel", "Model architecture and size", choices=tuple(LLAMA_FLAVORS))
+    flavor: str = opt(
+        "debugmodel", f"Model architecture and size: a built-in flavor (a Hugging Face checkpoint.initial_load_path "
+        f"must match it), or '{FROM_HF_CONFIG}' to read them from that folder's config.json",
+        choices=(*LLAMA_FLAVORS, FROM_HF_CONFIG))
     tokenizer_path: str = opt(
         "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
         "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")
@@ -109,6 +116,8 @@ class Parallelism:
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    share_gpus: bool = opt(
+        False, "Processes of a node share GPUs (tests on one GPU): collectives on gloo, slow; off: one GPU each, NCCL")
     loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
 
 
@@ -198,6 +207,15 @@ class Comm:
 
 
 @dataclass
+class Export:
+    hf_folder: str = opt(
+        "", "After the last step, write the model as a Hugging Face folder here (weights, config.json, tokenizer, "
+            "generation_config.json; relative to dump_folder; a new or empty folder); '': no export")
+    dtype: str = opt("float32", "dtype of the exported weights", choices=("float32", "bfloat16"))
+    max_shard_gib: float = opt(5.0, "Largest safetensors file of the export, in GiB", gt=0)
+
+
+@dataclass
 class Float8:
     enable: bool = opt(False, "Train linear layers with float8 matmuls")
     recipe: str = opt("tensorwise", "Float8 scaling granularity", choices=("tensorwise", "rowwise"))
@@ -235,6 +253,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
+    export: Export = field(default_factory=Export)
     float8: Float8 = field(default_factory=Float8)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
