@@ -45,7 +45,7 @@ def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
     logging and random state set up. With job.simulate_world_size this one process is rank 0 of
     that many, collectives faked."""
     cfg, dims, p = plan.cfg, plan.dims, plan.cfg.parallelism
-    device = init_distributed(cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
+    device = init_distributed(timeout_s=cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
                               share_gpus=p.share_gpus,
                               cpu_offload=p.fsdp_cpu_offload)
     if cfg.checkpoint.create_seed_checkpoint:  # the whole fp32 model (70B: 280 GB) fits host memory, not a GPU
