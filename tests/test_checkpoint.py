@@ -176,7 +176,7 @@ def test_seed_checkpoint_sets_the_starting_weights(tmp_path):
 def test_seed_checkpoint_is_built_on_the_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
     """With a GPU chosen for the process, the seed checkpoint still builds the whole model on the CPU
     (a 70B model is 280 GB in fp32). This CPU build of torch fails any use of the CUDA device."""
-    monkeypatch.setattr(recipe_build, "init_distributed", lambda **kwargs: torch.device("cuda", 0))
+    monkeypatch.setattr(recipe_build, "init_distributed", lambda *args, **kwargs: torch.device("cuda", 0))
     run(args(tmp_path, "single", "--checkpoint.create_seed_checkpoint"))
     assert complete_steps(tmp_path / "checkpoint") == [0]
 
