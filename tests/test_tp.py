@@ -95,12 +95,24 @@ def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
     return type(output.logits) is torch.Tensor, output.loss.item(), reference
 
 
-def test_transformers_model_under_apply_tp_keeps_its_output_type():
-    """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
-    LM head), so the model's own loss works; loss parallelism is an explicit argument."""
+def two_rank_cases() -> dict[str, object]:
+    """Worker: every 2-rank case of this file in one process group (starting processes costs more
+    than the cases)."""
+    return {"hf": hf_loss_with_and_without_tp(), "tied": tied_losses(2)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, object]]:
     from components.testing import run_distributed
 
-    for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
+    return run_distributed(two_rank_cases, 2)
+
+
+def test_transformers_model_under_apply_tp_keeps_its_output_type(two_ranks):
+    """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
+    LM head), so the model's own loss works; loss parallelism is an explicit argument."""
+    for rank in two_ranks:
+        plain, loss, reference = rank["hf"]
         assert plain
         assert loss == pytest.approx(reference, abs=1e-5)
 
@@ -138,12 +150,10 @@ def tied_losses(tp: int) -> tuple[list[float], bool]:
     return losses, model.output.weight is model.tok_embeddings.weight
 
 
-def test_tied_embeddings_split_over_tp_train_as_on_one_device():
+def test_tied_embeddings_split_over_tp_train_as_on_one_device(two_ranks):
     """apply_tp keeps a tied output projection tied (one DTensor, split by vocabulary rows), and
     training it over tp 2 gives the single-device losses."""
-    from tests.dist_utils import run_distributed
-
     reference, _ = tied_losses(1)
-    (losses, still_tied), _ = run_distributed(tied_losses, 2, 2)
+    losses, still_tied = two_ranks[0]["tied"]
     assert still_tied and reference[-1] < reference[0]
     assert losses == pytest.approx(reference, rel=1e-5)
