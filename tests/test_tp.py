@@ -95,65 +95,12 @@ def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
     return type(output.logits) is torch.Tensor, output.loss.item(), reference
 
 
-def two_rank_cases() -> dict[str, object]:
-    """Worker: every 2-rank case of this file in one process group (starting processes costs more
-    than the cases)."""
-    return {"hf": hf_loss_with_and_without_tp(), "tied": tied_losses(2)}
-
-
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict[str, object]]:
-    from components.testing import run_distributed
-
-    return run_distributed(two_rank_cases, 2)
-
-
-def test_transformers_model_under_apply_tp_keeps_its_output_type(two_ranks):
+def test_transformers_model_under_apply_tp_keeps_its_output_type():
     """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
     LM head), so the model's own loss works; loss parallelism is an explicit argument."""
-    for rank in two_ranks:
-        plain, loss, reference = rank["hf"]
+    from components.testing import run_distributed
+
+    for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
         assert plain
         assert loss == pytest.approx(reference, abs=1e-5)
 
-
-TIED = replace(LLAMA_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
-               multiple_of=32, tie_embeddings=True)
-
-
-def tied_losses(tp: int) -> tuple[list[float], bool]:
-    """Three SGD steps of a tied-embedding model, split over `tp` ranks (loss parallel) or not;
-    the losses, and whether the output projection is still the embedding's tensor."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from parallelisms.materialize import materialize
-
-    with torch.device("meta"):
-        model = Transformer(TIED)
-    if tp > 1:
-        apply_tp(model, init_device_mesh("cpu", (tp,)), loss_parallel=True)
-    materialize(model, "cpu", seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    tokens = torch.randint(0, TIED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(3):
-        with loss_parallel() if tp > 1 else torch.enable_grad():
-            loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append((loss.full_tensor() if tp > 1 else loss).item())
-    if tp > 1:
-        dist.barrier()
-    return losses, model.output.weight is model.tok_embeddings.weight
-
-
-def test_tied_embeddings_split_over_tp_train_as_on_one_device(two_ranks):
-    """apply_tp keeps a tied output projection tied (one DTensor, split by vocabulary rows), and
-    training it over tp 2 gives the single-device losses."""
-    reference, _ = tied_losses(1)
-    losses, still_tied = two_ranks[0]["tied"]
-    assert still_tied and reference[-1] < reference[0]
-    assert losses == pytest.approx(reference, rel=1e-5)
