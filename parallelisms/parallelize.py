@@ -10,7 +10,7 @@ from torch import nn
 
 from parallelisms.ac import apply_ac
 from parallelisms.common import TransformError
-from parallelisms.compile import apply_compile, check_compile_composes
+from parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import Meshes
@@ -50,7 +50,7 @@ def parallelize(
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
-    check_compile_composes(compile, dims.tp if dims is not None else 1)
+    check_compile_composes(compile, dims.tp if dims is not None else 1, ac_mode)
     # float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
@@ -74,8 +74,10 @@ def parallelize(
     # forward, its TP and CP collectives included.
     apply_ac(model, ac_mode, ac_selective_option, blocks)
     # Compile traces the checkpointed, parallel block (one graph reused by every block).
+    # Under tensor parallelism on torch 2.13 each compiled block reads a copy of its input.
     if compile:
-        apply_compile(model, blocks, backend=compile_backend)
+        apply_compile(model, blocks, backend=compile_backend,
+                      copy_input=tp_compile_needs_input_copy(dims.tp if dims is not None else 1))
     # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
     # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
     # Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master).
