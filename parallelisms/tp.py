@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from models.llama import Transformer
 from parallelisms.common import TransformError, refuse_data_parallel_model
+from parallelisms.lora import lora_tp_plan
 
 logger = logging.getLogger("weft")
 
@@ -60,6 +61,7 @@ def apply_tp(
         plan = default_tp_plan(model, loss_parallel=loss_parallel, float8_all_gather=float8_all_gather)
     elif float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
+    plan = lora_tp_plan(model, plan)  # adapters (apply_lora came first) split with their base
     targets = _plan_targets(model, plan)
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
