@@ -220,7 +220,7 @@ class _LoRAColwise(ColwiseParallel):
             _distribute(module, "bias", device_mesh, Shard(0))
             _distribute(module.lora_A, "weight", device_mesh, Replicate())
             _distribute(module.lora_B, "weight", device_mesh, Shard(0))
-        elif not _already_split(module):
+        elif isinstance(module, nn.Linear) and not _already_split(module):
             super()._partition_linear_fn(name, module, device_mesh)
 
 
@@ -234,7 +234,7 @@ class _LoRARowwise(RowwiseParallel):
             _distribute(module, "bias", device_mesh, Replicate())
             _distribute(module.lora_A, "weight", device_mesh, Shard(1))
             _distribute(module.lora_B, "weight", device_mesh, Replicate())
-        elif not _already_split(module):
+        elif isinstance(module, nn.Linear) and not _already_split(module):
             super()._partition_linear_fn(name, module, device_mesh)
 
 

@@ -66,7 +66,11 @@ def apply_tp(
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
     _check_not_tied(model, targets)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():  # some styles re-create parameters trainable
+        if name in frozen:
+            param.requires_grad_(False)
     logger.info(
         f"apply_tp: split {len(targets)} modules over tp_mesh size {tp} "
         f"({_plan_name(model)} plan, loss_parallel={loss_parallel})"

@@ -164,3 +164,89 @@ def test_qlora_computes_with_torchaos_dequantized_base():
             target.lora_A.weight.copy_(module.lora_A.weight)
     assert not torch.equal(reference.layers["0"].attention.wq.weight, materialize(build(NF4_ARGS), "cpu").layers["0"].attention.wq.weight)
     torch.testing.assert_close(qlora(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every layout equals one process
+# ---------------------------------------------------------------------------------------------
+
+# name -> (world size, dp_replicate, dp_shard, cp, tp, QLoRA, activation checkpointing)
+LAYOUTS = {
+    "fsdp2": (2, 1, 2, 1, 1, False, "full"),
+    "tp2": (2, 1, 1, 1, 2, False, "none"),
+    "cp2": (2, 1, 1, 2, 1, False, "none"),
+    "qlora_fsdp2": (2, 1, 2, 1, 1, True, "none"),
+    "fsdp2_tp2": (4, 1, 2, 1, 2, False, "none"),
+    "hsdp2x2": (4, 2, 2, 1, 1, False, "full"),
+}
+
+
+def train_weft(model: nn.Module, meshes=None) -> list[float]:
+    """10 AdamW steps on one fixed batch; each rank its data-parallel share and (CP) sequence shard."""
+    tokens_all = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    dims = meshes.dims if meshes else None
+    share = tokens_all.chunk(dims.dp)[meshes.dp.get_local_rank()] if meshes else tokens_all
+    losses = []
+    for _ in range(STEPS):
+        tokens, labels, positions = share[:, :-1], share[:, 1:], None
+        if dims is not None and dims.cp > 1:
+            (tokens, labels), positions = shard_sequence(meshes.cp, tokens, labels)
+        loss = F.cross_entropy(model(tokens, positions).flatten(0, 1), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        if meshes is not None:
+            dist.all_reduce(loss, group=meshes.dp_cp.get_group())
+            loss /= dims.dp * dims.cp
+        losses.append(loss.item())
+    return losses
+
+
+def build_lora(qlora: bool, meshes=None, ac_mode: str = "none") -> nn.Module:
+    """meta -> parallelize (LoRA, and QLoRA's materialize + quantize before FSDP) -> materialize."""
+    if qlora:
+        return parallelize(build(NF4_ARGS), meshes, **LORA, lora_quantize_base="nf4", ac_mode=ac_mode,
+                           loss_parallel=False, param_dtype=torch.float32,
+                           before_data_parallel=lambda m: materialize(m, "cpu", seed=SEED))
+    model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32)
+    return materialize(model, "cpu", seed=SEED)
+
+
+def train_layouts(names: list[str]) -> dict[str, list[float]]:
+    losses = {}
+    for name in names:
+        world, replicate, shard, cp, tp, qlora, ac_mode = LAYOUTS[name]
+        dims = ParallelDims.resolve(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world)
+        meshes = dims.build_mesh("cpu")
+        model = build_lora(qlora, meshes, ac_mode)
+        if qlora:  # FSDP shards the NF4 tensors themselves
+            from torchao.quantization import NF4Tensor
+
+            assert all(isinstance(m.weight.to_local(), NF4Tensor) for _, m in lora_modules(model))
+        losses[name] = train_weft(model, meshes)
+        dist.barrier()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[bool, list[float]]:
+    return {qlora: train_weft(build_lora(qlora)) for qlora in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def layout_losses() -> dict[str, list[float]]:
+    losses = {}
+    for world in sorted({w for w, *_ in LAYOUTS.values()}):
+        names = [n for n, (w, *_) in LAYOUTS.items() if w == world]
+        losses.update(run_distributed(train_layouts, world, names, timeout=600)[0])
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, references, layout_losses):
+    reference = references[LAYOUTS[layout][5]]
+    assert reference[-1] < reference[0] - 0.1, "the adapters must learn"
+    assert layout_losses[layout] == pytest.approx(reference, rel=1e-5)
