@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from components.adapters import adapter_state
 from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
@@ -179,6 +180,7 @@ LAYOUTS = {
     "fsdp2_tp2": (4, 1, 2, 1, 2, False, "none"),
     "hsdp2x2": (4, 2, 2, 1, 1, False, "full"),
 }
+EXPORTED = "fsdp2_tp2"
 
 
 def train_weft(model: nn.Module, meshes=None) -> list[float]:
@@ -226,6 +228,8 @@ def train_layouts(names: list[str]) -> dict[str, list[float]]:
 
             assert all(isinstance(m.weight.to_local(), NF4Tensor) for _, m in lora_modules(model))
         losses[name] = train_weft(model, meshes)
+        if name == EXPORTED:  # the export gathers split adapters (a collective on every rank)
+            losses["exported"] = {k: v.tolist() for k, v in adapter_state(model).items()}
         dist.barrier()
     return losses
 
@@ -233,6 +237,13 @@ def train_layouts(names: list[str]) -> dict[str, list[float]]:
 @pytest.fixture(scope="module")
 def references() -> dict[bool, list[float]]:
     return {qlora: train_weft(build_lora(qlora)) for qlora in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def reference_adapters() -> dict[str, torch.Tensor]:
+    model = build_lora(False)
+    train_weft(model)
+    return adapter_state(model)
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +261,11 @@ def test_layout_matches_one_process(layout, references, layout_losses):
     reference = references[LAYOUTS[layout][5]]
     assert reference[-1] < reference[0] - 0.1, "the adapters must learn"
     assert layout_losses[layout] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_adapters_exported_from_a_split_layout_equal_one_process(reference_adapters, layout_losses):
+    exported = {k: torch.tensor(v) for k, v in layout_losses["exported"].items()}
+    assert exported.keys() == reference_adapters.keys()
+    for key, value in reference_adapters.items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
