@@ -27,6 +27,7 @@ from recipe.build import (
     build_optimizer_and_schedule,
     build_step,
     log_summary,
+    lora_base_identity,
     restore,
     start_processes,
 )
@@ -61,7 +62,7 @@ def train(cfg: JobConfig) -> list[float]:
     #    the dump folder as it found it.
     dump = Path(cfg.job.dump_folder)
     checkpointer = Checkpointer(cfg.checkpoint, dump, model=model, optimizer=optimizer, scheduler=scheduler,
-                                dataloader=loader)
+                                dataloader=loader, base_identity=lora_base_identity(plan))
     start_step = restore(plan, checkpointer, model)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:

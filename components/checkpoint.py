@@ -202,8 +202,12 @@ def check_resume(cfg: Checkpoint, dump_folder: Path, last_step: int) -> None:
 class Checkpointer:
     """Saves every `interval` steps, loads the latest complete checkpoint on start."""
 
-    def __init__(self, cfg: Checkpoint, dump_folder: Path, *, model, optimizer, scheduler, dataloader):
+    def __init__(self, cfg: Checkpoint, dump_folder: Path, *, model, optimizer, scheduler, dataloader,
+                 base_identity: str | None = None):
+        """base_identity: set for LoRA: only trainable parameters are saved, with this description
+        of the frozen base they were trained on, and a checkpoint of another base is refused."""
         self.cfg = cfg
+        self.base_identity = base_identity
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.scheduler, self.dataloader = model, optimizer, scheduler, dataloader
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -217,13 +221,16 @@ class Checkpointer:
     # -- what is saved ----------------------------------------------------------------------
 
     def _state(self, step: int, model_only: bool = False) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        trainable_only = StateDictOptions(ignore_frozen_params=self.base_identity is not None)
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model, options=trainable_only)}
         if model_only:
             return state
         state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         state["lr_scheduler"] = self.scheduler.state_dict()
         state["dataloader"] = self.dataloader.state_dict()
         state["train_state"] = {"step": step, "rng": torch.get_rng_state()}
+        if self.base_identity is not None:
+            state["train_state"]["lora_base"] = self.base_identity
         return state
 
     # -- saving -----------------------------------------------------------------------------
@@ -309,10 +316,13 @@ class Checkpointer:
     def load(self, step: int) -> None:
         """Load the full training state saved after `step` into the live objects, in any layout."""
         folder = step_folder(self.root, step)
-        model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
+        if self.base_identity is None:
+            model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
+        else:
+            self._check_lora_base(folder)
         state = self._state(step=0)
         dcp_call("load", state, folder)
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=self.base_identity is None))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self.dataloader.load_state_dict(state["dataloader"])
@@ -320,6 +330,19 @@ class Checkpointer:
         if state["train_state"]["step"] != step:
             raise CheckpointError(f"checkpoint {folder} holds step {state['train_state']['step']}, not {step}")
         logger.info(f"checkpoint: resumed from step {step} ({folder})")
+
+    def _check_lora_base(self, folder: Path) -> None:
+        """An adapter checkpoint resumes only onto the base it was trained on (and only in a LoRA run)."""
+        state = {"train_state": {"lora_base": ""}}
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except (Exception, CheckpointException):  # noqa: BLE001 - no record: a full checkpoint
+            raise CheckpointError(f"checkpoint {folder} is not a LoRA adapter checkpoint (it records no base "
+                                  "model); resume it with lora.enable = false") from None
+        saved = state["train_state"]["lora_base"]
+        if saved != self.base_identity:
+            raise CheckpointError(f"checkpoint {folder} holds adapters trained on base [{saved}], this run's base is "
+                                  f"[{self.base_identity}]; set checkpoint.initial_load_path (and model) to that base")
 
     def close(self) -> None:
         self.finish_pending(wait=True)
@@ -330,6 +353,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     a model of any layout: DCP reshards them."""
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, model.args)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}}  # base only
     dcp_call("load", state, folder)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not any(".lora_" in n for n, _ in model.named_parameters())))

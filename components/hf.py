@@ -469,7 +469,8 @@ def load_hf_into_model(model: Transformer, hf_dir: str | os.PathLike) -> None:
             raise ConversionError(f"HF folder {folder}: {field} is {value}, the model has {ours[field]}")
 
     files = _tensor_files(folder)
-    params = dict(model.named_parameters())  # a tied output projection appears once, as tok_embeddings
+    # a tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder
+    params = {name: p for name, p in model.named_parameters() if ".lora_" not in name}
     hf_names = {name: weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:

@@ -181,6 +181,17 @@ class Float8:
 
 
 @dataclass
+class Lora:
+    enable: bool = opt(False, "Fine-tune low-rank adapters (LoRA) on a frozen base instead of every weight")
+    rank: int = opt(8, "Rank of each adapter (the inner dimension of B A)", min=1)
+    alpha: float = opt(16.0, "Adapter scale numerator: output += alpha / rank * B A x", gt=0)
+    dropout: float = opt(0.0, "Dropout on the adapters' input", min=0, lt=1)
+    target_modules: list[str] = opt([], "Linear layers given adapters: last names (wq) or globs; empty: every block linear")
+    use_rslora: bool = opt(False, "Scale by alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank")
+    quantize_base: str = opt("", "Store the frozen base linears in NF4 (QLoRA)", choices=("", "nf4"))
+
+
+@dataclass
 class Compile:
     enable: bool = opt(False, "torch.compile each transformer block and the loss")
 
@@ -206,6 +217,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
 
