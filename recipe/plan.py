@@ -154,7 +154,7 @@ def lora_settings(cfg: JobConfig) -> dict[str, Setting]:
         "lora_rank": Setting(lora.rank if lora.enable else None, "lora.rank"),
         "lora_alpha": Setting(lora.alpha, "lora.alpha"),
         "lora_dropout": Setting(lora.dropout, "lora.dropout"),
-        "lora_target_modules": Setting(tuple(lora.target_modules) or None, "lora.target_modules"),
+        "lora_target_modules": Setting(list(lora.target_modules) or None, "lora.target_modules"),
         "lora_use_rslora": Setting(lora.use_rslora, "lora.use_rslora"),
         "lora_quantize_base": Setting((lora.quantize_base or None) if lora.enable else None, "lora.quantize_base"),
     }
