@@ -3,6 +3,7 @@ the tests all build their models through `parallelize`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +17,8 @@ from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.lora import apply_lora, quantize_lora_base
 from parallelisms.parallel_dims import Meshes
 from parallelisms.tp import Plan, apply_tp
+
+logger = logging.getLogger("weft")
 
 
 def parallelize(
@@ -108,7 +111,10 @@ def parallelize(
         before_data_parallel(model)
     # NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP
     # shards them; FSDP all-gathers NF4 and each block dequantizes in its matmuls.
-    if lora_quantize_base is not None:
+    if lora_quantize_base is not None and any(p.is_meta for p in model.parameters()):
+        logger.warning("parallelize: the model is on the meta device, so the LoRA base stays unquantized (a plan, "
+                       "as in the dry run); quantize real weights through before_data_parallel")
+    elif lora_quantize_base is not None:
         shards = meshes.fsdp.shape[-1] if dims is not None and dims.fsdp_enabled else 1
         quantize_lora_base(model, shards=shards)
     # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,

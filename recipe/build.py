@@ -62,9 +62,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         model = Transformer(plan.model_args)
     kwargs = plan.parallelize_kwargs()
     qlora = kwargs["lora_quantize_base"] is not None
-    if qlora and device is None:  # the dry run plans QLoRA's layout on meta, with nothing to quantize
-        kwargs["lora_quantize_base"] = None
-    elif qlora:  # NF4 quantizes the real base, before FSDP shards it
+    if qlora and device is not None:  # NF4 quantizes the real base, before FSDP shards it
         kwargs["before_data_parallel"] = lambda m: load_lora_base(plan, materialize(m, device, seed=plan.cfg.training.seed))
     try:
         parallelize(model, meshes, **kwargs)

@@ -51,6 +51,7 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
         foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
+        lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
     )
 
 
