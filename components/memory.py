@@ -267,17 +267,23 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
     built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
     wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
-    ceil). Checked against the real transforms in tests/test_memory.py."""
-    params = 0
+    ceil). Checked against the real transforms in tests/test_memory.py. With LoRA (apply_lora on
+    the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
+    whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
+    params = grads = 0
+    nf4 = nf4_planned_weights(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
-        if tp > 1 and not name.endswith("norm.weight"):
+        if tp > 1 and not name.endswith("norm.weight") and ".lora_" not in name:
             split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
             shape[split] = -(-shape[split] // tp)
         if fsdp > 1:
             shape[0] = -(-shape[0] // fsdp)
-        params += torch.Size(shape).numel() * p.element_size()
-    return params, params, params * 2  # fp32 parameters: gradients alike, AdamW 2 x fp32
+        numel = torch.Size(shape).numel()
+        size = nf4_bytes(numel) if id(p) in nf4 else numel * p.element_size()
+        params += size
+        grads += size if p.requires_grad else 0
+    return params, grads, grads * 2  # trainable parameters are fp32: AdamW 2 x fp32 each
 
 
 def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] | None = None) -> MemoryEstimate:
@@ -300,7 +306,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         trainable = block if not s.lora_rank else lora_block_numel(s.args, s.lora_rank) // s.tp
         buffers["FSDP reduce-scatter (1 block's gradients)"] = trainable * (pb + rb)
     if s.autocast:
-        buffers["autocast bf16 weight copies"] = params // 2  # of fp32 parameters
+        buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
     buffers["logits (until backward)"] = logits
     buffers["loss: fp32 work and the logits' gradient"] = loss_backward
     gather = buffers.get("FSDP all-gather (2 blocks + root, unsharded)", 0)

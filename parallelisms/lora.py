@@ -75,12 +75,15 @@ def apply_lora(
     target_modules: list[str] | tuple[str, ...] | None = None,
     use_rslora: bool = False,
     quantize_base: str | None = None,
+    base_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
     (`layers.*.attention.w?`); None: every nn.Linear but the output head. quantize_base "nf4":
     the targets' frozen weights become NF4 once `quantize_lora_base` runs on real weights.
+    base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
+    parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
 
     Apply first, on the meta-device or real model: before float8 (refused together), tensor
     parallelism (which splits the adapters with their base) and FSDP/DDP (which shard or
@@ -103,6 +106,9 @@ def apply_lora(
         parent_name, _, child = name.rpartition(".")
         lora = LoRALinear(linear, rank, alpha, dropout, use_rslora, quantize_base)
         setattr(modules[parent_name], child, lora)
+    for param in model.parameters():
+        if base_dtype is not None and not param.requires_grad and param.dtype != base_dtype:
+            param.data = param.data.to(base_dtype)  # in place: tied parameters stay one
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(

@@ -32,6 +32,7 @@ def parallelize(
     lora_target_modules: Iterable[str] | None = None,
     lora_use_rslora: bool = False,
     lora_quantize_base: str | None = None,
+    lora_base_dtype: torch.dtype | None = None,
     before_data_parallel: Callable[[nn.Module], None] | None = None,
     float8_recipe: str | None = None,
     float8_filter_fqns: Iterable[str] = (),
@@ -81,7 +82,7 @@ def parallelize(
     if lora_rank is not None:
         apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
                    target_modules=None if lora_target_modules is None else list(lora_target_modules),
-                   use_rslora=lora_use_rslora, quantize_base=lora_quantize_base)
+                   use_rslora=lora_use_rslora, quantize_base=lora_quantize_base, base_dtype=lora_base_dtype)
     # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:

@@ -157,6 +157,9 @@ def lora_settings(cfg: JobConfig) -> dict[str, Setting]:
         "lora_target_modules": Setting(list(lora.target_modules) or None, "lora.target_modules"),
         "lora_use_rslora": Setting(lora.use_rslora, "lora.use_rslora"),
         "lora_quantize_base": Setting((lora.quantize_base or None) if lora.enable else None, "lora.quantize_base"),
+        # The frozen base in the compute dtype: nothing updates it, so fp32 master weights buy nothing.
+        "lora_base_dtype": Setting(DTYPES[cfg.training.mixed_precision_param] if lora.enable else None,
+                                   "training.mixed_precision_param"),
     }
 
 
