@@ -10,9 +10,11 @@ assistant's turn (Llama 3's <|eot_id|>, or EOS); only the reply is printed. The 
 SentencePiece model file or a Hugging Face tokenizer folder; a --hf folder's own tokenizer is the
 default.
 
-One process, one device (CUDA if available, else the CPU). Every step runs the full forward
-over the whole context: no KV cache, which keeps the loop obviously correct and is fast enough
-for small models.
+One process, one device (CUDA if available, else the CPU), in --dtype: bfloat16 by default on a
+GPU (float32 with grouped-query attention would fall to SDPA's slow math kernel there), float32
+on the CPU. The weights are read on the CPU, cast, then moved to the device, so the GPU never
+holds an fp32 copy. Every step runs the full forward over the whole context: no KV cache, which
+keeps the loop obviously correct and is fast enough for small models.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from pathlib import Path
 import torch
 
 from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from components.data import DataError
+from components.data import DataError, HFTokenizer, load_tokenizer
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
-from components.tokenizer import HFTokenizer, load_tokenizer
-from components.hf import load_hf_into_model, model_args_from_hf_config, read_hf_config
+from components.hf import load_hf_into_model, model_args_from_hf_folder
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from models.llama.model import rope_rotations
+from parallelisms.precision import DTYPES
 from recipe.plan import SHIPPED_TOKENIZER
 
 
@@ -108,6 +111,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+                        help="dtype of the weights and compute (default: bfloat16 on a GPU, float32 on the CPU)")
     opts = parser.parse_args(argv)
     if opts.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {opts.max_new_tokens}")
@@ -130,21 +135,19 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
                             "(a Hugging Face folder whose tokenizer_config.json has one)")
         if opts.hf is not None:
-            args: ModelArgs = model_args_from_hf_config(read_hf_config(opts.hf))
+            args: ModelArgs = model_args_from_hf_folder(opts.hf)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
             args = LLAMA_FLAVORS[opts.flavor]
-            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), args, f"--flavor {opts.flavor}")
+            with torch.device("meta"):
+                shapes = Transformer(args)
+            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, f"--flavor {opts.flavor}")
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")
-        with torch.device(device):
-            model = Transformer(args)
-        if opts.hf is not None:
-            load_hf_into_model(model, opts.hf)
-        else:
-            load_model_weights(model, opts.checkpoint)
+        model = load_model(args, hf=opts.hf, checkpoint=opts.checkpoint, device=device,
+                           dtype=DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")])
     except UserError as e:
         return report_user_error(e)
 
@@ -162,6 +165,24 @@ def main(argv: list[str] | None = None) -> int:
                      eos_id=tokenizer.eos_id)
     print(tokenizer.decode(prompt_ids + new_ids))
     return 0
+
+
+def load_model(args: ModelArgs, *, hf: str | None, checkpoint: str | None, device: torch.device,
+               dtype: torch.dtype) -> Transformer:
+    """The model with the weights of a Hugging Face folder (`hf`) or a DCP step folder, read on the
+    CPU, cast to `dtype`, then moved to `device`. Only parameters are cast: the rotary table is
+    complex, and stays so."""
+    with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.rope_rotations.copy_(rope_rotations(args))
+    if hf is not None:
+        load_hf_into_model(model, hf)
+    else:
+        load_model_weights(model, checkpoint)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)  # in place of the data: tied parameters stay one tensor
+    return model.to(device)
 
 
 def _tokenizer_path(opts: argparse.Namespace) -> str:

@@ -16,10 +16,14 @@ from pathlib import Path
 import torch
 
 from components.checkpoint import Checkpointer
+from components.fingerprint import FINGERPRINT_FILE
 from components.config import JobConfig, parse_args, to_toml
 from components.distributed import Preemption, all_reduce_mean
 from components.errors import UserError, report_user_error
+from components.hf import export_at_end, record_hf_files
 from components.metrics import StepStats
+from components.nonfinite import NonFinitePolicy
+from components.timeouts import CommTimeouts, collective_failure
 from recipe.build import (
     build_data,
     build_metrics,
@@ -32,7 +36,7 @@ from recipe.build import (
     start_processes,
 )
 from recipe.dry_run import dry_run
-from recipe.plan import RunPlan, check_launch
+from recipe.plan import RunPlan, check_launch, tokenizer_path
 from recipe.step import evaluate, train_step
 
 logger = logging.getLogger("weft")
@@ -62,7 +66,8 @@ def train(cfg: JobConfig) -> list[float]:
     #    the dump folder as it found it.
     dump = Path(cfg.job.dump_folder)
     checkpointer = Checkpointer(cfg.checkpoint, dump, model=model, optimizer=optimizer, scheduler=scheduler,
-                                dataloader=loader, base_identity=lora_base_identity(plan))
+                                dataloader=loader, extra_files={FINGERPRINT_FILE: plan.data_fingerprint},
+                                base_identity=lora_base_identity(plan))
     start_step = restore(plan, checkpointer, model)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
@@ -73,39 +78,53 @@ def train(cfg: JobConfig) -> list[float]:
     # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank.
     metrics = build_metrics(plan, model, device, rank, start_step)
     preemption = Preemption()
+    # Faults: a NaN/inf loss or gradient norm stops the run or skips the update (never saved);
+    # after the first step, a collective waits at most comm.train_timeout_seconds.
+    nonfinite = NonFinitePolicy(cfg.training.on_nonfinite, cfg.training.max_skipped_steps,
+                                on_first=checkpointer.protect_before, before_stop=lambda: checkpointer.finish_pending(True))
+    timeouts = CommTimeouts(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
     history: list[float] = []
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
-        result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)])
+        timeouts.at_step(step)
+        result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)],
+                            allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
             write_config(dump, cfg)
+            record_hf_files(dump, plan.model_args, tokenizer_path(cfg), cfg.checkpoint.initial_load_path)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
-                              result.lr)
+                              result.lr, skipped_steps=nonfinite.skipped)
             metrics.log(stats)
             history.append(stats.loss)
             report_long_samples(loader)
 
+        # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
         if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            metrics.log_validation(step, evaluate(step_setup, validation_loader(), batches,
-                                                  document_masking=cfg.data.document_masking))
+            with metrics.untimed(), timeouts.long():
+                loss = evaluate(step_setup, validation_loader(), batches, document_masking=cfg.data.document_masking)
+            metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        if saved:
-            checkpointer.save(step)
-        else:
-            checkpointer.finish_pending(wait=False)
+        with metrics.untimed(), timeouts.long():  # saves may wait on the slowest writer
+            if saved:
+                checkpointer.save(step)
+            else:
+                checkpointer.finish_pending(wait=False)  # a failed background save is reported here
         if preemption.requested():
             if cfg.checkpoint.enable and not saved:
-                checkpointer.save(step, blocking=True)
+                with timeouts.long():
+                    checkpointer.save(step, blocking=True)
             logger.info(f"stopped by SIGTERM after step {step}")
             break
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
+    if cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
+        export_at_end(model, dump, cfg.export)
     loader.close()
     preemption.close()
     metrics.close()
@@ -132,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         train(parse_args(argv))
     except UserError as e:  # any mistake the user can fix: one line, exit 2
         return report_user_error(e)
+    except RuntimeError as e:  # a collective that timed out or lost a rank: one line naming the step
+        if (fault := collective_failure(e)) is None:
+            raise
+        return report_user_error(fault)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

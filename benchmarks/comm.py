@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from components.config import Optimizer, parse_args  # noqa: E402
 from components.distributed import all_reduce_mean  # noqa: E402
-from components.sft_data import Batch  # noqa: E402
+from components.data import Batch  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
 from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
 from recipe.plan import RunPlan  # noqa: E402

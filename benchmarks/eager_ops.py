@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from components.config import parse_args  # noqa: E402
-from components.sft_data import Batch  # noqa: E402
+from components.data import Batch  # noqa: E402
 from models.llama import LLAMA_FLAVORS  # noqa: E402
 from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
 from recipe.plan import RunPlan  # noqa: E402

@@ -64,11 +64,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from components.config import Optimizer  # noqa: E402
-from components.hf import hf_config  # noqa: E402
+from models.llama.hf_mapping import hf_config  # noqa: E402
 from components.loss import token_loss  # noqa: E402
 from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
 from components.optim import build_optimizer  # noqa: E402
-from components.sft_data import Batch  # noqa: E402
+from components.data import Batch  # noqa: E402
 from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
 from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
 from parallelisms.materialize import materialize  # noqa: E402

@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import train  # noqa: E402
 from components.config import parse_args  # noqa: E402
-from components.data import Tokenizer, TokenWindowLoader, find_text_files  # noqa: E402
+from components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
 from models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
 
 
@@ -41,9 +41,8 @@ def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: i
     model.to_empty(device=device)
     model.init_weights(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
-    loader = TokenWindowLoader(find_text_files(str(REPO / "assets/data/shakespeare")),
-                               Tokenizer(REPO / "assets/tokenizer/shakespeare.model"),
-                               seq_len=seq_len, local_batch_size=batch)
+    loader = build_loader("text", find_text_files(str(REPO / "assets/data/shakespeare")),
+                          Tokenizer(REPO / "assets/tokenizer/shakespeare.model"), seq_len=seq_len, local_batch_size=batch)
     batches = iter(loader)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     start = 0.0
@@ -52,7 +51,8 @@ def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: i
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-        inputs, labels = (t.to(device) for t in next(batches))
+        micro_batch = next(batches).to(device)
+        inputs, labels = micro_batch.inputs, micro_batch.labels
         with autocast:
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

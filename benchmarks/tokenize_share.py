@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from assets.make_chat_data import speeches  # noqa: E402
-from components.data import Tokenizer, TokenWindowLoader, find_text_files  # noqa: E402
+from components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
 from components.testing import run_distributed  # noqa: E402
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
@@ -59,8 +59,8 @@ def measure(files: list[str], layout: str, seq_len: int, batch: int, steps: int)
 
     dp_rank, dp = LAYOUTS[layout](dist.get_rank())
     tokenizer = CountingTokenizer()
-    loader = TokenWindowLoader([Path(f) for f in files], tokenizer, seq_len=seq_len,
-                               local_batch_size=batch * WORLD // dp, dp_rank=dp_rank, dp_world_size=dp)
+    loader = build_loader("text", [Path(f) for f in files], tokenizer, seq_len=seq_len,
+                          local_batch_size=batch * WORLD // dp, dp_rank=dp_rank, dp_world_size=dp)
     for _ in islice(loader, steps):
         pass
     return tokenizer.documents, tokenizer.tokens, loader.state_dict()

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from components.errors import UserError
-from components.hf import hf_config, to_hf_tensor, weft_to_hf_name
 from models.llama import Transformer
+from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
 from parallelisms.lora import LoRALinear, lora_modules
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"

@@ -34,8 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from components.config import Checkpoint
+from components.distributed import shared_gloo_group
 from components.errors import UserError, one_line
-from models.llama import ModelArgs, Transformer
+from components.timeouts import keep_long_timeout
+from components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
 
 logger = logging.getLogger("weft")
 
@@ -108,9 +110,7 @@ def checkpoint_failure(folder: Path, action: str, error: BaseException) -> Check
     `except Exception` misses it) whose text is every rank's whole traceback; the user needs
     only what went wrong first: the exception type and its message, e.g. a truncated file's
     EOFError or a garbled one's UnpicklingError."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (first, _) = min(error.failures.items())
-        error = first
+    error = first_error(error)
     hint = "; is one of its files truncated or corrupt?" if action == "load" else ""
     return CheckpointError(f"checkpoint {folder}: cannot {action} it "
                            f"({type(error).__name__}: {one_line(error) or 'no message'}){hint}")
@@ -128,21 +128,33 @@ def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) ->
         raise checkpoint_failure(folder, action, e) from None
 
 
-def _expected_shapes(args: ModelArgs) -> tuple[dict[str, torch.Size], set[str]]:
-    """(shape of each distinct parameter, every model state-dict name) of a Transformer(args)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {name: p.shape for name, p in model.named_parameters()}, set(model.state_dict())
+# Wrappers that activation checkpointing and torch.compile put around a module: they appear in
+# parameter names but not in the names DCP saves (get_model_state_dict drops them too).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _saved_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _expected_shapes(model: torch.nn.Module) -> tuple[dict[str, torch.Size], set[str]]:
+    """(global shape of each distinct parameter, every state-dict name) of `model`, by the names
+    a checkpoint saves. Works on a meta model and on a parallelised one (a DTensor's shape is global)."""
+    shapes = {_saved_name(name): p.shape for name, p in model.named_parameters() if ".lora_" not in name}
+    return shapes, {_saved_name(name) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
 
 
 def model_tensor_metadata(
-    checkpoint_dir: str | os.PathLike, args: ModelArgs, expected_by: str = "the model"
+    checkpoint_dir: str | os.PathLike, model: torch.nn.Module, expected_by: str = "the model"
 ) -> dict[str, TensorStorageMetadata]:
-    """DCP metadata (global shape, dtype) of each parameter of a Transformer(args), by weft name,
-    after checking that the checkpoint holds exactly that model's tensors with its shapes.
+    """DCP metadata (global shape, dtype) of each parameter of `model`, by saved name, after
+    checking that the checkpoint holds exactly that model's tensors with its shapes.
 
-    With tied embeddings only `tok_embeddings.weight` is returned (a saved `output.weight` is
-    the same tensor). `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
+    `model` may be on the meta device. Tied parameters are returned once, under their first
+    name (a saved `output.weight` tied to `tok_embeddings.weight` is the same tensor).
+    `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
     """
     folder = Path(checkpoint_dir)
     try:
@@ -155,7 +167,7 @@ def model_tensor_metadata(
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    shapes, state_names = _expected_shapes(args)
+    shapes, state_names = _expected_shapes(model)
     for name, shape in shapes.items():
         if name in saved and saved[name].size != shape:
             raise CheckpointError(
@@ -199,24 +211,43 @@ def check_resume(cfg: Checkpoint, dump_folder: Path, last_step: int) -> None:
                               f"and would be overwritten; copy step-{start} into another dump folder to branch from it")
 
 
+def resume_folder(cfg: Checkpoint, dump_folder: Path) -> Path | None:
+    """The step folder a run resumes its full state from (None: it starts afresh, or from the seed step-0)."""
+    root = dump_folder / cfg.folder
+    steps = complete_steps(root)
+    step = cfg.load_step if cfg.load_step >= 0 else (steps[-1] if steps else 0)
+    return step_folder(root, step) if step > 0 else None
+
+
 class Checkpointer:
-    """Saves every `interval` steps, loads the latest complete checkpoint on start."""
+    """Saves every `interval` steps, loads the latest complete checkpoint on start.
+
+    A save that fails (no room, a failed write, a failed background save) removes its partial
+    folder and raises SaveError, or with `on_save_error = "continue"` logs it and lets training
+    go on to the next interval; every rank takes the same decision. `extra_files` (name -> text)
+    are written into each full checkpoint before its COMPLETE marker."""
 
     def __init__(self, cfg: Checkpoint, dump_folder: Path, *, model, optimizer, scheduler, dataloader,
-                 base_identity: str | None = None):
+                 extra_files: dict[str, str] | None = None, base_identity: str | None = None):
         """base_identity: set for LoRA: only trainable parameters are saved, with this description
         of the frozen base they were trained on, and a checkpoint of another base is refused."""
         self.cfg = cfg
         self.base_identity = base_identity
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.scheduler, self.dataloader = model, optimizer, scheduler, dataloader
+        self.extra_files = dict(extra_files or {})
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, int] | None = None  # step, future, bytes needed
+        self._failure: UserError | None = None  # of the latest save, if it failed under "continue"
+        self._protected_before: int | None = None
         # Asynchronous saves run their collectives from a background thread; give them a gloo
         # group of their own so they never interleave with training's NCCL collectives.
         self._async_group = None
         if cfg.async_mode == "async" and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")
+            keep_long_timeout(self._async_group)  # its gather waits for the slowest writer
+        # The ranks agree on every save's outcome over this one (CPU flags, whatever the backend).
+        self._agree_group = shared_gloo_group("checkpoint") if cfg.enable or cfg.create_seed_checkpoint else None
 
     # -- what is saved ----------------------------------------------------------------------
 
@@ -238,47 +269,98 @@ class Checkpointer:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
-    def save(self, step: int, *, model_only: bool = False, blocking: bool = False) -> None:
-        """Save the state after `step`; asynchronously if configured and not `blocking`."""
+    def save(self, step: int, *, model_only: bool = False, blocking: bool = False) -> bool:
+        """Save the state after `step`; asynchronously if configured and not `blocking`. False if
+        it failed and on_save_error is "continue" (it raises SaveError otherwise)."""
         self.finish_pending(wait=True)  # one save in flight at a time
         folder = step_folder(self.root, step)
-        if self.is_writer:
-            if (folder / COMPLETE).exists():  # check_resume makes this unreachable; never overwrite one
-                raise CheckpointError(f"checkpoint {folder} already exists; refusing to overwrite it")
-            if folder.is_dir():  # a leftover of an interrupted save of this same step
-                shutil.rmtree(folder)
-            elif folder.exists():
-                raise CheckpointError(f"checkpoint {folder} is a file, not a folder; move it away")
-            folder.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier()
         state = self._state(step, model_only)
+        needed, basis = self._bytes_needed(state)
+        free = free_bytes(self.root)
+        problem = None
+        if free < needed:
+            problem = shortage(folder, step, needed, free, basis)
+        elif self.is_writer:
+            try:
+                self._prepare_folder(folder)
+            except CheckpointError as e:
+                problem = e
+            except OSError as e:
+                problem = write_failure(folder, step, e, needed, free)
+        if self._any_rank(problem is not None):  # also the barrier: the folder exists before any rank writes
+            return self._failed(folder, problem or SaveError(f"checkpoint {folder}: another rank could not save step "
+                                                             f"{step}; see its line"))
         if self.cfg.async_mode == "async" and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._async_group)
-            self._pending = (step, future)
+            self._pending = (step, future, needed)
             logger.info(f"checkpoint: saving step {step} in the background to {folder}")
-        else:
-            dcp_call("save", state, folder)
-            self._mark_complete(step)
+            return True
+        try:
+            dcp.save(state, checkpoint_id=str(folder))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises it on every rank
+            return self._failed(folder, write_failure(folder, step, e, needed, free_bytes(self.root)))
+        self._mark_complete(step, model_only)
+        return True
+
+    def _prepare_folder(self, folder: Path) -> None:
+        if (folder / COMPLETE).exists():  # check_resume makes this unreachable; never overwrite one
+            raise CheckpointError(f"checkpoint {folder} already exists; refusing to overwrite it")
+        if folder.is_dir():  # a leftover of an interrupted save of this same step
+            shutil.rmtree(folder)
+        elif folder.exists():
+            raise CheckpointError(f"checkpoint {folder} is a file, not a folder; move it away")
+        folder.mkdir(parents=True)
+
+    def _bytes_needed(self, state: dict[str, Any]) -> tuple[int, str]:
+        """The previous full checkpoint's size, else this rank's state bytes times the world size."""
+        previous = [step for step in complete_steps(self.root) if step > 0]
+        if previous and "optimizer" in state:
+            return folder_bytes(step_folder(self.root, previous[-1])), f"the size of step-{previous[-1]}"
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return state_bytes(state) * world, "the size of the state to save"
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (a collective on the agreement group)."""
+        value = torch.tensor([int(flag)])
+        if self._agree_group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._agree_group)
+        return bool(value.item())
+
+    def _failed(self, folder: Path, error: UserError) -> bool:
+        """Remove the partial folder; raise `error`, or log it under on_save_error = "continue"."""
+        if self.is_writer and folder.is_dir() and not (folder / COMPLETE).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        if self.cfg.on_save_error == "stop":
+            raise error
+        self._failure = error
+        logger.error(f"{error} (checkpoint.on_save_error = continue: training on, next try at the next interval)")
+        return False
 
     def finish_pending(self, wait: bool) -> None:
-        """Mark a finished background save complete (waiting for it if `wait`)."""
+        """Mark a finished background save complete (waiting for it if `wait`), or report its failure.
+
+        Without `wait` the ranks first agree that every one of them has finished, so all report
+        (or mark) it at the same step."""
         if self._pending is None:
             return
-        step, future = self._pending
-        if not wait and not future.done():
+        step, future, needed = self._pending
+        if not wait and self._any_rank(not future.done()):
             return
+        self._pending = None
         try:
             future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported in one line
-            raise checkpoint_failure(step_folder(self.root, step), "save", e) from None
-        finally:
-            self._pending = None
-        self._mark_complete(step)
+            folder = step_folder(self.root, step)
+            self._failed(folder, write_failure(folder, step, e, needed, free_bytes(self.root)))
+            return
+        self._mark_complete(step, model_only=False)
 
-    def _mark_complete(self, step: int) -> None:
+    def _mark_complete(self, step: int, model_only: bool) -> None:
+        self._failure = None
         folder = step_folder(self.root, step)
         if self.is_writer:
+            for name, text in ({} if model_only else self.extra_files).items():
+                (folder / name).write_text(text)
             # dcp.save returns on the coordinator only after every rank's files and the metadata
             # are written; the marker is written last, by rename, so it is never half there.
             marker = folder / f".{COMPLETE}.tmp"
@@ -287,12 +369,22 @@ class Checkpointer:
             logger.info(f"checkpoint: step {step} saved to {folder}")
             self._prune()
 
+    def protect_before(self, step: int) -> None:
+        """Never prune the newest checkpoint saved before `step` (the first non-finite step)."""
+        if self._protected_before is None:
+            self._protected_before = step
+
     def _prune(self) -> None:
-        """Keep the newest keep_latest_k complete checkpoints (0 keeps all); drop stale partial ones."""
+        """Keep the newest keep_latest_k complete checkpoints (0 keeps all) and the protected one;
+        drop stale partial ones."""
         steps = complete_steps(self.root)
+        protected = None
+        if self._protected_before is not None:
+            protected = max((s for s in steps if s < self._protected_before), default=None)
         if self.cfg.keep_latest_k > 0:
             for old in steps[: -self.cfg.keep_latest_k]:
-                shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
+                if old != protected:
+                    shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
         newest = steps[-1] if steps else -1
         for child in self.root.iterdir():
             match = _STEP_FOLDER.match(child.name)
@@ -317,7 +409,7 @@ class Checkpointer:
         """Load the full training state saved after `step` into the live objects, in any layout."""
         folder = step_folder(self.root, step)
         if self.base_identity is None:
-            model_tensor_metadata(folder, self.model.args)  # names and shapes, before reading anything
+            model_tensor_metadata(folder, self.model)  # names and shapes, before reading anything
         else:
             self._check_lora_base(folder)
         state = self._state(step=0)
@@ -345,14 +437,18 @@ class Checkpointer:
                                   f"[{self.base_identity}]; set checkpoint.initial_load_path (and model) to that base")
 
     def close(self) -> None:
+        """Finish a background save; a run whose latest save failed (under "continue") ends with it."""
         self.finish_pending(wait=True)
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise SaveError(f"the run's last checkpoint could not be saved: {failure}")
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
     """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint), into
     a model of any layout: DCP reshards them."""
     folder = require_complete_checkpoint(checkpoint_dir)
-    model_tensor_metadata(folder, model.args)
+    model_tensor_metadata(folder, model)
     state = {"model": {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}}  # base only
     dcp_call("load", state, folder)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not any(".lora_" in n for n, _ in model.named_parameters())))

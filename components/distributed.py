@@ -21,24 +21,44 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def gpus_shared() -> bool:
-    """More ranks on this node than GPUs (e.g. a two-rank test on a one-GPU machine): ranks then
-    share GPUs, which NCCL refuses."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return torch.cuda.is_available() and local_ranks > torch.cuda.device_count()
+def collective_backend(device_type: str, *, share_gpus: bool = False, cpu_offload: bool = False) -> str:
+    """The process group's backend string: gloo between CPU processes; NCCL between GPUs, plus gloo
+    for CPU tensors with `cpu_offload` ("cuda:nccl,cpu:gloo": FSDP's offloaded gradients are CPU
+    tensors that gradient clipping all-reduces); gloo for ranks that `share_gpus` (NCCL refuses two
+    ranks on one device; gloo moves CUDA tensors through host memory: correct, slow, for tests)."""
+    if device_type != "cuda" or share_gpus:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def collective_backend(device_type: str) -> str:
-    """NCCL between GPUs, gloo between CPU processes, and between ranks that share a GPU (gloo
-    moves CUDA tensors through host memory: correct, slow, for tests)."""
-    return "nccl" if device_type == "cuda" and not gpus_shared() else "gloo"
+def gpu_binding_line(local_world_size: int, visible_gpus: int, share_gpus: bool) -> str | None:
+    """What start-up states about how this node's processes map onto GPUs, or None when each
+    process simply takes its own of the visible GPUs.
+
+    Fewer visible GPUs than processes is normal when a launcher binds one GPU per process (SLURM
+    gpu-bind, a per-task CUDA_VISIBLE_DEVICES): each sees its own as device 0 and NCCL is right.
+    Ranks that really share a GPU must say so (`share_gpus`), since that costs NCCL."""
+    if share_gpus:
+        return (f"{local_world_size} processes share {visible_gpus} visible GPU(s) (parallelism.share_gpus): "
+                "collectives run on gloo through host memory, slowly, and float8 cannot be all-gathered")
+    if local_world_size > visible_gpus:
+        return (f"each process sees {visible_gpus} GPU(s) for {local_world_size} processes on this node: taking "
+                "the launcher to have bound GPUs to processes (NCCL stops with 'Duplicate GPU detected' if two "
+                "share one; set parallelism.share_gpus = true for that)")
+    return None
 
 
-def init_distributed(timeout_s: float = 600.0, simulate_world_size: int = 0) -> torch.device:
+def local_world_size() -> int:
+    """Processes on this node, as torchrun announces them (1 for a plain `python train.py`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: float = 600.0, simulate_world_size: int = 0, *, share_gpus: bool = False,
+                     cpu_offload: bool = False) -> torch.device:
     """Choose this process's device (its local GPU if there is one, else the CPU) and, under
-    torchrun, join the default process group (`collective_backend`). Reuses a group that already
-    exists. simulate_world_size > 0: instead play rank 0 of that many ranks in this one process
-    (`init_fake_distributed`)."""
+    torchrun, join the default process group (`collective_backend(device, share_gpus=...,
+    cpu_offload=...)`). Reuses a group that already exists. simulate_world_size > 0: instead play
+    rank 0 of that many ranks in this one process (`init_fake_distributed`)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -47,7 +67,8 @@ def init_distributed(timeout_s: float = 600.0, simulate_world_size: int = 0) -> 
     if simulate_world_size > 0:
         init_fake_distributed(simulate_world_size)
     elif launched_world_size() > 1 and not dist.is_initialized():
-        dist.init_process_group(collective_backend(device.type), timeout=timedelta(seconds=timeout_s))
+        backend = collective_backend(device.type, share_gpus=share_gpus, cpu_offload=cpu_offload)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device
 
 
@@ -230,3 +251,16 @@ def _exit_now(reason: str) -> None:
         sys.stderr.flush()
     finally:
         os._exit(EXIT_SIGTERM)
+
+
+def restart_warning() -> str | None:
+    """Under `torchrun --max-restarts N`, what the restarted ranks need from torchrun's environment.
+
+    torch 2.13's torchrun shares its rendezvous store with the workers, and the ranks of a
+    restarted round can then read the dead round's gloo addresses and fail to connect
+    (pytorch/pytorch#135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each round its own."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        return (f"torchrun --max-restarts {restarts}: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, "
+                "or a restarted job may fail to connect its ranks (pytorch/pytorch#135712)")
+    return None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import re
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +20,9 @@ from models.llama.args import ModelArgs
 
 logger = logging.getLogger("weft")
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by substring of torch.cuda.get_device_name().
-# Order matters: the first match wins, so more specific names come first.
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by the words of torch.cuda.get_device_name()
+# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"): a key matches a run of whole words, so
+# "GB200" is not a B200, nor "L40" an L4. The first match wins: more specific names come first.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
@@ -26,14 +30,25 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100", 989e12),  # SXM
     ("H800", 989e12),
     ("H20", 148e12),
-    ("B200", 2250e12),
     ("GB200", 2500e12),
+    ("B200", 2250e12),
     ("A100", 312e12),
     ("A800", 312e12),
     ("L40S", 362e12),
+    ("L40", 181e12),
     ("L4", 121e12),
     ("A10G", 70e12),
 )
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU with this name (as CUDA reports it), or None if not in the table."""
+    words = re.split(r"[\s\-_]+", device_name.upper())
+    for key, peak in PEAK_BF16_FLOPS:
+        wanted = key.upper().split()
+        if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
+            return peak
+    return None
 
 
 def setup_logging(rank: int) -> None:
@@ -66,8 +81,7 @@ def device_peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None when unknown (MFU is then reported as unavailable)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+    return peak_flops_for(torch.cuda.get_device_name(device))
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -78,18 +92,28 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the CUDA allocator's peak afresh (start-up's transient buffers are not the training
+    loop's); the CPU's peak resident size cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 @dataclass
 class StepStats:
     step: int
     loss: float
     grad_norm: float
     lr: float
+    skipped_steps: int = 0  # optimizer steps skipped so far for a non-finite loss or gradient norm
 
 
 class MetricsLogger:
     """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl.
 
-    Throughput is measured over the steps since the previous log. Only the rank given folders
+    Throughput is measured over the steps since the previous log, less the time spent in
+    `untimed()` blocks (validation, checkpoint saves); the memory peak counts from construction
+    (after start-up) on CUDA. Only the rank given folders
     writes files, and only from the first `log`: a run that fails before it writes nothing.
 
     A run that starts at `start_step` (a resume) continues the records of the run it resumes:
@@ -111,6 +135,17 @@ class MetricsLogger:
         self._opened = False
         self._window_start = time.perf_counter()
         self._window_steps = 0
+        self._untimed_s = 0.0
+        reset_peak_memory(device)
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Leave what runs inside (validation, a checkpoint save) out of the throughput window."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._untimed_s += time.perf_counter() - start
 
     def _open(self) -> None:
         """Open the outputs at the first log, dropping records after start_step (see the class)."""
@@ -129,12 +164,13 @@ class MetricsLogger:
         self._window_steps += 1
 
     def log(self, stats: StepStats) -> dict[str, float]:
-        elapsed = time.perf_counter() - self._window_start
+        elapsed = time.perf_counter() - self._window_start - self._untimed_s
         tokens_per_second = self.tokens_per_step * self._window_steps / elapsed / self.world_size  # per device
         values = {
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
             "train/lr": stats.lr,
+            "train/skipped_steps": stats.skipped_steps,
             "train/tokens_per_second": tokens_per_second,
             "memory/peak_gib": peak_memory_gib(self.device),
         }
@@ -147,6 +183,7 @@ class MetricsLogger:
         logger.info(
             f"step {stats.step:>6}  loss {stats.loss:8.4f}  grad_norm {stats.grad_norm:8.4f}  lr {stats.lr:.3e}  "
             f"tokens/s/device {tokens_per_second:,.0f}  mfu {mfu}  peak_memory {values['memory/peak_gib']:.2f} GiB"
+            + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
         )
         if self.writer is not None:
             for tag, value in values.items():
@@ -157,6 +194,7 @@ class MetricsLogger:
             self.jsonl.flush()
         self._window_start = time.perf_counter()
         self._window_steps = 0
+        self._untimed_s = 0.0
         return values
 
     def log_validation(self, step: int, loss: float) -> dict[str, float]:

@@ -218,6 +218,24 @@ def check_float8_support(
     return warnings
 
 
+def check_float8_compute(device_type: str, recipe: str, compute_dtype: torch.dtype, matmul_tokens: int) -> None:
+    """What a GPU's float8 matmuls need of the run, checked up front (ValueError, one line); the
+    CPU kernel needs neither. The rowwise recipe needs bf16 compute (rowwise-scaled `_scaled_mm`
+    writes bf16 only), and `_scaled_mm` needs every dimension a multiple of 16, including the
+    tokens of one micro-batch per device (local batch x seq_len / cp), which the weight-gradient
+    matmul reduces over. Needs no torchao: a dry run checks it anywhere."""
+    if device_type != "cuda":
+        return
+    if recipe == "rowwise" and compute_dtype != torch.bfloat16:
+        raise ValueError(f"float8.recipe = rowwise: needs bf16 compute on a GPU (rowwise-scaled float8 matmuls "
+                         f"output bf16 only), this run computes in {str(compute_dtype).removeprefix('torch.')}; "
+                         "set training.mixed_precision_param = bfloat16")
+    if matmul_tokens % _DIM_MULTIPLE:
+        raise ValueError(f"float8.enable: float8 matmuls need the tokens of one micro-batch per device "
+                         f"(training.local_batch_size x training.seq_len / parallelism.cp = {matmul_tokens}) "
+                         f"to be a multiple of {_DIM_MULTIPLE}")
+
+
 def float8_tp_styles() -> dict[str, type[ParallelStyle]]:
     """torchao's tensor-parallel styles that all-gather activations in float8 (tensorwise only).
 

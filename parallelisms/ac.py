@@ -16,8 +16,9 @@ logger = logging.getLogger("weft")
 
 AC_MODES = ("none", "full", "selective")
 
-# Outputs worth keeping under the op-level policy: matrix multiplies and attention (expensive to
-# recompute), and tensor-parallel reduce-scatters (recomputing them would repeat communication).
+# Outputs worth keeping under the op-level policy: matrix multiplies (float8 ones too) and attention
+# (SDPA's kernels, FlexAttention), expensive to recompute; and tensor-parallel reduce-scatters
+# (recomputing them would repeat communication).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -25,6 +26,8 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten._scaled_mm.default,  # float8 matmuls once compile desugars torchao's float8 tensors (eager: mm)
+    torch.ops.higher_order.flex_attention,  # packed documents on CUDA
 }
 
 

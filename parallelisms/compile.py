@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from parallelisms.common import transformer_blocks
+from parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
 
@@ -32,3 +32,23 @@ def apply_compile(
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
     logger.info(f"apply_compile: compiled {len(blocks)} blocks ({backend}, fullgraph={fullgraph})")
     return model
+
+
+def check_compile_composes(compile: bool, tp_degree: int) -> None:
+    """Refuse compile with tensor parallelism where torch cannot run them together; the one check
+    that both a real start and a dry run make (through `parallelize`), so neither says yes alone.
+
+    torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
+    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
+    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
+    if compile and tp_degree > 1 and torch_has_tp_compile_bug():
+        raise TransformError(
+            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
+            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
+            "compile or tensor parallelism"
+        )
+
+
+def torch_has_tp_compile_bug() -> bool:
+    """Whether this torch has the compile + tensor parallelism bug of `check_compile_composes`."""
+    return torch.__version__.startswith("2.13")

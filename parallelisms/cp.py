@@ -33,9 +33,10 @@ sequence, provided each rank's loss is the mean over its equally many tokens.
 
 Masks. The core computes causal attention over the whole sequence, or, given `document_ids`
 (packed samples), block-causal attention: the ids are sharded with `shard_sequence` like the
-tokens, all-gathered with K and V (they are small integers, no gradient), and each query chunk
-is masked against the keys' ids (`document_attention` of the model, with the same lower-right
-alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
+tokens, all-gathered once per micro-batch (they are small integers, no gradient) when the model
+asks the core for its masks before the blocks (`ContextParallelAttention.document_mask`), and
+each query chunk is masked against the keys' ids (`document_mask` of the model, with the same
+lower-right alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
 exactly `CausalAttention`, and refuses subclasses, which may mask differently.
 
 Other models. A transformers model looks its attention function up by name
@@ -56,6 +57,8 @@ process group does, gloo included.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 
 import torch
@@ -66,7 +69,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from models.llama.model import CausalAttention, document_attention
+from models.llama.model import CausalAttention, document_mask, masked_attention, use_flex_attention
 from parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -130,12 +133,19 @@ def shard_sequence(
     if len(lengths) != 1:
         raise ValueError(f"shard_sequence needs tensors of one sequence length, got {sorted(lengths)}")
     seq_len, cp_size, cp_rank = lengths.pop(), cp_mesh.size(), cp_mesh.get_local_rank()
-    positions = load_balanced_indices(seq_len, cp_size, cp_rank)
+    positions = _device_indices(seq_len, cp_size, cp_rank, tensors[0].device)
     chunk = seq_len // (2 * cp_size)
     for j in _held_chunks(cp_size, cp_rank):  # ready for the attention cores, compiled or not
         _lower_right_causal_mask(chunk, (j + 1) * chunk)
-    shards = [t.index_select(seq_dim, positions.to(t.device)) for t in tensors]
-    return shards, positions.to(tensors[0].device)
+    shards = [t.index_select(seq_dim, _device_indices(seq_len, cp_size, cp_rank, t.device)) for t in tensors]
+    return shards, positions
+
+
+@functools.lru_cache(maxsize=16)
+def _device_indices(seq_len: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """`load_balanced_indices` on `device`, made once: every micro-batch reuses it instead of copying
+    it from pageable host memory (a synchronising copy on a GPU). Read-only by every user."""
+    return load_balanced_indices(seq_len, cp_size, cp_rank).to(device)
 
 
 class ContextParallelAttention(nn.Module):
@@ -161,12 +171,14 @@ class ContextParallelAttention(nn.Module):
         v: torch.Tensor,
         scale: float | None = None,
         document_ids: torch.Tensor | None = None,
+        mask=None,
     ) -> torch.Tensor:
         """softmax(q kᵀ · scale + causal mask) v, where k and v range over the whole sequence;
         scale defaults to 1/√head_dim.
 
         document_ids: this rank's shard ([batch, s], from `shard_sequence`) of each token's
-        document; the mask is then block-causal over the whole sequence.
+        document; the mask is then block-causal over the whole sequence. mask: those masks,
+        built once per micro-batch by `document_mask` (then document_ids are not read).
         """
         local_len = q.shape[-2]
         # Checked before the collective, and equal on every rank, so a bad shape cannot hang a peer.
@@ -177,15 +189,15 @@ class ContextParallelAttention(nn.Module):
             )
         chunk = local_len // 2
         k_all, v_all = self._gather_kv(k, v, chunk)
-        docs_all = None if document_ids is None else self._gather_documents(document_ids, chunk)
+        if mask is None and document_ids is not None:
+            mask = self.document_mask(document_ids)
         outputs = []
         for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank)):
             q_chunk = q[..., slot * chunk : (slot + 1) * chunk, :]
             kv_len = (j + 1) * chunk
-            if docs_all is not None:
-                q_docs = document_ids[:, slot * chunk : (slot + 1) * chunk]
-                outputs.append(document_attention(q_chunk, k_all[..., :kv_len, :], v_all[..., :kv_len, :],
-                                                  q_docs, docs_all[:, :kv_len], scale=scale))
+            if mask is not None:
+                outputs.append(masked_attention(q_chunk, k_all[..., :kv_len, :], v_all[..., :kv_len, :], mask[slot],
+                                                scale=scale))
                 continue
             outputs.append(
                 F.scaled_dot_product_attention(
@@ -198,6 +210,19 @@ class ContextParallelAttention(nn.Module):
                 )
             )
         return torch.cat(outputs, dim=-2)
+
+    def document_mask(self, document_ids: torch.Tensor) -> tuple:
+        """The masks `forward` takes for this rank's shard of document ids, one per local query
+        chunk against the keys before it: block-causal over the whole sequence (the ids all-gathered
+        over the CP group once), FlexAttention block masks on CUDA. Built once per micro-batch, by
+        `Transformer.forward` before the blocks."""
+        chunk = document_ids.shape[-1] // 2
+        docs_all = self._gather_documents(document_ids, chunk)
+        flex = use_flex_attention(document_ids.device)
+        return tuple(
+            document_mask(document_ids[:, slot * chunk : (slot + 1) * chunk], docs_all[:, : (j + 1) * chunk], flex=flex)
+            for slot, j in enumerate(_held_chunks(self.cp_size, self.cp_rank))
+        )
 
     def _gather_documents(self, document_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """Every rank's document ids, in global order, to mask against the gathered K/V."""

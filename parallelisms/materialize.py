@@ -22,8 +22,13 @@ def materialize(
     *,
     seed: int = 0,
     init: str | InitFn | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Allocate the model's parameters and buffers on `device`, then initialise them.
+
+    cpu_offload: FSDP was applied with CPU offloading, which needs its parameters on the CPU
+    (it copies them to `device` for each all-gather): parameters are allocated and initialised
+    there, buffers (rotary tables) still on `device`, where the forward uses them.
 
     init None: the model's own `init_weights(seed=...)` if it has one (weft's Llama), else
     "hf" for a transformers model (its `_init_weights`), else "reset_parameters".
@@ -39,17 +44,31 @@ def materialize(
     generator seeded by (seed, module name), B zero. Apply after all the transforms.
     """
     shared = _shared_parameters(model)
-    model.to_empty(device=device)
+    parameter_device, buffer_device = materialize_devices(device, cpu_offload)
+    model.to_empty(device=parameter_device)
     _retie(model, shared)
+    if buffer_device != parameter_device:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = torch.empty_like(buffer, device=buffer_device)
     if init is None:
         init = _default_init(model)
     with implicit_replication():
         if init == "init_weights":
             model.init_weights(seed=seed)
         else:
-            _init_module_by_module(model, torch.device(device), seed, _module_init_fn(model, init))
+            _init_module_by_module(model, parameter_device, seed, _module_init_fn(model, init))
         init_lora_adapters(model, seed)  # the model's init filled them as plain linears
     return model
+
+
+def materialize_devices(device: torch.device | str, cpu_offload: bool) -> tuple[torch.device, torch.device]:
+    """(where parameters go, where buffers go): both on `device`, except that FSDP's CPU offloading
+    keeps parameters on the CPU ("FSDP parameters should be materialized on CPU when enabling CPU
+    offloading", at the first forward otherwise)."""
+    device = torch.device(device)
+    return (torch.device("cpu") if cpu_offload else device), device
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from parallelisms.ac import apply_ac
-from parallelisms.common import TransformError
-from parallelisms.compile import apply_compile
+from parallelisms.compile import apply_compile, check_compile_composes
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.lora import apply_lora, quantize_lora_base
@@ -40,7 +39,7 @@ def parallelize(
     float8_fsdp_all_gather: bool = False,
     float8_tp_all_gather: bool = False,
     tp_plan: Plan | None = None,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     ac_mode: str = "none",
     ac_selective_option: str = "op",
     compile: bool = False,
@@ -64,12 +63,7 @@ def parallelize(
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
-    if compile and dims is not None and dims.tp > 1 and torch_has_tp_compile_bug():
-        raise TransformError(
-            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
-            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
-            "compile or tensor parallelism"
-        )
+    check_compile_composes(compile, dims.tp if dims is not None else 1)
     if lora_rank is not None and float8_recipe is not None:
         raise TransformError("parallelize", "float8_recipe", "LoRA and float8 together are not supported: "
                              "the frozen base would be swapped for Float8Linear; turn one of them off")
@@ -135,9 +129,3 @@ def parallelize(
         apply_ddp(model, meshes.dp_replicate)
     return model
 
-
-def torch_has_tp_compile_bug() -> bool:
-    """torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
-    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
-    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
-    return torch.__version__.startswith("2.13")

@@ -69,3 +69,12 @@ def precision_policy(param_dtype: str, reduce_dtype: str, *, fsdp: bool, device_
     without FSDP. Without FSDP gradients are fp32 and reduced in fp32 (DDP's `replicate` reduces
     what backward produced), so mixed_precision_reduce applies to FSDP only."""
     return PrecisionPolicy(DTYPES[param_dtype], DTYPES[reduce_dtype], device_type, fsdp)
+
+
+def attention_kernel_warning(device_type: str, compute_dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> str | None:
+    """One line when attention would run on SDPA's slow math kernel: float32 with grouped-query
+    heads on a GPU (the fused kernels that take grouped-query heads compute in 16-bit); else None."""
+    if device_type == "cuda" and compute_dtype == torch.float32 and n_kv_heads < n_heads:
+        return ("training.mixed_precision_param = float32 with grouped-query attention: on a GPU attention falls to "
+                "SDPA's math kernel (slow, holds the whole score matrix); bfloat16 uses the fused kernels")
+    return None

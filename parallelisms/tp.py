@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Collection, Iterable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +38,7 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     plan: Plan | None = None,
     *,
-    loss_parallel: bool = True,
+    loss_parallel: bool = False,
     float8_all_gather: bool = False,
 ) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
@@ -47,10 +48,11 @@ def apply_tp(
     output features (whole heads), row-split layers whole input features; the heads and every
     split dimension must be divisible by the mesh size, which is checked before anything changes.
 
-    loss_parallel: the output projection's logits stay vocabulary-sharded (a DTensor); compute
-    the loss under `torch.distributed.tensor.parallel.loss_parallel()`. Otherwise they are
-    gathered. float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came
-    first; needs NCCL).
+    loss_parallel False (default): the output projection's logits are gathered, so the model
+    returns what it returned before (a plain tensor; a transformers model's `labels=` loss works).
+    True: they stay vocabulary-sharded (a DTensor) and the loss must be computed under
+    `torch.distributed.tensor.parallel.loss_parallel()`; train.py chooses this (parallelism.loss_parallel).
+    float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came first; needs NCCL).
 
     Apply after float8 and before context parallelism, activation checkpointing, compile and
     FSDP/DDP, on the meta-device or real model.
@@ -65,9 +67,10 @@ def apply_tp(
     targets = _plan_targets(model, plan)
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
-    _check_not_tied(model, targets)
+    tied = _tied_places(model, targets)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    _retie_split(tied)
     for name, param in model.named_parameters():  # some styles re-create parameters trainable
         if name in frozen:
             param.requires_grad_(False)
@@ -78,10 +81,15 @@ def apply_tp(
     return model
 
 
-def default_tp_plan(model: nn.Module, *, loss_parallel: bool = True, float8_all_gather: bool = False) -> Plan:
+def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
     """weft's Llama plan, or the plan a transformers model declares; else an error asking for one."""
     if isinstance(model, Transformer):
-        return llama_tp_plan(loss_parallel=loss_parallel, float8_all_gather=float8_all_gather)
+        if not float8_all_gather:
+            return llama_tp_plan(loss_parallel=loss_parallel)
+        from float8 import converted_modules
+
+        return llama_tp_plan(loss_parallel=loss_parallel, float8_linears=converted_modules(model),
+                             blocks=[f"layers.{name}" for name in model.layers])
     if float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
     if _hf_declared_plan(model):
@@ -92,40 +100,62 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = True, float8_all_
     )
 
 
-def llama_tp_plan(*, loss_parallel: bool = True, float8_all_gather: bool = False) -> Plan:
+# How each block linear of weft's Llama is split, and which linears read each block input.
+_BLOCK_SPLITS = {
+    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+}
+_BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
+
+
+def llama_tp_plan(
+    *, loss_parallel: bool = False, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
+) -> Plan:
     """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
     heads, so grouped-query attention stays local), wo and w2 by input features.
 
     Between the splits the activations are sequence-parallel: the residual stream and the norms
     hold 1/tp of the tokens, all-gathered before attention and the feed-forward and
     reduce-scattered after them. The embedding is split by vocabulary, and so is the output.
+
+    float8_linears: names of the model's `Float8Linear` layers, which get torchao's styles that
+    all-gather activations in float8 (`float8_tp_styles`, tensorwise); an attention or
+    feed-forward input is gathered in float8 only when every linear reading it is one. Those
+    styles refuse any other module, so the layers kept in high precision (min_dim, filter_fqns)
+    get the plain styles. blocks: the block paths to write entries for (the default pattern
+    matches every block; list them when the choice differs between blocks).
     """
-    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    if float8_all_gather:
+    float8_linears = set(float8_linears)
+    plain = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare_input": PrepareModuleInput}
+    float8 = plain
+    if float8_linears:
         from float8 import float8_tp_styles
 
-        styles = float8_tp_styles()
-        colwise, rowwise, prepare_input = styles["colwise"], styles["rowwise"], styles["prepare_input"]
-    return {
+        float8 = float8_tp_styles()
+
+    def style(kind: str, readers: Iterable[str]) -> type[ParallelStyle]:
+        return float8[kind] if all(reader in float8_linears for reader in readers) else plain[kind]
+
+    plan: Plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": _output_style(loss_parallel, input_layouts=Shard(1)),
-        "layers.*.attention_norm": SequenceParallel(),
+    }
+    for block in blocks:
         # Attention and the feed-forward need the whole sequence: gather it at their entrance.
         # The rotary rotations (the attention's other input) are a plain tensor and pass through.
-        "layers.*.attention": prepare_input(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "layers.*.attention.wq": colwise(),
-        "layers.*.attention.wk": colwise(),
-        "layers.*.attention.wv": colwise(),
-        "layers.*.attention.wo": rowwise(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": colwise(),
-        "layers.*.feed_forward.w2": rowwise(output_layouts=Shard(1)),
-        "layers.*.feed_forward.w3": colwise(),
-    }
+        readers = {part: [f"{block}.{part}.{n}" for n in names] for part, names in _BLOCK_INPUT_READERS.items()}
+        plan[f"{block}.attention_norm"] = SequenceParallel()
+        plan[f"{block}.attention"] = style("prepare_input", readers["attention"])(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        plan[f"{block}.ffn_norm"] = SequenceParallel()
+        plan[f"{block}.feed_forward"] = style("prepare_input", readers["feed_forward"])(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for linear, kind in _BLOCK_SPLITS.items():
+            path = f"{block}.{linear}"
+            chosen = style(kind, [path])
+            plan[path] = chosen(output_layouts=Shard(1)) if kind == "rowwise" else chosen()
+    return plan
 
 
 # The style names transformers uses in `base_model_tp_plan` / `_tp_plan`, and what they mean.
@@ -141,7 +171,7 @@ def _hf_style(name: str, loss_parallel: bool) -> ParallelStyle | None:
     return None
 
 
-def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = True) -> Plan:
+def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     """The plan a transformers model declares (`model._tp_plan`, else its config's
     `base_model_tp_plan` under the base model's prefix), in PyTorch styles.
 
@@ -236,16 +266,35 @@ def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: i
             )
 
 
-def _check_not_tied(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> None:
-    """A split parameter shared with another module would come apart: each would get its own DTensor."""
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(name)
-    for name, module, _ in targets:
-        for param in module.parameters(recurse=False):
-            aliases = names_by_param.get(id(param), [])
-            if len(aliases) > 1:
-                raise TransformError(
-                    "apply_tp", "model",
-                    f"tensor parallelism does not support tied parameters ({' and '.join(aliases)} are one tensor)",
-                )
+def _tied_places(model: nn.Module, targets: list[tuple[str, nn.Module, ParallelStyle]]) -> list[list[tuple[str, nn.Module, str]]]:
+    """Each split parameter registered in more than one place (tied embeddings), as
+    (module path, module, attribute) places. A tie is kept only if every place is split by the plan."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((path, module, attr))
+    split = {id(module) for _, module, _ in targets}
+    groups = []
+    for group in places.values():
+        in_plan = [id(module) in split for _, module, _ in group]
+        if len(group) > 1 and any(in_plan):
+            names = " and ".join(f"{path}.{attr}" for path, _, attr in group)
+            if not all(in_plan):
+                raise TransformError("apply_tp", "model", f"tensor parallelism cannot split tied parameters ({names} "
+                                     "are one tensor) unless the plan splits every module holding it")
+            groups.append(group)
+    return groups
+
+
+def _retie_split(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """`parallelize_module` gives each place of a tied parameter its own DTensor; put the first back
+    in the others when they are split alike (weft's embedding and output both by vocabulary rows)."""
+    for (first_path, first, first_attr), *others in tied:
+        param = first._parameters[first_attr]
+        for path, module, attr in others:
+            mine = module._parameters[attr]
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise TransformError("apply_tp", "model", f"tied parameters {first_path}.{first_attr} and {path}.{attr} "
+                                     f"are split differently ({param.placements} and {mine.placements})")
+            module._parameters[attr] = param

@@ -17,12 +17,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
-from components.distributed import collective_backend, init_distributed, set_determinism, simulation_warning
+from components.data import build_loader, prefetch
+from components.distributed import (
+    gpu_binding_line,
+    init_distributed,
+    local_world_size,
+    set_determinism,
+    simulation_warning,
+)
 from components.hf import load_hf_into_model
 from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
 from components.optim import build_lr_scheduler, build_optimizer
-from components.prefetch import prefetch
-from components.sft_data import build_loader
 from models.llama import Transformer
 from parallelisms.common import TransformError
 from parallelisms.materialize import materialize
@@ -38,17 +43,24 @@ def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
     """The process group, this rank's device, the meshes (None for one process) and the rank;
     logging and random state set up. With job.simulate_world_size this one process is rank 0 of
     that many, collectives faked."""
-    cfg, dims = plan.cfg, plan.dims
-    device = init_distributed(simulate_world_size=cfg.job.simulate_world_size)
+    cfg, dims, p = plan.cfg, plan.dims, plan.cfg.parallelism
+    device = init_distributed(cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
+                              share_gpus=p.share_gpus,
+                              cpu_offload=p.fsdp_cpu_offload)
+    if cfg.checkpoint.create_seed_checkpoint:  # the whole fp32 model (70B: 280 GB) fits host memory, not a GPU
+        device = torch.device("cpu")
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
     if cfg.job.simulate_world_size:
         logger.warning(simulation_warning(dims.world_size))
+    binding = gpu_binding_line(local_world_size(), torch.cuda.device_count(), p.share_gpus) if device.type == "cuda" else None
+    if binding and rank == 0:
+        logger.warning(binding)
     for line in plan.warnings if rank == 0 else []:
         logger.warning(line)
     set_determinism(cfg.training.seed, cfg.training.deterministic)
-    backend = f", collectives {collective_backend(device.type)}" if meshes and not cfg.job.simulate_world_size else ""
+    backend = f", collectives {torch.distributed.get_backend()}" if meshes and not cfg.job.simulate_world_size else ""
     logger.info(f"devices: {dims.world_size} x {device.type}{backend}; mesh {dims.describe()}")
     return device, meshes, rank
 
@@ -69,7 +81,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     except TransformError as e:
         raise plan.config_error(e) from None
     if device is not None and not qlora:
-        materialize(model, device, seed=plan.cfg.training.seed)
+        cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled  # parameters stay on the CPU
+        materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
     if device is not None:
         model.train()
     return model

@@ -9,7 +9,6 @@ of components/memory.py are printed; nothing is written.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -60,11 +59,7 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     if launched_world_size() > 1:
         raise ConfigError(f"job.dry_run: plans in one process (python train.py), not {launched_world_size()}")
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
-    # Compile is left out: it changes neither parameters nor (in this estimate) activations, and the
-    # refusal of compile + TP in parallelize is about torch 2.13 on this machine, not the cluster's torch.
-    plan_cfg = copy.deepcopy(cfg)
-    plan_cfg.compile.enable = False
-    plan = RunPlan.from_config(plan_cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
+    plan = RunPlan.from_config(cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
     args, dims = plan.model_args, plan.dims
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
@@ -72,10 +67,10 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
         init_fake_distributed(dims.world_size)
     meshes = dims.build_mesh("cpu") if dims.world_size > 1 else None
     logger.info(f"mesh: {dims.describe()}")
+    # Every transform a real start applies, compile included (it only wraps forwards until their first
+    # call), so the dry run refuses exactly what a real start refuses (compile + TP on torch 2.13).
     model = build_model(plan, meshes, device=None)
     n_params = count_parameters(model)
-    if cfg.compile.enable:
-        logger.info(f"apply_compile: {args.n_layers} blocks would be compiled (not applied in a dry run)")
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))

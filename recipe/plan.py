@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint import check_resume
+from components.checkpoint import check_resume, resume_folder
 from components.config import ConfigError, JobConfig, check_dump_folder
-from components.data import DataError, check_text_files, find_text_files
-from components.distributed import collective_backend, launched_world_size
-from components.sft_data import build_loader
-from components.tokenizer import HFTokenizer, load_tokenizer
-from float8 import check_float8_support, float8_tp_all_gather
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
+from components.distributed import collective_backend, launched_world_size, restart_warning
+from components.fingerprint import check_resumed_data
+from components.hf import check_export_folder, model_args_for_run
+from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
+from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.precision import DTYPES, PrecisionPolicy, precision_policy
+from parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
 
@@ -51,6 +51,7 @@ class RunPlan:
     # layout and model they act on: each a Setting, so a refusal names the key behind it.
     transforms: dict[str, Setting] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -62,6 +63,7 @@ class RunPlan:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size)
         tokenizer, data_files, validation_files = None, [], []
+        fingerprint, notes = "", []
         if check_environment:
             tokenizer = load_tokenizer(tokenizer_path(cfg))
             if tokenizer.vocab_size > model_args.vocab_size:
@@ -70,14 +72,26 @@ class RunPlan:
             data_files, validation_files = data_and_validation_files(cfg)
             check_formats(cfg, tokenizer, data_files, validation_files)
             check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+            if cfg.export.hf_folder:
+                check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
             if cfg.checkpoint.enable:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
+            # the data against the fingerprint of the checkpoint this run resumes from
+            fingerprint, data_note = check_resumed_data(
+                data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
+                if cfg.checkpoint.enable else None, cfg.data.allow_changed_data)
+            notes = [note for note in (data_note, restart_warning()) if note]
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)
+        check_gpu_compute(cfg, dims, precision, device_type)
+        warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
+                                                               model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
                    transforms=transform_settings(cfg, dims, device_type),
-                   warnings=float8_warnings(cfg, dims, device_type) if check_environment else [])
+                   warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
+                   else warnings,
+                   data_fingerprint=fingerprint)
         check_lora(plan)
         return plan
 
@@ -107,7 +121,7 @@ LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
 def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length (ConfigError / LayoutError, one line)."""
-    args = LLAMA_FLAVORS[cfg.model.flavor]
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of model flavor {cfg.model.flavor}")
@@ -133,7 +147,8 @@ def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> 
         "float8_min_dim": Setting(f8.min_dim, "float8.min_dim"),
         "float8_fsdp_all_gather": Setting(f8.enable_fsdp_float8_all_gather, "float8.enable_fsdp_float8_all_gather"),
         "float8_tp_all_gather": Setting(
-            f8.enable and distributed and float8_tp_all_gather(device_type, collective_backend(device_type), f8.recipe),
+            f8.enable and distributed
+            and float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe),
             "float8.enable"),
         **lora_settings(cfg),
         "loss_parallel": Setting(p.loss_parallel, "parallelism.loss_parallel"),
@@ -235,12 +250,30 @@ def float8_warnings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> lis
     try:
         return check_float8_support(
             device_type,
-            collective_backend(device_type) if dims.world_size > 1 else None,
+            run_backend(cfg, device_type) if dims.world_size > 1 else None,
             recipe=f8.recipe,
             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
             precompute_float8_dynamic_scale_for_fsdp=f8.precompute_float8_dynamic_scale_for_fsdp,
             tp_degree=dims.tp,
         )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run_backend(cfg: JobConfig, device_type: str) -> str:
+    """The collective backend string this run's process group gets (components.distributed)."""
+    p = cfg.parallelism
+    return collective_backend(device_type, share_gpus=p.share_gpus, cpu_offload=p.fsdp_cpu_offload)
+
+
+def check_gpu_compute(cfg: JobConfig, dims: ParallelDims, precision: PrecisionPolicy, device_type: str) -> None:
+    """What the GPU's kernels need of the configured shapes and dtypes (float8's `_scaled_mm`),
+    checked for the dry run's planned device too: a ConfigError, one line."""
+    t, f8 = cfg.training, cfg.float8
+    if not f8.enable:
+        return
+    try:
+        check_float8_compute(device_type, f8.recipe, precision.compute_dtype, t.local_batch_size * t.seq_len // dims.cp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.data import Batch, batches
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from components.optim import clip_grad_norm_
-from components.sft_data import Batch, batches
 from float8 import precompute_float8_scales
 from parallelisms.cp import shard_sequence
 
@@ -61,10 +61,12 @@ class StepResult:
 
 
 def train_step(setup: StepSetup, micro_batches: list[Batch],
-               on_phase: Callable[[str], None] = lambda phase: None) -> StepResult:
+               on_phase: Callable[[str], None] = lambda phase: None,
+               allow_update: Callable[[torch.Tensor, torch.Tensor], bool] = lambda grad_norm, loss: True) -> StepResult:
     """Forward and backward over the micro-batches, clip, update, advance the schedule.
     on_phase("forward" | "backward" | "step") is called as each phase begins (benchmarks/comm.py
-    counts collectives per phase with it)."""
+    counts collectives per phase with it). allow_update(grad_norm, loss), asked after clipping,
+    may leave out the update and the schedule's advance (components/nonfinite.py: a NaN step)."""
     on_phase("forward")
     setup.optimizer.zero_grad()
     micro_batches = [place(setup, batch) for batch in micro_batches]
@@ -83,10 +85,11 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     on_phase("step")
     grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
-    setup.optimizer.step()
-    setup.scheduler.step()
-    if setup.precompute_float8:
-        precompute_float8_scales(setup.model)
+    if allow_update(grad_norm, step_loss):
+        setup.optimizer.step()
+        setup.scheduler.step()
+        if setup.precompute_float8:
+            precompute_float8_scales(setup.model)
     return StepResult(step_loss, grad_norm, lr)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from components.adapters import ExportError, save_merged_hf, save_peft_adapter
-from components.hf import hf_config
+from models.llama.hf_mapping import hf_config
 from models.llama import ModelArgs, Transformer
 from parallelisms.lora import lora_modules
 from parallelisms.materialize import materialize
@@ -39,7 +39,7 @@ def base_hf_model(model: Transformer):
     """The transformers model holding weft's base weights (adapters left out)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from components.hf import to_hf_tensor, weft_to_hf_name
+    from models.llama.hf_mapping import to_hf_tensor, weft_to_hf_name
 
     hf = LlamaForCausalLM(LlamaConfig(**hf_config(ARGS), attn_implementation="eager")).eval()
     hf.load_state_dict({weft_to_hf_name(n): to_hf_tensor(n, p.detach(), ARGS)

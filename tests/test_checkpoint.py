@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
+from recipe import build as recipe_build
 from components import checkpoint as checkpoint_module
 from components.checkpoint import COMPLETE, CheckpointError, complete_steps
 from components.config import ConfigError, parse_args
@@ -169,6 +171,14 @@ def test_seed_checkpoint_sets_the_starting_weights(tmp_path):
     fresh_seed0 = run(args(tmp_path / "fresh0", "single", "--training.steps", "2"))
     fresh_seed1 = run(args(tmp_path / "fresh1", "single", "--training.steps", "2", "--training.seed", "1"))
     assert seeded[0] == fresh_seed1[0] != fresh_seed0[0]
+
+
+def test_seed_checkpoint_is_built_on_the_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
+    """With a GPU chosen for the process, the seed checkpoint still builds the whole model on the CPU
+    (a 70B model is 280 GB in fp32). This CPU build of torch fails any use of the CUDA device."""
+    monkeypatch.setattr(recipe_build, "init_distributed", lambda *args, **kwargs: torch.device("cuda", 0))
+    run(args(tmp_path, "single", "--checkpoint.create_seed_checkpoint"))
+    assert complete_steps(tmp_path / "checkpoint") == [0]
 
 
 def test_seed_checkpoint_in_dump_folder_is_picked_up(tmp_path):

@@ -1,5 +1,6 @@
 """Tests for components.config: layering, parsing forms, errors, --help and the TOML round trip."""
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def test_toml_overrides_defaults(tmp_path):
         steps = 10
         max_norm = 2          # an int is accepted for a float
         [float8]
+        enable = true
         filter_fqns = ["output", "layers.0"]
         [metrics]
         enable_tensorboard = false
@@ -137,8 +139,8 @@ def test_no_form_disables_a_true_default():
     ("", []),
 ])
 def test_list_parsing(text, expected):
-    assert parse_args(["--float8.filter_fqns", text]).float8.filter_fqns == expected
-    assert parse_args([f"--float8.filter_fqns={text}"]).float8.filter_fqns == expected
+    assert parse_args(["--float8.enable", "--float8.filter_fqns", text]).float8.filter_fqns == expected
+    assert parse_args(["--float8.enable", f"--float8.filter_fqns={text}"]).float8.filter_fqns == expected
 
 
 def test_selective_option_accepts_op_or_positive_integer():
@@ -300,7 +302,7 @@ def test_to_dict():
 def test_to_toml_round_trip(tmp_path):
     cfg = parse_args([
         "--training.steps", "5", "--optimizer.lr", "1e-5", "--no-metrics.enable_tensorboard",
-        "--float8.filter_fqns", "output,layers.0", "--job.description", 'tricky "quotes" \\ tab\t and\nnewline é',
+        "--float8.enable", "--float8.filter_fqns", "output,layers.0", "--job.description", 'tricky "quotes" \\ tab\t and\nnewline é',
         "--training.max_norm", "0", "--optimizer.eps", "1e-12",
     ])
     path = write_toml(tmp_path, to_toml(cfg), name="dumped.toml")
@@ -323,3 +325,39 @@ def test_sft_options():
     assert cfg.validation.format == "" and cfg.data.long_samples == "truncate"
     with pytest.raises(ConfigError, match="--validation.format: expected one of , text, chat, prompt_completion"):
         parse_args(["--validation.format", "alpaca"])
+
+
+# ---- sections with an enable switch ----
+
+@pytest.mark.parametrize("argv, key", [
+    (["--validation.dataset_path", "val.jsonl"], "--validation.dataset_path = 'val.jsonl'"),
+    (["--checkpoint.interval", "10"], "--checkpoint.interval = 10"),
+    (["--float8.recipe", "rowwise"], "--float8.recipe = 'rowwise'"),
+])
+def test_a_key_of_a_disabled_section_names_the_switch(argv, key):
+    """Every section with `enable` follows one rule: a key changed while the section is off would
+    be ignored, so it is an error naming the key and the switch; enabling the section accepts it."""
+    section = argv[0][2:].split(".")[0]
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)} has no effect while {section}.enable is false; "
+                                          f"set {section}.enable = true"):
+        parse_args(argv)
+    assert parse_args([*argv, f"--{section}.enable"]) != JobConfig()
+
+
+def test_a_disabled_section_in_toml_is_named_with_its_file(tmp_path):
+    path = write_toml(tmp_path, """
+        [validation]
+        dataset_path = "val.jsonl"
+    """)
+    with pytest.raises(ConfigError, match=r"^validation.dataset_path in job.toml = \"val.jsonl\" has no effect"):
+        parse_args(["--job.config_file", path])
+    # a key equal to its default changes nothing, and keys that act on their own are exempt
+    assert parse_args(["--checkpoint.interval", "500", "--checkpoint.initial_load_path", "x"]).checkpoint.interval == 500
+    # a switch turned off on purpose keeps its section's settings dormant (a config with
+    # checkpoints, run once without them)
+    path = write_toml(tmp_path, """
+        [checkpoint]
+        enable = true
+        interval = 10
+    """)
+    assert parse_args(["--job.config_file", path, "--no-checkpoint.enable"]).checkpoint.interval == 10

@@ -113,8 +113,24 @@ def _model_parity_worker(seq_len: int) -> None:
         dist.all_reduce(grad, group=mesh.get_group())
         assert_close(grad / cp, expected_param.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
+    # Packed documents: the core's masks are built once per micro-batch (not per block), and the
+    # logits equal the single-device model's with the same documents.
+    docs = (torch.arange(seq_len) >= seq_len // 3).long() + (torch.arange(seq_len) >= seq_len // 2).long()
+    docs = docs.expand(2, seq_len)
+    expected_logits = reference(tokens, document_ids=docs)
+    (local_tokens, local_docs), positions = shard_sequence(mesh, tokens, docs)
+    builds, build = [], ContextParallelAttention.document_mask
+    ContextParallelAttention.document_mask = lambda self, ids: builds.append(1) or build(self, ids)
+    try:
+        logits = model(local_tokens, positions, document_ids=local_docs)
+    finally:
+        ContextParallelAttention.document_mask = build
+    assert len(builds) == 1 and TINY.n_layers > 1
+    assert_close(logits, expected_logits[:, positions], rtol=1e-5, atol=1e-5)
+
 
 def test_transformer_with_cp_matches_single_device_logits_and_gradients():
+    """Causal, and with packed documents (their masks built once per micro-batch)."""
     run_distributed(_model_parity_worker, 2, 32)
 
 
@@ -180,3 +196,21 @@ def test_errors_are_raised_identically_on_every_rank():
     assert "got q 4, k 6, v 6" in rank0["mismatch"]
     assert "found no attention to make context-parallel" in rank0["no_core"]
     assert "core (SlidingWindowAttention)" in rank0["subclass"]
+
+
+def test_positions_are_made_once_per_shape_not_copied_each_micro_batch():
+    """Under CP every micro-batch needs the same positions: shard_sequence hands back one tensor
+    on the batch's device (no host-to-device copy per micro-batch), equal to load_balanced_indices."""
+    class Mesh:  # what shard_sequence reads of a CP mesh
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 1
+
+    batches = [torch.arange(32).reshape(2, 16) + i for i in range(3)]
+    results = [shard_sequence(Mesh(), batch) for batch in batches]
+    assert all(positions is results[0][1] for _, positions in results)
+    assert torch.equal(results[0][1], load_balanced_indices(16, 2, 1))
+    for (shards, _), batch in zip(results, batches):
+        assert torch.equal(shards[0], batch[:, load_balanced_indices(16, 2, 1)])

@@ -8,13 +8,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from components.data import (
-    DataError,
-    Tokenizer,
-    TokenWindowLoader,
-    build_dataloader,
-    find_text_files,
-)
+from components.data import DataError, Loader, Tokenizer, build_loader, find_text_files
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TOKENIZER_PATH = ASSETS / "tokenizer" / "shakespeare.model"
@@ -74,13 +68,20 @@ def corpus(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(tmp_path / "data")
 
 
-def make_loader(path: str, tokenizer: Tokenizer, **kwargs: Any) -> TokenWindowLoader:
+def make_loader(path: str, tokenizer: Tokenizer, **kwargs: Any) -> Loader:
     options = {"seq_len": 7, "local_batch_size": 2, "dp_rank": 0, "dp_world_size": 1} | kwargs
-    return build_dataloader(path, tokenizer, **options)
+    return build_loader("text", find_text_files(path), tokenizer, **options)
 
 
-def batches(loader: TokenWindowLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(islice(loader, n))
+def text_loader(files: list[Path], tokenizer: Any, **kwargs: Any) -> Loader:
+    return build_loader("text", files, tokenizer, **kwargs)
+
+
+def batches(loader: Loader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) of the next n batches: text windows carry nothing else."""
+    taken = list(islice(loader, n))
+    assert all(batch.positions is None and batch.document_ids is None for batch in taken)
+    return [(batch.inputs, batch.labels) for batch in taken]
 
 
 def test_windows_match_reference_stream(corpus: str, tokenizer: Tokenizer) -> None:
@@ -99,7 +100,7 @@ def test_windows_match_reference_stream(corpus: str, tokenizer: Tokenizer) -> No
 
 def test_each_iter_continues_the_stream(corpus: str, tokenizer: Tokenizer) -> None:
     loader = make_loader(corpus, tokenizer)
-    first, second = next(iter(loader)), next(iter(loader))
+    first, second = next(iter(loader)), next(iter(loader))  # Batches: [0] is the inputs
     expected = batches(make_loader(corpus, tokenizer), 2)
     assert torch.equal(first[0], expected[0][0]) and torch.equal(second[0], expected[1][0])
 
@@ -191,13 +192,13 @@ def test_resume_reads_only_the_saved_document(tmp_path: Path, fmt: str) -> None:
     write = write_txt if fmt == "txt" else write_jsonl
     files = write(tmp_path, DOCS)
     recording = RecordingTokenizer()
-    loader = TokenWindowLoader(files, recording, seq_len=7, local_batch_size=2)
+    loader = text_loader(files, recording, seq_len=7, local_batch_size=2)
     batches(loader, 24)
     state = loader.state_dict()
     current = recording.texts[-1]
 
     recording.texts.clear()
-    resumed = TokenWindowLoader(files, recording, seq_len=7, local_batch_size=2)
+    resumed = text_loader(files, recording, seq_len=7, local_batch_size=2)
     resumed.load_state_dict(state)
     assert recording.texts == [current]
     assert_same_batches(batches(resumed, 3), batches(loader, 3))
@@ -255,7 +256,7 @@ def test_state_dict_is_plain_json(corpus: str, tokenizer: Tokenizer) -> None:
 def test_jsonl_reads_the_configured_field(tmp_path: Path, tokenizer: Tokenizer) -> None:
     write_jsonl(tmp_path / "data", DOCS, field="body")
     loader = make_loader(str(tmp_path / "data"), tokenizer, text_field="body")
-    inputs, labels = next(iter(loader))
+    inputs, labels = batches(loader, 1)[0]
     windows = torch.tensor(reference_windows(DOCS, 7, 2))
     assert torch.equal(inputs, windows[:, :-1]) and torch.equal(labels, windows[:, 1:])
 
@@ -265,6 +266,28 @@ def test_find_text_files_single_file_and_sorted_folder(tmp_path: Path) -> None:
     (tmp_path / "notes.md").write_text("not data")
     assert find_text_files(str(tmp_path)) == sorted(files)
     assert find_text_files(str(files[0])) == [files[0]]
+
+
+def test_cursor_counts_the_stream_in_order(corpus: str, tokenizer: Tokenizer) -> None:
+    """The cursor on its own, without a loader: documents come counted in file order, epoch after
+    epoch, each with its SentencePiece length, and it starts again wherever it is sought."""
+    from components.data.cursor import Cursor
+    from components.data.files import read_text
+
+    sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER_PATH))
+    lengths = [len(sp.encode(doc)) + 2 for doc in DOCS]
+    files = find_text_files(corpus)
+    cursor = Cursor(files, lambda raw: tokenizer.encode(read_text(files, raw, "text")), len, batch_tokens=16)
+    starts = []
+    for index in range(2 * len(DOCS) + 1):
+        counted = cursor.peek(16, 0, None)
+        assert (counted.index, counted.length, counted.raw.start.epoch) == (index, lengths[index % len(DOCS)],
+                                                                             index // len(DOCS))
+        assert cursor.unit(counted) == [sp.bos_id(), *sp.encode(DOCS[index % len(DOCS)]), sp.eos_id()]
+        starts.append(cursor.next_start())
+        cursor.counted.popleft()
+    cursor.seek(starts[3])
+    assert cursor.peek(16, 0, None).length == lengths[3] and cursor.next_start() == starts[3]
 
 
 def test_tokenizer_encode_decode(tokenizer: Tokenizer) -> None:
@@ -305,7 +328,7 @@ def test_unreadable_tokenizer(tmp_path: Path) -> None:
 def test_jsonl_line_without_the_field(tmp_path: Path, tokenizer: Tokenizer) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "fine"}\n\n{"content": "no text field"}\n', encoding="utf-8")
-    loader = TokenWindowLoader([path], tokenizer, seq_len=64, local_batch_size=1)
+    loader = text_loader([path], tokenizer, seq_len=64, local_batch_size=1)
     with pytest.raises(DataError, match=r"docs\.jsonl:3: .*'text'"):
         next(iter(loader))
 
@@ -325,11 +348,11 @@ def test_bad_loader_arguments(
     files = write_txt(tmp_path, DOCS)
     options = {"seq_len": 7, "local_batch_size": 2} | kwargs
     with pytest.raises(ValueError, match=message):
-        TokenWindowLoader(files, tokenizer, **options)
+        text_loader(files, tokenizer, **options)
 
 
 def test_state_from_another_dataset_is_rejected(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    loader = TokenWindowLoader(write_txt(tmp_path, DOCS), tokenizer, seq_len=7, local_batch_size=2)
+    loader = text_loader(write_txt(tmp_path, DOCS), tokenizer, seq_len=7, local_batch_size=2)
     with pytest.raises(DataError, match="file_index"):
         loader.load_state_dict(loader.state_dict() | {"file_index": len(DOCS)})
     with pytest.raises(DataError, match="token_offset"):
@@ -386,8 +409,8 @@ class CountingTokenizer:
 def coop_run(case: tuple, layout: tuple[int, int], steps: int, state: dict | None = None) -> dict:
     """Up to `steps` batches of a case's loader for (dp rank, dp degree), as lists, with the state
     and sample counts after each, the DataError that ended them if any, and tokenizer calls."""
-    from components.sft_data import batches as sft_batches, build_loader
-    from components.tokenizer import load_tokenizer
+    from components.data import batches as loader_batches
+    from components.data import load_tokenizer
 
     data_format, files, tokenizer_path, long_samples = case
     dp_rank, dp = layout
@@ -399,7 +422,7 @@ def coop_run(case: tuple, layout: tuple[int, int], steps: int, state: dict | Non
         loader.load_state_dict(state)
     run: dict = {"batches": [], "states": [], "error": None}
     try:
-        for batch in islice(sft_batches(loader), steps):
+        for batch in islice(loader_batches(loader), steps):
             run["batches"].append([None if t is None else t.tolist() for t in batch])
             run["states"].append((loader.state_dict(), getattr(loader, "truncated", 0), getattr(loader, "dropped", 0)))
     except DataError as error:

@@ -86,7 +86,34 @@ def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_
 
 
 # Shipped configs and the world size their comments plan for.
-SHIPPED = {"debug_model": 1, "llama8b": 8, "llama2_7b": 8, "llama8b_128k": 8, "llama3_70b": 64, "llama3_405b": 512}
+SHIPPED = {"debug_model": 1, "debug_sft": 1, "llama8b": 8, "llama2_7b": 8, "llama8b_128k": 8, "llama3_8b_sft": 8,
+           "llama3_70b": 64, "llama3_405b": 512}
+
+
+def test_every_shipped_config_passes_the_dry_run_in_its_documented_layout(capsys):
+    """The dry run applies the real start's transforms and refusals, compile included, so a shipped
+    config that passes here starts (as far as its layout goes) on the hardware it documents."""
+    assert set(SHIPPED) == {path.stem for path in (REPO / "train_configs").glob("*.toml")}
+    for config, world_size in SHIPPED.items():
+        code = train.main(["--job.config_file", config, "--job.dry_run", "--job.dry_run_world_size", str(world_size)])
+        assert code == 0, f"{config}: {capsys.readouterr().err}"
+
+
+def test_dry_run_refuses_compile_with_tp_exactly_as_a_real_start_does(tmp_path, capsys):
+    """torch 2.13 cannot compile tensor-parallel blocks: a planned run that asks for both fails the
+    dry run with the same line as a (simulated) real start, instead of planning it as fine."""
+    from parallelisms.compile import torch_has_tp_compile_bug
+
+    if not torch_has_tp_compile_bug():
+        pytest.skip("this torch compiles tensor-parallel blocks")
+    common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "2",
+              "--compile.enable", "--no-metrics.enable_tensorboard"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "4"]) == 2
+    dry = capsys.readouterr().err
+    assert train.main(common + ["--job.simulate_world_size", "4"]) == 2
+    real = capsys.readouterr().err
+    assert dry == real and dry.startswith("weft: error: compile.enable = True: parallelize: compile with tensor")
+    assert len(dry.strip().splitlines()) == 1
 
 
 def _dry_run_subprocess(config: str, world_size: int) -> tuple[float, float]:

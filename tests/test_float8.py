@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 pytest.importorskip("torchao", reason="float8 needs torchao; tests/test_float8_optional.py covers its absence")
 
@@ -29,9 +30,10 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
     PrepareFloat8ModuleInput,
 )
 
-from components.data import Tokenizer, TokenWindowLoader, find_text_files
+from components.data import Tokenizer, build_loader, find_text_files
 from float8 import (
     apply_float8,
+    check_float8_compute,
     check_float8_support,
     converted_modules,
     float8_tp_all_gather,
@@ -43,7 +45,7 @@ from parallelisms.fsdp import apply_fsdp
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize
-from parallelisms.tp import apply_tp
+from parallelisms.tp import apply_tp, default_tp_plan
 from tests.dist_utils import run_distributed
 
 SMALL = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=64)
@@ -172,6 +174,26 @@ def test_gpu_capability_is_checked(monkeypatch):
     assert not float8_tp_all_gather("cuda", "nccl", "rowwise")
 
 
+def test_gpu_only_float8_requirements_are_checked_up_front():
+    """On CUDA: rowwise scaling writes bf16 only, and _scaled_mm needs the micro-batch's tokens per
+    device (local batch x seq_len / cp) in multiples of 16. The CPU kernel needs neither."""
+    with pytest.raises(ValueError, match="^float8.recipe = rowwise: needs bf16 compute on a GPU .* computes in "
+                                         "float32; set training.mixed_precision_param = bfloat16$"):
+        check_float8_compute("cuda", "rowwise", torch.float32, 8192)
+    check_float8_compute("cuda", "rowwise", torch.bfloat16, 8192)
+    check_float8_compute("cuda", "tensorwise", torch.float32, 8192)
+    with pytest.raises(ValueError, match=r"\(training.local_batch_size x training.seq_len / parallelism.cp = 24\) "
+                                         "to be a multiple of 16$"):
+        check_float8_compute("cuda", "tensorwise", torch.bfloat16, 24)
+    check_float8_compute("cpu", "rowwise", torch.float32, 24)
+
+
+def test_offload_backend_carries_float8(monkeypatch):
+    """FSDP CPU offload's "cuda:nccl,cpu:gloo" all-gathers the GPU copies over NCCL: float8 is fine."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert check_float8_support("cuda", "cuda:nccl,cpu:gloo", enable_fsdp_float8_all_gather=True) == []
+
+
 def test_inconsistent_float8_options_are_errors():
     with pytest.raises(ValueError, match="^float8.enable_fsdp_float8_all_gather needs float8.recipe = tensorwise"):
         check_float8_support("cuda", "nccl", recipe="rowwise", enable_fsdp_float8_all_gather=True)
@@ -191,12 +213,12 @@ def test_tp_styles_are_torchaos():
 def train(model: nn.Module, steps: int) -> list[float]:
     """AdamW on the shipped Shakespeare data; the loss of every step."""
     tokenizer = Tokenizer(ASSETS / "tokenizer" / "shakespeare.model")
-    loader = TokenWindowLoader(find_text_files(str(ASSETS / "data" / "shakespeare")), tokenizer,
-                               seq_len=SEQ_LEN, local_batch_size=BATCH)
+    loader = build_loader("text", find_text_files(str(ASSETS / "data" / "shakespeare")), tokenizer,
+                          seq_len=SEQ_LEN, local_batch_size=BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for _, (inputs, labels) in zip(range(steps), loader):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+    for _, batch in zip(range(steps), loader):
+        loss = F.cross_entropy(model(batch.inputs).flatten(0, 1).float(), batch.labels.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -299,6 +321,56 @@ def test_float8_tensor_parallel_styles_through_apply_tp(float8_losses):
         materialize(model, "cpu", seed=0)
         losses = train(model, TP_STEPS)
     assert losses == pytest.approx(float8_losses, rel=TP_RTOL)
+
+
+def test_float8_tp_styles_only_on_float8_linears_for_llama3_1b():
+    """llama3_1b's wk/wv are 512 wide, below min_dim 1024, so they stay nn.Linear; torchao's float8
+    styles refuse those ("Expecting module to be Float8Linear"), so they and the attention input
+    (which wk/wv read) get the plain styles. apply_tp on the meta model takes the whole plan
+    (embeddings untied: tensor parallelism refuses tied ones)."""
+    model = meta_model(replace(LLAMA_FLAVORS["llama3_1b"], tie_embeddings=False))
+    apply_float8(model, filter_fqns=["output"])
+    plan = default_tp_plan(model, float8_all_gather=True)
+    float8_styles = (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    for block in model.layers:
+        styles = {linear: type(plan[f"layers.{block}.{linear}"]) for linear in BLOCK_LINEARS}
+        assert styles == {"attention.wq": Float8ColwiseParallel, "attention.wk": ColwiseParallel,
+                          "attention.wv": ColwiseParallel, "attention.wo": Float8RowwiseParallel,
+                          "feed_forward.w1": Float8ColwiseParallel, "feed_forward.w2": Float8RowwiseParallel,
+                          "feed_forward.w3": Float8ColwiseParallel}
+        assert type(plan[f"layers.{block}.attention"]) is PrepareModuleInput
+        assert type(plan[f"layers.{block}.feed_forward"]) is PrepareFloat8ModuleInput
+    for name, style in plan.items():  # the rule itself: a float8 style only where every reader is Float8Linear
+        module = model.get_submodule(name)
+        if isinstance(style, float8_styles):
+            assert all(isinstance(m, Float8Linear) for m in module.modules() if isinstance(m, nn.Linear)), name
+    with one_rank_gloo_group():
+        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+
+
+def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
+    """A block layer kept in high precision by filter_fqns gets plain styles, and the run trains
+    exactly as the same float8 model does without tensor parallelism."""
+    filters = ["output", "layers.1.feed_forward.w2", "layers.0.attention.wk"]
+
+    def build() -> Transformer:
+        model = meta_model(TRAIN_ARGS)
+        apply_float8(model, filter_fqns=filters, min_dim=16)
+        return model
+
+    reference = train(materialize(build(), "cpu", seed=0), TP_STEPS)
+    model = build()
+    plan = default_tp_plan(model, float8_all_gather=True)
+    assert type(plan["layers.1.feed_forward.w2"]) is RowwiseParallel
+    assert type(plan["layers.0.feed_forward.w2"]) is Float8RowwiseParallel
+    assert type(plan["layers.0.attention.wk"]) is ColwiseParallel
+    assert type(plan["layers.0.attention"]) is PrepareModuleInput
+    assert type(plan["layers.1.attention"]) is PrepareFloat8ModuleInput
+    with one_rank_gloo_group():
+        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+        materialize(model, "cpu", seed=0)
+        losses = train(model, TP_STEPS)
+    assert losses == pytest.approx(reference, rel=TP_RTOL)
 
 
 def test_precompute_float8_scales_sets_every_fsdp_weight_scale():

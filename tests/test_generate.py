@@ -134,7 +134,7 @@ def test_sampling_stops_at_any_stop_id(model):
 def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
     """--chat renders the user message with the folder's own tokenizer and template, and prints
     only the reply, which ends before the end-of-turn token."""
-    from components.tokenizer import HFTokenizer
+    from components.data import HFTokenizer
     from tests.hf_tokenizer import build_tokenizer_folder
     from tests.test_sft import tiny_hf_folder
 
@@ -153,3 +153,34 @@ def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
 def test_chat_needs_a_chat_template(tmp_path, capsys):
     assert main(["--hf", str(tmp_path), "--chat", "--tokenizer", str(TOKENIZER), "--prompt", "x"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_bfloat16_model_matches_transformers_in_bfloat16(tmp_path, debug_checkpoint, capsys):
+    """--dtype bfloat16 (the default on a GPU): weights and compute in bf16, the rotary table still
+    complex; the logits agree with transformers' LlamaForCausalLM run in bf16 on the same weights,
+    and the command line samples in it."""
+    from transformers import LlamaForCausalLM
+
+    from generate import load_model
+
+    folder, _ = debug_checkpoint
+    export_to_hf(folder, tmp_path / "hf", flavor="debugmodel")
+    model = load_model(LLAMA_FLAVORS["debugmodel"], hf=None, checkpoint=str(folder), device=torch.device("cpu"),
+                       dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_rotations.dtype == torch.complex64
+    reference = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 5, 300, 7, 1000]])
+    with torch.no_grad():
+        ours, theirs = model(ids), reference(ids).logits
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    fp32 = load_model(LLAMA_FLAVORS["debugmodel"], hf=None, checkpoint=str(folder), device=torch.device("cpu"),
+                      dtype=torch.float32)
+    with torch.no_grad():
+        exact = fp32(ids)
+    # bf16 keeps 8 bits of mantissa: the two bf16 runs agree with each other as with the fp32 logits
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=0.05)  # seen: 0.016, logits up to 4.3
+    assert (ours.float() - exact).abs().max() < 0.05  # seen: 0.025
+    assert main(["--checkpoint", str(folder), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "4", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")

@@ -17,13 +17,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import CheckpointError
-from components.hf import (
-    ConversionError,
-    export_to_hf,
+from components.hf import ConversionError, export_to_hf, load_hf_into_model, main
+from models.llama.hf_mapping import (
     hf_config,
     hf_to_weft_name,
-    load_hf_into_model,
-    main,
     model_args_from_hf_config,
     permute_for_hf,
     unpermute_from_hf,
@@ -337,7 +334,7 @@ def test_export_never_overwrites(tmp_path, tiny_export):
 def test_import_refuses_another_architecture(tmp_path):
     config = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=f"^HF folder {tmp_path} is a mistral model, not llama$"):
+    with pytest.raises(ConversionError, match=f"^HF folder {tmp_path}: model_type is mistral, not llama$"):
         load_hf_into_model(tiny_model(TINY, 0), tmp_path)
 
 
@@ -388,3 +385,77 @@ def test_command_line(tmp_path, tiny_export, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--checkpoint", str(tmp_path / "step-2"), "--flavor", "nope", "--out", str(out)])
     assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+    # Without --flavor the run's record decides; a checkpoint without one (this one) is refused.
+    assert main(["export", "--checkpoint", str(tmp_path / "step-2"), "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--flavor: not given, and no hf_files/config.json recorded" in err
+    assert not (tmp_path / "none").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Any Llama-shaped config.json (models/llama/hf_mapping.py, components/hf/load.py)
+# ---------------------------------------------------------------------------------------------
+
+ODD_SHAPE = {"model_type": "llama", "vocab_size": 96, "hidden_size": 48, "intermediate_size": 72,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 64,
+             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+
+
+def test_config_fields_no_flavor_has_give_transformers_logits():
+    """head_dim != hidden_size / heads, an intermediate_size no multiplier gives, tied embeddings,
+    llama3 rope scaling in transformers 5's rope_parameters: weft's model equals transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from models.llama.hf_mapping import from_hf_tensor
+
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ODD_SHAPE)).eval()
+    args = model_args_from_hf_config(ODD_SHAPE)
+    assert (args.head_dim, args.ffn_hidden_dim, args.norm_eps, args.tie_embeddings) == (16, 72, 1e-6, True)
+    ours = tiny_model(args, 0)
+    state = theirs.state_dict()
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            param.copy_(from_hf_tensor(name, state[weft_to_hf_name(name)], args))
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))  # past the original 16
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+    assert theirs.num_parameters() == sum(p.numel() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias is True; weft's Llama supports only False"),
+    ({"mlp_bias": True}, "mlp_bias is True"),
+    ({"hidden_act": "gelu"}, "hidden_act is gelu"),
+    ({"attention_dropout": 0.1}, "attention_dropout is 0.1"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type is yarn"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type is dynamic"),
+    ({"model_type": "mistral"}, "model_type is mistral, not llama"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "architectures is ['LlamaForSequenceClassification']"),
+    ({"head_dim": 15}, "head_dim 15 is odd"),
+    ({"num_key_value_heads": 3}, "n_heads 4 is not divisible by n_kv_heads 3"),
+])
+def test_unrepresentable_config_is_refused_naming_the_field(change, message):
+    from models.llama.hf_mapping import HFConfigError
+
+    with pytest.raises(HFConfigError) as error:
+        model_args_from_hf_config(ODD_SHAPE | change)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_model_args_for_run_reads_or_checks_the_folder(tmp_path):
+    """from_hf_config takes the folder's model; a flavor must match it (today's message, plus how to
+    take the folder's); from_hf_config without a Hugging Face folder is refused."""
+    from components.config import ConfigError
+    from components.hf import model_args_for_run
+
+    (tmp_path / "config.json").write_text(json.dumps(ODD_SHAPE))
+    assert model_args_for_run("from_hf_config", str(tmp_path)) == model_args_from_hf_config(ODD_SHAPE)
+    with pytest.raises(ConversionError, match=rf"^checkpoint.initial_load_path: HF folder {tmp_path}: hidden_size is 48, "
+                                              r"the model has 256 \(model.flavor = from_hf_config takes the folder's\)$"):
+        model_args_for_run("debugmodel", str(tmp_path))
+    with pytest.raises(ConfigError, match="model.flavor = from_hf_config: checkpoint.initial_load_path must be a Hugging"):
+        model_args_for_run("from_hf_config", "")
+    assert model_args_for_run("debugmodel", "") == LLAMA_FLAVORS["debugmodel"]

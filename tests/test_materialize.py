@@ -58,3 +58,20 @@ def test_a_module_with_parameters_and_no_reset_parameters_needs_an_init():
 
     with pytest.raises(ValueError, match="^materialize: Scale has parameters of its own but no reset_parameters"):
         materialize(meta(Scale), "cpu")
+
+
+def test_cpu_offload_puts_parameters_on_the_cpu_and_buffers_on_the_device():
+    """FSDP's CPU offloading needs parameters materialised on the CPU; the rotary table stays on the
+    compute device. "meta" stands in for the GPU: what lands there was not put on the CPU."""
+    from models.llama import LLAMA_FLAVORS, Transformer
+    from parallelisms.materialize import materialize_devices
+
+    assert materialize_devices("cuda:3", cpu_offload=True) == (torch.device("cpu"), torch.device("cuda:3"))
+    assert materialize_devices("cuda:3", cpu_offload=False) == (torch.device("cuda:3"), torch.device("cuda:3"))
+    args = LLAMA_FLAVORS["debugmodel"]
+    offloaded = materialize(meta(lambda: Transformer(args)), "meta", seed=0, cpu_offload=True)
+    assert {p.device.type for p in offloaded.parameters()} == {"cpu"}
+    assert offloaded.rope_rotations.device.type == "meta"
+    plain = materialize(meta(lambda: Transformer(args)), "cpu", seed=0)
+    for (name, p), q in zip(offloaded.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name  # the same initialisation, on the CPU

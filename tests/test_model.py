@@ -183,3 +183,97 @@ def test_meta_build_then_materialise_equals_direct_build():
 def test_invalid_head_layout_is_rejected():
     with pytest.raises(ValueError, match="n_kv_heads"):
         ModelArgs(dim=64, n_heads=4, n_kv_heads=3)
+
+
+# -- packed documents: one mask per micro-batch ------------------------------------------------
+
+PACKED = replace(TINY, n_layers=4)
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, positions and document ids of two rows of packed documents (lengths 10+30+8, 48)."""
+    tokens = torch.randint(0, PACKED.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    docs = torch.tensor([[0] * 10 + [1] * 30 + [2] * 8, [0] * 48])
+    starts = torch.tensor([[0] * 10 + [10] * 30 + [40] * 8, [0] * 48])
+    return tokens, torch.arange(48).expand(2, 48) - starts, docs
+
+
+def per_block_mask_forward(model: Transformer, tokens, positions, docs) -> torch.Tensor:
+    """The model with each block masking for itself from the document ids (SDPA, dense mask)."""
+    rotations = model.rope_rotations[positions]
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers.values():
+        h = layer(h, rotations, document_ids=docs)
+    return model.output(model.norm(h))
+
+
+def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypatch):
+    """4 blocks, forward and a full activation-checkpoint backward: one mask, built by
+    Transformer.forward itself (not by a block, nor by recompute), and the same logits as each
+    block masking for itself."""
+    import sys
+
+    from models.llama import model as llama_model
+    from parallelisms.ac import apply_ac
+
+    built, original = [], llama_model.document_mask
+
+    def counting(document_ids, *, flex):
+        caller = sys._getframe(2)  # the core's document_mask is called by ...
+        built.append((caller.f_code.co_name, type(caller.f_locals.get("self")).__name__, flex))
+        return original(document_ids, flex=flex)
+
+    monkeypatch.setattr(llama_model, "document_mask", counting)
+    model = Transformer(PACKED)
+    model.init_weights(seed=0)
+    tokens, positions, docs = packed_batch()
+    with torch.no_grad():
+        reference = per_block_mask_forward(model, tokens, positions, docs)
+    apply_ac(model, "full")
+    logits = model(tokens, positions, document_ids=docs)
+    logits.sum().backward()
+    assert built == [("forward", "Transformer", False)]
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
+    """The CUDA path (one FlexAttention BlockMask per micro-batch) through the whole model, forward
+    only on the CPU (FlexAttention has no CPU backward in torch 2.13), against the dense SDPA path."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from models.llama import model as llama_model
+
+    assert llama_model.use_flex_attention(torch.device("cuda", 0))
+    assert not llama_model.use_flex_attention(torch.device("cpu"))
+    model = Transformer(PACKED)
+    model.init_weights(seed=0)
+    tokens, positions, docs = packed_batch()
+    assert isinstance(llama_model.document_mask(docs, flex=True), BlockMask)
+    with torch.no_grad():
+        dense = model(tokens, positions, document_ids=docs)
+        monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: True)
+        flex = model(tokens, positions, document_ids=docs)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward and the compiled block mask need CUDA")
+def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
+    """On a GPU: forward and backward through the BlockMask path equal the dense SDPA mask path."""
+    from models.llama import model as llama_model
+
+    model = Transformer(PACKED).cuda()
+    model.init_weights(seed=0)
+    tokens, positions, docs = (t.cuda() for t in packed_batch())
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(tokens, positions, document_ids=docs)
+        logits.float().square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    flex, flex_grads = logits_and_grads()
+    monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: False)
+    dense, dense_grads = logits_and_grads()
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    for a, b in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

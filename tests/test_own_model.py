@@ -19,7 +19,8 @@ from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize, torch_has_tp_compile_bug
+from parallelisms.compile import torch_has_tp_compile_bug
+from parallelisms.parallelize import parallelize
 from tests.dist_utils import run_distributed
 
 STEPS, GLOBAL_BATCH, SEQ_LEN, VOCAB, SEED = 10, 4, 16, 96, 0

@@ -81,3 +81,14 @@ def test_policy_is_stated_at_startup(tmp_path, capsys):
                 "--training.mixed_precision_param", "bfloat16"])
     out = capsys.readouterr().out
     assert "precision: matmuls in bfloat16 (autocast); rotary, norms and loss in float32" in out
+
+
+def test_float32_with_grouped_query_attention_on_a_gpu_is_announced():
+    """SDPA's fused kernels take grouped-query heads in 16-bit only: fp32 on a GPU means the math kernel."""
+    from parallelisms.precision import attention_kernel_warning
+
+    line = attention_kernel_warning("cuda", torch.float32, n_heads=8, n_kv_heads=4)
+    assert line.startswith("training.mixed_precision_param = float32 with grouped-query attention")
+    assert attention_kernel_warning("cuda", torch.bfloat16, n_heads=8, n_kv_heads=4) is None
+    assert attention_kernel_warning("cuda", torch.float32, n_heads=8, n_kv_heads=8) is None
+    assert attention_kernel_warning("cpu", torch.float32, n_heads=8, n_kv_heads=4) is None

@@ -1,4 +1,4 @@
-"""Micro-batches prepared ahead (components/prefetch.py): the same batches as the loader, the state
+"""Micro-batches prepared ahead (components/data/prefetch.py): the same batches as the loader, the state
 of the batches taken (not of those built ahead), errors raised as themselves, pinned memory only
 for CUDA, and a thread that stops."""
 
@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import DataError, Tokenizer
-from components.prefetch import prefetch
-from components.sft_data import Batch, batches, build_loader
+from components.data import Batch, DataError, Tokenizer, batches, build_loader, prefetch
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets/tokenizer/shakespeare.model"
 LINES = [f"To be, or not to be{', that is the question' * (i % 4)}: line {i}." for i in range(60)]
@@ -115,3 +113,47 @@ def test_pinned_memory_only_for_cuda(make, monkeypatch):
     next(cuda)
     assert pinned and devices == [torch.device("cuda:1")]
     cuda.close()
+
+
+def beside_main_thread_worker(text_files: list[Path], pc_files: list[Path], steps: int) -> dict:
+    """On each of 2 ranks: a prefetched text loader (dp 2) whose thread counts lengths with the other
+    rank while the main thread, between batches, reads a packed loader of its own (as validation
+    does), also counting together."""
+    import torch.distributed as dist
+
+    rank, tokenizer = dist.get_rank(), Tokenizer(TOKENIZER)
+    train = prefetch(build_loader("text", text_files, tokenizer, seq_len=15, local_batch_size=2, dp_rank=rank,
+                                  dp_world_size=2), document_masking=True)
+    run: dict = {"train": [], "validation": []}
+    for _ in range(steps):
+        run["train"].append([t.tolist() for t in next(train)])
+        validation = build_loader("prompt_completion", pc_files, tokenizer, seq_len=47, local_batch_size=1,
+                                  dp_rank=rank, dp_world_size=2, long_samples="drop")
+        run["validation"].append([[t.tolist() for t in batch] for _, batch in zip(range(2), validation)])
+    run["state"] = train.state_dict()
+    train.close()
+    return run
+
+
+def test_thread_and_main_thread_count_together_apart(tmp_path, tokenizer):
+    """Under 2 ranks, the prefetch thread's length exchanges and those of a loader read in the main
+    thread at the same time go over groups of their own: every rank gets its block of the single
+    loader's batches from both, and the state of the batches taken."""
+    from tests.dist_utils import run_distributed
+
+    text = write(tmp_path / "text.jsonl", [{"text": line} for line in LINES])
+    pc = write(tmp_path / "pc.jsonl", [{"prompt": a, "completion": b} for a, b in zip(LINES, LINES[1:])])
+    steps = 6
+    single = build_loader("text", text, tokenizer, seq_len=15, local_batch_size=4, cooperate=False)
+    want_train = [[t.tolist() for t in batch] for batch in islice(batches(single, document_masking=True), steps)]
+    want_state = single.state_dict()
+    validation = build_loader("prompt_completion", pc, tokenizer, seq_len=47, local_batch_size=2, cooperate=False,
+                              long_samples="drop")
+    want_validation = [[t.tolist() for t in batch] for batch in islice(validation, 2)]
+
+    runs = run_distributed(beside_main_thread_worker, 2, text, pc, steps, timeout=120)
+    for rank, run in enumerate(runs):
+        assert run["train"] == [[rows[2 * rank : 2 * rank + 2] for rows in batch] for batch in want_train]
+        assert run["state"] == want_state
+        for got in run["validation"]:
+            assert got == [[rows[rank : rank + 1] for rows in batch] for batch in want_validation]

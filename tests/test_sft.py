@@ -14,10 +14,8 @@ import torch
 
 from assets.make_chat_data import speeches
 from components.config import parse_args
-from components.data import DataError
+from components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
 from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
-from components.sft_data import PackedSampleLoader, chat_sample, document_layout, prompt_completion_sample
-from components.tokenizer import HFTokenizer
 from models.llama import ModelArgs, Transformer
 from tests.dist_utils import run_distributed
 from tests.hf_tokenizer import build_tokenizer_folder
@@ -149,21 +147,20 @@ def test_document_layout_restarts_at_bos():
 def test_packing_keeps_samples_whole_and_counts_long_ones(tok, tmp_path):
     records = make_chats(40, long_chars=40) + [{"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y"}]}]
     path = write_jsonl(tmp_path / "chat.jsonl", records)
-    loader = PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=4)
+    loader = build_loader("chat", [path], tok, seq_len=64, local_batch_size=4)
     batch = next(iter(loader))
     for row in range(4):
         docs, pos = batch.document_ids[row], batch.positions[row]
         starts = torch.nonzero(torch.diff(docs, prepend=docs[:1] - 1)).flatten()
         assert torch.equal(pos[starts], torch.zeros_like(starts))  # every document starts at position 0
         assert (batch.labels[row] != IGNORE_INDEX).any()
-    drop = PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=4, long_samples="drop")
+    drop = build_loader("chat", [path], tok, seq_len=64, local_batch_size=4, long_samples="drop")
     for _, _ in zip(range(8), drop):
         pass
     assert drop.dropped == 1 and drop.truncated == 0
     only_long = write_jsonl(tmp_path / "long.jsonl", records[-1:] * 3)
     with pytest.raises(DataError, match="every sample is longer than training.seq_len"):
-        next(iter(PackedSampleLoader([only_long], tok, data_format="chat", seq_len=64, local_batch_size=1,
-                                     long_samples="drop")))
+        next(iter(build_loader("chat", [only_long], tok, seq_len=64, local_batch_size=1, long_samples="drop")))
 
 
 def test_resume_mid_epoch_in_another_layout(tok, tmp_path):
@@ -171,8 +168,8 @@ def test_resume_mid_epoch_in_another_layout(tok, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", make_chats(60))
 
     def loader(rank=0, world=1, batch=4):
-        return PackedSampleLoader([path], tok, data_format="chat", seq_len=64, local_batch_size=batch,
-                                  dp_rank=rank, dp_world_size=world)
+        return build_loader("chat", [path], tok, seq_len=64, local_batch_size=batch, dp_rank=rank,
+                            dp_world_size=world)
 
     whole = loader()
     stream = iter(whole)
@@ -290,7 +287,7 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from components.hf import hf_config
+    from models.llama.hf_mapping import hf_config
     from models.llama import LLAMA_FLAVORS
 
     torch.manual_seed(0)
@@ -381,14 +378,14 @@ def test_hf_finetune_end_to_end(sft_runs):
 def test_flex_attention_path_equals_the_exact_mask():
     """The CUDA path (FlexAttention block mask) computes the same attention as the CPU path; checked
     forward-only on the CPU, where FlexAttention has no backward (PyTorch 2.13)."""
-    from models.llama.model import document_attention, flex_document_attention
+    from models.llama.model import document_attention, document_block_mask, masked_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 48, 16), torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)
     docs = torch.tensor([[0] * 10 + [1] * 30 + [2] * 8, [0] * 48])
     with torch.no_grad():
         for start in (0, 16):  # the whole sequence, and a query chunk aligned to the end (as under CP)
-            got = flex_document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
+            got = masked_attention(q[..., start:, :], k, v, document_block_mask(docs[:, start:], docs))
             want = document_attention(q[..., start:, :], k, v, docs[:, start:], docs)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -54,8 +54,6 @@ def test_weft_model_gets_the_sequence_parallel_llama_plan():
         (lambda: Transformer(LLAMA_FLAVORS["debugmodel"]), 3, "apply_tp: tp_mesh size 3 does not divide n_heads 8"),
         (hf_llama, 4, "apply_tp: tp_mesh size 4 does not divide num_key_value_heads 2"),
         (NanoGPT, 2, "apply_tp: no tensor-parallel plan is known for NanoGPT; pass plan="),
-        (lambda: Transformer(LLAMA_FLAVORS["llama3_1b"]), 2,
-         "apply_tp: tensor parallelism does not support tied parameters (tok_embeddings.weight and output.weight"),
     ],
 )
 def test_refusals_name_the_function_and_the_numbers(build, size, message):
@@ -77,3 +75,75 @@ def test_odd_head_count_is_refused_even_when_a_plan_is_given():
     args = replace(LLAMA_FLAVORS["debugmodel"], n_heads=6, n_kv_heads=2, dim=192)
     with pytest.raises(TransformError, match="tp_mesh size 4 does not divide n_heads 6"):
         apply_tp(meta(lambda: Transformer(args)), MeshOfSize(4), {"output": ColwiseParallel()})
+
+
+def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
+    """Worker: a transformers LlamaForCausalLM's own `labels=` loss on one process, then on the
+    same weights under apply_tp(model, tp_mesh) alone; (logits are a plain tensor, both losses)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(input_ids=tokens, labels=tokens).loss.item()  # this process alone, no mesh
+        parallel = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (dist.get_world_size(),)))
+        output = parallel(input_ids=tokens, labels=tokens)
+    return type(output.logits) is torch.Tensor, output.loss.item(), reference
+
+
+def test_transformers_model_under_apply_tp_keeps_its_output_type():
+    """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
+    LM head), so the model's own loss works; loss parallelism is an explicit argument."""
+    from components.testing import run_distributed
+
+    for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
+        assert plain
+        assert loss == pytest.approx(reference, abs=1e-5)
+
+
+TIED = replace(LLAMA_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
+               multiple_of=32, tie_embeddings=True)
+
+
+def tied_losses(tp: int) -> tuple[list[float], bool]:
+    """Three SGD steps of a tied-embedding model, split over `tp` ranks (loss parallel) or not;
+    the losses, and whether the output projection is still the embedding's tensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from parallelisms.materialize import materialize
+
+    with torch.device("meta"):
+        model = Transformer(TIED)
+    if tp > 1:
+        apply_tp(model, init_device_mesh("cpu", (tp,)), loss_parallel=True)
+    materialize(model, "cpu", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens = torch.randint(0, TIED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        with loss_parallel() if tp > 1 else torch.enable_grad():
+            loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append((loss.full_tensor() if tp > 1 else loss).item())
+    if tp > 1:
+        dist.barrier()
+    return losses, model.output.weight is model.tok_embeddings.weight
+
+
+def test_tied_embeddings_split_over_tp_train_as_on_one_device():
+    """apply_tp keeps a tied output projection tied (one DTensor, split by vocabulary rows), and
+    training it over tp 2 gives the single-device losses."""
+    from tests.dist_utils import run_distributed
+
+    reference, _ = tied_losses(1)
+    (losses, still_tied), _ = run_distributed(tied_losses, 2, 2)
+    assert still_tied and reference[-1] < reference[0]
+    assert losses == pytest.approx(reference, rel=1e-5)

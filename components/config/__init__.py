@@ -5,8 +5,11 @@ from components.config.parser import ConfigError, help_text, parse_args, to_dict
 from components.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Compile,
+    FROM_HF_CONFIG,
     Data,
+    Export,
     Float8,
     JobConfig,
     Job,
@@ -21,6 +24,7 @@ from components.config.schema import (
 
 __all__ = [
     "RUN_IDENTITY", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
-    "ActivationCheckpoint", "Checkpoint", "Compile", "Data", "Float8", "JobConfig", "Job", "LRScheduler",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FROM_HF_CONFIG", "Float8", "JobConfig",
+    "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Training", "Validation",
 ]

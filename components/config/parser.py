@@ -250,6 +250,7 @@ def _validate_combinations(cfg: JobConfig, origins: dict[str, str]) -> None:
     if ckpt.load_step >= 0 and not ckpt.enable:
         where = _where("checkpoint.load_step", origins.get("checkpoint.load_step"))
         raise ConfigError(f"{where} = {ckpt.load_step} needs --checkpoint.enable; without it no checkpoint is loaded")
+    _check_disabled_sections(cfg, origins)
     tokens = training.local_batch_size * training.seq_len
     if tokens > MAX_MICRO_BATCH_TOKENS:
         where = _where("training.local_batch_size", origins.get("training.local_batch_size"))
@@ -257,6 +258,26 @@ def _validate_combinations(cfg: JobConfig, origins: dict[str, str]) -> None:
             f"{where}: {training.local_batch_size} samples x seq_len {training.seq_len} = {tokens:,} tokens per "
             f"device and micro-batch, more than {MAX_MICRO_BATCH_TOKENS:,}; lower it (gradient_accumulation_steps "
             f"grows the batch without the memory)")
+
+
+def _check_disabled_sections(cfg: JobConfig, origins: dict[str, str]) -> None:
+    """One rule for every section with an `enable` switch: a key of that section set to anything
+    but its default while the switch is off by default (set nowhere) would be silently ignored, so
+    it is an error naming the key and the switch. A switch turned off explicitly (in the TOML file or
+    on the command line) keeps its section's keys dormant; keys marked `without_enable` act on
+    their own and are exempt."""
+    defaults = JobConfig()
+    for name, f in _OPTIONS.items():
+        section, key = name.split(".")
+        switch = f"{section}.enable"
+        if key == "enable" or switch not in _OPTIONS or switch in origins or getattr(getattr(cfg, section), "enable"):
+            continue
+        value = getattr(getattr(cfg, section), key)
+        if f.metadata["without_enable"] or value == getattr(getattr(defaults, section), key):
+            continue
+        origin = origins.get(name)
+        raise ConfigError(f"{_where(name, origin)} = {_show(value, origin)} has no effect while {switch} is false; "
+                          f"set {switch} = true (--{switch}), or drop {name}")
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, object]]:

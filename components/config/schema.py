@@ -22,9 +22,14 @@ def opt(
     gt: float | None = None,
     lt: float | None = None,
     check: tuple[Callable[[Any], bool], str] | None = None,
+    without_enable: bool = False,
 ) -> Any:
-    """A dataclass field with help and constraints; ``check`` is (predicate, "what it must be")."""
-    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "check": check}
+    """A dataclass field with help and constraints; ``check`` is (predicate, "what it must be").
+
+    In a section with an ``enable`` switch, a key may differ from its default only while the
+    section is enabled, unless ``without_enable`` says it acts on its own (see the parser)."""
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "gt": gt, "lt": lt, "check": check,
+                "without_enable": without_enable}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -65,9 +70,16 @@ class Job:
             "'4090'); exit 2 if it does not fit ('': no check)")
 
 
+# model.flavor's value for "the shape in config.json of the Hugging Face folder checkpoint.initial_load_path".
+FROM_HF_CONFIG = "from_hf_config"
+
+
 @dataclass
 class Model:
-    flavor: str = opt("debugmodel", "Model architecture and size", choices=tuple(LLAMA_FLAVORS))
+    flavor: str = opt(
+        "debugmodel", f"Model architecture and size: a built-in flavor (a Hugging Face checkpoint.initial_load_path "
+        f"must match it), or '{FROM_HF_CONFIG}' to read them from that folder's config.json",
+        choices=(*LLAMA_FLAVORS, FROM_HF_CONFIG))
     tokenizer_path: str = opt(
         "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
         "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")
@@ -86,6 +98,11 @@ class Training:
         "bfloat16", "Dtype FSDP computes parameters in", choices=("float32", "bfloat16"))
     mixed_precision_reduce: str = opt(
         "float32", "Dtype FSDP reduces gradients in", choices=("float32", "bfloat16"))
+    on_nonfinite: str = opt(
+        "stop", "A step whose loss or gradient norm is NaN or infinite: stop (exit 2, no checkpoint of it), or skip "
+        "its optimizer step (weights, optimizer state and LR schedule untouched)", choices=("stop", "skip"))
+    max_skipped_steps: int = opt(
+        3, "With on_nonfinite = skip: stop after this many consecutive skipped steps", min=1)
 
 
 @dataclass
@@ -99,6 +116,8 @@ class Parallelism:
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    share_gpus: bool = opt(
+        False, "Processes of a node share GPUs (tests on one GPU): collectives on gloo, slow; off: one GPU each, NCCL")
     loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
 
 
@@ -135,6 +154,9 @@ class Data:
     long_samples: str = opt(
         "truncate", "Chat / prompt_completion samples longer than seq_len + 1 tokens: cut to fit, or skip; "
         "either is counted in the log", choices=("truncate", "drop"))
+    allow_changed_data: bool = opt(
+        False, "Resume even if a data file changed since the checkpoint was saved (logged); by default that "
+        "stops the run, naming the file")
 
 
 @dataclass
@@ -161,11 +183,36 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "Keep only the newest K checkpoints; 0 keeps all", min=0)
     async_mode: str = opt("disabled", "Save in the background while training continues", choices=("disabled", "async"))
     load_step: int = opt(-1, "Step to resume from; -1 loads the latest complete checkpoint", min=-1)
-    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder", check=_NOT_EMPTY)
+    on_save_error: str = opt(
+        "stop", "A save that fails (disk full, quota, I/O error): stop (exit 2), or train on and try again at the "
+        "next interval; either way the partial folder is removed", choices=("stop", "continue"))
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to dump_folder", check=_NOT_EMPTY,
+                      without_enable=True)
     initial_load_path: str = opt(
-        "", "Weights to start from when dump_folder has no checkpoint: a DCP checkpoint folder or a Hugging Face folder")
+        "", "Weights to start from when dump_folder has no checkpoint: a DCP checkpoint folder or a Hugging Face folder",
+        without_enable=True)
     create_seed_checkpoint: bool = opt(
-        False, "Only initialise the model on one process and save it as step-0, the seed every layout can start from")
+        False, "Only initialise the model on one process and save it as step-0, the seed every layout can start from",
+        without_enable=True)
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: float = opt(
+        600.0, "Seconds a collective may wait while the ranks start, load, compile (the first step), save and "
+        "validate", gt=0)
+    train_timeout_seconds: float = opt(
+        300.0, "Seconds a collective may wait during training steps; a rank silent for longer ends the run",
+        gt=0)
+
+
+@dataclass
+class Export:
+    hf_folder: str = opt(
+        "", "After the last step, write the model as a Hugging Face folder here (weights, config.json, tokenizer, "
+            "generation_config.json; relative to dump_folder; a new or empty folder); '': no export")
+    dtype: str = opt("float32", "dtype of the exported weights", choices=("float32", "bfloat16"))
+    max_shard_gib: float = opt(5.0, "Largest safetensors file of the export, in GiB", gt=0)
 
 
 @dataclass
@@ -216,6 +263,8 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
+    export: Export = field(default_factory=Export)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
     compile: Compile = field(default_factory=Compile)

@@ -29,10 +29,12 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 4096
     tie_embeddings: bool = False  # output projection shares the token embedding matrix
+    explicit_head_dim: int | None = None  # None: dim / n_heads (a Hugging Face config may set another)
+    explicit_ffn_hidden_dim: int | None = None  # None: derived from ffn_dim_multiplier and multiple_of
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.dim // self.n_heads if self.explicit_head_dim is None else self.explicit_head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -40,17 +42,22 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4·dim (to keep the FLOPs of a 4·dim MLP), scaled, rounded up."""
+        """SwiGLU width: 2/3 of 4·dim (to keep the FLOPs of a 4·dim MLP), scaled, rounded up;
+        or explicit_ffn_hidden_dim when given."""
+        if self.explicit_ffn_hidden_dim is not None:
+            return self.explicit_ffn_hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate channel pairs")
 
 
 _LLAMA2 = ModelArgs(vocab_size=32000, rope_theta=10000.0, max_seq_len=4096)

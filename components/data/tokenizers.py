@@ -1,9 +1,11 @@
 """Tokenizers: a SentencePiece `.model` file or a Hugging Face tokenizer folder, and chat templates.
 
-`load_tokenizer(path)` picks by what `path` is: a file is a SentencePiece model (components/data.py);
-a folder is a Hugging Face tokenizer (`tokenizer.json` + `tokenizer_config.json`, as shipped with
-Llama 2 / 3 / 3.1 / 3.2 checkpoints), loaded with the `tokenizers` library. Its BOS, EOS and pad
-tokens, and its chat template, come from the folder's own `tokenizer_config.json`.
+Both give `encode(text, bos, eos)`, `decode(ids)`, `vocab_size`, `bos_id` and `eos_id`, so the
+loaders take either. `load_tokenizer(path)` picks by what `path` is: a file is a SentencePiece
+model (`Tokenizer`); a folder is a Hugging Face tokenizer (`HFTokenizer`: `tokenizer.json` +
+`tokenizer_config.json`, as shipped with Llama 2 / 3 / 3.1 / 3.2 checkpoints), loaded with the
+`tokenizers` library. Its BOS, EOS and pad tokens, and its chat template, come from the folder's
+own `tokenizer_config.json`.
 
 Chat templates are Jinja; `render_chat` renders them the way transformers' `apply_chat_template`
 does (a sandboxed environment with `trim_blocks`, `lstrip_blocks`, the loop-controls extension,
@@ -17,13 +19,16 @@ loaded, and their absence is a one-line `DataError` saying what to install.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from components.data import DataError, Tokenizer
+import sentencepiece as spm
 
-__all__ = ["HFTokenizer", "load_tokenizer"]
+from components.data.errors import DataError
+
+__all__ = ["HFTokenizer", "Tokenizer", "load_tokenizer"]
 
 _INSTALL_HINT = 'pip install "weft[hf]" (the tokenizers and jinja2 packages)'
 
@@ -31,6 +36,30 @@ _INSTALL_HINT = 'pip install "weft[hf]" (the tokenizers and jinja2 packages)'
 def load_tokenizer(path: str | Path) -> Tokenizer | HFTokenizer:
     """A Hugging Face tokenizer if `path` is a folder, else a SentencePiece model file."""
     return HFTokenizer(path) if Path(path).is_dir() else Tokenizer(path)
+
+
+class Tokenizer:
+    """A SentencePiece model with BOS/EOS handling."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        if not Path(path).is_file():
+            raise DataError(f"model.tokenizer_path: no tokenizer file at '{path}'")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=os.fspath(path))
+        except (OSError, RuntimeError) as err:
+            raise DataError(f"model.tokenizer_path: '{path}' is not a SentencePiece model") from err
+        self.vocab_size: int = self._sp.vocab_size()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise DataError(f"model.tokenizer_path: '{path}' defines no BOS or no EOS token")
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        ids: list[int] = self._sp.encode(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
 
 
 def _token_content(value: Any) -> str | None:

@@ -1,21 +1,23 @@
 """Micro-batches prepared ahead of the training step, in a background thread.
 
-`prefetch(loader, ...)` returns a `Prefetcher`: an iterator of `Batch`es (components/sft_data.py)
+`prefetch(loader, ...)` returns a `Prefetcher`: an iterator of `Batch`es (components/data/batch.py)
 that a daemon thread builds up to `depth` ahead while the step runs: reading and tokenizing (with
-the other ranks: components/data.py) and, on CUDA, copying into pinned memory, from which
+the other ranks: components/data/cursor.py) and, on CUDA, copying into pinned memory, from which
 `Batch.to(device, non_blocking=True)` copies without stalling the step.
 
 It stands in for the loader wherever the loader's state is used: `state_dict()` is the loader's
 state before the first batch the caller has not taken yet (recorded with each queued batch), so a
 checkpoint resumes on exactly the batch the loop would have used next, whatever the thread has
 built beyond it; `load_state_dict()` loads the loader (closing the thread first if it runs; the
-next batch starts it again). The packed loader's counts of truncated and dropped samples are
-reported as of the batches taken, likewise.
+next batch starts it again). The loader's counts of truncated and dropped samples are reported
+as of the batches taken, likewise.
 
-The thread communicates over a gloo group of its own, so its exchanges never meet the training
-loop's collectives or those of a loader read in the main thread (validation). It builds a batch
-whenever the queue has room and stops only once the queue is full, so every rank's thread makes
-the same exchanges whatever the timing, and `close()` never leaves one rank waiting for another.
+The thread communicates over a gloo group of its own (`exchange_group`, given to the constructor;
+`prefetch` creates it), so its exchanges never meet the training loop's collectives or those of a
+loader read in the main thread (validation); the loader itself is left as it was built. The thread
+builds a batch whenever the queue has room and stops only once the queue is full, so every rank's
+thread makes the same exchanges whatever the timing, and `close()` never leaves one rank waiting
+for another.
 An exception in the thread (a DataError from a bad record) is raised by `next()` as itself.
 """
 
@@ -26,10 +28,11 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from components.data import TokenWindowLoader
+from components.data.batch import Batch
+from components.data.loader import Loader
 from components.distributed import shared_gloo_group
-from components.sft_data import Batch, batches
 
 __all__ = ["Prefetcher", "prefetch"]
 
@@ -39,20 +42,20 @@ _POLL_S = 0.05
 
 
 class Prefetcher:
-    """The loader's batches, built `depth` ahead by a daemon thread started by the first `next()`."""
+    """The loader's batches, built `depth` ahead by a daemon thread started by the first `next()`;
+    the thread counts lengths with the other ranks over `exchange_group` (None: alone)."""
 
-    def __init__(self, loader: TokenWindowLoader, *, document_masking: bool = False,
+    def __init__(self, loader: Loader, *, exchange_group: dist.ProcessGroup | None, document_masking: bool = False,
                  device: torch.device | str | None = None, depth: int = 2) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.loader = loader
+        self.exchange_group = exchange_group
         self.document_masking = document_masking
         self.depth = depth
         self.device = torch.device(device) if device is not None else None
         # Pinned memory only helps (and only exists) for copies to a CUDA device.
         self.pin_memory = self.device is not None and self.device.type == "cuda"
-        if loader.exchange_group is not None:  # the thread's exchanges: a group of their own
-            loader.exchange_group = shared_gloo_group("data prefetch")
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._closing = threading.Event()
@@ -102,7 +105,7 @@ class Prefetcher:
         try:
             if self.pin_memory:  # pin where the CUDA context is: this thread's device defaults to 0
                 torch.cuda.set_device(self.device)
-            for batch in batches(self.loader, document_masking=self.document_masking):
+            for batch in self.loader.stream(self.exchange_group, document_masking=self.document_masking):
                 if self.pin_memory:
                     batch = batch.pin_memory()
                 if not self._put(out, ("batch", (batch, self._loader_snapshot()))):
@@ -121,7 +124,7 @@ class Prefetcher:
                     return False
 
     def _loader_snapshot(self) -> tuple[dict, int, int]:
-        return (self.loader.state_dict(), getattr(self.loader, "truncated", 0), getattr(self.loader, "dropped", 0))
+        return (self.loader.state_dict(), self.loader.truncated, self.loader.dropped)
 
     # -- the loader's interface -------------------------------------------------------------
 
@@ -137,11 +140,11 @@ class Prefetcher:
 
     @property
     def truncated(self) -> int:
-        return self._taken[1] if self._taken is not None else getattr(self.loader, "truncated", 0)
+        return self._taken[1] if self._taken is not None else self.loader.truncated
 
     @property
     def dropped(self) -> int:
-        return self._taken[2] if self._taken is not None else getattr(self.loader, "dropped", 0)
+        return self._taken[2] if self._taken is not None else self.loader.dropped
 
     def close(self) -> None:
         """Stop the thread: it ends once the queue is full (every rank's thread then has made the
@@ -155,8 +158,11 @@ class Prefetcher:
         self._thread, self._queue = None, None
 
 
-def prefetch(loader: TokenWindowLoader, *, document_masking: bool = False, device: torch.device | str | None = None,
+def prefetch(loader: Loader, *, document_masking: bool = False, device: torch.device | str | None = None,
              depth: int = 2) -> Prefetcher:
     """The loader's `Batch`es, prepared `depth` ahead in a background thread (pinned for a CUDA
-    `device`); use it in place of the loader, state_dict included."""
-    return Prefetcher(loader, document_masking=document_masking, device=device, depth=depth)
+    `device`); use it in place of the loader, state_dict included. The thread's exchanges go over
+    a gloo group of their own if the loader counts lengths with other ranks. Every rank calls it
+    at the same point: the first call creates that group."""
+    group = shared_gloo_group("data prefetch") if loader.exchange_group is not None else None
+    return Prefetcher(loader, exchange_group=group, document_masking=document_masking, device=device, depth=depth)

@@ -1,0 +1,188 @@
+"""The dataset's files: finding them, checking their start before a run, and reading them as
+documents.
+
+A document is a whole `.txt` file, or one non-blank line of a `.jsonl` file. `documents(files,
+start)` walks them in file order from any `DocStart`, epoch after epoch, reading `.jsonl` lines
+but parsing none: each is parsed by the one rank that tokenizes it (components/data/cursor.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from components.data.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+# How much of each file check_text_files reads before training: all of a small file, the start
+# of a large one, so the check stays a few seconds even for a corpus of many gigabytes.
+SCAN_BYTES = 64 * 2**10
+
+
+def find_text_files(dataset_path: str, key: str = "data.dataset_path") -> list[Path]:
+    """The .txt/.jsonl file at `dataset_path`, or all of them under that folder, sorted."""
+    path = Path(dataset_path)
+    if path.is_file():
+        files = [path] if path.suffix in TEXT_SUFFIXES else []
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+    else:
+        raise DataError(f"{key}: no file or folder at '{dataset_path}'")
+    if not files:
+        raise DataError(f"{key}: no .txt or .jsonl file at or under '{dataset_path}'")
+    return files
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    """1-based line number of byte `offset` in `data`."""
+    return data[:offset].count(b"\n") + 1
+
+
+def decode_utf8(data: bytes, where: str, final: bool, *, one_line: bool = False) -> str:
+    """`data` as UTF-8 text, or a DataError naming `where`:line (`where` alone if `one_line`:
+    it names the line already). A NUL byte means binary data. With `final` False the data is a
+    prefix, and a character cut at its end is not an error."""
+    def at(offset: int) -> str:
+        return where if one_line else f"{where}:{_line_of(data, offset)}"
+
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{at(nul)}: a NUL byte; this looks like a binary file, not text")
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{at(err.start)}: expected UTF-8 text (byte {data[err.start]:#04x}: {err.reason})") from None
+
+
+def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
+    """The text of one JSONL line: a JSON object whose `text_field` is a string."""
+    text = decode_utf8(line, where, final=True, one_line=True)
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise DataError(f"{where}: expected a line of JSON ({err})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise DataError(f"{where}: expected a JSON object with a text field '{text_field}'")
+    return record[text_field]
+
+
+def check_text_files(files: list[Path], text_field: str = "text") -> None:
+    """Check the first SCAN_BYTES of every file before anything is written, so that the common
+    mistakes (a binary file, another encoding, a broken or foreign JSONL record) stop the run
+    at once, naming file:line. Blank JSONL lines are skipped, as the loader skips them.
+
+    Raises DataError also when every file was read whole and no document holds any text (the
+    model would learn only BOS and EOS). Problems beyond the scanned prefix are reported, with
+    file:line, when the loader reaches them.
+    """
+    any_text, read_whole = False, True
+    for path in files:
+        try:
+            with path.open("rb") as f:
+                data = f.read(SCAN_BYTES + 1)
+        except OSError as err:
+            raise DataError(f"data.dataset_path: cannot read {path}: {err.strerror}") from None
+        whole = len(data) <= SCAN_BYTES
+        data, read_whole = data[:SCAN_BYTES], read_whole and whole
+        if path.suffix == ".txt":
+            text = decode_utf8(data, str(path), final=whole)
+            any_text = any_text or bool(text.strip())
+            continue
+        lines = data.split(b"\n")
+        if not whole:
+            lines = lines[:-1]  # the last line may be cut by the prefix
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                text = parse_jsonl_record(line, text_field, f"{path}:{number}")
+                any_text = any_text or bool(text.strip())
+    if read_whole and not any_text:
+        raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
+
+
+def check_suffixes(files: list[Path], suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """`files` as Paths, each a file a loader reads (.txt or .jsonl)."""
+    if not files:
+        raise DataError("data.dataset_path: no .txt or .jsonl files to read")
+    for path in files:
+        if Path(path).suffix not in suffixes:
+            raise DataError(f"data.dataset_path: '{path}' is not a .txt or .jsonl file")
+    return [Path(path) for path in files]
+
+
+@dataclass(frozen=True)
+class DocStart:
+    """Where a document starts: a whole .txt file, or one line of a .jsonl file."""
+
+    epoch: int
+    file_index: int
+    byte_offset: int = 0  # of the document's line in a .jsonl file; 0 for a .txt file
+    line_number: int = 1  # 1-based, for error messages
+
+
+# A loader's state: where the document it stands in starts, and how many of its tokens were read.
+STATE_KEYS = ("epoch", "file_index", "byte_offset", "line_number", "token_offset")
+
+
+def position_state(doc: DocStart, token_offset: int) -> dict[str, int]:
+    """The loader state of a position in the stream: token `token_offset` of the document at `doc`."""
+    return {"epoch": doc.epoch, "file_index": doc.file_index, "byte_offset": doc.byte_offset,
+            "line_number": doc.line_number, "token_offset": token_offset}
+
+
+class RawDoc(NamedTuple):
+    """A document found but not yet read: its start, its size in bytes (what every rank knows of
+    it before anyone tokenizes it), and its line if it is one of a .jsonl file (None for a .txt
+    file, read by whichever rank tokenizes it)."""
+
+    start: DocStart
+    size: int
+    line: bytes | None
+
+
+def documents(files: list[Path], start: DocStart) -> Iterator[RawDoc]:
+    """Every document from `start` on, looping over the files forever."""
+    while True:
+        from_beginning = start.file_index == 0 and start.byte_offset == 0
+        found = False
+        for file_index in range(start.file_index, len(files)):
+            at = start if file_index == start.file_index else DocStart(start.epoch, file_index)
+            for doc in _file_documents(files[file_index], at):
+                found = True
+                yield doc
+        if from_beginning and not found:
+            raise DataError(f"data.dataset_path: no documents in {len(files)} file(s)")
+        start = DocStart(start.epoch + 1, file_index=0)
+
+
+def _file_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
+    """The documents of one file, from `start` on."""
+    if path.suffix == ".txt":
+        yield RawDoc(start, path.stat().st_size, None)
+        return
+    offset, line_number = start.byte_offset, start.line_number
+    with path.open("rb") as f:
+        f.seek(offset)
+        for line in f:
+            doc = DocStart(start.epoch, start.file_index, offset, line_number)
+            offset, line_number = offset + len(line), line_number + 1
+            if line.strip():
+                yield RawDoc(doc, len(line), line)
+
+
+def where(files: list[Path], doc: DocStart) -> str:
+    """The document's place for messages: file:line in a .jsonl file, the file for a .txt one."""
+    path = files[doc.file_index]
+    return f"{path}:{doc.line_number}" if path.suffix == ".jsonl" else str(path)
+
+
+def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
+    """The document's text: a whole .txt file, or the `text_field` of a .jsonl line."""
+    if raw.line is None:
+        path = files[raw.start.file_index]
+        return decode_utf8(path.read_bytes(), str(path), final=True)
+    return parse_jsonl_record(raw.line, text_field, where(files, raw.start))

@@ -1,0 +1,76 @@
+"""A fingerprint of the training data, kept with each checkpoint, so a resume notices changed data.
+
+The fingerprint names every data file (relative to data.dataset_path), its size and the SHA-256
+of its first 64 KiB: enough to notice a file edited, appended to, replaced, added or removed,
+at the cost of reading one block per file. (An edit past the first 64 KiB that keeps the size is
+not noticed.) The data cursor a checkpoint holds counts samples of this exact stream, so
+resuming over different data silently trains on other samples than the interrupted run would
+have; that stops the run unless `data.allow_changed_data` says to go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from components.errors import UserError
+
+FINGERPRINT_FILE = "data_fingerprint.json"
+HEAD_BYTES = 64 * 1024
+
+
+class DataChangedError(UserError):
+    """The data differs from the data a checkpoint was trained on."""
+
+
+def data_fingerprint(files: list[Path], dataset_path: str | Path) -> dict[str, dict[str, object]]:
+    """{name: {"size": bytes, "head_sha256": hex}} of each file, named relative to dataset_path."""
+    root = Path(dataset_path)
+    fingerprint = {}
+    for path in files:
+        name = str(path.relative_to(root)) if root.is_dir() and path.is_relative_to(root) else path.name
+        with path.open("rb") as f:
+            head = f.read(HEAD_BYTES)
+        fingerprint[name] = {"size": path.stat().st_size, "head_sha256": hashlib.sha256(head).hexdigest()}
+    return fingerprint
+
+
+def difference(saved: dict[str, dict[str, object]], current: dict[str, dict[str, object]]) -> str | None:
+    """The first difference between two fingerprints, in words, or None if they agree."""
+    for name, then in saved.items():
+        now = current.get(name)
+        if now is None:
+            return f"file {name} is gone"
+        if now["size"] != then["size"]:
+            return f"file {name} changed ({then['size']:,} bytes then, {now['size']:,} now)"
+        if now["head_sha256"] != then["head_sha256"]:
+            return f"file {name} changed (same size, its first {HEAD_BYTES // 1024} KiB differ)"
+    added = sorted(set(current) - set(saved))
+    return f"file {added[0]} is new" if added else None
+
+
+def check_resumed_data(files: list[Path], dataset_path: str | Path, resume_folder: Path | None,
+                       allow_changed: bool) -> tuple[str, str | None]:
+    """(the fingerprint as JSON text, to save with each checkpoint; a note to log, or None).
+
+    Compares the data with the fingerprint saved in `resume_folder` (the checkpoint the run will
+    resume from; None or a checkpoint without a fingerprint: nothing to compare). A difference
+    raises DataChangedError naming the file, or with `allow_changed` becomes the note."""
+    current = data_fingerprint(files, dataset_path)
+    text = json.dumps(current, indent=1, sort_keys=True) + "\n"
+    saved_file = resume_folder / FINGERPRINT_FILE if resume_folder is not None else None
+    if saved_file is None or not saved_file.is_file():
+        return text, None
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError) as e:
+        raise DataChangedError(f"checkpoint {resume_folder}: cannot read {FINGERPRINT_FILE} ({e})") from None
+    changed = difference(saved, current)
+    if changed is None:
+        return text, None
+    where = f"data.dataset_path = {str(dataset_path)!r}: {changed} since checkpoint {resume_folder} was saved"
+    if not allow_changed:
+        raise DataChangedError(f"{where}; the resumed run would read other samples than the interrupted one; restore "
+                               "the data, or set data.allow_changed_data = true to resume anyway")
+    return text, f"{where}; resuming anyway (data.allow_changed_data = true)"

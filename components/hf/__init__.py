@@ -1,0 +1,42 @@
+"""Hugging Face interop: load a `LlamaForCausalLM` folder into a weft model of any parallel
+layout, and export a DCP checkpoint as such a folder; both move one tensor at a time, so memory
+stays bounded by the largest tensor (plus, on export, the shard being written).
+
+    python -m components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
+        --out llama3_8b_hf --dtype bfloat16
+
+The generic safetensors I/O is `safetensors_io`; what is Llama's (names, the rotary permutation,
+config.json) lives with the model, in `models/llama/hf_mapping.py`.
+"""
+
+from components.hf.cli import main
+from components.hf.export import (
+    check_export_folder,
+    export_at_end,
+    export_model_to_hf,
+    export_to_hf,
+    record_hf_files,
+)
+from components.hf.load import (
+    check_same_architecture,
+    load_hf_into_model,
+    model_args_for_run,
+    model_args_from_hf_folder,
+    read_hf_config,
+)
+from components.hf.safetensors_io import ConversionError
+
+__all__ = [
+    "ConversionError",
+    "check_export_folder",
+    "check_same_architecture",
+    "export_at_end",
+    "export_model_to_hf",
+    "export_to_hf",
+    "record_hf_files",
+    "load_hf_into_model",
+    "main",
+    "model_args_for_run",
+    "model_args_from_hf_folder",
+    "read_hf_config",
+]

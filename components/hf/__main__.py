@@ -1,0 +1,5 @@
+import sys
+
+from components.hf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""`python -m components.hf export ...`: export a DCP checkpoint to a Hugging Face folder."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+
+from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from components.hf.export import export_to_hf, run_hf_files
+from components.hf.load import hf_model_args
+from components.hf.model_files import HF_FILES
+from components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
+from models.llama import LLAMA_FLAVORS
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, export, and return the exit status (2 for a user's mistake)."""
+    parser = _OneLineParser(prog="python -m components.hf",
+                            description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")
+    export.add_argument("--checkpoint", required=True, help="DCP step folder, e.g. outputs/checkpoint/step-1000")
+    export.add_argument("--flavor", choices=list(LLAMA_FLAVORS),
+                        help="model flavor it was trained as (default: what the run recorded in <dump_folder>/hf_files)")
+    export.add_argument("--out", required=True, help="new (or empty) output folder")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    opts = parser.parse_args(argv)
+    if not (math.isfinite(opts.max_shard_gb) and opts.max_shard_gb > 0):
+        parser.error(f"--max-shard-gb: expected a positive number, got {opts.max_shard_gb}")
+    try:
+        hf_files = run_hf_files(opts.checkpoint)
+        if opts.flavor is None and hf_files is None:
+            raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
+                                  f"{opts.checkpoint} (a checkpoint of an older weft, or moved); give --flavor")
+        # A --flavor given wins over the run's record (its shapes are checked against the checkpoint).
+        args = LLAMA_FLAVORS[opts.flavor] if opts.flavor else model_args_from_hf_config_file(hf_files)
+        export_to_hf(
+            opts.checkpoint,
+            opts.out,
+            flavor=opts.flavor,
+            model_args=None if opts.flavor else args,
+            dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[opts.dtype],
+            max_shard_bytes=int(opts.max_shard_gb * 2**30),
+            hf_files=hf_files,
+        )
+    except UserError as e:
+        return report_user_error(e)
+    print(f"exported {opts.checkpoint} ({opts.flavor or 'as recorded by the run'}, {opts.dtype}) to {opts.out}")
+    return 0
+
+
+def model_args_from_hf_config_file(hf_files: Path):
+    """The model of a run's recorded config.json."""
+    return hf_model_args(read_json(hf_files / "config.json", str(hf_files)), str(hf_files / "config.json"))

@@ -1,0 +1,172 @@
+"""weft → Hugging Face: a DCP checkpoint written as a `LlamaForCausalLM` folder, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from components.config import Export
+from components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
+from components.hf.safetensors_io import (
+    DTYPE_NAMES,
+    ConversionError,
+    check_output_folder,
+    new_folder,
+    plan_shards,
+    write_shards,
+)
+from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
+
+logger = logging.getLogger("weft")
+
+
+def _read_dcp_tensor(folder: Path, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """The full tensor model.<name>, read alone. DCP assembles it from however it was sharded
+    when saved; `no_dist` reads it in this process only, with or without a process group."""
+    tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp_call("load", {f"model.{name}": tensor}, folder, no_dist=True)
+    return tensor
+
+
+def export_to_hf(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    flavor: str | None = None,
+    model_args: ModelArgs | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    hf_files: Path | None = None,
+) -> None:
+    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
+
+    The model's shape comes from `flavor` (a name in LLAMA_FLAVORS) or `model_args`. Runs in
+    one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
+    (DCP reshards on load), permuted, cast to `dtype` and gathered into safetensors files of at
+    most `max_shard_bytes`, which is also about the most memory held at once. One file is
+    `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with an index.
+    `config.json` is written last; with `hf_files` (a run's recorded files, see model_files) it is
+    that folder's, beside its tokenizer and generation_config.json. Refuses a missing or unfinished checkpoint, one of another
+    shape, and an `out_dir` that exists and is not empty.
+    """
+    if (flavor is None) == (model_args is None):
+        raise ValueError("export_to_hf: give exactly one of flavor and model_args")
+    if flavor is not None:
+        if flavor not in LLAMA_FLAVORS:
+            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(LLAMA_FLAVORS)}")
+        args, expected_by = LLAMA_FLAVORS[flavor], f"flavor {flavor}"
+    else:
+        args, expected_by = model_args, "model_args"
+    if dtype not in DTYPE_NAMES:
+        raise ConversionError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPE_NAMES.values())}")
+    if not max_shard_bytes > 0:
+        raise ConversionError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    folder = require_complete_checkpoint(checkpoint_dir)
+    out = Path(out_dir)
+    check_output_folder(out)
+    with torch.device("meta"):
+        shapes = Transformer(args)
+    stored = model_tensor_metadata(folder, shapes, expected_by)
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = ((weft_to_hf_name(name), meta.size.numel() * itemsize) for name, meta in stored.items())
+    tensors = ((weft_to_hf_name(name), to_hf_tensor(name, _read_dcp_tensor(folder, name, meta), args).to(dtype))
+               for name, meta in stored.items())
+    with new_folder(out) as partial:
+        write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
+        _write_config(partial, args, dtype, hf_files)
+
+
+def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path | None) -> None:
+    if hf_files is None:
+        (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    else:
+        finish_hf_folder(hf_files, out, args, dtype)
+
+
+def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """The files a run recorded for export (`<dump_folder>/hf_files`, see model_files) above one of
+    its checkpoint step folders; None for a checkpoint without them (an older run, a copied folder)."""
+    for above in list(Path(checkpoint_dir).resolve().parents)[:4]:
+        if (above / HF_FILES / "config.json").is_file():
+            return above / HF_FILES
+    return None
+
+
+def export_model_to_hf(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    hf_files: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
+
+    Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
+    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
+    so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
+    memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
+    generation_config.json. Written into a hidden folder renamed into place by rank 0 at the end.
+    """
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out_dir)
+    args = model.args
+    state = get_model_state_dict(model)  # names without wrapper prefixes; DTensor shards, nothing gathered
+    names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
+
+    def tensors():
+        for name in names:
+            full = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+            yield weft_to_hf_name(name), to_hf_tensor(name, full.detach().to("cpu", dtype), args) if is_writer else None
+
+    if is_writer:
+        with new_folder(out) as partial:
+            write_shards(partial, shards, tensors())
+            _write_config(partial, args, dtype, hf_files)
+    else:
+        for _ in tensors():  # the same collectives, in the same order, as the writer
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_folder(dump_folder: Path, hf_folder: str) -> Path:
+    return dump_folder / hf_folder  # an absolute hf_folder stays as it is
+
+
+def check_export_folder(dump_folder: Path, hf_folder: str) -> None:
+    """Refuse, before a run starts, an export.hf_folder that is not new or empty."""
+    try:
+        check_output_folder(_export_folder(dump_folder, hf_folder))
+    except ConversionError as e:
+        raise ConversionError(f"export.hf_folder: {e}") from None
+
+
+def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, initial_load_path: str) -> None:
+    """What an export of this run needs besides weights, in <dump_folder>/hf_files (see model_files)."""
+    source = Path(initial_load_path) if initial_load_path else None
+    write_hf_files(dump_folder / HF_FILES, args, tokenizer_path,
+                   source if source is not None and (source / "config.json").is_file() else None)
+
+
+def export_at_end(model: torch.nn.Module, dump_folder: Path, export: Export) -> None:
+    """[export] after the last step: `export_model_to_hf` into export.hf_folder with the run's
+    recorded files (<dump_folder>/hf_files), in export.dtype."""
+    out = _export_folder(dump_folder, export.hf_folder)
+    dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[export.dtype]
+    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype,
+                       max_shard_bytes=int(export.max_shard_gib * 2**30))
+    logger.info(f"export: the model as a Hugging Face folder in {out}")

@@ -1,0 +1,122 @@
+"""Hugging Face Llama folder → weft: its config.json as ModelArgs, its weights into a model of any
+parallel layout, one tensor at a time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor.experimental import implicit_replication
+
+from components.checkpoint import listing
+from components.config import FROM_HF_CONFIG, ConfigError
+from components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
+from models.llama import LLAMA_FLAVORS, ModelArgs
+from models.llama.hf_mapping import (
+    HFConfigError,
+    architecture_fields,
+    from_hf_tensor,
+    hf_config,
+    model_args_from_hf_config,
+    weft_to_hf_name,
+)
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` of a Hugging Face folder, checked to describe a model weft's Llama can be."""
+    folder = Path(hf_dir)
+    if not folder.is_dir():
+        raise ConversionError(f"no HF folder at {folder}")
+    config = read_json(folder / "config.json", f"HF folder {folder}")
+    hf_model_args(config, f"HF folder {folder}")
+    return config
+
+
+def hf_model_args(config: dict[str, Any], source: str) -> ModelArgs:
+    """`model_args_from_hf_config`, its refusals as one-line ConversionErrors naming `source`."""
+    try:
+        return model_args_from_hf_config(config)
+    except HFConfigError as e:
+        raise ConversionError(f"{source}: {e}") from None
+
+
+def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> ModelArgs:
+    """The ModelArgs of the model a Hugging Face folder's config.json describes."""
+    return hf_model_args(read_hf_config(hf_dir), f"HF folder {hf_dir}")
+
+
+def check_same_architecture(config: dict[str, Any], args: ModelArgs, source: str) -> None:
+    """Refuse a config.json whose model differs from `args`, naming the first field that does."""
+    try:
+        theirs = architecture_fields(config)
+    except HFConfigError as e:
+        raise ConversionError(f"{source}: {e}") from None
+    ours = architecture_fields(hf_config(args))
+    for field, value in theirs.items():
+        if value != ours[field]:
+            raise ConversionError(f"{source}: {field} is {value}, the model has {ours[field]}")
+
+
+def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
+    """Copy the weights of a Hugging Face Llama folder into `model`, in any parallel layout.
+
+    The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
+    norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
+    only parameters are written, so the rotary buffers must already be filled (as by
+    `init_weights` or by building the model on a real device).
+
+    Each parameter is read whole from its safetensors file, one at a time, un-permuted (wq,
+    wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
+    rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
+    every full tensor from disk (safetensors maps the file, so ranks of one node share the page
+    cache), and memory grows only by the largest tensor, never by the model.
+    """
+    folder = Path(hf_dir)
+    check_same_architecture(read_hf_config(folder), model.args, f"HF folder {folder}")
+
+    files = tensor_files(folder)
+    # a tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder
+    params = {name: p for name, p in model.named_parameters() if ".lora_" not in name}
+    hf_names = {name: weft_to_hf_name(name) for name in params}
+    missing = [hf for hf in hf_names.values() if hf not in files]
+    if missing:
+        raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
+    on_meta = [name for name, p in params.items() if p.device.type == "meta"]
+    if on_meta:
+        raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
+
+    with torch.no_grad(), implicit_replication():
+        for name, param in params.items():
+            hf_name = hf_names[name]
+            with open_safetensors(files[hf_name]) as f:
+                full = f.get_tensor(hf_name)
+            if full.shape != param.shape:
+                raise ConversionError(
+                    f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {list(param.shape)}"
+                )
+            full = from_hf_tensor(name, full, model.args)
+            param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
+    """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
+    config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
+    a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
+    naming the first field that differs. Reads config.json only, so it plans without weights."""
+    folder = Path(initial_load_path) if initial_load_path else None
+    is_hf = folder is not None and (folder / "config.json").is_file()
+    try:
+        if flavor == FROM_HF_CONFIG:
+            if not is_hf:
+                raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
+                                  f"Face folder holding config.json, got {initial_load_path!r}")
+            return model_args_from_hf_folder(folder)
+        args = LLAMA_FLAVORS[flavor]
+        if is_hf:
+            check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
+        return args
+    except ConversionError as e:
+        hint = f" (model.flavor = {FROM_HF_CONFIG} takes the folder's)" if flavor != FROM_HF_CONFIG else ""
+        raise ConversionError(f"checkpoint.initial_load_path: {e}{hint}") from None

@@ -1,0 +1,138 @@
+"""How long a collective may wait for the other ranks, and what a rank says when one never answers.
+
+Two limits (`[comm]`): a long one while the ranks start, load, run their first step (where
+torch.compile compiles), save and validate, and a short one for ordinary training steps, so that
+a rank that stops responding (a hung GPU, a stopped process, a dead node) ends the job within
+minutes instead of torch's default half hour. A rank whose collective times out raises
+CollectiveTimeoutError: one line naming the step, the limit and, when the store can tell, the
+ranks that did not respond; torchrun then stops the others.
+
+On gloo (CPU) a timed-out collective raises, and that line is printed. On NCCL the same limit
+applies, but NCCL's watchdog aborts the process itself with its own message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from components.errors import UserError, one_line
+
+# What gloo and the c10d store say when a peer never answered, or went away.
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_LOST_PEER_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+# How long a rank whose collective failed waits for the other survivors to say they are alive.
+CHECK_IN_S = 3.0
+
+
+# Groups whose collectives may legitimately wait long at any time (a background save's gather
+# waits for the slowest writer): they keep the long limit.
+_LONG_GROUPS: list[dist.ProcessGroup] = []
+
+
+def keep_long_timeout(group: dist.ProcessGroup | None) -> None:
+    """Exempt `group` from the short training limit (see _LONG_GROUPS)."""
+    if group is not None:
+        _LONG_GROUPS.append(group)
+
+
+class CollectiveTimeoutError(UserError):
+    """A collective that waited longer than its limit, or lost its peer."""
+
+
+def set_collective_timeout(seconds: float, long_seconds: float | None = None) -> None:
+    """Make `seconds` the limit of every process group of this process (the default one and every
+    group created from it: device-mesh dims, gloo side groups), `long_seconds` (default: the same)
+    that of the groups given to keep_long_timeout."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    for group in list(c10d._world.pg_map):
+        limit = long_seconds if long_seconds is not None and any(group is g for g in _LONG_GROUPS) else seconds
+        c10d._set_pg_timeout(timedelta(seconds=limit), group)
+
+
+class CommTimeouts:
+    """The limit in force: `init_s` through the first step of the run and inside `long()` (saves,
+    validation), `train_s` for every other step. The newest instance is the one
+    `collective_failure` reports for (a process runs one training loop at a time)."""
+
+    active: CommTimeouts | None = None
+
+    def __init__(self, init_s: float, train_s: float) -> None:
+        self.init_s, self.train_s = init_s, train_s
+        self.step: int | None = None
+        self._first_step: int | None = None
+        self._limit = init_s
+        CommTimeouts.active = self
+
+    def _set(self, seconds: float) -> None:
+        self._limit = seconds
+        set_collective_timeout(seconds, long_seconds=self.init_s)
+
+    def at_step(self, step: int) -> None:
+        """Call at the start of each step: the first keeps the long limit (compile), later ones the short."""
+        if self._first_step is None:
+            self._first_step = step
+            self._set(self.init_s)
+        elif step == self._first_step + 1:
+            self._set(self.train_s)
+        self.step = step
+
+    @contextlib.contextmanager
+    def long(self) -> Iterator[None]:
+        """The long limit for what may legitimately take long: a save, a validation pass."""
+        previous = self._limit
+        self._set(self.init_s)
+        try:
+            yield
+        finally:
+            self._set(previous)
+
+    def translate(self, error: BaseException) -> CollectiveTimeoutError | None:
+        """`error` as one line naming the step, the limit and the silent ranks, if it is a
+        collective's timeout or lost peer; else None."""
+        text = str(error).lower()
+        timed_out = any(word in text for word in _TIMEOUT_WORDS)
+        lost_peer = any(word in text for word in _LOST_PEER_WORDS)
+        if not isinstance(error, RuntimeError) or not (timed_out or lost_peer) or not dist.is_initialized():
+            return None
+        where = f"step {self.step}" if self.step is not None else "before the first step"
+        key = "comm.train_timeout_seconds" if self._limit == self.train_s else "comm.init_timeout_seconds"
+        limit = f"{key} = {self._limit:g} s" if math.isfinite(self._limit) else "its time limit"
+        what = (f"a collective waited longer than {limit}" if timed_out
+                else "a collective lost its connection to another rank")
+        silent = silent_ranks(f"weft/failed-collective/{self.step}")
+        who = ("could not tell which rank stopped responding" if silent is None else
+               "every rank answered the check-in afterwards" if not silent else
+               f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not respond")
+        return CollectiveTimeoutError(f"{where}: {what} ({one_line(error)}); {who}")
+
+
+def silent_ranks(key: str, wait_s: float = CHECK_IN_S) -> list[int] | None:
+    """Ranks that did not check in under `key` of the job's store within `wait_s` (each rank
+    whose collective failed checks in here), or None if the store cannot be reached."""
+    try:
+        store = c10d._get_default_store()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        store.append(key, f"{rank},")
+        deadline = time.monotonic() + wait_s
+        while True:
+            present = {int(r) for r in store.get(key).decode().split(",") if r}
+            if len(present) == world or time.monotonic() >= deadline:
+                return sorted(set(range(world)) - present)
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store lives with rank 0's launcher; it may be gone too
+        return None
+
+
+def collective_failure(error: BaseException) -> CollectiveTimeoutError | None:
+    """What an entry point reports for an uncaught `error`: a collective's timeout or lost peer as
+    one line naming the step of the running loop (None for any other error)."""
+    timeouts = CommTimeouts.active or CommTimeouts(float("nan"), float("nan"))
+    return timeouts.translate(error)
