@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from components.adapters import export_lora_at_end
 from components.checkpoint import Checkpointer
 from components.fingerprint import FINGERPRINT_FILE
 from components.config import JobConfig, parse_args, to_toml
@@ -24,6 +25,7 @@ from components.hf import export_at_end, record_hf_files
 from components.metrics import StepStats
 from components.nonfinite import NonFinitePolicy
 from components.timeouts import CommTimeouts, collective_failure
+from parallelisms.precision import DTYPES
 from recipe.build import (
     build_data,
     build_metrics,
@@ -123,7 +125,10 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
-    if cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
+    if cfg.lora.enable and step == cfg.training.steps:  # adapters as PEFT files, and/or merged into the base
+        export_lora_at_end(model, dump, cfg.export.peft_folder, cfg.export.hf_folder, DTYPES[cfg.export.dtype],
+                           cfg.checkpoint.initial_load_path or None)
+    elif cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
         export_at_end(model, dump, cfg.export)
     loader.close()
     preemption.close()

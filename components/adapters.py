@@ -133,3 +133,13 @@ def _write_folder(out: str | os.PathLike, tensors: dict[str, torch.Tensor], weig
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def export_lora_at_end(model: nn.Module, dump_folder: Path, peft_folder: str, hf_folder: str,
+                       dtype: torch.dtype, base_model_name_or_path: str | None = None) -> None:
+    """[export] of a LoRA run after its last step: the PEFT adapter folder and/or the merged
+    Hugging Face folder (paths relative to the dump folder; every rank calls, rank 0 writes)."""
+    if peft_folder:
+        save_peft_adapter(model, dump_folder / peft_folder, base_model_name_or_path)
+    if hf_folder:
+        save_merged_hf(model, dump_folder / hf_folder, dtype)

@@ -183,7 +183,12 @@ def check_lora(plan: RunPlan) -> None:
     meta-device model: every refusal before anything is built, one line naming the key."""
     lora, dims = plan.cfg.lora, plan.dims
     if not lora.enable:
+        if plan.cfg.export.peft_folder:
+            raise ConfigError("export.peft_folder: writes LoRA adapters; set lora.enable")
         return
+    peft = Path(plan.cfg.job.dump_folder) / plan.cfg.export.peft_folder
+    if plan.cfg.export.peft_folder and peft.exists():
+        raise ConfigError(f"export.peft_folder: {peft} exists; refusing to overwrite it")
     if plan.cfg.float8.enable:
         raise ConfigError("float8.enable: LoRA (lora.enable) and float8 together are not supported; turn one off")
     if lora.quantize_base and dims.tp > 1:

@@ -86,3 +86,17 @@ def test_bad_lora_input_is_one_line_before_anything_exists(tmp_path, extra, worl
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
     assert LLAMA_FLAVORS["debugmodel"].dim == 256  # the shapes the messages name
+
+
+def test_export_at_the_end_writes_peft_and_merged_folders(tmp_path):
+    """export.peft_folder and export.hf_folder after a LoRA run: PEFT's own reader takes the
+    adapter folder, and transformers loads the merged one."""
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM
+
+    run(args(tmp_path / "run", 1, "--training.steps", "2", "--no-checkpoint.enable",
+             "--export.peft_folder", "adapter", "--export.hf_folder", "merged"))
+    config = LoraConfig.from_pretrained(tmp_path / "run" / "adapter")
+    assert (config.r, config.lora_alpha, config.task_type) == (4, 32.0, "CAUSAL_LM")
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "merged")
+    assert merged.config.hidden_size == LLAMA_FLAVORS["debugmodel"].dim

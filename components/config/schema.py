@@ -211,6 +211,9 @@ class Export:
     hf_folder: str = opt(
         "", "After the last step, write the model as a Hugging Face folder here (weights, config.json, tokenizer, "
             "generation_config.json; relative to dump_folder; a new or empty folder); '': no export")
+    peft_folder: str = opt(
+        "", "With lora.enable: after the last step, write the adapters as a PEFT adapter folder here (relative to "
+            "dump_folder; a new folder); with lora.enable, hf_folder gets the merged model")
     dtype: str = opt("float32", "dtype of the exported weights", choices=("float32", "bfloat16"))
     max_shard_gib: float = opt(5.0, "Largest safetensors file of the export, in GiB", gt=0)
 
