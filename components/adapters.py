@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from components.errors import UserError
 from models.llama import Transformer
-from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
-from parallelisms.lora import LoRALinear, lora_modules
+from models.llama.hf_mapping import from_hf_tensor, hf_config, hf_to_weft_name, to_hf_tensor, weft_to_hf_name
+from parallelisms.lora import LoRALinear, apply_lora, lora_modules
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
@@ -143,3 +143,38 @@ def export_lora_at_end(model: nn.Module, dump_folder: Path, peft_folder: str, hf
         save_peft_adapter(model, dump_folder / peft_folder, base_model_name_or_path)
     if hf_folder:
         save_merged_hf(model, dump_folder / hf_folder, dtype)
+
+
+def load_peft_adapter(model: Transformer, folder: str | os.PathLike) -> Transformer:
+    """Add the adapters of a PEFT adapter folder (as `save_peft_adapter` writes, or PEFT saves for
+    the transformers Llama) to weft's Llama, which holds its base weights; for generation."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"adapter folder {folder}: cannot read {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} ({e})") from None
+    if config.get("peft_type") != "LORA":
+        raise ExportError(f"adapter folder {folder}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
+    values = {}
+    for key, tensor in tensors.items():
+        hf_module, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        try:
+            weft_weight = hf_to_weft_name(f"{hf_module}.weight")
+        except ValueError:
+            raise ExportError(f"adapter folder {folder}: {key} names no linear of weft's Llama") from None
+        values[(weft_weight.removesuffix(".weight"), which.removesuffix(".weight"))] = (weft_weight, tensor)
+    apply_lora(model, rank=config["r"], alpha=float(config["lora_alpha"]), use_rslora=bool(config.get("use_rslora")),
+               target_modules=sorted({name for name, _ in values}))
+    with torch.no_grad():
+        for (name, which), (weft_weight, tensor) in values.items():
+            param = model.get_submodule(f"{name}.lora_{which}").weight
+            if which == "B":  # output rows in weft's rotary order, as the base weight's
+                tensor = from_hf_tensor(weft_weight, tensor, model.args)
+            if tensor.shape != param.shape:
+                raise ExportError(f"adapter folder {folder}: {name}.lora_{which} has shape {list(tensor.shape)}, "
+                                  f"the model expects {list(param.shape)}")
+            param.copy_(tensor)
+    return model

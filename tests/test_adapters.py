@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from components.adapters import ExportError, save_merged_hf, save_peft_adapter
+from components.adapters import ExportError, load_peft_adapter, save_merged_hf, save_peft_adapter
 from models.llama.hf_mapping import hf_config
 from models.llama import ModelArgs, Transformer
 from parallelisms.lora import lora_modules
@@ -93,3 +93,16 @@ def test_exports_refuse_an_existing_folder_and_a_model_without_adapters(trained,
 def _plain() -> nn.Module:
     with torch.device("meta"):
         return Transformer(ARGS)
+
+
+def test_an_adapter_folder_loads_back_onto_the_base(trained, tmp_path):
+    """generate.py's path: the base's weights, then load_peft_adapter: weft's logits again."""
+    model, tokens, logits = trained
+    save_peft_adapter(model, tmp_path / "adapter")
+    base = materialize(_plain(), "cpu")
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            param.copy_(model.get_parameter(name))
+    load_peft_adapter(base, tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(base(tokens), logits, rtol=1e-6, atol=1e-6)
