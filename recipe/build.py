@@ -28,6 +28,7 @@ from components.distributed import (
 from components.hf import load_hf_into_model
 from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
 from components.optim import build_lr_scheduler, build_optimizer
+from components.timeouts import set_collective_timeout
 from models.llama import Transformer
 from parallelisms.common import TransformError
 from parallelisms.materialize import materialize
@@ -44,12 +45,13 @@ def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
     logging and random state set up. With job.simulate_world_size this one process is rank 0 of
     that many, collectives faked."""
     cfg, dims, p = plan.cfg, plan.dims, plan.cfg.parallelism
-    device = init_distributed(cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
+    device = init_distributed(timeout_s=cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
                               share_gpus=p.share_gpus,
                               cpu_offload=p.fsdp_cpu_offload)
     if cfg.checkpoint.create_seed_checkpoint:  # the whole fp32 model (70B: 280 GB) fits host memory, not a GPU
         device = torch.device("cpu")
     meshes = dims.build_mesh(device.type) if dims.world_size > 1 else None
+    set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's groups too, while loading
     rank = torch.distributed.get_rank() if meshes else 0
     setup_logging(rank)
     if cfg.job.simulate_world_size:

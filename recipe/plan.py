@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from components.checkpoint import check_resume, resume_folder
-from components.config import ConfigError, JobConfig, check_dump_folder
+from components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
 from components.distributed import collective_backend, launched_world_size, restart_warning
 from components.fingerprint import check_resumed_data
@@ -68,7 +68,7 @@ class RunPlan:
             tokenizer = load_tokenizer(tokenizer_path(cfg))
             if tokenizer.vocab_size > model_args.vocab_size:
                 raise DataError(f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is "
-                                f"larger than the vocabulary of model flavor {cfg.model.flavor} ({model_args.vocab_size})")
+                                f"larger than the vocabulary of {model_source(cfg)} ({model_args.vocab_size})")
             data_files, validation_files = data_and_validation_files(cfg)
             check_formats(cfg, tokenizer, data_files, validation_files)
             check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
@@ -118,13 +118,20 @@ class RunPlan:
 LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
 
 
+def model_source(cfg: JobConfig) -> str:
+    """Where the model's shape comes from, for messages: its flavor, or the Hugging Face config.json."""
+    if cfg.model.flavor == FROM_HF_CONFIG:
+        return f"the model of {Path(cfg.checkpoint.initial_load_path) / 'config.json'}"
+    return f"model flavor {cfg.model.flavor}"
+
+
 def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length (ConfigError / LayoutError, one line)."""
     args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
-                          f"of model flavor {cfg.model.flavor}")
+                          f"of {model_source(cfg)}")
     p = cfg.parallelism
     dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size)

@@ -156,6 +156,16 @@ def test_too_many_skips_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
     assert step_folders(dump) == ["step-2"] and checkpoints(dump) == before
 
 
+def test_keep_latest_k_spares_the_last_checkpoint_before_a_skipped_step(tmp_path, monkeypatch, capsys):
+    """Step 5 is skipped: step-4 (the newest checkpoint before it) outlives keep_latest_k = 1."""
+    dump = tmp_path / "run"
+    inject_nan(monkeypatch, {5})
+    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1",
+                                                  "--training.on_nonfinite", "skip"), capsys)
+    assert outcome.code == 0, outcome.stderr
+    assert step_folders(dump) == ["step-4", "step-8"]
+
+
 # -- save errors ----------------------------------------------------------------------------
 
 class FillingDisk:
@@ -314,28 +324,32 @@ def losses(dump: Path) -> list[float]:
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
     """SIGSTOP rank 1 mid-run: rank 0's collective times out after comm.train_timeout_seconds and
-    it ends in one line naming the step and rank 1; torchrun then ends the job."""
+    it exits in one line naming the step and rank 1. (torchrun would SIGKILL the stopped rank 30 s
+    later; the test resumes it instead, to save the wait, and it then fails on its lost peer.)"""
     timeout_s = 5
     dump = tmp_path / "run"
     run = launch(dump, "--training.steps", "10000", "--checkpoint.interval", "5",
                  "--comm.train_timeout_seconds", str(timeout_s))
     try:
         wait_for_step(run, dump, 6)
-        stopped = worker(run, 1)
+        survivor, stopped = worker(run, 0), worker(run, 1)
         stopped.suspend()  # SIGSTOP
         start = time.monotonic()
-        before = {k: v for k, v in checkpoints(dump).items() if (dump / "checkpoint" / k.split("/")[0] / "COMPLETE").exists()}
-        _, err = run.communicate(timeout=timeout_s + 90)
-        finished = time.monotonic() - start
+        before = {k: v for k, v in checkpoints(dump).items()
+                  if (dump / "checkpoint" / k.split("/")[0] / "COMPLETE").exists()}
+        survivor.wait(timeout=timeout_s + 30)
+        survived_s = time.monotonic() - start
+        stopped.resume()
+        _, err = run.communicate(timeout=60)
     finally:
         if run.poll() is None:
             run.kill()
-    lines = [line for line in err.splitlines() if line.startswith("weft: error:")]
+    assert survived_s < timeout_s + 30, survived_s
     assert run.returncode != 0
-    assert len(lines) == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("weft: error:")]
     assert re.search(rf"^weft: error: step \d+: a collective waited longer than comm.train_timeout_seconds = "
-                     rf"{timeout_s} s \(.*\); rank 1 did not respond$", lines[0]), lines[0]
-    assert finished < timeout_s + 30 + 35, finished  # rank 0 within the timeout; torchrun's SIGKILL after 30 s
+                     rf"{timeout_s} s \(.*\); rank 1 did not respond$", lines[0]), err[-3000:]
+    assert all("step" in line for line in lines[1:]) and len(lines) <= 2, err[-3000:]  # rank 1: its lost peer
     assert checkpoints(dump) == before  # complete checkpoints untouched, no partial folder
 
 

@@ -459,3 +459,23 @@ def test_model_args_for_run_reads_or_checks_the_folder(tmp_path):
     with pytest.raises(ConfigError, match="model.flavor = from_hf_config: checkpoint.initial_load_path must be a Hugging"):
         model_args_for_run("from_hf_config", "")
     assert model_args_for_run("debugmodel", "") == LLAMA_FLAVORS["debugmodel"]
+
+
+@pytest.mark.parametrize("args", [TIED, SCALED], ids=["tied", "scaled"])
+def test_live_model_export_equals_checkpoint_export(tmp_path, args):
+    """export_model_to_hf on a one-device model writes the files export_to_hf writes from its
+    checkpoint, byte for byte in the tensors, with the same config.json."""
+    from components.hf import export_model_to_hf
+
+    model = tiny_model(args, 3)
+    export_to_hf(save_checkpoint(model.state_dict(), tmp_path / "step-1"), tmp_path / "from_checkpoint",
+                 model_args=args, max_shard_bytes=20_000)
+    export_model_to_hf(model, tmp_path / "live", max_shard_bytes=20_000)
+    files = sorted(p.name for p in (tmp_path / "live").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "from_checkpoint").iterdir()) and len(files) > 3
+    for name in files:
+        if name.endswith(".safetensors"):
+            live, saved = load_file(tmp_path / "live" / name), load_file(tmp_path / "from_checkpoint" / name)
+            assert live.keys() == saved.keys() and all(torch.equal(live[k], saved[k]) for k in live)
+        else:
+            assert (tmp_path / "live" / name).read_text() == (tmp_path / "from_checkpoint" / name).read_text()

@@ -1,9 +1,10 @@
 """Any Llama-architecture Hugging Face folder in, a complete Hugging Face folder out (components/hf).
 
 Three transformers `LlamaForCausalLM` folders whose shapes are none of weft's flavors are fine-tuned
-by train.py under fsdp 2 x tp 2 (one 4-process group trains all three), exported at the end of the
-run (export.hf_folder) and by `python -m components.hf export` without --flavor, and checked
-against transformers itself: logits, tokenizer ids, chat rendering and `pipeline` generation.
+by train.py under fsdp 2 x tp 2 (one 4-process group trains all three; each step's loss equals a
+single-device run's), exported at the end of the run (export.hf_folder) and by
+`python -m components.hf export` without --flavor, and checked against transformers itself:
+logits, tokenizer ids, chat rendering and `pipeline` generation.
 """
 
 from __future__ import annotations
@@ -55,29 +56,37 @@ def chats(n: int) -> list[dict]:
                           {"role": "assistant", "content": ANSWER}]} for i in range(n)]
 
 
-def run_args(dump: Path, folder: Path, data: Path) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--model.flavor", "from_hf_config",
-            "--checkpoint.initial_load_path", str(folder), "--model.tokenizer_path", "", "--checkpoint.enable",
-            "--checkpoint.interval", "100",
-            "--export.hf_folder", "hf", "--training.steps", str(STEPS), "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
-            "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps",
-            "0", "--lr_scheduler.min_lr_ratio", "1.0", "--data.format", "chat", "--data.dataset_path", str(data), "--metrics.log_freq", "1",
-            "--no-metrics.enable_tensorboard", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+def run_args(dump: Path, folder: Path, data: Path, *, layout: bool = True) -> list[str]:
+    """12 chat steps from `folder` at a constant learning rate; with `layout`, under fsdp 2 x tp 2
+    with a checkpoint and the export at the end, else on one device alone (the reference)."""
+    args = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--model.flavor", "from_hf_config",
+            "--checkpoint.initial_load_path", str(folder), "--model.tokenizer_path", "",
+            "--training.steps", str(STEPS), "--training.seq_len", "64",
+            "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32",
+            "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.min_lr_ratio", "1.0",
+            "--data.format", "chat", "--data.dataset_path", str(data), "--metrics.log_freq", "1",
+            "--no-metrics.enable_tensorboard"]
+    if not layout:  # the same global batch of 8 sequences
+        return args + ["--training.local_batch_size", "8"]
+    return args + ["--training.local_batch_size", "4", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
+                   "--checkpoint.enable", "--checkpoint.interval", "100", "--export.hf_folder", "hf"]
 
 
-def train_all(jobs: list[list[str]]) -> None:
+def train_all(jobs: list[list[str]]) -> list[list[float]]:
     import torch.distributed as dist
 
     import train
 
+    losses = []
     for job in jobs:
-        train.train(parse_args(job))
+        losses.append(train.train(parse_args(job)))
         dist.barrier()
+    return losses
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
+def runs(tmp_path_factory) -> dict[str, dict]:
+    import train
     from tests.dist_utils import run_distributed
 
     root = tmp_path_factory.mktemp("hf_roundtrip")
@@ -86,8 +95,22 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     data.write_text("".join(json.dumps(r) + "\n" for r in chats(64)))
     found = {name: {"source": hf_folder(root / name, config, tokenizer), "dump": root / f"{name}_run"}
              for name, config in FOLDERS.items()}
-    run_distributed(train_all, 4, [run_args(f["dump"], f["source"], data) for f in found.values()], timeout=600)
+    losses = run_distributed(train_all, 4, [run_args(f["dump"], f["source"], data) for f in found.values()],
+                             timeout=600)[0]
+    for (name, f), layout_losses in zip(found.items(), losses):
+        f["losses"] = layout_losses
+        f["reference"] = train.train(parse_args(run_args(root / f"{name}_reference", f["source"], data, layout=False)))
     return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_layout_trains_as_one_device(runs, name):
+    """Every step's loss under fsdp 2 x tp 2 (tied embeddings split over TP included) equals the
+    single-device run's, and the runs learn."""
+    reference, losses = runs[name]["reference"], runs[name]["losses"]
+    assert len(losses) == STEPS and reference[-1] < reference[0] / 2
+    assert losses == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.slow
@@ -127,7 +150,8 @@ def test_export_tokenizer_and_generation(runs, name):
     """AutoTokenizer on the export gives the source's ids and chat rendering; `pipeline` runs on the
     export and stops at the end-of-turn token, which generation_config.json lists among the EOS ids."""
     source, exported = runs[name]["source"], runs[name]["dump"] / "hf"
-    theirs, ours = transformers.AutoTokenizer.from_pretrained(source), transformers.AutoTokenizer.from_pretrained(exported)
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    ours = transformers.AutoTokenizer.from_pretrained(exported)
     text = "O, that this too too solid flesh would melt, thaw and resolve itself into a dew!"
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]
     assert (ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
@@ -175,3 +199,15 @@ def test_dry_run_from_config_only_folder(tmp_path, capsys):
             "--checkpoint.initial_load_path", str(tmp_path), "--training.seq_len", "4096"]
     assert main(argv) == 0
     assert f": {expected:,} parameters" in capsys.readouterr().out
+
+
+def test_nonempty_export_folder_refused_at_start(tmp_path, capsys):
+    """export.hf_folder that already holds files stops the run before anything is written."""
+    from train import main
+
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "run"), "--export.hf_folder", "hf"]
+    assert_clean_failure(run_in_process(main, argv, capsys), "export.hf_folder: output folder", before=before,
+                         root=tmp_path)

@@ -5,8 +5,12 @@ stays bounded by the largest tensor (plus, on export, the shard being written).
     python -m components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
         --out llama3_8b_hf --dtype bfloat16
 
-The generic safetensors I/O is `safetensors_io`; what is Llama's (names, the rotary permutation,
-config.json) lives with the model, in `models/llama/hf_mapping.py`.
+Modules: `safetensors_io` (files, shards, index; writing into a folder renamed into place),
+`load` (config.json -> ModelArgs, `model_args_for_run`, weights into a model), `export` (a DCP
+checkpoint or a live model in any layout -> a folder; `export.hf_folder` at the end of a run),
+`model_files` (config.json, tokenizer and generation_config.json, recorded by a run in
+<dump_folder>/hf_files), `cli`. What is Llama's (names, the rotary permutation, config.json)
+lives with the model, in `models/llama/hf_mapping.py`.
 """
 
 from components.hf.cli import main

@@ -106,7 +106,7 @@ def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
 def export_model_to_hf(
     model: torch.nn.Module,
     out_dir: str | os.PathLike,
-    hf_files: Path,
+    hf_files: Path | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
@@ -117,7 +117,8 @@ def export_model_to_hf(
     moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
     so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
     memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
-    generation_config.json. Written into a hidden folder renamed into place by rank 0 at the end.
+    generation_config.json (None: config.json alone, from the model's args). Written into a
+    hidden folder that rank 0 renames into place at the end.
     """
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
