@@ -31,9 +31,14 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    """20 steps in one process without a stop: the reference of both resume tests."""
+    return run(args(tmp_path_factory.mktemp("straight")))
+
+
 @pytest.mark.slow
-def test_exact_resume_and_a_small_checkpoint(tmp_path):
-    straight = run(args(tmp_path / "straight"))
+def test_exact_resume_and_a_small_checkpoint(tmp_path, straight):
     first = run(args(tmp_path / "resumed"), stop_after=10)
     second = run(args(tmp_path / "resumed"))
     assert first + second == straight  # bit for bit
@@ -47,8 +52,7 @@ def fsdp2_tp2_first_half(dump: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_resume_fsdp2_tp2_adapters_in_one_process(tmp_path):
-    straight = run(args(tmp_path / "straight"))
+def test_resume_fsdp2_tp2_adapters_in_one_process(tmp_path, straight):
     first = run_distributed(fsdp2_tp2_first_half, 4, str(tmp_path / "moved"))[0]
     assert complete_steps(tmp_path / "moved" / "checkpoint") == [10]
     second = run(args(tmp_path / "moved"))
