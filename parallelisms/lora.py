@@ -54,8 +54,6 @@ class LoRALinear(nn.Linear):
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.quantize_base = quantize_base
-        if not base.weight.is_meta:
-            reset_adapter(self, seed=0, name="")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
@@ -105,6 +103,8 @@ def apply_lora(
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         lora = LoRALinear(linear, rank, alpha, dropout, use_rslora, quantize_base)
+        if not linear.weight.is_meta:  # a real model: PEFT's init now (materialize does it for meta ones)
+            reset_adapter(lora, seed=0, name=name)
         setattr(modules[parent_name], child, lora)
     for param in model.parameters():
         if base_dtype is not None and not param.requires_grad and param.dtype != base_dtype:
@@ -113,7 +113,7 @@ def apply_lora(
     total = sum(p.numel() for p in model.parameters())
     logger.info(
         f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
-        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets}))}), scaling {targets and lora.scaling:g}, "
+        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets}))}), scaling {lora.scaling:g}, "
         f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.3f}%)"
     )
