@@ -180,6 +180,8 @@ def load_model(args: ModelArgs, *, hf: str | None, checkpoint: str | None, devic
     with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
         model = Transformer(args)
     model.to_empty(device="cpu")
+    if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
+        model.output.weight = model.tok_embeddings.weight
     model.rope_rotations.copy_(rope_rotations(args))
     if hf is not None:
         load_hf_into_model(model, hf)

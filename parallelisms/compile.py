@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 
@@ -14,7 +15,8 @@ logger = logging.getLogger("weft")
 
 
 def apply_compile(
-    model: nn.Module, blocks: Iterable[nn.Module] | None = None, *, backend: str = "inductor", fullgraph: bool = True
+    model: nn.Module, blocks: Iterable[nn.Module] | None = None, *, backend: str = "inductor", fullgraph: bool = True,
+    copy_input: bool = False,
 ) -> nn.Module:
     """Compile each block's forward; identical blocks share one compiled graph, so compile time
     does not grow with depth. blocks None: the model's `layers`, `model.layers` or `transformer.h`.
@@ -25,30 +27,54 @@ def apply_compile(
     transformers LlamaDecoderLayer under FSDP and activation checkpointing it fails in
     AOTAutograd (torch 2.13: "expected all tensors_saved_with_vc_check to be Tensors").
     backend: torch.compile's ("aot_eager" traces without generating kernels, for debugging).
+    copy_input: each compiled block reads a copy of its first input, made outside the compiled
+    region (`tp_compile_needs_input_copy` says when: tensor parallelism on torch 2.13).
     Apply after tensor parallelism and activation checkpointing, before FSDP.
     """
     blocks = transformer_blocks(model, "apply_compile", blocks)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
-    logger.info(f"apply_compile: compiled {len(blocks)} blocks ({backend}, fullgraph={fullgraph})")
+        compiled = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
+        block.forward = _behind_a_copy(compiled) if copy_input else compiled
+    copied = ", each behind a copy of its input" if copy_input else ""
+    logger.info(f"apply_compile: compiled {len(blocks)} blocks ({backend}, fullgraph={fullgraph}{copied})")
     return model
 
 
-def check_compile_composes(compile: bool, tp_degree: int) -> None:
-    """Refuse compile with tensor parallelism where torch cannot run them together; the one check
-    that both a real start and a dry run make (through `parallelize`), so neither says yes alone.
+def _behind_a_copy(compiled):
+    @functools.wraps(compiled)
+    def forward(hidden, *args, **kwargs):
+        return compiled(hidden.clone(), *args, **kwargs)
 
-    torch 2.13: backward through a compiled block with tensor-parallel DTensors raises
-    "'Tensor' object has no attribute '_local_tensor'" in DTensor's NestedRedistribute
-    (tests/test_own_model.py reproduces it, so a torch that fixes it is noticed)."""
-    if compile and tp_degree > 1 and torch_has_tp_compile_bug():
+    return forward
+
+
+def tp_compile_needs_input_copy(tp_degree: int) -> bool:
+    """Whether compiled blocks need `copy_input` under tensor parallelism of `tp_degree`.
+
+    torch 2.13: when a compiled block's input is the local tensor a tensor-parallel DTensor handed
+    out (the sequence-parallel residual stream), AOTAutograd's backward returns a gradient that
+    DTensor's redistribute cannot take ("'Tensor' object has no attribute '_local_tensor'",
+    reproduced by tests/test_own_model.py without the copy). A copy made before the compiled
+    region avoids it, at one activation copy per block."""
+    return tp_degree > 1 and torch_has_tp_compile_bug()
+
+
+def check_compile_composes(compile: bool, tp_degree: int, ac_mode: str) -> None:
+    """Refuse what torch cannot compile; the one check that a real start and a dry run both make
+    (through `parallelize`), so neither says yes alone.
+
+    torch 2.13 with tensor parallelism: blocks compile behind a copy of their input
+    (`tp_compile_needs_input_copy`), but not with activation checkpointing as well, where
+    AOTAutograd tries to save the DTensors' DeviceMesh for backward ("expected all
+    tensors_saved_with_vc_check to be Tensors")."""
+    if compile and ac_mode != "none" and tp_compile_needs_input_copy(tp_degree):
         raise TransformError(
-            "parallelize", "compile", f"compile with tensor parallelism fails in torch {torch.__version__}'s "
-            "DTensor backward (a compiled block hands a plain gradient to DTensor's redistribute); turn off "
-            "compile or tensor parallelism"
+            "parallelize", "compile", f"compile with tensor parallelism and activation checkpointing fails in torch "
+            f"{torch.__version__} (AOTAutograd saves a DeviceMesh for backward); turn off compile, activation "
+            "checkpointing or tensor parallelism"
         )
 
 
 def torch_has_tp_compile_bug() -> bool:
-    """Whether this torch has the compile + tensor parallelism bug of `check_compile_composes`."""
+    """Whether this torch has the compile + tensor parallelism bug of `tp_compile_needs_input_copy`."""
     return torch.__version__.startswith("2.13")

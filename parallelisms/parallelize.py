@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from parallelisms.ac import apply_ac
-from parallelisms.compile import apply_compile, check_compile_composes
+from parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
 from parallelisms.lora import apply_lora, quantize_lora_base
@@ -63,7 +63,7 @@ def parallelize(
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
-    check_compile_composes(compile, dims.tp if dims is not None else 1)
+    check_compile_composes(compile, dims.tp if dims is not None else 1, ac_mode)
     if lora_rank is not None and float8_recipe is not None:
         raise TransformError("parallelize", "float8_recipe", "LoRA and float8 together are not supported: "
                              "the frozen base would be swapped for Float8Linear; turn one of them off")
@@ -100,8 +100,10 @@ def parallelize(
     # forward, its TP and CP collectives included.
     apply_ac(model, ac_mode, ac_selective_option, blocks)
     # Compile traces the checkpointed, parallel block (one graph reused by every block).
+    # Under tensor parallelism on torch 2.13 each compiled block reads a copy of its input.
     if compile:
-        apply_compile(model, blocks, backend=compile_backend)
+        apply_compile(model, blocks, backend=compile_backend,
+                      copy_input=tp_compile_needs_input_copy(dims.tp if dims is not None else 1))
     if before_data_parallel is not None:
         before_data_parallel(model)
     # NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP

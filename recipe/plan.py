@@ -85,6 +85,11 @@ class RunPlan:
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)
         check_gpu_compute(cfg, dims, precision, device_type)
+        if cfg.parallelism.fsdp_cpu_offload and not dims.fsdp_enabled:
+            raise ConfigError(f"parallelism.fsdp_cpu_offload: offloads FSDP's shards, and this layout "
+                              f"({dims.describe()}) has no FSDP (dp_shard x cp = 1)")
+        if cfg.parallelism.fsdp_cpu_offload and device_type != "cuda":  # FSDP pins the shards it offloads
+            raise ConfigError("parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run has no GPU")
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,

@@ -100,14 +100,17 @@ def test_every_shipped_config_passes_the_dry_run_in_its_documented_layout(capsys
 
 
 def test_dry_run_refuses_compile_with_tp_exactly_as_a_real_start_does(tmp_path, capsys):
-    """torch 2.13 cannot compile tensor-parallel blocks: a planned run that asks for both fails the
-    dry run with the same line as a (simulated) real start, instead of planning it as fine."""
+    """torch 2.13 cannot compile tensor-parallel blocks under activation checkpointing: a planned run
+    that asks for all three fails the dry run with the same line as a (simulated) real start."""
     from parallelisms.compile import torch_has_tp_compile_bug
 
     if not torch_has_tp_compile_bug():
         pytest.skip("this torch compiles tensor-parallel blocks")
     common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "2",
               "--compile.enable", "--no-metrics.enable_tensorboard"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "4"]) == 0  # no AC: compiles
+    capsys.readouterr()
+    common += ["--activation_checkpoint.mode", "full"]
     assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "4"]) == 2
     dry = capsys.readouterr().err
     assert train.main(common + ["--job.simulate_world_size", "4"]) == 2

@@ -184,3 +184,20 @@ def test_bfloat16_model_matches_transformers_in_bfloat16(tmp_path, debug_checkpo
     assert main(["--checkpoint", str(folder), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:",
                  "--max-new-tokens", "4", "--dtype", "bfloat16"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_load_model_keeps_tied_embeddings_tied(tmp_path):
+    """Reading into an uninitialised model must re-tie the output to the embedding, as building does."""
+    from dataclasses import replace
+
+    from generate import load_model
+
+    args = replace(TINY, tie_embeddings=True)
+    original = Transformer(args)
+    original.init_weights(seed=0)
+    dcp.save({"model": original.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    (tmp_path / "COMPLETE").write_text("done\n")
+    model = load_model(args, hf=None, checkpoint=str(tmp_path), device=torch.device("cpu"), dtype=torch.float32)
+    assert model.output.weight is model.tok_embeddings.weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([PROMPT])), original(torch.tensor([PROMPT])), rtol=0, atol=0)

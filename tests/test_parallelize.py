@@ -61,3 +61,42 @@ def test_transforms_refuse_a_model_data_parallelism_already_wrapped(wrap, transf
         apply_fsdp(model, mesh, param_dtype=torch.float32) if wrap == "fsdp" else apply_ddp(model, mesh)
         with pytest.raises(TransformError, match="already wrapped by FSDP/DDP.*apply_fsdp / apply_ddp"):
             transform(model, mesh)
+
+
+def _tp_compiled_losses() -> dict[bool, list[float]]:
+    """Worker (tp 2): three AdamW steps of a 2-block debug model, eager and compiled by parallelize."""
+    from dataclasses import replace
+
+    from parallelisms.materialize import materialize
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.parallelize import parallelize
+
+    losses = {}
+    for compile in (False, True):
+        meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
+        parallelize(model, meshes, loss_parallel=False, compile=compile, compile_backend="aot_eager",
+                    param_dtype=torch.float32)
+        materialize(model, "cpu", seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator, losses[compile] = torch.Generator().manual_seed(0), []
+        for _ in range(3):
+            tokens = torch.randint(0, 2048, (2, 33), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[compile].append(loss.item())
+        torch._dynamo.reset()
+    return losses
+
+
+@pytest.mark.slow
+def test_tensor_parallel_blocks_compile_behind_an_input_copy():
+    """torch 2.13 fails the backward of a compiled tensor-parallel block (tests/test_own_model.py);
+    parallelize compiles each behind a copy of its input, and trains as the eager TP model does."""
+    from tests.dist_utils import run_distributed
+
+    for losses in run_distributed(_tp_compiled_losses, 2):
+        assert losses[True] == pytest.approx(losses[False], rel=1e-6)

@@ -62,3 +62,22 @@ def test_validation_files_errors_name_the_validation_key(tmp_path):
     missing = str(tmp_path / "nothing")
     with pytest.raises(Exception, match=f"^validation.dataset_path: no file or folder at '{missing}'$"):
         plan_for("--validation.enable", "--validation.dataset_path", missing)
+
+
+def test_cpu_offload_needs_fsdp_and_gpu_float8_needs_its_shapes():
+    """Checked by the plan, so a dry run for GPUs refuses them too: offload without FSDP would
+    silently offload nothing, and CUDA's float8 kernels refuse these dtypes and token counts."""
+    offload = parse_args(["--job.config_file", "debug_model", "--parallelism.fsdp_cpu_offload"])
+    with pytest.raises(ConfigError, match=r"^parallelism.fsdp_cpu_offload: offloads FSDP's shards, and this layout "):
+        RunPlan.from_config(offload, 1, device_type="cuda", check_environment=False)
+    assert RunPlan.from_config(offload, 2, device_type="cuda", check_environment=False).dims.fsdp_enabled
+    with pytest.raises(ConfigError, match="^parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run "
+                                          "has no GPU$"):  # (FSDP would fail pinning the shards on a CPU machine)
+        RunPlan.from_config(offload, 2, device_type="cpu", check_environment=False)
+    gpu = parse_args(["--job.config_file", "debug_model", "--float8.enable", "--float8.recipe", "rowwise"])
+    with pytest.raises(ConfigError, match="^float8.recipe = rowwise: needs bf16 compute on a GPU"):
+        RunPlan.from_config(gpu, 1, device_type="cuda", check_environment=False)
+    assert RunPlan.from_config(gpu, 1, device_type="cpu", check_environment=False).dims.world_size == 1
+    warnings = RunPlan.from_config(parse_args(["--job.config_file", "debug_model"]), 1, device_type="cuda",
+                                   check_environment=False).warnings
+    assert [w.split(":")[0] for w in warnings] == ["training.mixed_precision_param = float32 with grouped-query attention"]

@@ -115,7 +115,8 @@ class Parallelism:
     tp: int = opt(1, "Tensor-parallel degree", min=1)
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
-    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory")
+    fsdp_cpu_offload: bool = opt(
+        False, "Keep FSDP's sharded parameters, gradients and optimizer state in CPU memory (needs dp_shard x cp > 1)")
     share_gpus: bool = opt(
         False, "Processes of a node share GPUs (tests on one GPU): collectives on gloo, slow; off: one GPU each, NCCL")
     loss_parallel: bool = opt(True, "With tp > 1, compute the loss on vocabulary-sharded logits")
