@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from parallelisms.ac import apply_ac
+from parallelisms.common import TransformError
 from parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp

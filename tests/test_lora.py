@@ -19,7 +19,7 @@ from components.adapters import adapter_state
 from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
-from parallelisms.lora import LoRALinear, apply_lora, lora_modules, quantize_lora_base
+from parallelisms.lora import apply_lora, lora_modules, quantize_lora_base
 from parallelisms.materialize import materialize
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import parallelize
