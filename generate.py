@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from components.adapters import load_peft_adapter
 from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from components.data import DataError, HFTokenizer, load_tokenizer
 from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
@@ -111,6 +112,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--adapter", default=None,
+                        help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to add to the base")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES),
                         help="dtype of the weights and compute (default: bfloat16 on a GPU, float32 on the CPU)")
     opts = parser.parse_args(argv)
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"({args.vocab_size})")
         model = load_model(args, hf=opts.hf, checkpoint=opts.checkpoint, device=device,
                            dtype=DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")])
+        if opts.adapter is not None:  # base + adapter: LoRA layers compute W x + scaling * B A x
+            load_peft_adapter(model, opts.adapter)
     except UserError as e:
         return report_user_error(e)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from components.adapters import export_lora_at_end
 from components.checkpoint import Checkpointer
 from components.fingerprint import FINGERPRINT_FILE
 from components.config import JobConfig, parse_args, to_toml
@@ -24,6 +25,7 @@ from components.hf import export_at_end, record_hf_files
 from components.metrics import StepStats
 from components.nonfinite import NonFinitePolicy
 from components.timeouts import CommTimeouts, collective_failure
+from parallelisms.precision import DTYPES
 from recipe.build import (
     build_data,
     build_metrics,
@@ -31,6 +33,7 @@ from recipe.build import (
     build_optimizer_and_schedule,
     build_step,
     log_summary,
+    lora_base_identity,
     restore,
     start_processes,
 )
@@ -65,7 +68,8 @@ def train(cfg: JobConfig) -> list[float]:
     #    the dump folder as it found it.
     dump = Path(cfg.job.dump_folder)
     checkpointer = Checkpointer(cfg.checkpoint, dump, model=model, optimizer=optimizer, scheduler=scheduler,
-                                dataloader=loader, extra_files={FINGERPRINT_FILE: plan.data_fingerprint})
+                                dataloader=loader, extra_files={FINGERPRINT_FILE: plan.data_fingerprint},
+                                base_identity=lora_base_identity(plan))
     start_step = restore(plan, checkpointer, model)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
@@ -121,7 +125,10 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
-    if cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
+    if cfg.lora.enable and step == cfg.training.steps:  # adapters as PEFT files, and/or merged into the base
+        export_lora_at_end(model, dump, cfg.export.peft_folder, cfg.export.hf_folder, DTYPES[cfg.export.dtype],
+                           cfg.checkpoint.initial_load_path or None)
+    elif cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
         export_at_end(model, dump, cfg.export)
     loader.close()
     preemption.close()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from components.config import Checkpoint
 from components.distributed import shared_gloo_group
@@ -136,8 +137,8 @@ def _saved_name(name: str) -> str:
 def _expected_shapes(model: torch.nn.Module) -> tuple[dict[str, torch.Size], set[str]]:
     """(global shape of each distinct parameter, every state-dict name) of `model`, by the names
     a checkpoint saves. Works on a meta model and on a parallelised one (a DTensor's shape is global)."""
-    shapes = {_saved_name(name): p.shape for name, p in model.named_parameters()}
-    return shapes, {_saved_name(name) for name in model.state_dict()}
+    shapes = {_saved_name(name): p.shape for name, p in model.named_parameters() if ".lora_" not in name}
+    return shapes, {_saved_name(name) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
 
 
 def model_tensor_metadata(
@@ -222,8 +223,11 @@ class Checkpointer:
     are written into each full checkpoint before its COMPLETE marker."""
 
     def __init__(self, cfg: Checkpoint, dump_folder: Path, *, model, optimizer, scheduler, dataloader,
-                 extra_files: dict[str, str] | None = None):
+                 extra_files: dict[str, str] | None = None, base_identity: str | None = None):
+        """base_identity: set for LoRA: only trainable parameters are saved, with this description
+        of the frozen base they were trained on, and a checkpoint of another base is refused."""
         self.cfg = cfg
+        self.base_identity = base_identity
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.scheduler, self.dataloader = model, optimizer, scheduler, dataloader
         self.extra_files = dict(extra_files or {})
@@ -243,13 +247,16 @@ class Checkpointer:
     # -- what is saved ----------------------------------------------------------------------
 
     def _state(self, step: int, model_only: bool = False) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": model_state(self.model)}
+        trainable_only = StateDictOptions(ignore_frozen_params=self.base_identity is not None)
+        state: dict[str, Any] = {"model": model_state(self.model, options=trainable_only)}
         if model_only:
             return state
         state["optimizer"] = optimizer_state(self.model, self.optimizer)
         state["lr_scheduler"] = self.scheduler.state_dict()
         state["dataloader"] = self.dataloader.state_dict()
         state["train_state"] = {"step": step, "rng": torch.get_rng_state()}
+        if self.base_identity is not None:
+            state["train_state"]["lora_base"] = self.base_identity
         return state
 
     # -- saving -----------------------------------------------------------------------------
@@ -396,10 +403,13 @@ class Checkpointer:
     def load(self, step: int) -> None:
         """Load the full training state saved after `step` into the live objects, in any layout."""
         folder = step_folder(self.root, step)
-        model_tensor_metadata(folder, whole_model(self.model))  # names and shapes, before reading anything
+        if self.base_identity is None:
+            model_tensor_metadata(folder, whole_model(self.model))  # names and shapes, before reading anything
+        else:
+            self._check_lora_base(folder)
         state = self._state(step=0)
         dcp_call("load", state, folder)
-        load_model_state(self.model, state["model"])
+        load_model_state(self.model, state["model"], strict=self.base_identity is None)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self.dataloader.load_state_dict(state["dataloader"])
@@ -407,6 +417,19 @@ class Checkpointer:
         if state["train_state"]["step"] != step:
             raise CheckpointError(f"checkpoint {folder} holds step {state['train_state']['step']}, not {step}")
         logger.info(f"checkpoint: resumed from step {step} ({folder})")
+
+    def _check_lora_base(self, folder: Path) -> None:
+        """An adapter checkpoint resumes only onto the base it was trained on (and only in a LoRA run)."""
+        state = {"train_state": {"lora_base": ""}}
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except (Exception, CheckpointException):  # noqa: BLE001 - no record: a full checkpoint
+            raise CheckpointError(f"checkpoint {folder} is not a LoRA adapter checkpoint (it records no base "
+                                  "model); resume it with lora.enable = false") from None
+        saved = state["train_state"]["lora_base"]
+        if saved != self.base_identity:
+            raise CheckpointError(f"checkpoint {folder} holds adapters trained on base [{saved}], this run's base is "
+                                  f"[{self.base_identity}]; set checkpoint.initial_load_path (and model) to that base")
 
     def close(self) -> None:
         """Finish a background save; a run whose latest save failed (under "continue") ends with it."""
@@ -421,6 +444,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     a model of any layout: DCP reshards them."""
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, whole_model(model))
-    state = {"model": model_state(model)}
+    state = {"model": {k: v for k, v in model_state(model).items() if ".lora_" not in k}}  # base only
     dcp_call("load", state, folder)
-    load_model_state(model, state["model"], strict=True)
+    load_model_state(model, state["model"], strict=not any(".lora_" in n for n, _ in model.named_parameters()))

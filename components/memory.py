@@ -106,14 +106,29 @@ def state_bytes(model: nn.Module) -> tuple[int, int, int]:
     to the parameter dtype); AdamW keeps exp_avg and exp_avg_sq in fp32 (its 4-byte `step`
     counters are left out: a few hundred bytes)."""
     params = grads = optimizer = 0
+    nf4 = nf4_planned_weights(model)
     for p in model.parameters():
         local = local_tensor(p)
-        size = local.numel() * local.element_size()
+        size = nf4_bytes(local.numel()) if id(p) in nf4 else local.numel() * local.element_size()
         params += size
         if p.requires_grad:
             grads += size
             optimizer += 2 * local.numel() * 4
     return params, grads, optimizer
+
+
+def nf4_planned_weights(model: nn.Module) -> set[int]:
+    """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4."""
+    from parallelisms.lora import lora_modules
+
+    return {id(m.weight) for _, m in lora_modules(model) if m.quantize_base == "nf4"}
+
+
+def nf4_bytes(numel: int) -> int:
+    """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per 256 scales."""
+    from parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK
+
+    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * NF4_SCALER_BLOCK))
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -140,6 +155,7 @@ class StepShape:
     compiled_loss: bool = False  # components/loss.py: compiled cross-entropy, else chunked (eager)
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
     foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
+    lora_rank: int = 0  # LoRA on every block linear: frozen norms keep no output, adapters keep A x
     # A pipeline rank: local_batch is then one micro-batch; `blocks` the block activations (one block,
     # one micro-batch each) it holds at its peak (0: every block once), `blocks_with_gradients` those
     # it holds after backward has begun (beside the gradients; schedules that interleave forwards
@@ -169,7 +185,10 @@ def block_activation_bytes(s: StepShape) -> int:
     attention = t * e * (3 * hq + 2 * hkv) + (t * hq * (linear_in - e))
     feed_forward = t * f * (3 * e + linear_in)
     ring = 2 * t * s.cp * hkv * e if s.cp > 1 else 0
-    return norms + attention + feed_forward + ring
+    # LoRA: a frozen norm weight needs no normed output for its gradient; each of the 7 adapters
+    # keeps A x (T x rank) for B's gradient (their input x is the base linear's, kept above).
+    lora = 7 * t * s.lora_rank * e - 2 * (t // tp) * h * e if s.lora_rank else 0
+    return norms + attention + feed_forward + ring + lora
 
 
 def block_selective_op_bytes(s: StepShape) -> int:
@@ -257,21 +276,33 @@ def block_numel(args: ModelArgs) -> int:
     return attention + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim
 
 
+def lora_block_numel(args: ModelArgs, rank: int) -> int:
+    """Adapter parameters of one block with LoRA on its 7 linears: rank x (in + out) each."""
+    q, kv, h, f = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.ffn_hidden_dim
+    return rank * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + f))
+
+
 def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int, int]:
     """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
     built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
     wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
-    ceil). Checked against the real transforms in tests/test_memory.py."""
-    params = 0
+    ceil). Checked against the real transforms in tests/test_memory.py. With LoRA (apply_lora on
+    the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
+    whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
+    params = grads = 0
+    nf4 = nf4_planned_weights(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
-        if tp > 1 and not name.endswith("norm.weight"):
+        if tp > 1 and not name.endswith("norm.weight") and ".lora_" not in name:
             split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
             shape[split] = -(-shape[split] // tp)
         if fsdp > 1:
             shape[0] = -(-shape[0] // fsdp)
-        params += torch.Size(shape).numel() * p.element_size()
-    return params, params, params * 2  # fp32 parameters: gradients alike, AdamW 2 x fp32
+        numel = torch.Size(shape).numel()
+        size = nf4_bytes(numel) if id(p) in nf4 else numel * p.element_size()
+        params += size
+        grads += size if p.requires_grad else 0
+    return params, grads, grads * 2  # trainable parameters are fp32: AdamW 2 x fp32 each
 
 
 def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] | None = None) -> MemoryEstimate:
@@ -292,11 +323,12 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     buffers: dict[str, int] = {}
     gather = scatter = 0
     if s.fsdp > 1:
-        gather, scatter = (s.gathered_blocks * block + root) * pb, block * (pb + rb)
+        trainable = block if not s.lora_rank else lora_block_numel(s.args, s.lora_rank) // s.tp
+        gather, scatter = (s.gathered_blocks * block + root) * pb, trainable * (pb + rb)
         buffers[f"FSDP all-gather ({s.gathered_blocks} blocks + root, unsharded)"] = gather
         buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
     if s.autocast:
-        buffers["autocast bf16 weight copies"] = params // 2  # of fp32 parameters
+        buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
     buffers["logits (until backward)"] = logits
     buffers["loss: fp32 work and the logits' gradient"] = loss_backward
     autocast = buffers.get("autocast bf16 weight copies", 0)

@@ -36,10 +36,10 @@ def whole_model(model: nn.Module) -> nn.Module:
     return getattr(model, "whole_model", model)
 
 
-def model_state(model: nn.Module) -> dict[str, Any]:
+def model_state(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for part in model_parts(model):
-        state.update(get_model_state_dict(part))
+        state.update(get_model_state_dict(part, options=options))
     return state
 
 

@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from parallelisms.lora import init_lora_adapters
+
 InitFn = Callable[[nn.Module], None]
 
 
@@ -38,7 +40,8 @@ def materialize(
     takes the full tensor under `implicit_replication`), and the module-by-module modes seed
     the random generator from (seed, module name). So whatever transforms came before, the
     weights equal those of a single-device model initialised the same way with the same seed.
-    Apply after all the transforms.
+    LoRA adapters (apply_lora) are then reset as PEFT initialises them: A kaiming-uniform from a
+    generator seeded by (seed, module name), B zero. Apply after all the transforms.
     """
     shared = _shared_parameters(model)
     parameter_device, buffer_device = materialize_devices(device, cpu_offload)
@@ -56,6 +59,7 @@ def materialize(
             model.init_weights(seed=seed)
         else:
             _init_module_by_module(model, parameter_device, seed, _module_init_fn(model, init))
+        init_lora_adapters(model, seed)  # the model's init filled them as plain linears
     return model
 
 

@@ -3,7 +3,8 @@ the tests all build their models through `parallelize`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -13,8 +14,11 @@ from parallelisms.common import TransformError
 from parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from parallelisms.cp import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp
+from parallelisms.lora import apply_lora, quantize_lora_base
 from parallelisms.parallel_dims import Meshes
 from parallelisms.tp import Plan, apply_tp
+
+logger = logging.getLogger("weft")
 
 
 def parallelize(
@@ -22,6 +26,14 @@ def parallelize(
     meshes: Meshes | None,
     *,
     blocks: Iterable[nn.Module] | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    lora_target_modules: Iterable[str] | None = None,
+    lora_use_rslora: bool = False,
+    lora_quantize_base: str | None = None,
+    lora_base_dtype: torch.dtype | None = None,
+    before_data_parallel: Callable[[nn.Module], None] | None = None,
     float8_recipe: str | None = None,
     float8_filter_fqns: Iterable[str] = (),
     float8_min_dim: int | None = None,
@@ -47,11 +59,29 @@ def parallelize(
     pipeline_schedule: the model is one pipeline stage (parallelisms/pipeline.py cut it) run by
     this torch schedule; it decides FSDP's resharding below.
     Then call `materialize` (a meta-device model) or load weights.
+
+    lora_rank: add LoRA adapters (`apply_lora` with the other lora_* arguments). QLoRA
+    (lora_quantize_base="nf4") quantizes real weights before FSDP shards them: pass
+    `before_data_parallel`, called just before data parallelism, to materialize and load the
+    base there (or parallelize a model that already holds its weights).
     """
     dims = meshes.dims if meshes is not None else None
     blocks = list(blocks) if blocks is not None else None
     check_compile_composes(compile, dims.tp if dims is not None else 1, ac_mode)
-    # float8 first: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
+    if lora_rank is not None and float8_recipe is not None:
+        raise TransformError("parallelize", "float8_recipe", "LoRA and float8 together are not supported: "
+                             "the frozen base would be swapped for Float8Linear; turn one of them off")
+    if lora_quantize_base is not None and dims is not None and dims.tp > 1:
+        raise TransformError("parallelize", "lora_quantize_base", "QLoRA (an NF4 base) is not supported with tensor "
+                             "parallelism; use FSDP/HSDP, context parallelism or one device, or LoRA without quantize_base")
+    # LoRA first: it swaps targeted nn.Linear layers for LoRALinear, which TP splits with their
+    # adapters (plans name the same modules) and FSDP shards frozen base and adapters in one unit
+    # each block (FSDP2 accepts mixed requires_grad; only the adapters' gradients are reduced).
+    if lora_rank is not None:
+        apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                   target_modules=None if lora_target_modules is None else list(lora_target_modules),
+                   use_rslora=lora_use_rslora, quantize_base=lora_quantize_base, base_dtype=lora_base_dtype)
+    # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
         from float8 import DEFAULT_MIN_DIM, apply_float8
@@ -78,6 +108,16 @@ def parallelize(
     if compile:
         apply_compile(model, blocks, backend=compile_backend,
                       copy_input=tp_compile_needs_input_copy(dims.tp if dims is not None else 1))
+    if before_data_parallel is not None:
+        before_data_parallel(model)
+    # NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP
+    # shards them; FSDP all-gathers NF4 and each block dequantizes in its matmuls.
+    if lora_quantize_base is not None and any(p.is_meta for p in model.parameters()):
+        logger.warning("parallelize: the model is on the meta device, so the LoRA base stays unquantized (a plan, "
+                       "as in the dry run); quantize real weights through before_data_parallel")
+    elif lora_quantize_base is not None:
+        shards = meshes.fsdp.shape[-1] if dims is not None and dims.fsdp_enabled else 1
+        quantize_lora_base(model, shards=shards)
     # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
     # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
     # Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master).

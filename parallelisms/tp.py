@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from models.llama import Transformer
 from parallelisms.common import TransformError, refuse_data_parallel_model
+from parallelisms.lora import lora_tp_plan
 
 logger = logging.getLogger("weft")
 
@@ -63,12 +64,17 @@ def apply_tp(
                                                        float8_all_gather=float8_all_gather))
     elif float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
+    plan = lora_tp_plan(model, plan)  # adapters (apply_lora came first) split with their base
     targets = _plan_targets(model, plan)
     _check_heads(model, tp)
     _check_split_dims(targets, tp)
     tied = _tied_places(model, targets)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
     _retie_split(tied)
+    for name, param in model.named_parameters():  # some styles re-create parameters trainable
+        if name in frozen:
+            param.requires_grad_(False)
     logger.info(
         f"apply_tp: split {len(targets)} modules over tp_mesh size {tp} "
         f"({_plan_name(model)} plan, loss_parallel={loss_parallel})"

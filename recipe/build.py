@@ -78,13 +78,18 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         model = Transformer(plan.model_args)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
+    kwargs = plan.parallelize_kwargs()
+    qlora = kwargs["lora_quantize_base"] is not None
+    if qlora and device is not None:  # NF4 quantizes the real base, before FSDP shards it
+        kwargs["before_data_parallel"] = lambda m: load_lora_base(plan, materialize(m, device, seed=plan.cfg.training.seed))
     try:
-        parallelize(model, meshes, **plan.parallelize_kwargs())
+        parallelize(model, meshes, **kwargs)
     except TransformError as e:
         raise plan.config_error(e) from None
-    if device is not None:
+    if device is not None and not qlora:
         cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled  # parameters stay on the CPU
         materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
+    if device is not None:
         model.train()
     return model
 
@@ -102,9 +107,29 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
         except TransformError as e:
             raise plan.config_error(e) from None
         if device is not None:
-            materialize(stage, device, seed=plan.cfg.training.seed)
+            cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled
+            materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
             stage.train()
     return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
+
+
+def lora_base_identity(plan: RunPlan) -> str | None:
+    """What a LoRA run's frozen base is (None without LoRA): an adapter checkpoint records it and
+    resumes only onto the same."""
+    cfg = plan.cfg
+    if not cfg.lora.enable:
+        return None
+    path = cfg.checkpoint.initial_load_path
+    base = f"checkpoint.initial_load_path={Path(path).resolve()}" if path else f"seeded init, training.seed={cfg.training.seed}"
+    return f"model.flavor={cfg.model.flavor}, {base}"
+
+
+def load_lora_base(plan: RunPlan, model: nn.Module) -> nn.Module:
+    """The frozen base of a LoRA run, from checkpoint.initial_load_path (read at every start: adapter
+    checkpoints do not hold it); without one the seeded initialisation is the base."""
+    if plan.cfg.checkpoint.initial_load_path:
+        load_initial_weights(model, Path(plan.cfg.checkpoint.initial_load_path))
+    return model
 
 
 def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
@@ -172,6 +197,12 @@ def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:
     fresh initialisation."""
     ckpt = plan.cfg.checkpoint
     resume_step = checkpointer.resume_step() if ckpt.enable else None
+    if plan.cfg.lora.enable:  # the base first (QLoRA's was loaded before quantizing), then the adapters
+        if not plan.cfg.lora.quantize_base:
+            load_lora_base(plan, model)
+        if resume_step:
+            checkpointer.load(resume_step)
+        return resume_step or 0
     if resume_step == 0:
         load_model_weights(model, checkpointer.root / "step-0")
         logger.info("checkpoint: starting from the seed checkpoint step-0")

@@ -52,6 +52,7 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
         foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
+        lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
     )
 
 
@@ -134,6 +135,13 @@ def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit:
     from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout); and the best one."""
     with torch.device("meta"):
         plain = Transformer(args)
+    if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
+        from parallelisms.lora import apply_lora
+        from parallelisms.precision import DTYPES
+
+        lora = cfg.lora
+        apply_lora(plain, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules) or None,
+                   quantize_base=lora.quantize_base or None, base_dtype=DTYPES[cfg.training.mixed_precision_param])
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size):
         shape = step_shape(cfg, args, dims)

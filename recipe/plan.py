@@ -22,7 +22,7 @@ from components.distributed import collective_backend, launched_world_size, rest
 from components.fingerprint import check_resumed_data
 from components.hf import check_export_folder, model_args_for_run
 from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from models.llama import ModelArgs
+from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import PipelineLayout, plan_pipeline
@@ -94,11 +94,13 @@ class RunPlan:
             raise ConfigError("parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run has no GPU")
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
-        return cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
+        plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
                    transforms=transform_settings(cfg, dims, device_type),
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, pipeline=pipeline_layout(cfg, model_args, dims))
+        check_lora(plan)
+        return plan
 
     @property
     def tokens_per_step(self) -> int:
@@ -172,6 +174,7 @@ def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> 
             f8.enable and distributed
             and float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe),
             "float8.enable"),
+        **lora_settings(cfg),
         "loss_parallel": Setting(p.loss_parallel, "parallelism.loss_parallel"),
         "ac_mode": Setting(ac.mode, "activation_checkpoint.mode"),
         "ac_selective_option": Setting(ac.selective_option, "activation_checkpoint.selective_option"),
@@ -182,6 +185,54 @@ def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> 
         "cpu_offload": Setting(p.fsdp_cpu_offload, "parallelism.fsdp_cpu_offload"),
         "pipeline_schedule": Setting(p.pp_schedule if dims.pp_enabled else None, "parallelism.pp_schedule"),
     }
+
+
+def lora_settings(cfg: JobConfig) -> dict[str, Setting]:
+    """parallelize()'s lora_* arguments ([lora]); lora_rank None when LoRA is off."""
+    lora = cfg.lora
+    return {
+        "lora_rank": Setting(lora.rank if lora.enable else None, "lora.rank"),
+        "lora_alpha": Setting(lora.alpha, "lora.alpha"),
+        "lora_dropout": Setting(lora.dropout, "lora.dropout"),
+        "lora_target_modules": Setting(list(lora.target_modules) or None, "lora.target_modules"),
+        "lora_use_rslora": Setting(lora.use_rslora, "lora.use_rslora"),
+        "lora_quantize_base": Setting((lora.quantize_base or None) if lora.enable else None, "lora.quantize_base"),
+        # The frozen base in the compute dtype: nothing updates it, so fp32 master weights buy nothing.
+        "lora_base_dtype": Setting(DTYPES[cfg.training.mixed_precision_param] if lora.enable else None,
+                                   "training.mixed_precision_param"),
+    }
+
+
+def check_lora(plan: RunPlan) -> None:
+    """LoRA's arguments against the model (targets, NF4 shapes and shards) and the layout, on a
+    meta-device model: every refusal before anything is built, one line naming the key."""
+    lora, dims = plan.cfg.lora, plan.dims
+    if not lora.enable:
+        if plan.cfg.export.peft_folder:
+            raise ConfigError("export.peft_folder: writes LoRA adapters; set lora.enable")
+        return
+    peft = Path(plan.cfg.job.dump_folder) / plan.cfg.export.peft_folder
+    if plan.cfg.export.peft_folder and peft.exists():
+        raise ConfigError(f"export.peft_folder: {peft} exists; refusing to overwrite it")
+    if plan.cfg.float8.enable:
+        raise ConfigError("float8.enable: LoRA (lora.enable) and float8 together are not supported; turn one off")
+    if lora.quantize_base and dims.tp > 1:
+        raise ConfigError(f"parallelism.tp = {dims.tp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
+                          "support tensor parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
+    from parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
+
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    kwargs = plan.parallelize_kwargs()
+    try:
+        apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                   target_modules=kwargs["lora_target_modules"], use_rslora=lora.use_rslora,
+                   quantize_base=kwargs["lora_quantize_base"])
+        shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        for name, module in lora_modules(model) if lora.quantize_base else []:
+            check_nf4_shape(name, module.weight.shape, shards)
+    except TransformError as e:
+        raise plan.config_error(e) from None
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

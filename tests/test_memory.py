@@ -132,3 +132,52 @@ def test_state_estimate_matches_the_real_run_within_2_percent(layout, measured):
 def test_total_estimate_within_15_percent_of_the_measured_peak(layout, measured):
     r = measured[layout]
     assert r["est_peak"] == pytest.approx(r["peak"], rel=0.15), f"ratio {r['est_peak'] / r['peak']:.3f}"
+
+
+def measure_one_process(extra: list[str]) -> dict[str, int]:
+    """One process, debug model, fp32: the dry run's estimate beside the measured peak of a step."""
+    from components.loss import token_loss
+    from components.optim import build_optimizer
+    from recipe.build import build_model
+    from recipe.plan import RunPlan
+
+    cfg = layout_config(extra)
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)
+    estimate = estimate_memory(build_model(plan, None, None), step_shape(cfg, LLAMA_FLAVORS["debugmodel"], plan.dims))
+    model = build_model(plan, None, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optimizer)
+    generator = torch.Generator().manual_seed(0)
+
+    def step():
+        inputs, labels = torch.randint(0, 2048, (2, cfg.training.local_batch_size, cfg.training.seq_len),
+                                       generator=generator)
+        logits = model(inputs)
+        loss = token_loss(logits, labels, float(labels.numel()))
+        del logits
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    # NF4 weights: their packed values, int8 scales and fp32 factors (what the tensor subclass holds)
+    params = sum(p.quantized_data.nbytes + p.quantized_scalers.nbytes + p.quantization_factor.nbytes
+                 if hasattr(p, "quantized_data") else _bytes([p]) for p in model.parameters())
+    state = _bytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    peak = params + state + _bytes(model.buffers()) + measured_peak_bytes(step)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dict(params=params, est_params=estimate.parameters, peak=peak, est_peak=estimate.peak,
+                frozen=sum(p.numel() for p in model.parameters()) - trainable)
+
+
+def test_lora_and_qlora_estimates_match_their_measured_peaks():
+    full = measure_one_process([])
+    lora = measure_one_process(["--lora.enable"])
+    qlora = measure_one_process(["--lora.enable", "--lora.quantize_base", "nf4"])
+    for run in (lora, qlora):
+        assert run["est_params"] == run["params"]  # NF4 bytes counted exactly
+        assert 0.9 <= run["est_peak"] / run["peak"] <= 1.1
+    # Frozen: no AdamW state (8 B) for each base parameter. Its gradients (4 B) would not all count:
+    # full fine-tuning peaks at the end of forward here, before any gradient exists.
+    assert full["peak"] - lora["peak"] >= 8 * lora["frozen"]
+    assert qlora["peak"] < lora["peak"] - 0.8 * (lora["params"] - qlora["params"])

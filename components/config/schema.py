@@ -226,6 +226,9 @@ class Export:
     hf_folder: str = opt(
         "", "After the last step, write the model as a Hugging Face folder here (weights, config.json, tokenizer, "
             "generation_config.json; relative to dump_folder; a new or empty folder); '': no export")
+    peft_folder: str = opt(
+        "", "With lora.enable: after the last step, write the adapters as a PEFT adapter folder here (relative to "
+            "dump_folder; a new folder); with lora.enable, hf_folder gets the merged model")
     dtype: str = opt("float32", "dtype of the exported weights", choices=("float32", "bfloat16"))
     max_shard_gib: float = opt(5.0, "Largest safetensors file of the export, in GiB", gt=0)
 
@@ -240,6 +243,17 @@ class Float8:
     filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
     min_dim: int = opt(1024, "Keep linear layers with a dimension below this in high precision (too small to gain)",
                        min=16)
+
+
+@dataclass
+class Lora:
+    enable: bool = opt(False, "Fine-tune low-rank adapters (LoRA) on a frozen base instead of every weight")
+    rank: int = opt(8, "Rank of each adapter (the inner dimension of B A)", min=1)
+    alpha: float = opt(16.0, "Adapter scale numerator: output += alpha / rank * B A x", gt=0)
+    dropout: float = opt(0.0, "Dropout on the adapters' input", min=0, lt=1)
+    target_modules: list[str] = opt([], "Linear layers given adapters: last names (wq) or globs; empty: every block linear")
+    use_rslora: bool = opt(False, "Scale by alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank")
+    quantize_base: str = opt("", "Store the frozen base linears in NF4 (QLoRA)", choices=("", "nf4"))
 
 
 @dataclass
@@ -270,6 +284,7 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     export: Export = field(default_factory=Export)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
 

@@ -79,8 +79,8 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike) -> Non
     check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
 
     files = tensor_files(folder)
-    # A tied output projection appears once, as tok_embeddings.
-    params = {name: p for part in model_parts(model) for name, p in part.named_parameters()}
+    # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
+    params = {name: p for part in model_parts(model) for name, p in part.named_parameters() if ".lora_" not in name}
     hf_names = {name: weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:

@@ -1,0 +1,106 @@
+"""Step time and peak memory of full fine-tuning, LoRA and QLoRA on one shape, in one run.
+
+Each mode builds the model through the recipe (plan -> build_model, the same parallelize and
+materialize train.py uses), in one process, and runs `--steps` AdamW steps on random tokens after
+one warm-up step. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on the CPU the
+profiler's allocation totals (as tests/test_memory.py measures) plus what lives between steps.
+Prints one line per mode and the ratios to full fine-tuning.
+
+    PYTHONPATH=. python benchmarks/lora.py                                   # debug model, CPU
+    PYTHONPATH=. python benchmarks/lora.py -- --model.flavor llama3_1b --training.seq_len 2048 \\
+        --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full   # one GPU
+
+Arguments after `--` are train.py options applied to every mode (debug_model.toml underneath).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from components.config import parse_args  # noqa: E402
+from components.loss import token_loss  # noqa: E402
+from components.memory import local_tensor, measured_peak_bytes  # noqa: E402
+from components.optim import build_optimizer  # noqa: E402
+from recipe.build import build_model  # noqa: E402
+from recipe.plan import RunPlan  # noqa: E402
+
+MODES = {
+    "full": [],
+    "lora": ["--lora.enable"],
+    "qlora": ["--lora.enable", "--lora.quantize_base", "nf4"],
+}
+
+
+def held_bytes(model, optimizer) -> int:
+    """Parameters (NF4 as stored), optimizer state and buffers: what lives between steps."""
+    total = 0
+    for p in model.parameters():
+        t = local_tensor(p)
+        if hasattr(t, "quantized_data"):
+            total += t.quantized_data.nbytes + t.quantized_scalers.nbytes + t.quantization_factor.nbytes
+        else:
+            total += t.numel() * t.element_size()
+    total += sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[float, int]:
+    cfg = parse_args(["--job.config_file", "debug_model", "--training.local_batch_size", "4", *overrides])
+    plan = RunPlan.from_config(cfg, 1, device_type=device.type, check_environment=False)
+    model = build_model(plan, None, device)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    context = plan.precision.forward_context()
+    vocab, shape = plan.model_args.vocab_size, (2, cfg.training.local_batch_size, cfg.training.seq_len)
+    generator = torch.Generator().manual_seed(0)
+
+    def step():
+        inputs, labels = (t.to(device) for t in torch.randint(0, vocab, shape, generator=generator))
+        with context():
+            logits = model(inputs)
+            loss = token_loss(logits, labels, float(labels.numel()))
+            del logits
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: optimizer state, allocator caches
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = held_bytes(model, optimizer) + measured_peak_bytes(step)
+    return seconds, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="train.py options after --")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {name: run_mode([*args.overrides, *extra], args.steps, device) for name, extra in MODES.items()}
+    full_time, full_peak = results["full"]
+    print(f"device {device.type}, {args.steps} steps after a warm-up, train.py options: {' '.join(args.overrides) or '(debug_model)'}")
+    for name, (seconds, peak) in results.items():
+        print(f"{name:6s} step {seconds * 1000:9.1f} ms ({seconds / full_time:5.2f}x full)   "
+              f"peak {peak / 2**20:9.1f} MiB ({peak / full_peak:5.2f}x full)")
+
+
+if __name__ == "__main__":
+    main()

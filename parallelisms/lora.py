@@ -1,0 +1,311 @@
+"""Low-rank adapters (LoRA) and their NF4-quantized base (QLoRA) as a transform.
+
+`apply_lora` turns each targeted `nn.Linear` into a `LoRALinear`: still an `nn.Linear` (its frozen
+`weight` and `bias` keep their names, so loading a base checkpoint is unchanged) with two child
+linears `lora_A` (in -> rank) and `lora_B` (rank -> out), the only parameters left trainable:
+
+    y = x W^T + b + scaling * B(A(dropout(x))),   scaling = alpha / rank  (rslora: alpha / sqrt(rank))
+
+A is initialised as PEFT does (kaiming-uniform, a = sqrt(5)) and B to zero, so step 0 is the base
+model exactly. Tensor parallelism splits the adapters with their base (`lora_tp_style`), FSDP
+shards them like any parameter (frozen and trainable parameters share a unit), and
+`quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they hold real values.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from parallelisms.common import TransformError, refuse_data_parallel_model
+
+logger = logging.getLogger("weft")
+
+QUANTIZE_BASE_CHOICES = ("nf4",)
+# torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of
+# NF4_SCALER_BLOCK blocks, so a weight quantizes only if its size divides by their product.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+# Output heads stay whole when no target_modules are given (PEFT's "all-linear" does the same).
+OUTPUT_HEADS = ("output", "lm_head")
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a frozen base (`weight`, `bias`) plus trainable `lora_A`, `lora_B`."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+                 use_rslora: bool = False, quantize_base: str | None = None):
+        with torch.device("meta"):  # the base's own tensors are moved in below, nothing allocated
+            super().__init__(base.in_features, base.out_features, bias=False)
+        self.weight = base.weight
+        self.bias = base.bias
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.quantize_base = quantize_base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", rank={self.rank}, scaling={self.scaling:g}" + (
+            f", base={self.quantize_base}" if self.quantize_base else "")
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: list[str] | tuple[str, ...] | None = None,
+    use_rslora: bool = False,
+    quantize_base: str | None = None,
+    base_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
+
+    target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
+    (`layers.*.attention.w?`); None: every nn.Linear but the output head. quantize_base "nf4":
+    the targets' frozen weights become NF4 once `quantize_lora_base` runs on real weights.
+    base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
+    parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
+
+    Apply first, on the meta-device or real model: before float8 (refused together), tensor
+    parallelism (which splits the adapters with their base) and FSDP/DDP (which shard or
+    replicate them). After `materialize`, adapters are A ~ PEFT's kaiming-uniform, B = 0.
+    """
+    _check_arguments(rank, alpha, dropout, quantize_base)
+    refuse_data_parallel_model(model, "apply_lora")
+    targets = _targets(model, target_modules)
+    for name, linear in targets:
+        if isinstance(linear.weight, DTensor) or type(linear) is not nn.Linear:
+            raise TransformError("apply_lora", "model", f"{name} is a {type(linear).__name__}"
+                                 f"{' split by tensor parallelism' if isinstance(linear.weight, DTensor) else ''}; "
+                                 "apply_lora comes before float8 and tensor parallelism, on plain nn.Linear layers")
+        if quantize_base == "nf4":
+            check_nf4_shape(name, linear.weight.shape)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    modules = dict(model.named_modules())
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        lora = LoRALinear(linear, rank, alpha, dropout, use_rslora, quantize_base)
+        if not linear.weight.is_meta:  # a real model: PEFT's init now (materialize does it for meta ones)
+            reset_adapter(lora, seed=0, name=name)
+        setattr(modules[parent_name], child, lora)
+    for param in model.parameters():
+        if base_dtype is not None and not param.requires_grad and param.dtype != base_dtype:
+            param.data = param.data.to(base_dtype)  # in place: tied parameters stay one
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(
+        f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
+        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets}))}), scaling {lora.scaling:g}, "
+        f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}; trainable {trainable:,} of {total:,} "
+        f"parameters ({100 * trainable / total:.3f}%)"
+    )
+    return model
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def check_nf4_shape(name: str, shape: torch.Size, shards: int = 1, function: str = "apply_lora") -> None:
+    """NF4 needs the weight's size to divide by NF4_BLOCK * NF4_SCALER_BLOCK values (a group of
+    scales), and FSDP over `shards` ranks needs whole groups on each; name the layer if not."""
+    numel, group = math.prod(shape), NF4_BLOCK * NF4_SCALER_BLOCK
+    if numel % group:
+        raise TransformError(
+            function, "quantize_base",
+            f"cannot quantize {name} {tuple(shape)} to NF4: its {numel} values do not divide into blocks of "
+            f"{NF4_BLOCK} with scales grouped by {NF4_SCALER_BLOCK} ({group} values); "
+            "leave it out of target_modules or quantize_base"
+        )
+    if shape[0] % shards or (numel // group) % shards:
+        raise TransformError(
+            function, "quantize_base",
+            f"cannot shard NF4 {name} {tuple(shape)} over {shards} FSDP ranks: its {numel // group} groups of "
+            f"{group} values (and {shape[0]} rows) do not split evenly; use a data-parallel shard degree that divides them"
+        )
+
+
+def _check_arguments(rank: int, alpha: float, dropout: float, quantize_base: str | None) -> None:
+    if not isinstance(rank, int) or rank <= 0:
+        raise TransformError("apply_lora", "rank", f"rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise TransformError("apply_lora", "alpha", f"alpha must be > 0, got {alpha!r}")
+    if not 0 <= dropout < 1:
+        raise TransformError("apply_lora", "dropout", f"dropout must be in [0, 1), got {dropout!r}")
+    if quantize_base is not None and quantize_base not in QUANTIZE_BASE_CHOICES:
+        raise TransformError("apply_lora", "quantize_base",
+                             f"quantize_base must be None or one of {', '.join(QUANTIZE_BASE_CHOICES)}, got {quantize_base!r}")
+
+
+def _targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
+    if target_modules is None:
+        heads = {id(h) for h in [_output_embeddings(model)] if h is not None}
+        found = [(n, m) for n, m in linears if n not in OUTPUT_HEADS and id(m) not in heads]
+    else:
+        patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+        found = [(n, m) for n, m in linears if any(_name_matches(n, p) for p in patterns)]
+    if not found:
+        could = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+        raise TransformError(
+            "apply_lora", "target_modules",
+            f"target_modules {target_modules!r} matches no nn.Linear of {type(model).__name__}; "
+            f"its linears are named {', '.join(could) or '(none)'}"
+        )
+    return found
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or name.rsplit(".", 1)[-1] == pattern
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reset_adapter(module: LoRALinear, *, seed: int, name: str) -> None:
+    """A drawn whole as PEFT does (kaiming-uniform, a = sqrt(5)) from a generator seeded by
+    (seed, module name), each rank keeping its slice; B = 0. The same values in every layout."""
+    a = module.lora_A.weight
+    device = a.device if not isinstance(a, DTensor) else a.to_local().device
+    generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    full = torch.empty(a.shape, dtype=a.dtype, device=device)
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+    with implicit_replication():
+        a.copy_(full)
+    module.lora_B.weight.zero_()
+
+
+def init_lora_adapters(model: nn.Module, seed: int) -> None:
+    """Re-initialise every adapter (after the model's own init has filled them like any linear)."""
+    for name, module in lora_modules(model):
+        reset_adapter(module, seed=seed, name=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: the adapters follow their base's split
+# ---------------------------------------------------------------------------------------------
+
+
+class _LoRAColwise(ColwiseParallel):
+    """Base split by output features; B split the same way, A whole on every rank."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if isinstance(module, LoRALinear):
+            _distribute(module, "weight", device_mesh, Shard(0))
+            _distribute(module, "bias", device_mesh, Shard(0))
+            _distribute(module.lora_A, "weight", device_mesh, Replicate())
+            _distribute(module.lora_B, "weight", device_mesh, Shard(0))
+        elif isinstance(module, nn.Linear) and not _already_split(module):
+            super()._partition_linear_fn(name, module, device_mesh)
+
+
+class _LoRARowwise(RowwiseParallel):
+    """Base split by input features; A split by input the same way, B whole on every rank (the
+    adapter's partial sums are reduced with the base's)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if isinstance(module, LoRALinear):
+            _distribute(module, "weight", device_mesh, Shard(1))
+            _distribute(module, "bias", device_mesh, Replicate())
+            _distribute(module.lora_A, "weight", device_mesh, Shard(1))
+            _distribute(module.lora_B, "weight", device_mesh, Replicate())
+        elif isinstance(module, nn.Linear) and not _already_split(module):
+            super()._partition_linear_fn(name, module, device_mesh)
+
+
+def _already_split(module: nn.Module) -> bool:
+    """A LoRALinear's lora_A / lora_B, visited after their parent split them."""
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
+def _distribute(module: nn.Module, name: str, mesh, placement) -> None:
+    param = getattr(module, name)
+    if param is None:
+        return
+    module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                 requires_grad=param.requires_grad))
+
+
+def lora_tp_style(style: ParallelStyle) -> ParallelStyle:
+    """The style that splits a LoRALinear as `style` splits its base (column- or row-wise)."""
+    if type(style) not in (ColwiseParallel, RowwiseParallel):
+        raise TransformError("apply_tp", "plan", f"a LoRA layer can be split by ColwiseParallel or RowwiseParallel, "
+                             f"not {type(style).__name__}")
+    cls = _LoRAColwise if type(style) is ColwiseParallel else _LoRARowwise
+    lora_style = cls.__new__(cls)
+    lora_style.__dict__.update(style.__dict__)  # the same input/output layouts as the style given
+    return lora_style
+
+
+def lora_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan` with each entry that reaches a LoRALinear made to split its adapters too."""
+    from parallelisms.tp import _path_matches
+
+    names = [n for n, _ in lora_modules(model)]
+    return {path: lora_tp_style(style) if any(_path_matches(n, path) for n in names) else style
+            for path, style in plan.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# QLoRA: the frozen base in NF4
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def quantize_lora_base(model: nn.Module, device: torch.device | str | None = None, *, shards: int = 1) -> nn.Module:
+    """Store each LoRALinear's frozen weight (where apply_lora was given quantize_base="nf4") as a
+    torchao NF4 tensor, from its real values: call after materialize / loading the base, and
+    before FSDP, which then shards the NF4 tensors. device: where the NF4 weights go (quantize
+    on the CPU, keep on the GPU). shards: the FSDP degree that will shard them (checked to divide).
+    Quantizing twice is a no-op."""
+    from torchao.quantization import NF4Tensor, to_nf4
+
+    refuse_data_parallel_model(model, "quantize_lora_base")
+    todo = [(n, m) for n, m in lora_modules(model) if m.quantize_base == "nf4" and not isinstance(m.weight, NF4Tensor)]
+    for name, module in todo:  # every check before any weight changes
+        if module.weight.is_meta:
+            raise TransformError("quantize_lora_base", "model", f"{name}.weight is on the meta device; quantize "
+                                 "real weights, after materialize or loading the base model")
+        if isinstance(module.weight, DTensor):
+            raise TransformError("quantize_lora_base", "model", f"{name}.weight is split by tensor parallelism; "
+                                 "QLoRA supports one device, FSDP, HSDP and context parallelism, not tensor parallelism")
+        check_nf4_shape(name, module.weight.shape, shards, "quantize_lora_base")
+    for name, module in todo:
+        weight = module.weight.detach()
+        nf4 = to_nf4(weight.to(device) if device is not None else weight, NF4_BLOCK, NF4_SCALER_BLOCK)
+        module.weight = nn.Parameter(nf4, requires_grad=False)
+    count = len(todo)
+    logger.info(f"quantize_lora_base: {count} frozen base weights stored as NF4 (blocks of {NF4_BLOCK}, "
+                f"scales in groups of {NF4_SCALER_BLOCK})")
+    return model
