@@ -15,29 +15,26 @@ from pathlib import Path
 
 import torch
 
-from components.adapters import export_lora_at_end
-from components.checkpoint import Checkpointer
-from components.fingerprint import FINGERPRINT_FILE
 from components.config import JobConfig, parse_args, to_toml
 from components.distributed import Preemption, all_reduce_mean
 from components.errors import UserError, report_user_error
-from components.hf import export_at_end, record_hf_files
+from components.hf import record_hf_files
 from components.metrics import StepStats
-from components.nonfinite import NonFinitePolicy
-from components.timeouts import CommTimeouts, collective_failure
-from parallelisms.precision import DTYPES
+from components.timeouts import collective_failure
 from recipe.build import (
+    build_checkpointer,
     build_data,
+    build_fault_guards,
     build_metrics,
     build_model,
     build_optimizer_and_schedule,
     build_step,
     log_summary,
-    lora_base_identity,
     restore,
     start_processes,
 )
 from recipe.dry_run import dry_run
+from recipe.export import export_after_training
 from recipe.plan import RunPlan, check_launch, tokenizer_path
 from recipe.step import evaluate, train_step
 
@@ -46,9 +43,7 @@ logger = logging.getLogger("weft")
 
 def train(cfg: JobConfig) -> list[float]:
     """Run the training described by cfg; return the loss of every logged step."""
-    # --job.dry_run: plan this run in one process on the meta device, print the layout and a
-    # memory estimate, write nothing.
-    if cfg.job.dry_run:
+    if cfg.job.dry_run:  # plan in one process on the meta device, print layout and memory, write nothing
         dry_run(cfg)
         return []
 
@@ -63,28 +58,20 @@ def train(cfg: JobConfig) -> list[float]:
     optimizer, scheduler = build_optimizer_and_schedule(plan, model)
     step_setup = build_step(plan, model, optimizer, scheduler, meshes, device)
 
-    # 3. Resume: the latest checkpoint of this dump folder, else the initial weights. Outputs
-    #    (only rank 0 writes) wait until the first step is done: a run that fails before it leaves
-    #    the dump folder as it found it.
-    dump = Path(cfg.job.dump_folder)
-    checkpointer = Checkpointer(cfg.checkpoint, dump, model=model, optimizer=optimizer, scheduler=scheduler,
-                                dataloader=loader, extra_files={FINGERPRINT_FILE: plan.data_fingerprint},
-                                base_identity=lora_base_identity(plan))
+    # 3. Resume: the latest checkpoint of this dump folder, else the initial weights. Outputs wait
+    #    for the first step: a run that fails before it leaves the dump folder as it found it.
+    checkpointer = build_checkpointer(plan, model, optimizer, scheduler, loader)
     start_step = restore(plan, checkpointer, model)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
-        write_config(dump, cfg)
+        write_config(Path(cfg.job.dump_folder), cfg)
         checkpointer.save(0, model_only=True, blocking=True)
         return []
 
     # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank.
     metrics = build_metrics(plan, model, device, rank, start_step)
     preemption = Preemption()
-    # Faults: a NaN/inf loss or gradient norm stops the run or skips the update (never saved);
-    # after the first step, a collective waits at most comm.train_timeout_seconds.
-    nonfinite = NonFinitePolicy(cfg.training.on_nonfinite, cfg.training.max_skipped_steps,
-                                on_first=checkpointer.protect_before, before_stop=lambda: checkpointer.finish_pending(True))
-    timeouts = CommTimeouts(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
+    nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
     history: list[float] = []
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
@@ -93,8 +80,7 @@ def train(cfg: JobConfig) -> list[float]:
                             allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
-            write_config(dump, cfg)
-            record_hf_files(dump, plan.model_args, tokenizer_path(cfg), cfg.checkpoint.initial_load_path)
+            write_run_record(plan)
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
@@ -125,16 +111,21 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
-    if cfg.lora.enable and step == cfg.training.steps:  # adapters as PEFT files, and/or merged into the base
-        export_lora_at_end(model, dump, cfg.export.peft_folder, cfg.export.hf_folder, DTYPES[cfg.export.dtype],
-                           cfg.checkpoint.initial_load_path or None)
-    elif cfg.export.hf_folder and step == cfg.training.steps:  # a Hugging Face folder, one tensor at a time
-        export_at_end(model, dump, cfg.export)
+    if step == cfg.training.steps:
+        export_after_training(plan, model)  # [export]: Hugging Face / PEFT folders, one tensor at a time
     loader.close()
     preemption.close()
     metrics.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
+
+
+def write_run_record(plan: RunPlan) -> None:
+    """What later commands read back: the config (resuming checks it) and the Hugging Face files
+    of the model (config.json, tokenizer, generation config) the export writes out."""
+    cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
+    write_config(dump, cfg)
+    record_hf_files(dump, plan.model_args, tokenizer_path(cfg), cfg.checkpoint.initial_load_path)
 
 
 def write_config(dump: Path, cfg: JobConfig) -> None:

@@ -29,7 +29,9 @@ from components.hf import load_hf_into_model
 from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
 from components.model_state import whole_model
 from components.optim import build_lr_scheduler, build_optimizer
-from components.timeouts import set_collective_timeout
+from components.fingerprint import FINGERPRINT_FILE
+from components.nonfinite import NonFinitePolicy
+from components.timeouts import CommTimeouts, set_collective_timeout
 from models.llama import Transformer
 from parallelisms.common import TransformError
 from parallelisms.materialize import materialize
@@ -188,6 +190,24 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
         compiled_loss=cfg.compile.enable,
         precompute_float8=cfg.float8.enable and cfg.float8.precompute_float8_dynamic_scale_for_fsdp,
     )
+
+
+def build_checkpointer(plan: RunPlan, model: nn.Module, optimizer, scheduler, loader) -> Checkpointer:
+    """DCP checkpoints of model, optimizer, schedule and data cursor in the dump folder, with the
+    data's fingerprint (a resume over changed data stops) and, under LoRA, the base it adapts."""
+    return Checkpointer(plan.cfg.checkpoint, Path(plan.cfg.job.dump_folder), model=model, optimizer=optimizer,
+                        scheduler=scheduler, dataloader=loader, extra_files={FINGERPRINT_FILE: plan.data_fingerprint},
+                        base_identity=lora_base_identity(plan))
+
+
+def build_fault_guards(plan: RunPlan, checkpointer: Checkpointer) -> tuple[NonFinitePolicy, CommTimeouts]:
+    """The non-finite policy (a NaN/inf loss or gradient norm stops the run or skips the update,
+    and is never saved) and the collective time limits (the long one until the first step is done
+    and around saves and validation; a rank silent for longer is named in one line)."""
+    t, comm = plan.cfg.training, plan.cfg.comm
+    nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps, on_first=checkpointer.protect_before,
+                                before_stop=lambda: checkpointer.finish_pending(True))
+    return nonfinite, CommTimeouts(comm.init_timeout_seconds, comm.train_timeout_seconds)
 
 
 def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:
