@@ -92,16 +92,17 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
         setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = supervised, setup.grad_ranks
         on_phase("backward")
         step_loss = sum((pipeline_run(setup, batch, train=True) for batch in micro_batches), step_loss)
-    for batch in micro_batches if setup.pipeline is None else []:
-        with setup.loss_context():
-            with setup.forward_context():
-                logits = setup.forward(setup.model, batch)
-            loss = setup.loss_fn(logits, batch.labels, supervised, setup.grad_ranks, compiled=setup.compiled_loss)
-            del logits  # freed by backward, not held until the next forward
-            on_phase("backward")
-            loss.backward()
-        step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        on_phase("forward")
+    else:
+        for batch in micro_batches:
+            with setup.loss_context():
+                with setup.forward_context():
+                    logits = setup.forward(setup.model, batch)
+                loss = setup.loss_fn(logits, batch.labels, supervised, setup.grad_ranks, compiled=setup.compiled_loss)
+                del logits  # freed by backward, not held until the next forward
+                on_phase("backward")
+                loss.backward()
+            step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+            on_phase("forward")
     on_phase("step")
     grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pp_group)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
