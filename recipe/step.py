@@ -128,15 +128,7 @@ def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) ->
         setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = 1.0, 1  # sums of token losses
     for _, batch in zip(range(steps), batches(loader, document_masking=document_masking)):
         batch = place(setup, batch)
-        if setup.pipeline is not None:
-            total += pipeline_run(setup, batch, train=False).double()
-            count += (batch.labels != IGNORE_INDEX).sum()
-            continue
-        with setup.loss_context():
-            with setup.forward_context():
-                logits = setup.forward(setup.model, batch)
-            loss_sum = setup.loss_fn(logits, batch.labels, 1.0, compiled=setup.compiled_loss)
-        total += (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).double()
+        total += summed_loss(setup, batch).double()
         count += (batch.labels != IGNORE_INDEX).sum()
     if setup.loss_group is not None:
         both = torch.stack((total, count))
@@ -144,6 +136,18 @@ def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) ->
         total, count = both[0], both[1]
     setup.model.train()
     return (total / count.clamp(min=1)).item()
+
+
+def summed_loss(setup: StepSetup, batch: Batch) -> torch.Tensor:
+    """The sum of the batch's token losses, forward only: through the pipeline schedule under pp
+    (its loss_fn set to sum), else through the model."""
+    if setup.pipeline is not None:
+        return pipeline_run(setup, batch, train=False)
+    with setup.loss_context():
+        with setup.forward_context():
+            logits = setup.forward(setup.model, batch)
+        loss_sum = setup.loss_fn(logits, batch.labels, 1.0, compiled=setup.compiled_loss)
+    return loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum
 
 
 def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool) -> torch.Tensor:
