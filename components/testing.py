@@ -1,7 +1,12 @@
 """Run a function on N CPU processes joined by a gloo process group, and collect what each returns.
 
-For tests and benchmarks: each rank is a spawned process with one thread; results come back in rank
-order, and a failure on any rank is raised in the caller with that rank's traceback."""
+For tests and benchmarks: each rank is a fresh process with one thread; results come back in rank
+order, and a failure on any rank is raised in the caller with that rank's traceback.
+
+Ranks are forked from multiprocessing's fork server, which imports torch and weft once, not spawned
+as new interpreters that import them again for every rank of every run: on 2 CPU cores that is
+about 4 s less per 4-rank run. A rank sees the caller's environment variables as they were when
+the first run started the server."""
 
 from __future__ import annotations
 
@@ -15,6 +20,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+# What every rank imports anyway, imported once by the fork server (not its callers' modules: a
+# test's own module is imported by each rank, as before).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "train"]
 
 
 def free_port() -> int:
@@ -43,7 +53,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     fn must be importable (defined at module level). A failure on any rank raises here with
     that rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the first run starts the server
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
