@@ -201,6 +201,9 @@ def test_unknown_pipeline_schedule_suggests_the_closest():
 
     message = config_error(["--parallelism.pp_schedule", "interleaved1f1b"])
     assert message.endswith("got 'interleaved1f1b' (did you mean Interleaved1F1B?)")
+    assert config_error(["--parallelism.pp_schedule", "1f1bb"]).endswith("(did you mean 1F1B?)")
+    assert config_error(["--parallelism.pp_schedule", "zbv"]).endswith("(did you mean ZBVZeroBubble?)")
+    assert config_error(["--parallelism.pp_schedule", "xyz"]).endswith("got 'xyz'")
     # Every name offered is one torch resolves to a schedule class.
     assert all(get_schedule_class(name).__name__.startswith("Schedule") for name in PIPELINE_SCHEDULES)
 

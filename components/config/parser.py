@@ -202,6 +202,16 @@ def _apply_toml(cfg: JobConfig, data: dict[str, Any], file: str, origins: dict[s
             origins[name] = file
 
 
+def _closest_choice(value: str, choices) -> str | None:
+    """The choice nearest `value`, ignoring case ("1f1bb" -> "1F1B"; a prefix of one choice, "zbv" ->
+    "ZBVZeroBubble"), or None."""
+    by_lower = {str(c).lower(): str(c) for c in choices}
+    if value and len(starts := [c for low, c in by_lower.items() if low.startswith(value.lower())]) == 1:
+        return starts[0]
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1, cutoff=0.5)
+    return by_lower[close[0]] if close else None
+
+
 def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
     """Check every value against its field's constraints."""
     for name, f in _OPTIONS.items():
@@ -213,8 +223,7 @@ def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
         if f.type is int and not _INT64_MIN <= value <= _INT64_MAX:
             raise ConfigError(f"{where}: must fit in 64 bits, got {got}")
         if meta["choices"] is not None and value not in meta["choices"]:
-            close = difflib.get_close_matches(str(value), meta["choices"], n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = f" (did you mean {close}?)" if (close := _closest_choice(str(value), meta["choices"])) else ""
             raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}{hint}")
         for bound, symbol, holds in _BOUNDS:
             if meta[bound] is not None and not holds(value, meta[bound]):
