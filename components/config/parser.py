@@ -224,7 +224,8 @@ def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
             raise ConfigError(f"{where}: must fit in 64 bits, got {got}")
         if meta["choices"] is not None and value not in meta["choices"]:
             hint = f" (did you mean {close}?)" if (close := _closest_choice(str(value), meta["choices"])) else ""
-            raise ConfigError(f"{where}: expected one of {', '.join(meta['choices'])}; got {got}{hint}")
+            shown = ", ".join(str(c) or "''" for c in meta["choices"])
+            raise ConfigError(f"{where}: expected one of {shown}; got {got}{hint}")
         for bound, symbol, holds in _BOUNDS:
             if meta[bound] is not None and not holds(value, meta[bound]):
                 raise ConfigError(f"{where}: must be {symbol} {meta[bound]}, got {got}")
