@@ -339,7 +339,7 @@ def test_sft_options():
                       "--validation.dataset_path", "val.jsonl", "--validation.freq", "5"])
     assert (cfg.data.format, cfg.data.document_masking, cfg.validation.freq) == ("chat", True, 5)
     assert cfg.validation.format == "" and cfg.data.long_samples == "truncate"
-    with pytest.raises(ConfigError, match="--validation.format: expected one of , text, chat, prompt_completion"):
+    with pytest.raises(ConfigError, match="--validation.format: expected one of '', text, chat, prompt_completion"):
         parse_args(["--validation.format", "alpaca"])
 
 
