@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.adapters import adapter_state
+from components.distributed import set_determinism
 from models.llama import ModelArgs, Transformer
 from parallelisms.common import TransformError
 from parallelisms.cp import shard_sequence
@@ -171,14 +172,17 @@ def test_qlora_computes_with_torchaos_dequantized_base():
 # Every layout equals one process
 # ---------------------------------------------------------------------------------------------
 
-# name -> (world size, dp_replicate, dp_shard, cp, tp, QLoRA, activation checkpointing)
+# name -> (world size, dp_replicate, dp_shard, cp, tp, QLoRA, activation checkpointing, compile)
 LAYOUTS = {
-    "fsdp2": (2, 1, 2, 1, 1, False, "full"),
-    "tp2": (2, 1, 1, 1, 2, False, "none"),
-    "cp2": (2, 1, 1, 2, 1, False, "none"),
-    "qlora_fsdp2": (2, 1, 2, 1, 1, True, "none"),
-    "fsdp2_tp2": (4, 1, 2, 1, 2, False, "none"),
-    "hsdp2x2": (4, 2, 2, 1, 1, False, "full"),
+    "fsdp2": (2, 1, 2, 1, 1, False, "full", False),
+    "ddp2": (2, 2, 1, 1, 1, False, "none", False),
+    "tp2": (2, 1, 1, 1, 2, False, "none", False),
+    "cp2": (2, 1, 1, 2, 1, False, "none", False),
+    "qlora_fsdp2": (2, 1, 2, 1, 1, True, "none", False),
+    # Compiled blocks (aot_eager: the graphs inductor would get, without its C++ build on CPU).
+    "fsdp2_compile_ac": (2, 1, 2, 1, 1, False, "full", True),
+    "fsdp2_tp2": (4, 1, 2, 1, 2, False, "none", False),
+    "hsdp2x2": (4, 2, 2, 1, 1, False, "full", False),
 }
 EXPORTED = "fsdp2_tp2"
 
@@ -206,23 +210,24 @@ def train_weft(model: nn.Module, meshes=None) -> list[float]:
     return losses
 
 
-def build_lora(qlora: bool, meshes=None, ac_mode: str = "none") -> nn.Module:
+def build_lora(qlora: bool, meshes=None, ac_mode: str = "none", compile: bool = False) -> nn.Module:
     """meta -> parallelize (LoRA, and QLoRA's materialize + quantize before FSDP) -> materialize."""
     if qlora:
         return parallelize(build(NF4_ARGS), meshes, **LORA, lora_quantize_base="nf4", ac_mode=ac_mode,
                            loss_parallel=False, param_dtype=torch.float32,
                            before_data_parallel=lambda m: materialize(m, "cpu", seed=SEED))
-    model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32)
+    model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32,
+                        compile=compile, compile_backend="aot_eager")
     return materialize(model, "cpu", seed=SEED)
 
 
 def train_layouts(names: list[str]) -> dict[str, list[float]]:
     losses = {}
     for name in names:
-        world, replicate, shard, cp, tp, qlora, ac_mode = LAYOUTS[name]
+        world, replicate, shard, cp, tp, qlora, ac_mode, compile = LAYOUTS[name]
         dims = ParallelDims.resolve(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world)
         meshes = dims.build_mesh("cpu")
-        model = build_lora(qlora, meshes, ac_mode)
+        model = build_lora(qlora, meshes, ac_mode, compile)
         if qlora:  # FSDP shards the NF4 tensors themselves
             from torchao.quantization import NF4Tensor
 
@@ -269,3 +274,39 @@ def test_adapters_exported_from_a_split_layout_equal_one_process(reference_adapt
     assert exported.keys() == reference_adapters.keys()
     for key, value in reference_adapters.items():
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
+
+
+def dropout_masks() -> dict[str, list[list[int]]]:
+    """Worker (tp 2): the local dropout mask (1 = dropped) of a column-split and of a row-split
+    linear's adapter input, in one forward with dropout 0.5."""
+    dims = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2)
+    model = materialize(parallelize(build(), dims.build_mesh("cpu"), **LORA, lora_dropout=0.5, loss_parallel=False,
+                                    param_dtype=torch.float32), "cpu", seed=SEED)
+    masks = {}
+
+    def keep(name):
+        def hook(module, inputs, output):
+            x, y = inputs[0].to_local(), output.to_local()
+            masks[name] = ((y == 0) & (x != 0)).int().flatten().tolist()
+        return hook
+
+    model.layers["0"].attention.wq.lora_dropout.register_forward_hook(keep("column-split wq"))
+    model.layers["0"].attention.wo.lora_dropout.register_forward_hook(keep("row-split wo"))
+    set_determinism(7, deterministic=False)  # as train.py seeds every rank
+    model(torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1)))
+    return masks
+
+
+@pytest.mark.slow
+def test_dropout_under_tensor_parallelism_drops_one_mask_of_the_whole_input():
+    """A column-split base reads the whole input on every tp rank, and every rank drops the same
+    elements of it, so the output shards are one adapter's output (on GPUs DTensor's generator
+    keeps replicated draws equal; on the CPU the ranks' own generators, seeded alike as train.py
+    seeds them). A row-split base reads a slice of the input, and each rank drops elements of its own
+    slice at the same rate (on the CPU, with equal generators, the slices repeat one pattern; on
+    GPUs DTensor's generator draws them as slices of one mask)."""
+    first, second = run_distributed(dropout_masks, 2)
+    assert first["column-split wq"] == second["column-split wq"]
+    for masks in (first, second):
+        for mask in masks.values():
+            assert 0.4 < sum(mask) / len(mask) < 0.6
