@@ -96,12 +96,14 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     return model
 
 
-def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.device | None) -> PipelineStages:
+def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.device | None,
+                 pp_rank: int | None = None) -> PipelineStages:
     """The stages of the meta model this rank holds under the pipeline layout (default split:
     embedding first, norm and output last, blocks spread evenly), each through `parallelize` and
-    `materialize` like a whole model: every weight keeps its name and so its initial values."""
+    `materialize` like a whole model: every weight keeps its name and so its initial values.
+    pp_rank: build another pipeline rank's stages instead (the dry run, on meta)."""
     layout = plan.pipeline
-    ids = layout.stage_ids(meshes.pp.get_local_rank())
+    ids = layout.stage_ids(meshes.pp.get_local_rank() if pp_rank is None else pp_rank)
     stages = split_model(model, default_split(model, layout.n_stages), ids)
     for stage in stages:
         try:

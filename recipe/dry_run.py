@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 import torch
+from torch import nn
 
 from components.config import ConfigError, JobConfig
 from components.distributed import init_fake_distributed, launched_world_size
@@ -23,7 +24,8 @@ from models.llama import ModelArgs, Transformer
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.precision import DTYPES, precision_policy
 from recipe.build import build_model
-from recipe.plan import RunPlan
+from parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
+from recipe.plan import RunPlan, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -56,18 +58,39 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
     )
 
 
-def pipeline_step_shape(shape: StepShape, layout, stages, meshes) -> StepShape:
-    """The step shape of this rank's pipeline stages: one micro-batch at a time, its blocks only, as
-    many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
+def pipeline_step_shape(shape: StepShape, layout, stages, pp_group, pp_rank: int) -> StepShape:
+    """The step shape of pipeline rank `pp_rank`'s stages: one micro-batch at a time, its blocks only,
+    as many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
     from parallelisms.pipeline import activations_in_flight
 
     blocks = {stage_id: len(stage.layers) for stage_id, stage in zip(stages.stage_ids, stages)}
-    held = activations_in_flight(layout, meshes.pp.get_local_rank(), meshes.pp.get_group(), blocks)
+    held = activations_in_flight(layout, pp_rank, pp_group, blocks)
     return dataclasses.replace(
         shape, local_batch=shape.local_batch // layout.microbatches, blocks=held.blocks,
         blocks_with_gradients=held.blocks_with_gradients, in_flight=held.logits,
         first_stage=stages.has_first_stage, last_stage=stages.has_last_stage,
         gathered_blocks=sum(blocks.values()))  # FSDP never reshards under a pipeline
+
+
+def edge_pp_ranks(pp: int) -> list[int]:
+    """The pipeline ranks whose memory bounds the others': the first (the embedding, and the most
+    micro-batches in flight) and the last (the output and the logits); one rank under the V
+    schedules, which place both on rank 0, still gives both."""
+    return sorted({0, pp - 1})
+
+
+def stage_estimates(plan: RunPlan, stages, meshes, shape: StepShape) -> dict[int, MemoryEstimate]:
+    """The estimate of each pipeline rank of `edge_pp_ranks`, its stages built on meta as that rank
+    builds them (this rank's are `stages`)."""
+    from recipe.build import build_stages
+
+    own = meshes.pp.get_local_rank()
+    estimates = {}
+    for pp_rank in edge_pp_ranks(plan.dims.pp):
+        held = stages if pp_rank == own else build_stages(plan, stages.whole_model, meshes, None, pp_rank=pp_rank)
+        estimates[pp_rank] = estimate_memory(
+            held, pipeline_step_shape(shape, plan.pipeline, held, meshes.pp.get_group(), pp_rank))
+    return estimates
 
 
 def dry_run(cfg: JobConfig) -> MemoryEstimate:
@@ -96,68 +119,128 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
                 f"(seq_len {t.seq_len})")
 
     shape = step_shape(cfg, args, dims)
-    if plan.pipeline is not None:
-        shape = pipeline_step_shape(shape, plan.pipeline, model, meshes)
-        logger.info(f"{plan.pipeline.describe()}; rank 0 holds stages {model.stage_ids}: at most {shape.blocks} "
-                    f"block activations of micro-batches of {shape.local_batch} in flight")
-    estimate = estimate_memory(model, shape)
-    print(f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
-          f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'}):")
-    print(estimate.table())
+    heading = (f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
+               f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
+    if plan.pipeline is None:
+        estimate = estimate_memory(model, shape)
+        print(f"{heading}:")
+        print(estimate.table())
+    else:  # each edge stage's rank, the larger decides
+        logger.info(plan.pipeline.describe())
+        estimates = stage_estimates(plan, model, meshes, shape)
+        for pp_rank, stage_estimate in estimates.items():
+            ids = plan.pipeline.stage_ids(pp_rank)
+            print(f"{heading}, pipeline rank {pp_rank} of {dims.pp} (stages {', '.join(map(str, ids))}"
+                  f"{' with the embedding' if 0 in ids else ''}"
+                  f"{' with the output' if plan.pipeline.n_stages - 1 in ids else ''}):")
+            print(stage_estimate.table())
+        worst = max(estimates, key=lambda r: estimates[r].peak)
+        estimate = estimates[worst]
+        if len(estimates) > 1:
+            print(f"the largest: pipeline rank {worst}")
     table, best = layouts_table(cfg, args, dims, limit)
     print(table)
     _verdict(estimate, limit, cfg, dims, best)
     return estimate
 
 
+# The largest pipeline degree the table of other layouts tries (the field's largest is 8 to 16).
+TABLE_MAX_PP = 16
+
+
 def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[ParallelDims]:
-    """dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model and
-    sequence length allow: tp divides the query and key/value heads, cp and tp split the sequence."""
+    """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
+    sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
+    the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
+    batches on the local batch with at most one stage per block."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     layouts = []
-    for tp in _divisors(rest):
-        if args.n_heads % tp or args.kv_heads % tp:
-            continue
-        for cp in _divisors(rest // tp):
-            dims = ParallelDims(replicate, rest // tp // cp, cp, tp, world_size)
-            try:
-                dims.check_seq_len(cfg.training.seq_len)
-            except LayoutError:
+    for pp in (d for d in _divisors(rest) if d <= TABLE_MAX_PP):
+        for tp in _divisors(rest // pp):
+            if args.n_heads % tp or args.kv_heads % tp:
                 continue
-            layouts.append(dims)
+            for cp in _divisors(rest // pp // tp):
+                dims = ParallelDims(replicate, rest // pp // tp // cp, cp, tp, world_size, pp)
+                try:
+                    dims.check_seq_len(cfg.training.seq_len)
+                    pipeline_layout(cfg, args, dims)
+                except LayoutError:
+                    continue
+                layouts.append(dims)
     return layouts
 
 
 def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit: float | None,
                   rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
     """The estimated peak of each layout of this world size, smallest first (parameters counted
-    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout); and the best one."""
+    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
+    larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
         plain = Transformer(args)
     if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
         from parallelisms.lora import apply_lora
-        from parallelisms.precision import DTYPES
 
         lora = cfg.lora
         apply_lora(plain, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules) or None,
                    quantize_base=lora.quantize_base or None, base_dtype=DTYPES[cfg.training.mixed_precision_param])
+    stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size):
         shape = step_shape(cfg, args, dims)
-        state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
-        results.append((estimate_memory(plain, shape, state).peak, dims))
+        if dims.pp == 1:
+            state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
+            results.append((estimate_memory(plain, shape, state).peak, dims))
+            continue
+        layout = pipeline_layout(cfg, args, dims)
+        peaks = []
+        for pp_rank in edge_pp_ranks(dims.pp):
+            held = stages.of(layout, pp_rank)
+            state = tp_fsdp_state_bytes(held, dims.tp, shape.fsdp)
+            stage_shape = pipeline_step_shape(shape, layout, held, stages.group(dims.pp), pp_rank)
+            peaks.append(estimate_memory(held, stage_shape, state).peak)
+        results.append((max(peaks), dims))
     results.sort(key=lambda r: r[0])
     scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")
     lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}), by estimated peak:",
-             f"  {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
-    for peak, dims in results[:rows]:
+             f"  {'pp':>4} {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
+    def row(peak: int, dims: ParallelDims) -> str:
         mark = ("  yes" if peak <= limit * GIB else "  no") if limit else ""
-        here = "   <- this run" if (dims.dp_shard, dims.cp, dims.tp) == (current.dp_shard, current.cp, current.tp) else ""
-        lines.append(f"  {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}")
+        here = "   <- this run" if _degrees(dims) == _degrees(current) else ""
+        return f"  {dims.pp:>4} {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}"
+
+    lines += [row(peak, dims) for peak, dims in results[:rows]]
     if len(results) > rows:
         lines.append(f"  ({len(results) - rows} more, with larger peaks)")
+        lines += [row(peak, dims) for peak, dims in results[rows:] if _degrees(dims) == _degrees(current)]
     return "\n".join(lines), results[0]
+
+
+class TableStages:
+    """The pipeline stages of the plain meta model, as each pipeline rank of a layout holds them,
+    and a pipeline group of each size (on the dry run's fake process group), each made once."""
+
+    def __init__(self, plain: nn.Module):
+        self.plain = plain
+        self._stages: dict[tuple, PipelineStages] = {}
+        self._groups: dict[int, object] = {}
+
+    def of(self, layout: PipelineLayout, pp_rank: int) -> PipelineStages:
+        ids = layout.stage_ids(pp_rank)
+        key = (layout.n_stages, *ids)
+        if key not in self._stages:
+            split = split_model(self.plain, default_split(self.plain, layout.n_stages), ids)
+            self._stages[key] = PipelineStages(split, ids, layout.n_stages, self.plain)
+        return self._stages[key]
+
+    def group(self, pp: int):
+        if pp not in self._groups:
+            self._groups[pp] = torch.distributed.new_group(list(range(pp)))
+        return self._groups[pp]
+
+
+def _degrees(dims: ParallelDims) -> tuple[int, int, int, int]:
+    return dims.pp, dims.dp_shard, dims.cp, dims.tp
 
 
 def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims: ParallelDims,
@@ -175,10 +258,14 @@ def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims
         f"(parameters {estimate.parameters / GIB:.2f}, gradients {estimate.gradients / GIB:.2f}, optimizer "
         f"{estimate.optimizer / GIB:.2f}, activations {estimate.activations / GIB:.2f} GiB) with "
         f"{dims.describe()}; " + (
-            f"dp_shard={best[1].dp_shard} cp={best[1].cp} tp={best[1].tp} would need {best[0] / GIB:.2f} GiB"
+            f"{_layout_text(best[1])} would need {best[0] / GIB:.2f} GiB"
             + (" and fits" if best[0] <= limit * GIB else f", so no layout of {dims.world_size} ranks fits "
                "(more ranks, activation checkpointing or a smaller batch)"))
     )
+
+
+def _layout_text(dims: ParallelDims) -> str:
+    return (f"pp={dims.pp} " if dims.pp > 1 else "") + f"dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}"
 
 
 def _memory_limit(text: str) -> float | None:

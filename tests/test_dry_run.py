@@ -58,6 +58,51 @@ def test_a_layout_that_fails_at_start_fails_the_dry_run_with_the_same_error(tmp_
     assert dry == real and dry.startswith("weft: error: parallelism.tp = 3")
 
 
+# The debug model on 4 ranks with a local batch of 4 in 4 micro-batches: pipelines of 2 and 4 run.
+PIPELINE_DRY_RUN = ["--job.config_file", "debug_model", "--training.local_batch_size", "4",
+                    "--parallelism.pp_microbatches", "4", "--job.dry_run", "--job.dry_run_world_size", "4"]
+
+
+def _dry_run_output(argv: list[str], capsys) -> tuple[list[float], dict[tuple[int, ...], float]]:
+    """The planned run's peaks (MiB, one per pipeline rank printed) and the layouts table (MiB by
+    (pp, dp_shard, cp, tp))."""
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    peaks = [float(line.split()[-4]) for line in out.splitlines() if line.endswith("<- peak")]
+    table = out[out.index("by estimated peak:"):].splitlines()[2:]
+    rows = {tuple(int(x) for x in line.split()[:4]): float(line.split()[4]) for line in table if line[:6].strip().isdigit()}
+    return peaks, rows
+
+
+def test_the_layouts_table_varies_pp_and_agrees_with_the_planned_pipeline(capsys):
+    """The table's pipeline rows, counted from the unsplit model's shapes, equal the dry run of that
+    layout, whose stages are built and parallelised for real (the larger of the first and the
+    last stage's ranks); and a plain layout's table lists the same figure for it."""
+    peaks, rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"], capsys)
+    assert len(peaks) == 2  # the first and the last stage's ranks
+    assert rows[(2, 2, 1, 1)] == pytest.approx(max(peaks), abs=0.011)
+    assert {pp for pp, *_ in rows} == {1, 2, 4}
+    _, plain_rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4"], capsys)
+    assert plain_rows == rows
+
+
+def test_a_layout_that_does_not_fit_is_told_the_pipeline_layout_that_does(capsys):
+    """FSDP 4 of the debug model needs about 75 MiB; pp 2 x tp 2 about 22 MiB, the least of the
+    table: the error names it, and its own dry run fits."""
+    _, rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4"], capsys)
+    best = min(rows, key=rows.get)
+    assert best[0] > 1, "the example needs a pipeline layout to be the smallest"
+    limit = ["--job.dry_run_device_memory_gib", f"{(rows[best] + 0.5) / 1024:.6f}"]
+    assert train.main(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4", *limit]) == 2
+    err = capsys.readouterr().err
+    pp, dp_shard, cp, tp = best
+    assert f"pp={pp} dp_shard={dp_shard} cp={cp} tp={tp} would need" in err and "and fits" in err
+    layout = ["--parallelism.pp", str(pp), "--parallelism.dp_shard", str(dp_shard), "--parallelism.cp", str(cp),
+              "--parallelism.tp", str(tp)]
+    assert train.main(PIPELINE_DRY_RUN + layout + limit) == 0
+    assert "fits: estimated peak" in capsys.readouterr().out
+
+
 def test_bad_memory_value_is_one_line():
     with pytest.raises(ValueError):
         device_memory_gib("lots")

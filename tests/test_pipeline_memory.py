@@ -45,7 +45,8 @@ def measure(world_size: int) -> dict[str, tuple[list[int], int, int]]:
         plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
         meshes = plan.dims.build_mesh("cpu")
         planned = build_model(plan, meshes, device=None)
-        shape = pipeline_step_shape(step_shape(cfg, plan.model_args, plan.dims), plan.pipeline, planned, meshes)
+        shape = pipeline_step_shape(step_shape(cfg, plan.model_args, plan.dims), plan.pipeline, planned,
+                                    meshes.pp.get_group(), meshes.pp.get_local_rank())
         estimate = estimate_memory(planned, shape)
         model = build_model(plan, meshes, torch.device("cpu"))
         optimizer, scheduler = build_optimizer_and_schedule(plan, model)
