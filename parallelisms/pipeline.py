@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from models.llama.pipeline import HFCausalLMStage, hf_causal_lm_units, llama_units
 from parallelisms.parallel_dims import LayoutError
 
 logger = logging.getLogger("weft")
@@ -137,13 +138,11 @@ def plan_pipeline(*, schedule: str, pp: int, stages_per_rank_requested: int, mic
 
 def pipeline_units(model: nn.Module) -> list[list[str]]:
     """The model as a sequence of units a split may not cut: the token embedding, each block, and
-    the final norm with the output projection. For weft's Llama and transformers' *ForCausalLM."""
-    if hasattr(model, "tok_embeddings") and hasattr(model, "layers"):  # weft's Llama
-        return [["tok_embeddings"], *([f"layers.{key}"] for key in model.layers.keys()), ["norm", "output"]]
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "embed_tokens") and hasattr(inner, "layers"):  # transformers
-        keys = inner.layers.keys() if isinstance(inner.layers, nn.ModuleDict) else range(len(inner.layers))
-        return [["model.embed_tokens"], *([f"model.layers.{key}"] for key in keys), ["model.norm", "lm_head"]]
+    the final norm with the output projection. Known for weft's Llama and transformers'
+    *ForCausalLM (models/llama/pipeline.py); other models pass module names per stage."""
+    for units_of in (llama_units, hf_causal_lm_units):
+        if (units := units_of(model)) is not None:
+            return units
     raise LayoutError(f"pipeline: no default split for {type(model).__name__}; pass module names per stage")
 
 
@@ -171,7 +170,8 @@ def split_model(model: nn.Module, module_names_per_stage: Sequence[Sequence[str]
     """Stage modules: for each stage index in `stages` (default all), a deep copy of `model` without
     the modules that other stages own. Modules no stage names (rotary tables, say) stay in every
     stage. A list of blocks becomes a dict keyed by the original indices, so parameter names are
-    the full model's. Use on a meta-device model (the copies then cost no memory)."""
+    the full model's. Use on a meta-device model (the copies then cost no memory). A transformers
+    *ForCausalLM's stages come wrapped in `HFCausalLMStage`, whose forward runs just its part."""
     owner: dict[str, int] = {}
     known = dict(model.named_modules())
     for stage, names in enumerate(module_names_per_stage):
@@ -186,7 +186,7 @@ def split_model(model: nn.Module, module_names_per_stage: Sequence[Sequence[str]
         part = copy.deepcopy(model)
         for name in sorted((n for n, s in owner.items() if s != stage), key=lambda n: -n.count(".")):
             _delete_module(part, name)
-        result.append(part)
+        result.append(HFCausalLMStage(part) if hf_causal_lm_units(model) is not None else part)
     return result
 
 

@@ -6,6 +6,7 @@ and the formulas the docstrings state. Multi-process training is in test_pipelin
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
@@ -157,3 +158,95 @@ def test_bad_pipeline_input_is_one_line_and_writes_nothing(tmp_path, capsys, ext
     argv = BASE + ["--job.dump_folder", str(tmp_path / "out")] + extra
     before = snapshot(tmp_path)
     assert_clean_failure(run_in_process(train.main, argv, capsys), expected, before=before, root=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# A transformers Llama through torch's schedules equals the unsplit model
+# ---------------------------------------------------------------------------------------------
+
+HF_STEPS = 5
+
+
+def tiny_hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each micro-batch's summed token loss over the whole batch's token count: the schedule adds
+    micro-batch gradients without rescaling them, so they sum to the mean loss's gradient."""
+    count = hf_batch()[1].numel()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / count
+
+
+def train_hf_in_one_process() -> tuple[list[float], dict[str, np.ndarray]]:
+    model = tiny_hf_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs, labels = hf_batch()
+    losses = []
+    for _ in range(HF_STEPS):
+        loss = mean_token_loss(model(input_ids=inputs, use_cache=False).logits, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def train_hf_pipelines(schedules: list[str]) -> dict[str, tuple[list[float], dict[str, np.ndarray]]]:
+    """Worker (pp 2): for each schedule, the tiny transformers Llama split by `default_split`, run by
+    torch's schedule over 2 micro-batches; the loss of every step and this rank's final weights."""
+    import torch.distributed as dist
+
+    from parallelisms.pipeline import build_schedule
+
+    results = {}
+    for schedule in schedules:
+        per_rank = stages_per_rank(schedule)
+        ids = stage_ids(schedule, dist.get_rank(), 2, per_rank)
+        model = tiny_hf_llama()
+        stages = split_model(model, default_split(model, 2 * per_rank), ids)
+        run = build_schedule(stages, ids, 2 * per_rank, schedule=schedule, microbatches=2, loss_fn=mean_token_loss,
+                             device=torch.device("cpu"), pp_group=dist.group.WORLD)
+        optimizer = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=1e-2)
+        inputs, labels = hf_batch()
+        losses = []
+        for _ in range(HF_STEPS):
+            parts: list[torch.Tensor] = []
+            run.step(inputs, target=labels, losses=parts, return_outputs=False)
+            optimizer.step()
+            optimizer.zero_grad()
+            loss = torch.stack(parts).sum() if parts else torch.zeros(())
+            dist.all_reduce(loss)  # from the rank with the last stage
+            losses.append(loss.item())
+        results[schedule] = (losses, {n: p.detach().numpy().copy() for s in stages for n, p in s.named_parameters()})
+    return results
+
+
+@pytest.mark.slow
+def test_a_transformers_llama_trains_under_pp_2_like_the_unsplit_model():
+    """pp 2 with 1F1B (one stage a rank) and Interleaved1F1B (two, in loop order): every step's loss
+    and every final weight equal the unsplit transformers model's in one process."""
+    pytest.importorskip("transformers")
+    from components.testing import run_distributed
+
+    want_losses, want_weights = train_hf_in_one_process()
+    assert want_losses[-1] < want_losses[0] - 0.3, "the reference must learn"
+    schedules = ["1F1B", "Interleaved1F1B"]
+    ranks = run_distributed(train_hf_pipelines, 2, schedules)
+    for schedule in schedules:
+        assert ranks[0][schedule][0] == pytest.approx(want_losses, rel=1e-5), schedule
+        weights = {**ranks[0][schedule][1], **ranks[1][schedule][1]}
+        assert weights.keys() == want_weights.keys()
+        for name, want in want_weights.items():  # as a whole tensor: AdamW magnifies rounding in near-zero gradients
+            error = float(np.linalg.norm(weights[name] - want) / np.linalg.norm(want))
+            assert error <= 1e-5, f"{schedule} {name}: relative difference {error:.2e}"
