@@ -74,6 +74,7 @@ def apply_lora(
     use_rslora: bool = False,
     quantize_base: str | None = None,
     base_dtype: torch.dtype | None = None,
+    allow_no_targets: bool = False,
 ) -> nn.Module:
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
@@ -82,6 +83,8 @@ def apply_lora(
     the targets' frozen weights become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
     parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
+    allow_no_targets: a part of a model (a pipeline stage of only the output, say) may hold none of
+    the targets, and is then only frozen; otherwise matching nothing is an error.
 
     Apply first, on the meta-device or real model: before float8 (refused together), tensor
     parallelism (which splits the adapters with their base) and FSDP/DDP (which shard or
@@ -89,7 +92,7 @@ def apply_lora(
     """
     _check_arguments(rank, alpha, dropout, quantize_base)
     refuse_data_parallel_model(model, "apply_lora")
-    targets = _targets(model, target_modules)
+    targets = lora_targets(model, target_modules) if not allow_no_targets or _matching(model, target_modules) else []
     for name, linear in targets:
         if isinstance(linear.weight, DTensor) or type(linear) is not nn.Linear:
             raise TransformError("apply_lora", "model", f"{name} is a {type(linear).__name__}"
@@ -111,9 +114,10 @@ def apply_lora(
             param.data = param.data.to(base_dtype)  # in place: tied parameters stay one
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     logger.info(
         f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
-        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets}))}), scaling {lora.scaling:g}, "
+        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}), scaling {scaling:g}, "
         f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.3f}%)"
     )
@@ -155,22 +159,28 @@ def _check_arguments(rank: int, alpha: float, dropout: float, quantize_base: str
                              f"quantize_base must be None or one of {', '.join(QUANTIZE_BASE_CHOICES)}, got {quantize_base!r}")
 
 
-def _targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
-    if target_modules is None:
-        heads = {id(h) for h in [_output_embeddings(model)] if h is not None}
-        found = [(n, m) for n, m in linears if n not in OUTPUT_HEADS and id(m) not in heads]
-    else:
-        patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-        found = [(n, m) for n, m in linears if any(_name_matches(n, p) for p in patterns)]
+def lora_targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
+    """The (name, linear) pairs `target_modules` selects (as `apply_lora` reads it); matching none
+    is a TransformError that lists the linear names there are."""
+    found = _matching(model, target_modules)
     if not found:
-        could = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
+        could = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise TransformError(
             "apply_lora", "target_modules",
             f"target_modules {target_modules!r} matches no nn.Linear of {type(model).__name__}; "
             f"its linears are named {', '.join(could) or '(none)'}"
         )
     return found
+
+
+def _matching(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
+    if target_modules is None:
+        heads = {id(h) for h in [_output_embeddings(model)] if h is not None}
+        return [(n, m) for n, m in linears if n not in OUTPUT_HEADS and id(m) not in heads]
+    patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    return [(n, m) for n, m in linears if any(_name_matches(n, p) for p in patterns)]
 
 
 def _name_matches(name: str, pattern: str) -> bool:

@@ -74,13 +74,17 @@ def parallelize(
     if lora_quantize_base is not None and dims is not None and dims.tp > 1:
         raise TransformError("parallelize", "lora_quantize_base", "QLoRA (an NF4 base) is not supported with tensor "
                              "parallelism; use FSDP/HSDP, context parallelism or one device, or LoRA without quantize_base")
+    if lora_quantize_base is not None and pipeline_schedule is not None:
+        raise TransformError("parallelize", "lora_quantize_base", "QLoRA (an NF4 base) is not supported under pipeline "
+                             "parallelism; use FSDP/HSDP, context parallelism or one device, or LoRA without quantize_base")
     # LoRA first: it swaps targeted nn.Linear layers for LoRALinear, which TP splits with their
     # adapters (plans name the same modules) and FSDP shards frozen base and adapters in one unit
     # each block (FSDP2 accepts mixed requires_grad; only the adapters' gradients are reduced).
     if lora_rank is not None:
         apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
                    target_modules=None if lora_target_modules is None else list(lora_target_modules),
-                   use_rslora=lora_use_rslora, quantize_base=lora_quantize_base, base_dtype=lora_base_dtype)
+                   use_rslora=lora_use_rslora, quantize_base=lora_quantize_base, base_dtype=lora_base_dtype,
+                   allow_no_targets=pipeline_schedule is not None)  # a stage may hold none (only the output)
     # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:

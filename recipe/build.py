@@ -105,7 +105,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
     layout = plan.pipeline
     ids = layout.stage_ids(meshes.pp.get_local_rank() if pp_rank is None else pp_rank)
     stages = split_model(model, default_split(model, layout.n_stages), ids)
-    for stage in stages:
+    for stage in stages:  # LoRA's targets were checked on the whole model (plan.check_lora): a stage may hold none
         try:
             parallelize(stage, meshes, **plan.parallelize_kwargs())
         except TransformError as e:

@@ -152,12 +152,13 @@ def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
-    batches on the local batch with at most one stage per block."""
+    batches on the local batch with at most one stage per block. QLoRA runs without tp and pp."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
+    most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
     layouts = []
-    for pp in (d for d in _divisors(rest) if d <= TABLE_MAX_PP):
-        for tp in _divisors(rest // pp):
+    for pp in (d for d in _divisors(rest) if d <= min(TABLE_MAX_PP, most)):
+        for tp in (d for d in _divisors(rest // pp) if d <= most):
             if args.n_heads % tp or args.kv_heads % tp:
                 continue
             for cp in _divisors(rest // pp // tp):

@@ -219,6 +219,9 @@ def check_lora(plan: RunPlan) -> None:
     if lora.quantize_base and dims.tp > 1:
         raise ConfigError(f"parallelism.tp = {dims.tp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
                           "support tensor parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
+    if lora.quantize_base and dims.pp > 1:
+        raise ConfigError(f"parallelism.pp = {dims.pp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
+                          "support pipeline parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
     from parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
 
     with torch.device("meta"):

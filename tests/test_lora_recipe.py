@@ -82,6 +82,8 @@ def test_adapters_resumed_onto_another_base_are_refused(tmp_path, capsys):
      "lora.quantize_base = nf4: apply_lora: cannot shard NF4 layers.0.attention.wq (256, 256) over 8 FSDP ranks"),
     (["--lora.quantize_base", "nf4", "--parallelism.dp_shard", "1", "--parallelism.tp", "2"], 2,
      "parallelism.tp = 2: QLoRA (lora.quantize_base = nf4) does not support tensor parallelism"),
+    (["--lora.quantize_base", "nf4", "--parallelism.dp_shard", "1", "--parallelism.pp", "2"], 2,
+     "parallelism.pp = 2: QLoRA (lora.quantize_base = nf4) does not support pipeline parallelism"),
     (["--float8.enable"], 1, "float8.enable: LoRA (lora.enable) and float8 together are not supported"),
 ])
 def test_bad_lora_input_is_one_line_before_anything_exists(tmp_path, extra, world, message):

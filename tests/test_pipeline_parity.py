@@ -20,6 +20,7 @@ STEPS = 10
 RTOL = 1e-5
 PP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]
+LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0"]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
@@ -34,6 +35,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     **{f"pp2_{s}": (2, PP2 + schedule(s)) for s in SCHEDULES},
     # Two accumulated micro-steps of 4 samples: the same 8 samples per optimizer step.
     "pp2_accumulation2": (2, PP2 + ["--training.gradient_accumulation_steps", "2", "--training.local_batch_size", "4"]),
+    # LoRA adapters on the stages' block linears (against a LoRA run in one process).
+    "pp2_lora": (2, PP2 + LORA + schedule("Interleaved1F1B")),
     # Every schedule under FSDP, the split-backward ones included (the reshard trap).
     **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s)) for s in SCHEDULES},
     "pp2_tp2": (4, PP2 + ["--parallelism.tp", "2"]),
@@ -97,6 +100,11 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    return train_and_gather(config(str(tmp_path_factory.mktemp("single_lora")), LORA))
+
+
+@pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarray]]]:
     root = str(tmp_path_factory.mktemp("pp"))
     merged: dict[str, tuple[list[float], dict[str, np.ndarray]]] = {}
@@ -110,8 +118,8 @@ def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_layout_matches_one_process(layout, reference, layouts):
-    ref_losses, ref_weights = reference
+def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, layouts):
+    ref_losses, ref_weights = lora_reference if "--lora.enable" in LAYOUTS[layout][1] else reference
     losses, weights = layouts[layout]
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run must actually learn"
     assert len(losses) == STEPS
