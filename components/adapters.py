@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from components.errors import UserError
+from components.hf.model_files import HF_FILES, finish_hf_folder
 from models.llama import Transformer
 from models.llama.hf_mapping import from_hf_tensor, hf_config, hf_to_weft_name, to_hf_tensor, weft_to_hf_name
 from parallelisms.lora import LoRALinear, apply_lora, lora_modules
@@ -107,17 +109,23 @@ def save_peft_adapter(model: nn.Module, out: str | os.PathLike, base_model_name_
     _write_folder(out, adapter_state(model), ADAPTER_WEIGHTS, {ADAPTER_CONFIG: config})
 
 
-def save_merged_hf(model: Transformer, out: str | os.PathLike, dtype: torch.dtype = torch.float32) -> None:
-    """Write weft's Llama with its adapters merged as a Hugging Face folder (all ranks call; rank 0 writes)."""
+def save_merged_hf(model: Transformer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                   hf_files: Path | None = None) -> None:
+    """Write weft's Llama with its adapters merged as a Hugging Face folder (all ranks call; rank 0
+    writes). hf_files: the files a run recorded (its tokenizer, generation_config.json and the
+    base's config.json, components/hf/model_files.py), written beside the weights as a full
+    export writes them; without, config.json alone."""
     if not isinstance(model, Transformer):
         raise ExportError(f"a merged export needs weft's Llama, got {type(model).__name__}")
     if not lora_modules(model):
         raise ExportError("the model has no LoRA adapters to merge (apply_lora was not applied)")
-    _write_folder(out, merged_state(model, dtype), "model.safetensors", {"config.json": hf_config(model.args, dtype)})
+    finish = (lambda folder: finish_hf_folder(hf_files, folder, model.args, dtype)) if hf_files else None
+    _write_folder(out, merged_state(model, dtype), "model.safetensors", {"config.json": hf_config(model.args, dtype)},
+                  finish)
 
 
 def _write_folder(out: str | os.PathLike, tensors: dict[str, torch.Tensor], weights_file: str,
-                  configs: dict[str, dict]) -> None:
+                  configs: dict[str, dict], finish: Callable[[Path], None] | None = None) -> None:
     out = Path(out)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
@@ -130,6 +138,8 @@ def _write_folder(out: str | os.PathLike, tensors: dict[str, torch.Tensor], weig
         save_file(tensors, str(staging / weights_file), metadata={"format": "pt"})
         for file, config in configs.items():
             (staging / file).write_text(json.dumps(config, indent=2) + "\n")
+        if finish is not None:
+            finish(staging)
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -138,11 +148,13 @@ def _write_folder(out: str | os.PathLike, tensors: dict[str, torch.Tensor], weig
 def export_lora_at_end(model: nn.Module, dump_folder: Path, peft_folder: str, hf_folder: str,
                        dtype: torch.dtype, base_model_name_or_path: str | None = None) -> None:
     """[export] of a LoRA run after its last step: the PEFT adapter folder and/or the merged
-    Hugging Face folder (paths relative to the dump folder; every rank calls, rank 0 writes)."""
+    Hugging Face folder with the run's tokenizer and generation config (paths relative to the dump
+    folder; every rank calls, rank 0 writes)."""
     if peft_folder:
         save_peft_adapter(model, dump_folder / peft_folder, base_model_name_or_path)
     if hf_folder:
-        save_merged_hf(model, dump_folder / hf_folder, dtype)
+        recorded = dump_folder / HF_FILES
+        save_merged_hf(model, dump_folder / hf_folder, dtype, recorded if (recorded / "config.json").is_file() else None)
 
 
 def load_peft_adapter(model: Transformer, folder: str | os.PathLike) -> Transformer:

@@ -447,3 +447,14 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     state = {"model": {k: v for k, v in model_state(model).items() if ".lora_" not in k}}  # base only
     dcp_call("load", state, folder)
     load_model_state(model, state["model"], strict=not any(".lora_" in n for n, _ in model.named_parameters()))
+
+
+def load_adapter_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
+    """Load the trainable parameters (a LoRA run's adapters: all its checkpoints hold of the model)
+    from a complete DCP checkpoint into `model`, in any layout; the frozen base is left as it is."""
+    folder = require_complete_checkpoint(checkpoint_dir)
+    state = {"model": model_state(model, options=StateDictOptions(ignore_frozen_params=True))}
+    if not state["model"]:
+        raise CheckpointError(f"checkpoint {folder}: the model has no trainable parameters to load")
+    dcp_call("load", state, folder)
+    load_model_state(model, state["model"], strict=False)

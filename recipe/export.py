@@ -4,12 +4,19 @@ config), or for a LoRA run the PEFT adapter folder and/or the base with the adap
 
 from __future__ import annotations
 
+import argparse
+import copy
+import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from components.adapters import export_lora_at_end
+from components.adapters import ExportError, export_lora_at_end, save_merged_hf, save_peft_adapter
+from components.config import JobConfig, parse_args
+from components.errors import UserError, report_user_error
 from components.hf import export_at_end
+from components.hf.model_files import HF_FILES
 from parallelisms.precision import DTYPES
 from recipe.plan import RunPlan
 
@@ -22,3 +29,88 @@ def export_after_training(plan: RunPlan, model: nn.Module) -> None:
                            cfg.checkpoint.initial_load_path or None)
     elif cfg.export.hf_folder:
         export_at_end(model, dump, cfg.export)
+
+
+def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_out: Path | None,
+                              dtype: torch.dtype) -> None:
+    """A LoRA run's checkpoint as a PEFT adapter folder and/or a merged Hugging Face folder, in one
+    process whatever layout saved it. The run's config.toml (in its dump folder, above the
+    checkpoint) says which adapters and which base; the PEFT folder needs only the adapters (the
+    base stays on the meta device), the merged one loads the base from the run's
+    checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
+    tokenizer and generation config."""
+    from components.checkpoint import load_adapter_weights, require_complete_checkpoint
+    from parallelisms.lora import lora_modules
+    from recipe.build import build_model, load_lora_base
+
+    folder = require_complete_checkpoint(checkpoint)
+    for out in (peft_out, merged_out):
+        if out is not None and out.exists():
+            raise ExportError(f"output folder {out} exists; refusing to overwrite it")
+    cfg = _run_config(folder)
+    plan = RunPlan.from_config(_one_process(cfg, base=merged_out is not None), 1, device_type="cpu",
+                               check_environment=False)
+    if merged_out is None:  # the adapters alone: the base never leaves the meta device
+        model = build_model(plan, None, None)
+        for _, module in lora_modules(model):
+            module.lora_A.to_empty(device="cpu")
+            module.lora_B.to_empty(device="cpu")
+    else:
+        model = build_model(plan, None, torch.device("cpu"))
+        if not cfg.lora.quantize_base:  # QLoRA's base was loaded (and quantized) by build_model
+            load_lora_base(plan, model)
+    load_adapter_weights(model, folder)
+    if peft_out is not None:
+        save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
+    if merged_out is not None:
+        recorded = folder.parent.parent / HF_FILES
+        save_merged_hf(model, merged_out, dtype, recorded if (recorded / "config.json").is_file() else None)
+
+
+def _run_config(checkpoint: Path) -> JobConfig:
+    """The config the run of this checkpoint wrote (<dump_folder>/config.toml), if it trained LoRA."""
+    path = checkpoint.parent.parent / "config.toml"
+    if not path.is_file():
+        raise ExportError(f"--checkpoint: no config.toml of the run at {path} (the dump folder above "
+                          f"{checkpoint.parent.name}/{checkpoint.name})")
+    cfg = parse_args(["--job.config_file", str(path)])
+    if not cfg.lora.enable:
+        raise ExportError(f"--checkpoint: {checkpoint} is not a LoRA run's checkpoint ({path} has lora.enable = "
+                          "false); export a full model with python -m components.hf export")
+    return cfg
+
+
+def _one_process(cfg: JobConfig, *, base: bool) -> JobConfig:
+    """The run's model and adapters in one plain process: no parallelism, compile or pipeline; without
+    `base`, no base to load or quantize either."""
+    cfg = copy.deepcopy(cfg)
+    p = cfg.parallelism
+    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = 1, 1, 1, 1, 1
+    cfg.compile.enable, cfg.activation_checkpoint.mode, cfg.job.simulate_world_size = False, "none", 0
+    cfg.export.peft_folder = cfg.export.hf_folder = ""  # the run's own end-of-run exports
+    if not base:
+        cfg.lora.quantize_base = ""
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m recipe.export: a LoRA checkpoint to PEFT and/or merged Hugging Face folders."""
+    parser = argparse.ArgumentParser(prog="python -m recipe.export",
+                                     description="Export a LoRA run's checkpoint (adapters only) without training.")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="DCP step folder, e.g. outputs/run/checkpoint/step-60")
+    parser.add_argument("--peft-out", type=Path, help="new PEFT adapter folder (adapter_model.safetensors + adapter_config.json)")
+    parser.add_argument("--merged-out", type=Path, help="new Hugging Face folder of the base with the adapters merged")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the merged weights")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.peft_out is None and opts.merged_out is None:
+            raise ExportError("give --peft-out, --merged-out or both")
+        export_adapter_checkpoint(opts.checkpoint, opts.peft_out, opts.merged_out, DTYPES[opts.dtype])
+    except UserError as e:
+        return report_user_error(e)
+    print(f"exported the adapters of {opts.checkpoint} to " + " and ".join(str(o) for o in (opts.peft_out, opts.merged_out) if o))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
