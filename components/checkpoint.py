@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -439,14 +440,17 @@ class Checkpointer:
             raise SaveError(f"the run's last checkpoint could not be saved: {failure}")
 
 
-def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
+def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike,
+                       names: Collection[str] | None = None) -> None:
     """Load only the model's weights from a complete DCP checkpoint (e.g. a seed checkpoint), into
-    a model of any layout: DCP reshards them."""
+    a model of any layout: DCP reshards them. names: only these parameters (DCP reads no others)."""
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, whole_model(model))
-    state = {"model": {k: v for k, v in model_state(model).items() if ".lora_" not in k}}  # base only
+    state = {"model": {k: v for k, v in model_state(model).items()  # the base only
+                       if ".lora_" not in k and (names is None or k in names)}}
     dcp_call("load", state, folder)
-    load_model_state(model, state["model"], strict=not any(".lora_" in n for n, _ in model.named_parameters()))
+    partial = names is not None or any(".lora_" in n for n, _ in model.named_parameters())
+    load_model_state(model, state["model"], strict=not partial)
 
 
 def load_adapter_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:

@@ -351,3 +351,25 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         phases["backward, micro-batches in flight"] = (params + optimizer + grads + kept_later + logits + loss_backward
                                               + gather + scatter + recompute)
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)
+
+
+# torchao quantizes a weight to NF4 in chunks of this many values, each compared with the 16 levels.
+NF4_QUANTIZE_CHUNK = 2**20
+
+
+def qlora_startup_bytes(model: nn.Module, args: ModelArgs, compute_dtype: torch.dtype) -> int:
+    """QLoRA's start-up peak on each rank (recipe/build.py: stream_qlora_base), from the meta-device
+    `model` with its adapters: the whole base (its targets in NF4, the rest in their dtype) and the
+    adapters, which every rank holds until FSDP shards them; one unit (a block, or the embedding)
+    in the compute dtype as it is materialised; and torchao's work quantizing the largest weight
+    (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
+    their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
+    measured on torch 2.13 / torchao 0.18). An upper bound: the units after the one being
+    quantized are not yet held."""
+    whole = tp_fsdp_state_bytes(model, 1, 1)[0]
+    e = dtype_bytes(compute_dtype)
+    unit = max(block_numel(args), args.vocab_size * args.dim) * e
+    nf4 = nf4_planned_weights(model)
+    largest = max((p.numel() for p in model.parameters() if id(p) in nf4), default=0)
+    quantizing = largest * (e + 1) + min(largest, NF4_QUANTIZE_CHUNK) * 16 * 2 * e
+    return whole + unit + quantizing

@@ -293,7 +293,8 @@ def lora_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
 
 
 @torch.no_grad()
-def quantize_lora_base(model: nn.Module, device: torch.device | str | None = None, *, shards: int = 1) -> nn.Module:
+def quantize_lora_base(model: nn.Module, device: torch.device | str | None = None, *, shards: int = 1,
+                       log: bool = True) -> nn.Module:
     """Store each LoRALinear's frozen weight (where apply_lora was given quantize_base="nf4") as a
     torchao NF4 tensor, from its real values: call after materialize / loading the base, and
     before FSDP, which then shards the NF4 tensors. device: where the NF4 weights go (quantize
@@ -315,7 +316,7 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
         weight = module.weight.detach()
         nf4 = to_nf4(weight.to(device) if device is not None else weight, NF4_BLOCK, NF4_SCALER_BLOCK)
         module.weight = nn.Parameter(nf4, requires_grad=False)
-    count = len(todo)
-    logger.info(f"quantize_lora_base: {count} frozen base weights stored as NF4 (blocks of {NF4_BLOCK}, "
-                f"scales in groups of {NF4_SCALER_BLOCK})")
+    if log and todo:
+        logger.info(f"quantize_lora_base: {len(todo)} frozen base weights stored as NF4 (blocks of {NF4_BLOCK}, "
+                    f"scales in groups of {NF4_SCALER_BLOCK})")
     return model

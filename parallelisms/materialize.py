@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from parallelisms.lora import init_lora_adapters
+from parallelisms.lora import init_lora_adapters, lora_modules, reset_adapter
 
 InitFn = Callable[[nn.Module], None]
 
@@ -61,6 +61,35 @@ def materialize(
             _init_module_by_module(model, parameter_device, seed, _module_init_fn(model, init))
         init_lora_adapters(model, seed)  # the model's init filled them as plain linears
     return model
+
+
+def materialize_part(model: nn.Module, module_names: Sequence[str], device: torch.device | str, *,
+                     seed: int = 0) -> None:
+    """`materialize` for the named submodules of a meta-device `model` only (and the model's own
+    buffers), giving them the values `materialize` would: each parameter seeded by its full name,
+    adapters as PEFT initialises them. To stream a model through a transform a part at a time
+    (QLoRA's start-up: materialise, load, quantize, next). Not for tied parameters."""
+    device = torch.device(device)
+    parts = {name: model.get_submodule(name) for name in module_names}
+    for module in [model, *parts.values()]:
+        for holder in (module.modules() if module is not model else [model]):
+            for key, buffer in holder._buffers.items():
+                if buffer is not None and buffer.is_meta:
+                    holder._buffers[key] = torch.empty_like(buffer, device=device)
+    for part in parts.values():
+        part.to_empty(device=device)
+    names = {f"{prefix}.{n}" for prefix, part in parts.items() for n, _ in part.named_parameters()}
+    init = _default_init(model)
+    with torch.no_grad():
+        if init == "init_weights":
+            model.init_weights(seed=seed, names=names)
+        else:
+            init_fn = _module_init_fn(model, init)
+            for prefix, part in parts.items():
+                _init_module_by_module(part, device, seed, init_fn, prefix=prefix)
+        for prefix, part in parts.items():
+            for name, module in lora_modules(part):
+                reset_adapter(module, seed=seed, name=f"{prefix}.{name}")
 
 
 def materialize_devices(device: torch.device | str, cpu_offload: bool) -> tuple[torch.device, torch.device]:
@@ -128,11 +157,13 @@ def _reset_parameters(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _init_module_by_module(model: nn.Module, device: torch.device, seed: int, init_fn: InitFn) -> None:
+def _init_module_by_module(model: nn.Module, device: torch.device, seed: int, init_fn: InitFn,
+                           prefix: str = "") -> None:
     """Run init_fn on each module with full-size stand-ins for its (possibly sharded) parameters,
-    under a generator seeded by (seed, module name), then copy each rank's slice in."""
+    under a generator seeded by (seed, module name), then copy each rank's slice in. prefix: the
+    name of `model` within a larger model, whose names seed it."""
     devices = [device] if device.type == "cuda" else []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(prefix=prefix):
         params = dict(module.named_parameters(recurse=False))
         full = {n: torch.empty(p.shape, dtype=p.dtype, device=device) for n, p in params.items()}
         with torch.random.fork_rng(devices=devices):

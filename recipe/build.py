@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -34,10 +35,11 @@ from components.nonfinite import NonFinitePolicy
 from components.timeouts import CommTimeouts, set_collective_timeout
 from models.llama import Transformer
 from parallelisms.common import TransformError
-from parallelisms.materialize import materialize
+from parallelisms.lora import quantize_lora_base
+from parallelisms.materialize import materialize, materialize_part
 from parallelisms.parallel_dims import Meshes
 from parallelisms.parallelize import parallelize
-from parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
+from parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
 from recipe.plan import RunPlan
 from recipe.step import PipelineLoss, StepSetup
 
@@ -83,7 +85,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     kwargs = plan.parallelize_kwargs()
     qlora = kwargs["lora_quantize_base"] is not None
     if qlora and device is not None:  # NF4 quantizes the real base, before FSDP shards it
-        kwargs["before_data_parallel"] = lambda m: load_lora_base(plan, materialize(m, device, seed=plan.cfg.training.seed))
+        kwargs["before_data_parallel"] = lambda m: stream_qlora_base(plan, m, meshes, device)
     try:
         parallelize(model, meshes, **kwargs)
     except TransformError as e:
@@ -115,6 +117,29 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
             materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
             stage.train()
     return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
+
+
+def stream_qlora_base(plan: RunPlan, model: nn.Module, meshes: Meshes | None, device: torch.device) -> nn.Module:
+    """QLoRA's start-up one unit at a time (the token embedding, each block, the norm with the
+    output): materialise the unit, fill it (the seeded initialisation, then the base from
+    checkpoint.initial_load_path) and quantize its targets to NF4. The device holds the NF4 base
+    so far and one unit in the compute dtype, never the whole base in it (Llama 3.1 70B: 141 GB in
+    bf16, 40 GB in NF4). The weights equal a whole-model start's bit for bit. A model with tied
+    embeddings (two units share a weight) starts whole."""
+    seed, path = plan.cfg.training.seed, plan.cfg.checkpoint.initial_load_path
+    if plan.model_args.tie_embeddings:
+        return load_lora_base(plan, materialize(model, device, seed=seed))
+    shards = meshes.fsdp.shape[-1] if meshes is not None and plan.dims.fsdp_enabled else 1  # as parallelize's FSDP
+    for unit in pipeline_units(model):
+        materialize_part(model, unit, device, seed=seed)
+        if path:
+            load_initial_weights(model, Path(path), names={f"{name}.{p}" for name in unit
+                                                           for p, _ in model.get_submodule(name).named_parameters()})
+        for name in unit:
+            quantize_lora_base(model.get_submodule(name), shards=shards, log=False)
+    logger.info(f"QLoRA start-up: {len(pipeline_units(model))} units materialised, "
+                f"{'loaded from ' + path if path else 'seeded'} and quantized to NF4 one at a time")
+    return model
 
 
 def lora_base_identity(plan: RunPlan) -> str | None:
@@ -236,16 +261,18 @@ def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:
     return 0
 
 
-def load_initial_weights(model: nn.Module, path: Path) -> None:
-    """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json)."""
+def load_initial_weights(model: nn.Module, path: Path, names: Collection[str] | None = None) -> None:
+    """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json);
+    names: only these parameters."""
     try:
         if (path / "config.json").is_file():
-            load_hf_into_model(model, path)
+            load_hf_into_model(model, path, names)
         else:
-            load_model_weights(model, path)
+            load_model_weights(model, path, names)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
-    logger.info(f"weights loaded from {path}")
+    if names is None:
+        logger.info(f"weights loaded from {path}")
 
 
 def log_summary(plan: RunPlan, model: nn.Module) -> None:

@@ -17,7 +17,15 @@ from torch import nn
 
 from components.config import ConfigError, JobConfig
 from components.distributed import init_fake_distributed, launched_world_size
-from components.memory import GIB, MemoryEstimate, StepShape, device_memory_gib, estimate_memory, tp_fsdp_state_bytes
+from components.memory import (
+    GIB,
+    MemoryEstimate,
+    StepShape,
+    device_memory_gib,
+    estimate_memory,
+    qlora_startup_bytes,
+    tp_fsdp_state_bytes,
+)
 from components.metrics import count_parameters, setup_logging
 from components.model_state import whole_model
 from models.llama import ModelArgs, Transformer
@@ -138,6 +146,11 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
         estimate = estimates[worst]
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
+    if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
+        estimate.phases["QLoRA start-up (whole NF4 base, one unit unquantized)"] = qlora_startup_bytes(
+            model, args, shape.compute_dtype)
+        print(f"  QLoRA start-up, before FSDP shards the base: {_gib(estimate.phases)} GiB "
+              "(the whole base in NF4, one block in the compute dtype, torchao quantizing one weight)")
     table, best = layouts_table(cfg, args, dims, limit)
     print(table)
     _verdict(estimate, limit, cfg, dims, best)
@@ -263,6 +276,10 @@ def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims
             + (" and fits" if best[0] <= limit * GIB else f", so no layout of {dims.world_size} ranks fits "
                "(more ranks, activation checkpointing or a smaller batch)"))
     )
+
+
+def _gib(phases: dict[str, int]) -> str:
+    return f"{list(phases.values())[-1] / GIB:.2f}"
 
 
 def _layout_text(dims: ParallelDims) -> str:

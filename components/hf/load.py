@@ -4,6 +4,7 @@ parallel layout, one tensor at a time."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,9 @@ def check_same_architecture(config: dict[str, Any], args: ModelArgs, source: str
             raise ConversionError(f"{source}: {field} is {value}, the model has {ours[field]}")
 
 
-def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
-    """Copy the weights of a Hugging Face Llama folder into `model`, in any parallel layout.
+def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names: Collection[str] | None = None) -> None:
+    """Copy the weights of a Hugging Face Llama folder into `model`, in any parallel layout
+    (`names`: only these parameters, the others may still be on the meta device).
 
     The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
     norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
@@ -80,7 +82,8 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike) -> Non
 
     files = tensor_files(folder)
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
-    params = {name: p for part in model_parts(model) for name, p in part.named_parameters() if ".lora_" not in name}
+    params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
+              if ".lora_" not in name and (names is None or name in names)}
     hf_names = {name: weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -294,8 +295,8 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter and buffer on the device it lives on.
+    def init_weights(self, seed: int = 0, names: Collection[str] | None = None) -> None:
+        """Fill every parameter (or those of `names`) and buffer on the device it lives on.
 
         Each weight is drawn whole from its own generator, seeded by (seed, parameter name), so
         its values depend on nothing else: not on the order of initialisation, and not on how the
@@ -305,6 +306,8 @@ class Transformer(nn.Module):
         """
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
+            if names is not None and name not in names:
+                continue
             if name.endswith("norm.weight"):
                 param.copy_(torch.ones(param.shape, dtype=param.dtype, device=param.device))
                 continue
