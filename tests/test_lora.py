@@ -181,6 +181,7 @@ LAYOUTS = {
     "qlora_fsdp2": (2, 1, 2, 1, 1, True, "none", False),
     # Compiled blocks (aot_eager: the graphs inductor would get, without its C++ build on CPU).
     "fsdp2_compile_ac": (2, 1, 2, 1, 1, False, "full", True),
+    "qlora_fsdp2_compile": (2, 1, 2, 1, 1, True, "none", True),
     "fsdp2_tp2": (4, 1, 2, 1, 2, False, "none", False),
     "hsdp2x2": (4, 2, 2, 1, 1, False, "full", False),
 }
@@ -214,7 +215,7 @@ def build_lora(qlora: bool, meshes=None, ac_mode: str = "none", compile: bool = 
     """meta -> parallelize (LoRA, and QLoRA's materialize + quantize before FSDP) -> materialize."""
     if qlora:
         return parallelize(build(NF4_ARGS), meshes, **LORA, lora_quantize_base="nf4", ac_mode=ac_mode,
-                           loss_parallel=False, param_dtype=torch.float32,
+                           loss_parallel=False, param_dtype=torch.float32, compile=compile, compile_backend="aot_eager",
                            before_data_parallel=lambda m: materialize(m, "cpu", seed=SEED))
     model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32,
                         compile=compile, compile_backend="aot_eager")
