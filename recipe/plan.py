@@ -216,6 +216,10 @@ def check_lora(plan: RunPlan) -> None:
         raise ConfigError(f"export.peft_folder: {peft} exists; refusing to overwrite it")
     if plan.cfg.float8.enable:
         raise ConfigError("float8.enable: LoRA (lora.enable) and float8 together are not supported; turn one off")
+    if plan.cfg.checkpoint.create_seed_checkpoint:
+        raise ConfigError("checkpoint.create_seed_checkpoint: a LoRA run's adapters start from PEFT's initialisation "
+                          "and its base is read from checkpoint.initial_load_path; seed the base in a run without "
+                          "lora.enable and give its step-0 as checkpoint.initial_load_path")
     if lora.quantize_base and dims.tp > 1:
         raise ConfigError(f"parallelism.tp = {dims.tp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
                           "support tensor parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")

@@ -85,6 +85,8 @@ def test_adapters_resumed_onto_another_base_are_refused(tmp_path, capsys):
     (["--lora.quantize_base", "nf4", "--parallelism.dp_shard", "1", "--parallelism.pp", "2"], 2,
      "parallelism.pp = 2: QLoRA (lora.quantize_base = nf4) does not support pipeline parallelism"),
     (["--float8.enable"], 1, "float8.enable: LoRA (lora.enable) and float8 together are not supported"),
+    (["--checkpoint.create_seed_checkpoint"], 1, "checkpoint.create_seed_checkpoint: a LoRA run's adapters start "
+     "from PEFT's initialisation"),
 ])
 def test_bad_lora_input_is_one_line_before_anything_exists(tmp_path, extra, world, message):
     with pytest.raises(ConfigError) as error:
