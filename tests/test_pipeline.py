@@ -188,6 +188,23 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / count
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_transformers_llama_stages_chain_to_the_unsplit_logits(attention):
+    """Three stages run one after another give the unsplit model's logits, whichever attention
+    implementation reads the causal mask (eager takes it as a tensor; sdpa may skip it)."""
+    pytest.importorskip("transformers")
+    model = tiny_hf_llama()
+    model.config._attn_implementation = attention
+    inputs, _ = hf_batch()
+    stages = split_model(model, default_split(model, 3))
+    hidden = inputs
+    with torch.no_grad():
+        for stage in stages:
+            hidden = stage(hidden)
+        want = model(input_ids=inputs, use_cache=False).logits
+    torch.testing.assert_close(hidden, want, rtol=1e-6, atol=1e-6)
+
+
 def train_hf_in_one_process() -> tuple[list[float], dict[str, np.ndarray]]:
     model = tiny_hf_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
