@@ -31,8 +31,8 @@ from components.model_state import whole_model
 from models.llama import ModelArgs, Transformer
 from parallelisms.parallel_dims import LayoutError, ParallelDims
 from parallelisms.precision import DTYPES, precision_policy
-from recipe.build import build_model
 from parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
+from recipe.build import build_model
 from recipe.plan import RunPlan, pipeline_layout
 
 logger = logging.getLogger("weft")
@@ -126,19 +126,30 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
                 f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
                 f"(seq_len {t.seq_len})")
 
-    shape = step_shape(cfg, args, dims)
+    estimate = print_estimate(plan, model, meshes)
+    table, best = layouts_table(cfg, args, dims, limit)
+    print(table)
+    _verdict(estimate, limit, cfg, dims, best)
+    return estimate
+
+
+def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
+    """Print the memory estimate of the planned run and return it: of the one model, or of each
+    pipeline rank that bounds memory (the larger returned); with QLoRA, its start-up as a phase."""
+    cfg, args = plan.cfg, plan.model_args
+    shape = step_shape(cfg, args, plan.dims)
     heading = (f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
                f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
     if plan.pipeline is None:
         estimate = estimate_memory(model, shape)
         print(f"{heading}:")
         print(estimate.table())
-    else:  # each edge stage's rank, the larger decides
+    else:
         logger.info(plan.pipeline.describe())
         estimates = stage_estimates(plan, model, meshes, shape)
         for pp_rank, stage_estimate in estimates.items():
             ids = plan.pipeline.stage_ids(pp_rank)
-            print(f"{heading}, pipeline rank {pp_rank} of {dims.pp} (stages {', '.join(map(str, ids))}"
+            print(f"{heading}, pipeline rank {pp_rank} of {plan.dims.pp} (stages {', '.join(map(str, ids))}"
                   f"{' with the embedding' if 0 in ids else ''}"
                   f"{' with the output' if plan.pipeline.n_stages - 1 in ids else ''}):")
             print(stage_estimate.table())
@@ -147,13 +158,10 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
     if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
-        estimate.phases["QLoRA start-up (whole NF4 base, one unit unquantized)"] = qlora_startup_bytes(
-            model, args, shape.compute_dtype)
-        print(f"  QLoRA start-up, before FSDP shards the base: {_gib(estimate.phases)} GiB "
+        startup = qlora_startup_bytes(model, args, shape.compute_dtype)
+        estimate.phases["QLoRA start-up"] = startup
+        print(f"  QLoRA start-up, before FSDP shards the base: {startup / GIB:.2f} GiB "
               "(the whole base in NF4, one block in the compute dtype, torchao quantizing one weight)")
-    table, best = layouts_table(cfg, args, dims, limit)
-    print(table)
-    _verdict(estimate, limit, cfg, dims, best)
     return estimate
 
 
@@ -276,10 +284,6 @@ def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims
             + (" and fits" if best[0] <= limit * GIB else f", so no layout of {dims.world_size} ranks fits "
                "(more ranks, activation checkpointing or a smaller batch)"))
     )
-
-
-def _gib(phases: dict[str, int]) -> str:
-    return f"{list(phases.values())[-1] / GIB:.2f}"
 
 
 def _layout_text(dims: ParallelDims) -> str:
