@@ -300,7 +300,10 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
     before FSDP, which then shards the NF4 tensors. device: where the NF4 weights go (quantize
     on the CPU, keep on the GPU). shards: the FSDP degree that will shard them (checked to divide).
     Quantizing twice is a no-op."""
-    from torchao.quantization import NF4Tensor, to_nf4
+    try:  # torchao >= 0.18
+        from torchao.quantization import NF4Tensor, to_nf4
+    except ImportError:  # torchao 0.17 and older keep it with the dtypes
+        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
 
     refuse_data_parallel_model(model, "quantize_lora_base")
     todo = [(n, m) for n, m in lora_modules(model) if m.quantize_base == "nf4" and not isinstance(m.weight, NF4Tensor)]

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The runbook's GPU checks (benchmarks/results/README.md), grouped so that one group fits one
+# 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
+# its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
+#   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora
+# Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/tmp}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD OMP_NUM_THREADS=8
+group=$1
+LOG=$OUT/$group.log
+
+step() {  # step SECONDS COMMAND...: run it under a time limit, log its command and exit code
+    local limit=$1; shift
+    { echo; echo "### $(date -u +%FT%TZ) \$ $*"; } >>"$LOG"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    echo "### exit $?" >>"$LOG"
+}
+
+{ echo "# group $group on $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)";
+  python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, 'cuda', torch.version.cuda)"; } >"$LOG" 2>&1
+
+# Llama 3.1 8B QLoRA on a seeded base and the shipped corpus (no weights on the device machine)
+Q="--job.config_file llama3_8b_qlora --checkpoint.initial_load_path '' --checkpoint.enable false
+   --model.tokenizer_path assets/tokenizer/shakespeare.model --data.format text
+   --data.dataset_path assets/data/shakespeare --validation.enable false --training.steps 6
+   --training.gradient_accumulation_steps 1 --metrics.log_freq 1"
+
+case $group in
+throughput)
+    step 560 python3 benchmarks/gpu_throughput.py --steps 5 --warmup 2 --row-timeout 150 \
+        --out "$OUT/gpu_throughput.jsonl"
+    ;;
+e2e)
+    D=/tmp/e2e
+    step 150 python3 train.py --job.config_file debug_model --compile.enable --float8.enable \
+        --float8.min_dim 16 --checkpoint.enable --checkpoint.interval 10 --training.steps 30 \
+        --metrics.log_freq 1 --job.dump_folder $D/a
+    cp -r $D/a $D/b && rm -rf $D/b/checkpoint/step-30
+    step 120 python3 train.py --job.config_file debug_model --compile.enable --float8.enable \
+        --float8.min_dim 16 --checkpoint.enable --checkpoint.interval 10 --training.steps 30 \
+        --metrics.log_freq 1 --job.dump_folder $D/b
+    step 60 python3 generate.py --checkpoint $D/a/checkpoint/step-30 --prompt "ROMEO:" --max-new-tokens 40
+    step 60 python3 generate.py --checkpoint $D/a/checkpoint/step-30 --prompt "ROMEO:" --max-new-tokens 40 --dtype float32
+    step 60 python3 train.py --job.config_file debug_model --training.steps 3 --job.dump_folder $D/c
+    step 60 python3 train.py --job.config_file debug_model --training.steps 3 --job.dump_folder $D/d \
+        --float8.enable --float8.recipe rowwise --float8.min_dim 16
+    step 90 python3 -m torch.distributed.run --nproc_per_node 2 train.py --job.config_file debug_model \
+        --parallelism.pp 2 --parallelism.dp_shard 1 --parallelism.share_gpus \
+        --training.mixed_precision_param float32 --training.steps 20 --metrics.log_freq 1 --job.dump_folder $D/pp
+    step 60 python3 train.py --job.config_file debug_model --training.mixed_precision_param float32 \
+        --training.steps 20 --metrics.log_freq 1 --job.dump_folder $D/one
+    step 90 python3 -m torch.distributed.run --nproc_per_node 2 train.py --job.config_file debug_model \
+        --parallelism.dp_shard 1 --parallelism.tp 2 --parallelism.share_gpus --training.steps 10 \
+        --metrics.log_freq 1 --job.dump_folder $D/tp
+    step 60 python3 -m pytest -q -x tests/test_model.py -k flex
+    ;;
+memory)
+    for ac in none selective full; do
+        step 120 python3 benchmarks/memory_check.py --layers 4 -- --job.config_file llama8b \
+            --parallelism.dp_shard 1 --training.steps 4 --activation_checkpoint.mode $ac
+    done
+    step 120 python3 benchmarks/memory_check.py --layers 4 -- --job.config_file llama8b \
+        --parallelism.dp_shard 1 --training.steps 4 --float8.enable
+    step 150 python3 benchmarks/memory_check.py --layers 4 -- --job.config_file llama8b \
+        --job.simulate_world_size 8 --training.steps 4
+    ;;
+lora)
+    step 300 python3 benchmarks/lora.py -- --model.flavor llama3_1b --training.seq_len 2048 \
+        --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full
+    eval step 240 python3 train.py $Q
+    eval step 60 python3 train.py $Q --job.dry_run --job.dry_run_device_memory_gib 80
+    PYTHONFAULTHANDLER=1 step 90 python3 -m torch.distributed.run --nproc_per_node 2 train.py \
+        --job.config_file debug_model --parallelism.dp_shard 1 --parallelism.tp 2 \
+        --parallelism.share_gpus --training.steps 10 --metrics.log_freq 1 --job.dump_folder /tmp/tp
+    ;;
+more)
+    eval step 150 python3 train.py $Q --lora.quantize_base "''"
+    eval step 150 python3 train.py $Q --lora.quantize_base "''" --job.dry_run --job.dry_run_device_memory_gib 80
+    for s in Interleaved1F1B ZBVZeroBubble; do
+        step 90 python3 -m torch.distributed.run --nproc_per_node 2 train.py --job.config_file debug_model \
+            --parallelism.pp 2 --parallelism.dp_shard 1 --parallelism.share_gpus --parallelism.pp_schedule $s \
+            --training.mixed_precision_param float32 --training.steps 20 --metrics.log_freq 1 --job.dump_folder /tmp/pp$s
+    done
+    step 150 python3 train.py --job.config_file llama8b --job.simulate_world_size 8 --training.steps 20 \
+        --metrics.log_freq 5 --checkpoint.enable false --float8.enable --job.dump_folder /tmp/f8
+    ;;
+share)  # which layouts two ranks sharing one GPU (gloo on CUDA tensors) can run
+    for layout in "--parallelism.dp_shard 2" "--parallelism.dp_replicate 2 --parallelism.dp_shard 1" \
+                  "--parallelism.dp_shard 1 --parallelism.cp 2"; do
+        step 60 python3 -m torch.distributed.run --nproc_per_node 2 train.py --job.config_file debug_model \
+            --parallelism.share_gpus --training.steps 5 --metrics.log_freq 1 --job.dump_folder /tmp/share $layout
+        rm -rf /tmp/share
+    done
+    ;;
+*) echo "unknown group $group" >&2; exit 2 ;;
+esac
+tail -c 6000 "$LOG"
