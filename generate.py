@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from components.adapters import load_peft_adapter
-from components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from components.data import DataError, HFTokenizer, load_tokenizer
-from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
-from components.hf import load_hf_into_model, model_args_from_hf_folder
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from models.llama.model import rope_rotations
-from parallelisms.precision import DTYPES
-from recipe.plan import SHIPPED_TOKENIZER
+from weft.components.adapters import load_peft_adapter
+from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
+from weft.components.data import DataError, HFTokenizer, load_tokenizer
+from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.models.llama.model import rope_rotations
+from weft.parallelisms.precision import DTYPES
+from weft.recipe.plan import SHIPPED_TOKENIZER
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:

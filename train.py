@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from components.config import JobConfig, parse_args, to_toml
-from components.distributed import Preemption, all_reduce_mean
-from components.errors import UserError, report_user_error
-from components.hf import record_hf_files
-from components.metrics import StepStats
-from components.timeouts import collective_failure
-from recipe.build import (
+from weft.components.config import JobConfig, parse_args, to_toml
+from weft.components.distributed import Preemption, all_reduce_mean
+from weft.components.errors import UserError, report_user_error
+from weft.components.hf import record_hf_files
+from weft.components.metrics import StepStats
+from weft.components.timeouts import collective_failure
+from weft.recipe.build import (
     build_checkpointer,
     build_data,
     build_fault_guards,
@@ -33,10 +33,10 @@ from recipe.build import (
     restore,
     start_processes,
 )
-from recipe.dry_run import dry_run
-from recipe.export import export_after_training
-from recipe.plan import RunPlan, check_launch, tokenizer_path
-from recipe.step import evaluate, train_step
+from weft.recipe.dry_run import dry_run
+from weft.recipe.export import export_after_training
+from weft.recipe.plan import RunPlan, check_launch, tokenizer_path
+from weft.recipe.step import evaluate, train_step
 
 logger = logging.getLogger("weft")
 

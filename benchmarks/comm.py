@@ -29,22 +29,20 @@ from pathlib import Path
 
 # Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
 ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from components.config import Optimizer, parse_args  # noqa: E402
-from components.distributed import all_reduce_mean  # noqa: E402
-from components.data import Batch  # noqa: E402
-from models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
-from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
-from recipe.plan import RunPlan  # noqa: E402
-from recipe.step import train_step  # noqa: E402
-from components.testing import run_distributed  # noqa: E402
+from weft.components.config import Optimizer, parse_args  # noqa: E402
+from weft.components.distributed import all_reduce_mean  # noqa: E402
+from weft.components.data import Batch  # noqa: E402
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
+from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from weft.recipe.plan import RunPlan  # noqa: E402
+from weft.recipe.step import train_step  # noqa: E402
+from weft.components.testing import run_distributed  # noqa: E402
 
 ARGS = LLAMA_FLAVORS["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank

@@ -21,17 +21,16 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from components.config import parse_args  # noqa: E402
-from components.data import Batch  # noqa: E402
-from models.llama import LLAMA_FLAVORS  # noqa: E402
-from recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
-from recipe.plan import RunPlan  # noqa: E402
-from recipe.step import StepSetup, train_step  # noqa: E402
+from weft.components.config import parse_args  # noqa: E402
+from weft.components.data import Batch  # noqa: E402
+from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
+from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from weft.recipe.plan import RunPlan  # noqa: E402
+from weft.recipe.step import StepSetup, train_step  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):

@@ -8,7 +8,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/tmp}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD OMP_NUM_THREADS=8
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit  # weft's one import root
 group=$1
 LOG=$OUT/$group.log
 

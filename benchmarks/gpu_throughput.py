@@ -33,9 +33,9 @@ components.metrics.flops_per_token (N: parameters in matmuls, L layers, H heads 
 tokens of context), for every row, float8 ones included. Ratios between rows are computed
 only between rows of the same run (one run id).
 
-Run from the repository root (no install needed: PYTHONPATH=.):
-  PYTHONPATH=. python -m benchmarks.gpu_throughput --out benchmarks/results/gpu_throughput.jsonl
-  PYTHONPATH=. python -m benchmarks.gpu_throughput --dry-run    # CPU, tiny shapes: the code end to end
+Run from the repository root, after the README's install:
+  python -m benchmarks.gpu_throughput --out benchmarks/results/gpu_throughput.jsonl
+  python -m benchmarks.gpu_throughput --dry-run    # CPU, tiny shapes: the code end to end
 """
 
 from __future__ import annotations
@@ -63,18 +63,18 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from components.config import Optimizer  # noqa: E402
-from models.llama.hf_mapping import hf_config  # noqa: E402
-from components.loss import token_loss  # noqa: E402
-from components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
-from components.optim import build_optimizer  # noqa: E402
-from components.data import Batch  # noqa: E402
-from float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
-from parallelisms.materialize import materialize  # noqa: E402
-from parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
-from parallelisms.parallelize import parallelize  # noqa: E402
-from recipe.step import StepSetup, model_forward, train_step  # noqa: E402
+from weft.components.config import Optimizer  # noqa: E402
+from weft.models.llama.hf_mapping import hf_config  # noqa: E402
+from weft.components.loss import token_loss  # noqa: E402
+from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
+from weft.components.optim import build_optimizer  # noqa: E402
+from weft.components.data import Batch  # noqa: E402
+from weft.float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
+from weft.parallelisms.materialize import materialize  # noqa: E402
+from weft.parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
+from weft.parallelisms.parallelize import parallelize  # noqa: E402
+from weft.recipe.step import StepSetup, model_forward, train_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")

@@ -6,8 +6,8 @@ one warm-up step. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on th
 profiler's allocation totals (as tests/test_memory.py measures) plus what lives between steps.
 Prints one line per mode and the ratios to full fine-tuning.
 
-    PYTHONPATH=. python benchmarks/lora.py                                   # debug model, CPU
-    PYTHONPATH=. python benchmarks/lora.py -- --model.flavor llama3_1b --training.seq_len 2048 \\
+    python benchmarks/lora.py                                   # debug model, CPU
+    python benchmarks/lora.py -- --model.flavor llama3_1b --training.seq_len 2048 \\
         --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full   # one GPU
 
 Arguments after `--` are train.py options applied to every mode (debug_model.toml underneath).
@@ -21,16 +21,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from components.config import parse_args  # noqa: E402
-from components.loss import token_loss  # noqa: E402
-from components.memory import local_tensor, measured_peak_bytes  # noqa: E402
-from components.optim import build_optimizer  # noqa: E402
-from recipe.build import build_model  # noqa: E402
-from recipe.plan import RunPlan  # noqa: E402
+from weft.components.config import parse_args  # noqa: E402
+from weft.components.loss import token_loss  # noqa: E402
+from weft.components.memory import local_tensor, measured_peak_bytes  # noqa: E402
+from weft.components.optim import build_optimizer  # noqa: E402
+from weft.recipe.build import build_model  # noqa: E402
+from weft.recipe.plan import RunPlan  # noqa: E402
 
 MODES = {
     "full": [],

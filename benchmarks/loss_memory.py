@@ -31,13 +31,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from components.loss import chunked_cross_entropy, compiled_cross_entropy  # noqa: E402
-from components.memory import GIB, measured_peak_bytes  # noqa: E402
+from weft.components.loss import chunked_cross_entropy, compiled_cross_entropy  # noqa: E402
+from weft.components.memory import GIB, measured_peak_bytes  # noqa: E402
 
 
 def eager(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ metrics also log. With `--job.simulate_world_size N` among the overrides the rea
 of an N-rank job (fake process group: real per-rank shards, compute and memory). Prints one
 line: estimate, measured, ratio; the issue's target is within 10%.
 
-    PYTHONPATH=. python benchmarks/memory_check.py --layers 4 -- --job.config_file llama8b \\
+    python benchmarks/memory_check.py --layers 4 -- --job.config_file llama8b \\
         --job.simulate_world_size 8 --training.steps 4
-    PYTHONPATH=. python benchmarks/memory_check.py --layers 2 -- --job.config_file llama8b \\
+    python benchmarks/memory_check.py --layers 2 -- --job.config_file llama8b \\
         --parallelism.dp_shard 1 --float8.enable --activation_checkpoint.mode full --training.steps 4
 
 On a CPU it runs the same code and reports the estimate only (there is no allocator peak to
@@ -25,16 +25,15 @@ from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import train  # noqa: E402
-from components.config import parse_args  # noqa: E402
-from components.memory import GIB  # noqa: E402
-from models.llama import LLAMA_FLAVORS  # noqa: E402
-from recipe.dry_run import dry_run  # noqa: E402
+from weft import train  # noqa: E402
+from weft.components.config import parse_args  # noqa: E402
+from weft.components.memory import GIB  # noqa: E402
+from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
+from weft.recipe.dry_run import dry_run  # noqa: E402
 
 
 def main() -> None:

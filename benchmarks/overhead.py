@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import train  # noqa: E402
-from components.config import parse_args  # noqa: E402
-from components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
-from models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
+from weft import train  # noqa: E402
+from weft.components.config import parse_args  # noqa: E402
+from weft.components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
+from weft.models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
 
 
 def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: int, steps: int) -> float:

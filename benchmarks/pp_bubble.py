@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from components.config import parse_args  # noqa: E402
-from components.config.schema import PIPELINE_SCHEDULES  # noqa: E402
-from components.testing import run_distributed  # noqa: E402
+from weft.components.config import parse_args  # noqa: E402
+from weft.components.config.schema import PIPELINE_SCHEDULES  # noqa: E402
+from weft.components.testing import run_distributed  # noqa: E402
 
 PP, MICROBATCHES, WARMUP, TIMED = 2, 4, 1, 3
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "256", "--training.local_batch_size", "8",
@@ -37,9 +36,9 @@ def step_seconds(extra: list[str], dump: str) -> float:
     """Median wall time of the timed steps (after warm-up) of the recipe's train_step."""
     import torch
 
-    from recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
-    from recipe.plan import RunPlan
-    from recipe.step import train_step
+    from weft.recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
+    from weft.recipe.plan import RunPlan
+    from weft.recipe.step import train_step
 
     cfg = parse_args(ARGS + ["--job.dump_folder", dump, *extra])
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -71,7 +70,7 @@ def pipeline_times(dump: str) -> dict[str, float]:
 
 
 def theoretical_bubble(schedule: str) -> str:
-    from parallelisms.pipeline import stages_per_rank
+    from weft.parallelisms.pipeline import stages_per_rank
 
     if schedule in ("GPipe", "1F1B"):
         return f"{(PP - 1) / (MICROBATCHES + PP - 1):.2f}"

@@ -27,11 +27,10 @@ from pathlib import Path
 
 # Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from assets.make_chat_data import speeches  # noqa: E402
-from components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
-from components.testing import run_distributed  # noqa: E402
+from weft.components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
+from weft.components.testing import run_distributed  # noqa: E402
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"

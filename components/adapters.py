@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.errors import UserError
-from components.hf.model_files import HF_FILES, finish_hf_folder
-from models.llama import Transformer
-from models.llama.hf_mapping import from_hf_tensor, hf_config, hf_to_weft_name, to_hf_tensor, weft_to_hf_name
-from parallelisms.lora import LoRALinear, apply_lora, lora_modules
+from weft.components.errors import UserError
+from weft.components.hf.model_files import HF_FILES, finish_hf_folder
+from weft.models.llama import Transformer
+from weft.models.llama.hf_mapping import from_hf_tensor, hf_config, hf_to_weft_name, to_hf_tensor, weft_to_hf_name
+from weft.parallelisms.lora import LoRALinear, apply_lora, lora_modules
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PEFT_PREFIX = "base_model.model."

@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from components.config import Checkpoint
-from components.distributed import shared_gloo_group
-from components.errors import UserError, one_line
-from components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
-from components.timeouts import keep_long_timeout
-from components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
+from weft.components.config import Checkpoint
+from weft.components.distributed import shared_gloo_group
+from weft.components.errors import UserError, one_line
+from weft.components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
+from weft.components.timeouts import keep_long_timeout
+from weft.components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
 
 logger = logging.getLogger("weft")
 

@@ -1,7 +1,7 @@
 """How weft's commands report a user's mistake: one line `weft: error: ...` on stderr, exit 2.
 
 Every mistake a user can fix derives from `UserError`: each entry point (train.py, generate.py,
-`python -m components.hf export`) catches that one class and ends through `report_user_error`,
+`python -m weft.components.hf export`) catches that one class and ends through `report_user_error`,
 so a user (and a script) sees the same shape whatever command failed, and never a traceback.
 The subclasses stay where their checks live (ConfigError in components/config, DataError in
 the data package, LayoutError beside the mesh, ...).

@@ -14,7 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from components.errors import UserError
+from weft.components.errors import UserError
 
 FINGERPRINT_FILE = "data_fingerprint.json"
 HEAD_BYTES = 64 * 1024

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.loss import CHUNK_BYTES
-from models.llama import ModelArgs
+from weft.components.loss import CHUNK_BYTES
+from weft.models.llama import ModelArgs
 
 GIB = 1024**3
 
@@ -119,14 +119,14 @@ def state_bytes(model: nn.Module) -> tuple[int, int, int]:
 
 def nf4_planned_weights(model: nn.Module) -> set[int]:
     """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4."""
-    from parallelisms.lora import lora_modules
+    from weft.parallelisms.lora import lora_modules
 
     return {id(m.weight) for _, m in lora_modules(model) if m.quantize_base == "nf4"}
 
 
 def nf4_bytes(numel: int) -> int:
     """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per 256 scales."""
-    from parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK
+    from weft.parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK
 
     return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * NF4_SCALER_BLOCK))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from models.llama.args import ModelArgs
+from weft.models.llama.args import ModelArgs
 
 logger = logging.getLogger("weft")
 

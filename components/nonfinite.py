@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from components.errors import UserError
+from weft.components.errors import UserError
 
 logger = logging.getLogger("weft")
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from components.config import LRScheduler, Optimizer
+from weft.components.config import LRScheduler, Optimizer
 
 
 # Devices where torch's AdamW has a fused kernel: one kernel updates all of a parameter's state

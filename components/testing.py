@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 # What every rank imports anyway, imported once by the fork server (not its callers' modules: a
 # test's own module is imported by each rank, as before).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "train"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "weft.train"]
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 Importing this package does not import torchao; the functions that need it do (float8/float8.py).
 """
 
-from float8.float8 import (
+from weft.float8.float8 import (
     DEFAULT_MIN_DIM,
     RECIPES,
     Float8Unavailable,

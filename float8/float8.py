@@ -52,8 +52,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from components.errors import UserError
-from parallelisms.common import refuse_data_parallel_model
+from weft.components.errors import UserError
+from weft.parallelisms.common import refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 

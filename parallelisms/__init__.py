@@ -2,16 +2,16 @@
 `parallelize` applies them in the one order that composes, and `materialize` allocates and
 initialises a meta-device model afterwards."""
 
-from parallelisms.ac import apply_ac
-from parallelisms.common import TransformError, transformer_blocks
-from parallelisms.compile import apply_compile
-from parallelisms.cp import apply_cp, shard_sequence
-from parallelisms.fsdp import apply_ddp, apply_fsdp
-from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
-from parallelisms.parallelize import parallelize
-from parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
-from parallelisms.tp import apply_tp, hf_tp_plan, llama_tp_plan
+from weft.parallelisms.ac import apply_ac
+from weft.parallelisms.common import TransformError, transformer_blocks
+from weft.parallelisms.compile import apply_compile
+from weft.parallelisms.cp import apply_cp, shard_sequence
+from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
+from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
+from weft.parallelisms.tp import apply_tp, hf_tp_plan, llama_tp_plan
 
 __all__ = [
     "LayoutError",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from parallelisms.common import TransformError, transformer_blocks
+from weft.parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from components.errors import UserError
+from weft.components.errors import UserError
 
 # Where common model families keep their repeated blocks, as attribute paths from the root:
 # weft's Llama and most hand-written models, transformers' *ForCausalLM (the base model sits in

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from parallelisms.common import TransformError, transformer_blocks
+from weft.parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
 

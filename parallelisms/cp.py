@@ -69,8 +69,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from models.llama.model import CausalAttention, document_mask, masked_attention, use_flex_attention
-from parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.models.llama.model import CausalAttention, document_mask, masked_attention, use_flex_attention
+from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 

@@ -11,7 +11,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from parallelisms.common import TransformError, transformer_blocks
+from weft.parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
@@ -280,7 +280,7 @@ def lora_tp_style(style: ParallelStyle) -> ParallelStyle:
 
 def lora_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """`plan` with each entry that reaches a LoRALinear made to split its adapters too."""
-    from parallelisms.tp import _path_matches
+    from weft.parallelisms.tp import _path_matches
 
     names = [n for n, _ in lora_modules(model)]
     return {path: lora_tp_style(style) if any(_path_matches(n, path) for n in names) else style

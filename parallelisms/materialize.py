@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from parallelisms.lora import init_lora_adapters, lora_modules, reset_adapter
+from weft.parallelisms.lora import init_lora_adapters, lora_modules, reset_adapter
 
 InitFn = Callable[[nn.Module], None]
 

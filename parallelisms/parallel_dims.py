@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.errors import UserError
+from weft.components.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

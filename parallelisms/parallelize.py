@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from parallelisms.ac import apply_ac
-from parallelisms.common import TransformError
-from parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
-from parallelisms.cp import apply_cp
-from parallelisms.fsdp import apply_ddp, apply_fsdp
-from parallelisms.lora import apply_lora, quantize_lora_base
-from parallelisms.parallel_dims import Meshes
-from parallelisms.tp import Plan, apply_tp
+from weft.parallelisms.ac import apply_ac
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
+from weft.parallelisms.cp import apply_cp
+from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
+from weft.parallelisms.lora import apply_lora, quantize_lora_base
+from weft.parallelisms.parallel_dims import Meshes
+from weft.parallelisms.tp import Plan, apply_tp
 
 logger = logging.getLogger("weft")
 
@@ -88,7 +88,7 @@ def parallelize(
     # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
-        from float8 import DEFAULT_MIN_DIM, apply_float8
+        from weft.float8 import DEFAULT_MIN_DIM, apply_float8
 
         apply_float8(
             model,
@@ -152,7 +152,7 @@ def pipeline_reshard_policy(reshard_after_forward: str, pipeline_schedule: str |
     (tests/test_pipeline_parity.py trains every schedule under pp 2 x fsdp 2)."""
     if pipeline_schedule is None:
         return reshard_after_forward
-    from parallelisms.pipeline import splits_backward
+    from weft.parallelisms.pipeline import splits_backward
 
     if reshard_after_forward == "always" and splits_backward(pipeline_schedule):
         raise TransformError(

@@ -28,8 +28,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from models.llama.pipeline import HFCausalLMStage, hf_causal_lm_units, llama_units
-from parallelisms.parallel_dims import LayoutError
+from weft.models.llama.pipeline import HFCausalLMStage, hf_causal_lm_units, llama_units
+from weft.parallelisms.parallel_dims import LayoutError
 
 logger = logging.getLogger("weft")
 

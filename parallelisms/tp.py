@@ -24,9 +24,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from models.llama import Transformer
-from parallelisms.common import TransformError, refuse_data_parallel_model
-from parallelisms.lora import lora_tp_plan
+from weft.models.llama import Transformer
+from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.parallelisms.lora import lora_tp_plan
 
 logger = logging.getLogger("weft")
 
@@ -87,7 +87,7 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
     if isinstance(model, Transformer):
         if not float8_all_gather:
             return llama_tp_plan(loss_parallel=loss_parallel)
-        from float8 import converted_modules
+        from weft.float8 import converted_modules
 
         return llama_tp_plan(loss_parallel=loss_parallel, float8_linears=converted_modules(model),
                              blocks=[f"layers.{name}" for name in model.layers])
@@ -130,7 +130,7 @@ def llama_tp_plan(
     plain = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare_input": PrepareModuleInput}
     float8 = plain
     if float8_linears:
-        from float8 import float8_tp_styles
+        from weft.float8 import float8_tp_styles
 
         float8 = float8_tp_styles()
 

@@ -17,31 +17,31 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from components.checkpoint import Checkpointer, CheckpointError, load_model_weights
-from components.data import build_loader, prefetch
-from components.distributed import (
+from weft.components.checkpoint import Checkpointer, CheckpointError, load_model_weights
+from weft.components.data import build_loader, prefetch
+from weft.components.distributed import (
     gpu_binding_line,
     init_distributed,
     local_world_size,
     set_determinism,
     simulation_warning,
 )
-from components.hf import load_hf_into_model
-from components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
-from components.model_state import whole_model
-from components.optim import build_lr_scheduler, build_optimizer
-from components.fingerprint import FINGERPRINT_FILE
-from components.nonfinite import NonFinitePolicy
-from components.timeouts import CommTimeouts, set_collective_timeout
-from models.llama import Transformer
-from parallelisms.common import TransformError
-from parallelisms.lora import quantize_lora_base
-from parallelisms.materialize import materialize, materialize_part
-from parallelisms.parallel_dims import Meshes
-from parallelisms.parallelize import parallelize
-from parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
-from recipe.plan import RunPlan
-from recipe.step import PipelineLoss, StepSetup
+from weft.components.hf import load_hf_into_model
+from weft.components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
+from weft.components.model_state import whole_model
+from weft.components.optim import build_lr_scheduler, build_optimizer
+from weft.components.fingerprint import FINGERPRINT_FILE
+from weft.components.nonfinite import NonFinitePolicy
+from weft.components.timeouts import CommTimeouts, set_collective_timeout
+from weft.models.llama import Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.lora import quantize_lora_base
+from weft.parallelisms.materialize import materialize, materialize_part
+from weft.parallelisms.parallel_dims import Meshes
+from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import PipelineLoss, StepSetup
 
 logger = logging.getLogger("weft")
 

@@ -15,9 +15,9 @@ import logging
 import torch
 from torch import nn
 
-from components.config import ConfigError, JobConfig
-from components.distributed import init_fake_distributed, launched_world_size
-from components.memory import (
+from weft.components.config import ConfigError, JobConfig
+from weft.components.distributed import init_fake_distributed, launched_world_size
+from weft.components.memory import (
     GIB,
     MemoryEstimate,
     StepShape,
@@ -26,14 +26,14 @@ from components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
-from components.metrics import count_parameters, setup_logging
-from components.model_state import whole_model
-from models.llama import ModelArgs, Transformer
-from parallelisms.parallel_dims import LayoutError, ParallelDims
-from parallelisms.precision import DTYPES, precision_policy
-from parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
-from recipe.build import build_model
-from recipe.plan import RunPlan, pipeline_layout
+from weft.components.metrics import count_parameters, setup_logging
+from weft.components.model_state import whole_model
+from weft.models.llama import ModelArgs, Transformer
+from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
+from weft.parallelisms.precision import DTYPES, precision_policy
+from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
+from weft.recipe.build import build_model
+from weft.recipe.plan import RunPlan, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -69,7 +69,7 @@ def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape
 def pipeline_step_shape(shape: StepShape, layout, stages, pp_group, pp_rank: int) -> StepShape:
     """The step shape of pipeline rank `pp_rank`'s stages: one micro-batch at a time, its blocks only,
     as many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
-    from parallelisms.pipeline import activations_in_flight
+    from weft.parallelisms.pipeline import activations_in_flight
 
     blocks = {stage_id: len(stage.layers) for stage_id, stage in zip(stages.stage_ids, stages)}
     held = activations_in_flight(layout, pp_rank, pp_group, blocks)
@@ -90,7 +90,7 @@ def edge_pp_ranks(pp: int) -> list[int]:
 def stage_estimates(plan: RunPlan, stages, meshes, shape: StepShape) -> dict[int, MemoryEstimate]:
     """The estimate of each pipeline rank of `edge_pp_ranks`, its stages built on meta as that rank
     builds them (this rank's are `stages`)."""
-    from recipe.build import build_stages
+    from weft.recipe.build import build_stages
 
     own = meshes.pp.get_local_rank()
     estimates = {}
@@ -201,7 +201,7 @@ def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit:
     with torch.device("meta"):
         plain = Transformer(args)
     if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
-        from parallelisms.lora import apply_lora
+        from weft.parallelisms.lora import apply_lora
 
         lora = cfg.lora
         apply_lora(plain, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules) or None,

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from components.adapters import ExportError, export_lora_at_end, save_merged_hf, save_peft_adapter
-from components.config import JobConfig, parse_args
-from components.errors import UserError, report_user_error
-from components.hf import export_at_end
-from components.hf.model_files import HF_FILES
-from parallelisms.precision import DTYPES
-from recipe.plan import RunPlan
+from weft.components.adapters import ExportError, export_lora_at_end, save_merged_hf, save_peft_adapter
+from weft.components.config import JobConfig, parse_args
+from weft.components.errors import UserError, report_user_error
+from weft.components.hf import export_at_end
+from weft.components.hf.model_files import HF_FILES
+from weft.parallelisms.precision import DTYPES
+from weft.recipe.plan import RunPlan
 
 
 def export_after_training(plan: RunPlan, model: nn.Module) -> None:
@@ -39,9 +39,9 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     base stays on the meta device), the merged one loads the base from the run's
     checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
     tokenizer and generation config."""
-    from components.checkpoint import load_adapter_weights, require_complete_checkpoint
-    from parallelisms.lora import lora_modules
-    from recipe.build import build_model, load_lora_base
+    from weft.components.checkpoint import load_adapter_weights, require_complete_checkpoint
+    from weft.parallelisms.lora import lora_modules
+    from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
     for out in (peft_out, merged_out):
@@ -76,7 +76,7 @@ def _run_config(checkpoint: Path) -> JobConfig:
     cfg = parse_args(["--job.config_file", str(path)])
     if not cfg.lora.enable:
         raise ExportError(f"--checkpoint: {checkpoint} is not a LoRA run's checkpoint ({path} has lora.enable = "
-                          "false); export a full model with python -m components.hf export")
+                          "false); export a full model with python -m weft.components.hf export")
     return cfg
 
 
@@ -94,8 +94,8 @@ def _one_process(cfg: JobConfig, *, base: bool) -> JobConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m recipe.export: a LoRA checkpoint to PEFT and/or merged Hugging Face folders."""
-    parser = argparse.ArgumentParser(prog="python -m recipe.export",
+    """python -m weft.recipe.export: a LoRA checkpoint to PEFT and/or merged Hugging Face folders."""
+    parser = argparse.ArgumentParser(prog="python -m weft.recipe.export",
                                      description="Export a LoRA run's checkpoint (adapters only) without training.")
     parser.add_argument("--checkpoint", required=True, type=Path, help="DCP step folder, e.g. outputs/run/checkpoint/step-60")
     parser.add_argument("--peft-out", type=Path, help="new PEFT adapter folder (adapter_model.safetensors + adapter_config.json)")

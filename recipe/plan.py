@@ -15,18 +15,18 @@ from pathlib import Path
 
 import torch
 
-from components.checkpoint import check_resume, resume_folder
-from components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
-from components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
-from components.distributed import collective_backend, launched_world_size, restart_warning
-from components.fingerprint import check_resumed_data
-from components.hf import check_export_folder, model_args_for_run
-from float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from models.llama import ModelArgs, Transformer
-from parallelisms.common import TransformError
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.pipeline import PipelineLayout, plan_pipeline
-from parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
+from weft.components.checkpoint import check_resume, resume_folder
+from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
+from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
+from weft.components.distributed import collective_backend, launched_world_size, restart_warning
+from weft.components.fingerprint import check_resumed_data
+from weft.components.hf import check_export_folder, model_args_for_run
+from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
+from weft.models.llama import ModelArgs, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
+from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
 
@@ -226,7 +226,7 @@ def check_lora(plan: RunPlan) -> None:
     if lora.quantize_base and dims.pp > 1:
         raise ConfigError(f"parallelism.pp = {dims.pp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
                           "support pipeline parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
-    from parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
+    from weft.parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
 
     with torch.device("meta"):
         model = Transformer(plan.model_args)

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.data import Batch, batches
-from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
-from components.optim import clip_grad_norm_
-from float8 import precompute_float8_scales
-from parallelisms.cp import shard_sequence
+from weft.components.data import Batch, batches
+from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.optim import clip_grad_norm_
+from weft.float8 import precompute_float8_scales
+from weft.parallelisms.cp import shard_sequence
 
 
 def model_forward(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What every failed weft command must look like, checked in one place for every adversarial test.
 
-A failed command (train.py, generate.py, `python -m components.hf export`) given a bad input:
+A failed command (train.py, generate.py, `python -m weft.components.hf export`) given a bad input:
 - exits with status 2 (non-zero under torchrun);
 - prints exactly one `weft: error: ...` line per process, naming what is wrong (under torchrun:
   per process that got that far before torchrun stopped the rest after the first exit);
@@ -74,13 +74,19 @@ def run_in_process(main: Callable[[list[str]], int], argv: list[str], capsys) ->
 def run_command(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO) -> Outcome:
     """Run a command line in a fresh process (as a user would), killed after TIME_LIMIT_S."""
     start = time.monotonic()
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **(env or {})}
     try:
         result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True,
                                 timeout=TIME_LIMIT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{' '.join(command)} did not finish within {TIME_LIMIT_S:.0f} s")
     return Outcome(result.returncode, result.stdout, result.stderr, time.monotonic() - start)
+
+
+def python_path(*first: str) -> str:
+    """PYTHONPATH for a child process: `first`, this process's own PYTHONPATH (which may point
+    `weft` at a worktree), then the repository (for `tests` and `benchmarks`)."""
+    return os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH"), str(REPO)]))
 
 
 def python(*args: str) -> list[str]:

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.ac import _save_matmuls_policy, apply_ac
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.ac import _save_matmuls_policy, apply_ac
 
 
 def scaled_mm_calls(ac_mode: str, monkeypatch) -> int:
     """torch._scaled_mm calls (torchao's float8 matmuls) of one float8 forward + backward of a 2-block model."""
     pytest.importorskip("torchao")
-    from float8 import apply_float8
+    from weft.float8 import apply_float8
 
     model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
     model.init_weights(seed=0)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from components.adapters import ExportError, load_peft_adapter, save_merged_hf, save_peft_adapter
-from models.llama.hf_mapping import hf_config
-from models.llama import ModelArgs, Transformer
-from parallelisms.lora import lora_modules
-from parallelisms.materialize import materialize
-from parallelisms.parallelize import parallelize
+from weft.components.adapters import ExportError, load_peft_adapter, save_merged_hf, save_peft_adapter
+from weft.models.llama.hf_mapping import hf_config
+from weft.models.llama import ModelArgs, Transformer
+from weft.parallelisms.lora import lora_modules
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallelize import parallelize
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
 
@@ -39,7 +39,7 @@ def base_hf_model(model: Transformer):
     """The transformers model holding weft's base weights (adapters left out)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models.llama.hf_mapping import to_hf_tensor, weft_to_hf_name
+    from weft.models.llama.hf_mapping import to_hf_tensor, weft_to_hf_name
 
     hf = LlamaForCausalLM(LlamaConfig(**hf_config(ARGS), attn_implementation="eager")).eval()
     hf.load_state_dict({weft_to_hf_name(n): to_hf_tensor(n, p.detach(), ARGS)

@@ -1,5 +1,5 @@
 """Adversarial checkpoints, and the commands that read them: resume, initial_load_path,
-generate.py and `python -m components.hf export`.
+generate.py and `python -m weft.components.hf export`.
 
 One short run (two checkpoints) and one exported Hugging Face folder are made once; every case
 damages its own copy. The contract is tests/failure_checks.py's: exit 2, one `weft: error:` line
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import generate
-import train
-from components import hf
+from weft import generate
+from weft import train
+from weft.components import hf
 from tests.failure_checks import assert_clean_failure, run_in_process, snapshot
 
 TOKENIZER = "assets/tokenizer/shakespeare.model"
@@ -215,7 +215,7 @@ def test_bad_input_for_generate(tmp_path, capsys, made, name, setup, expected):
     assert_clean_failure(run_in_process(generate.main, argv, capsys), expected, before=before, root=tmp_path)
 
 
-# -- python -m components.hf export ---------------------------------------------------------
+# -- python -m weft.components.hf export ---------------------------------------------------------
 
 def export(target: Callable[[Path, Path], Path], *extra: str, out: Callable[[Path], Path] = lambda t: t / "out",
            flavor: str = "debugmodel"):

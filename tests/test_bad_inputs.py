@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import train
-from components.config import parse_args, to_toml
-from components.data import SCAN_BYTES
+from weft import train
+from weft.components.config import parse_args, to_toml
+from weft.components.data import SCAN_BYTES
 from tests.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
 
 SHAKESPEARE = "assets/data/shakespeare"

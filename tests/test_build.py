@@ -11,16 +11,16 @@ import pytest
 import torch
 from torchao.quantization import to_nf4
 
-import train
-from components.config import parse_args
-from components.hf import export_to_hf
-from components.memory import measured_peak_bytes, qlora_startup_bytes
-from models.llama import Transformer
-from parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK, lora_modules, quantize_lora_base
-from parallelisms.materialize import materialize
-from parallelisms.parallelize import parallelize
-from recipe.build import build_model, load_lora_base, stream_qlora_base
-from recipe.plan import RunPlan
+from weft import train
+from weft.components.config import parse_args
+from weft.components.hf import export_to_hf
+from weft.components.memory import measured_peak_bytes, qlora_startup_bytes
+from weft.models.llama import Transformer
+from weft.parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK, lora_modules, quantize_lora_base
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallelize import parallelize
+from weft.recipe.build import build_model, load_lora_base, stream_qlora_base
+from weft.recipe.plan import RunPlan
 
 
 def qlora_plan(initial_load_path: str = "") -> RunPlan:

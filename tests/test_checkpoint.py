@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
-from recipe import build as recipe_build
-from components import checkpoint as checkpoint_module
-from components.checkpoint import COMPLETE, CheckpointError, complete_steps
-from components.config import ConfigError, parse_args
-from components.distributed import Preemption
+from weft import train
+from weft.recipe import build as recipe_build
+from weft.components import checkpoint as checkpoint_module
+from weft.components.checkpoint import COMPLETE, CheckpointError, complete_steps
+from weft.components.config import ConfigError, parse_args
+from weft.components.distributed import Preemption
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def test_corrupt_checkpoint(tmp_path):
 def test_checkpoint_of_another_model_shape(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from models.llama import LLAMA_FLAVORS
+    from weft.models.llama import LLAMA_FLAVORS
 
     monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", replace(LLAMA_FLAVORS["debugmodel"], dim=128))
     run(args(tmp_path / "other", "single", "--checkpoint.create_seed_checkpoint"))

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import parser as config
-from components.config import ConfigError, JobConfig, Training, help_text, parse_args, to_dict, to_toml
+from weft.components.config import parser as config
+from weft.components.config import ConfigError, JobConfig, Training, help_text, parse_args, to_dict, to_toml
 
 
 def write_toml(tmp_path: Path, text: str, name: str = "job.toml") -> str:
@@ -197,7 +197,7 @@ def test_bad_choice():
 def test_unknown_pipeline_schedule_suggests_the_closest():
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from components.config.schema import PIPELINE_SCHEDULES
+    from weft.components.config.schema import PIPELINE_SCHEDULES
 
     message = config_error(["--parallelism.pp_schedule", "interleaved1f1b"])
     assert message.endswith("got 'interleaved1f1b' (did you mean Interleaved1F1B?)")

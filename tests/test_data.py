@@ -8,7 +8,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from components.data import DataError, Loader, Tokenizer, build_loader, find_text_files
+from weft.components.data import DataError, Loader, Tokenizer, build_loader, find_text_files
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TOKENIZER_PATH = ASSETS / "tokenizer" / "shakespeare.model"
@@ -271,8 +271,8 @@ def test_find_text_files_single_file_and_sorted_folder(tmp_path: Path) -> None:
 def test_cursor_counts_the_stream_in_order(corpus: str, tokenizer: Tokenizer) -> None:
     """The cursor on its own, without a loader: documents come counted in file order, epoch after
     epoch, each with its SentencePiece length, and it starts again wherever it is sought."""
-    from components.data.cursor import Cursor
-    from components.data.files import read_text
+    from weft.components.data.cursor import Cursor
+    from weft.components.data.files import read_text
 
     sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER_PATH))
     lengths = [len(sp.encode(doc)) + 2 for doc in DOCS]
@@ -409,8 +409,8 @@ class CountingTokenizer:
 def coop_run(case: tuple, layout: tuple[int, int], steps: int, state: dict | None = None) -> dict:
     """Up to `steps` batches of a case's loader for (dp rank, dp degree), as lists, with the state
     and sample counts after each, the DataError that ended them if any, and tokenizer calls."""
-    from components.data import batches as loader_batches
-    from components.data import load_tokenizer
+    from weft.components.data import batches as loader_batches
+    from weft.components.data import load_tokenizer
 
     data_format, files, tokenizer_path, long_samples = case
     dp_rank, dp = layout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.distributed import collective_backend, gpu_binding_line
+from weft.components.distributed import collective_backend, gpu_binding_line
 
 
 @pytest.mark.parametrize("device_type, share_gpus, cpu_offload, expected", [

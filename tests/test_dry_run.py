@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
-from components.config import parse_args
-from components.distributed import init_fake_distributed
-from components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize
-from recipe.plan import RunPlan
+from weft import train
+from weft.components.config import parse_args
+from weft.components.distributed import init_fake_distributed
+from weft.components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.parallelize import parallelize
+from weft.recipe.plan import RunPlan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -147,7 +147,7 @@ def test_every_shipped_config_passes_the_dry_run_in_its_documented_layout(capsys
 def test_dry_run_refuses_compile_with_tp_exactly_as_a_real_start_does(tmp_path, capsys):
     """torch 2.13 cannot compile tensor-parallel blocks under activation checkpointing: a planned run
     that asks for all three fails the dry run with the same line as a (simulated) real start."""
-    from parallelisms.compile import torch_has_tp_compile_bug
+    from weft.parallelisms.compile import torch_has_tp_compile_bug
 
     if not torch_has_tp_compile_bug():
         pytest.skip("this torch compiles tensor-parallel blocks")

@@ -1,4 +1,4 @@
-"""recipe/export.py: a LoRA run's checkpoint exported after the fact (`python -m recipe.export`).
+"""recipe/export.py: a LoRA run's checkpoint exported after the fact (`python -m weft.recipe.export`).
 
 The reference is the run's own end-of-run export ([export] peft_folder / hf_folder) of the same
 adapters, itself checked against PEFT and transformers in tests/test_lora_recipe.py: the folders
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
-from components.config import parse_args
-from recipe.export import main as export_main
+from weft import train
+from weft.components.config import parse_args
+from weft.recipe.export import main as export_main
 
 STEPS = 3
 

@@ -27,10 +27,11 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import recipe.build as build_module
-import train
-from components import checkpoint as checkpoint_module
+import weft.recipe.build as build_module
+from weft import train
+from weft.components import checkpoint as checkpoint_module
 from tests.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
+from tests.failure_checks import python_path
 
 # The injections go into the step's loss function (set up by recipe.build.build_step, which
 # train.py calls) and into the data loader's prefetching (recipe.build.prefetch).
@@ -289,7 +290,7 @@ RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch(dump: Path, *extra: str, max_restarts: int = 0) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **RESTARTABLE}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **RESTARTABLE}
     return subprocess.Popen([*TORCHRUN, "--max-restarts", str(max_restarts), "train.py",
                              *run_args(dump, *extra)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

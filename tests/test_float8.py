@@ -30,8 +30,8 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
     PrepareFloat8ModuleInput,
 )
 
-from components.data import Tokenizer, build_loader, find_text_files
-from float8 import (
+from weft.components.data import Tokenizer, build_loader, find_text_files
+from weft.float8 import (
     apply_float8,
     check_float8_compute,
     check_float8_support,
@@ -40,12 +40,12 @@ from float8 import (
     float8_tp_styles,
     precompute_float8_scales,
 )
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from parallelisms.fsdp import apply_fsdp
-from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize
-from parallelisms.tp import apply_tp, default_tp_plan
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.tp import apply_tp, default_tp_plan
 from tests.dist_utils import run_distributed
 
 SMALL = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=64)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.failure_checks import python_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def run_python(code: str, tmp_path: Path, *, broken: bool = False) -> subprocess
         path.insert(0, str(package.parent))
     else:
         code = BLOCK_TORCHAO + code
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(*path)}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -39,11 +40,11 @@ def run_python(code: str, tmp_path: Path, *, broken: bool = False) -> subprocess
 def train_code(dump: Path, *args: str) -> str:
     argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.seq_len", "64",
             "--training.steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *args]
-    return f"import sys, train\nsys.exit(train.main({argv!r}))\n"
+    return f"import sys\nfrom weft import train\nsys.exit(train.main({argv!r}))\n"
 
 
 def test_modules_import_without_torchao(tmp_path):
-    code = ("import sys, train, float8, parallelisms.tp, benchmarks.gpu_throughput\n"
+    code = ("import sys, weft.train, weft.float8, weft.parallelisms.tp, benchmarks.gpu_throughput\n"
             "assert not any(m.startswith('torchao') and sys.modules[m] for m in sys.modules)\n")
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.fsdp import apply_ddp, apply_fsdp
-from parallelisms.materialize import materialize
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
+from weft.parallelisms.materialize import materialize
 from tests.dist_utils import run_distributed
 
 

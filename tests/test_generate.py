@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from components.checkpoint import load_model_weights
-from components.data import Tokenizer
-from components.hf import export_to_hf, load_hf_into_model
-from generate import main, sample
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.components.checkpoint import load_model_weights
+from weft.components.data import Tokenizer
+from weft.components.hf import export_to_hf, load_hf_into_model
+from weft.generate import main, sample
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -134,7 +134,7 @@ def test_sampling_stops_at_any_stop_id(model):
 def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
     """--chat renders the user message with the folder's own tokenizer and template, and prints
     only the reply, which ends before the end-of-turn token."""
-    from components.data import HFTokenizer
+    from weft.components.data import HFTokenizer
     from tests.hf_tokenizer import build_tokenizer_folder
     from tests.test_sft import tiny_hf_folder
 
@@ -161,7 +161,7 @@ def test_bfloat16_model_matches_transformers_in_bfloat16(tmp_path, debug_checkpo
     and the command line samples in it."""
     from transformers import LlamaForCausalLM
 
-    from generate import load_model
+    from weft.generate import load_model
 
     folder, _ = debug_checkpoint
     export_to_hf(folder, tmp_path / "hf", flavor="debugmodel")
@@ -190,7 +190,7 @@ def test_load_model_keeps_tied_embeddings_tied(tmp_path):
     """Reading into an uninitialised model must re-tie the output to the embedding, as building does."""
     from dataclasses import replace
 
-    from generate import load_model
+    from weft.generate import load_model
 
     args = replace(TINY, tie_embeddings=True)
     original = Transformer(args)

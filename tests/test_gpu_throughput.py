@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import gpu_throughput as bench
-from models.llama import LLAMA_FLAVORS, Transformer
+from weft.models.llama import LLAMA_FLAVORS, Transformer
 
 
 def lines(path: Path) -> list[dict]:

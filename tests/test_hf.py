@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint import CheckpointError
-from components.hf import ConversionError, export_to_hf, load_hf_into_model, main
-from models.llama.hf_mapping import (
+from weft.components.checkpoint import CheckpointError
+from weft.components.hf import ConversionError, export_to_hf, load_hf_into_model, main
+from weft.models.llama.hf_mapping import (
     hf_config,
     hf_to_weft_name,
     model_args_from_hf_config,
@@ -26,10 +26,10 @@ from models.llama.hf_mapping import (
     unpermute_from_hf,
     weft_to_hf_name,
 )
-from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
-from parallelisms.fsdp import apply_fsdp
-from parallelisms.materialize import materialize
-from parallelisms.tp import apply_tp
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
+from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.tp import apply_tp
 from tests.dist_utils import run_distributed
 
 # Checkpoints here are saved by one process without a process group, as DCP warns each time.
@@ -408,7 +408,7 @@ def test_config_fields_no_flavor_has_give_transformers_logits():
     """head_dim != hidden_size / heads, an intermediate_size no multiplier gives, tied embeddings,
     llama3 rope scaling in transformers 5's rope_parameters: weft's model equals transformers'."""
     transformers = pytest.importorskip("transformers")
-    from models.llama.hf_mapping import from_hf_tensor
+    from weft.models.llama.hf_mapping import from_hf_tensor
 
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ODD_SHAPE)).eval()
@@ -438,7 +438,7 @@ def test_config_fields_no_flavor_has_give_transformers_logits():
     ({"num_key_value_heads": 3}, "n_heads 4 is not divisible by n_kv_heads 3"),
 ])
 def test_unrepresentable_config_is_refused_naming_the_field(change, message):
-    from models.llama.hf_mapping import HFConfigError
+    from weft.models.llama.hf_mapping import HFConfigError
 
     with pytest.raises(HFConfigError) as error:
         model_args_from_hf_config(ODD_SHAPE | change)
@@ -448,8 +448,8 @@ def test_unrepresentable_config_is_refused_naming_the_field(change, message):
 def test_model_args_for_run_reads_or_checks_the_folder(tmp_path):
     """from_hf_config takes the folder's model; a flavor must match it (today's message, plus how to
     take the folder's); from_hf_config without a Hugging Face folder is refused."""
-    from components.config import ConfigError
-    from components.hf import model_args_for_run
+    from weft.components.config import ConfigError
+    from weft.components.hf import model_args_for_run
 
     (tmp_path / "config.json").write_text(json.dumps(ODD_SHAPE))
     assert model_args_for_run("from_hf_config", str(tmp_path)) == model_args_from_hf_config(ODD_SHAPE)
@@ -465,7 +465,7 @@ def test_model_args_for_run_reads_or_checks_the_folder(tmp_path):
 def test_live_model_export_equals_checkpoint_export(tmp_path, args):
     """export_model_to_hf on a one-device model writes the files export_to_hf writes from its
     checkpoint, byte for byte in the tensors, with the same config.json."""
-    from components.hf import export_model_to_hf
+    from weft.components.hf import export_model_to_hf
 
     model = tiny_model(args, 3)
     export_to_hf(save_checkpoint(model.state_dict(), tmp_path / "step-1"), tmp_path / "from_checkpoint",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.hf.model_files import finish_hf_folder, write_hf_files
-from models.llama import LLAMA_FLAVORS
+from weft.components.hf.model_files import finish_hf_folder, write_hf_files
+from weft.models.llama import LLAMA_FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / "assets/tokenizer/shakespeare.model"

@@ -3,7 +3,7 @@
 Three transformers `LlamaForCausalLM` folders whose shapes are none of weft's flavors are fine-tuned
 by train.py under fsdp 2 x tp 2 (one 4-process group trains all three; each step's loss equals a
 single-device run's), exported at the end of the run (export.hf_folder) and by
-`python -m components.hf export` without --flavor, and checked against transformers itself:
+`python -m weft.components.hf export` without --flavor, and checked against transformers itself:
 logits, tokenizer ids, chat rendering and `pipeline` generation.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.config import parse_args
+from weft.components.config import parse_args
 from tests.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.hf_tokenizer import build_tokenizer_folder
 
@@ -75,7 +75,7 @@ def run_args(dump: Path, folder: Path, data: Path, *, layout: bool = True) -> li
 def train_all(jobs: list[list[str]]) -> list[list[float]]:
     import torch.distributed as dist
 
-    import train
+    from weft import train
 
     losses = []
     for job in jobs:
@@ -86,7 +86,7 @@ def train_all(jobs: list[list[str]]) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    import train
+    from weft import train
     from tests.dist_utils import run_distributed
 
     root = tmp_path_factory.mktemp("hf_roundtrip")
@@ -116,14 +116,14 @@ def test_layout_trains_as_one_device(runs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_export_has_transformers_logits(runs, name, tmp_path):
-    """The folder exported at the end of the run and the one `python -m components.hf export` writes
+    """The folder exported at the end of the run and the one `python -m weft.components.hf export` writes
     from the last checkpoint without --flavor hold the same tensors, and transformers' logits on it
     equal weft's on the checkpoint within 1e-5."""
     from safetensors.torch import load_file
 
-    from components.checkpoint import load_model_weights
-    from components.hf import main, model_args_from_hf_folder
-    from models.llama import Transformer
+    from weft.components.checkpoint import load_model_weights
+    from weft.components.hf import main, model_args_from_hf_folder
+    from weft.models.llama import Transformer
 
     source, dump = runs[name]["source"], runs[name]["dump"]
     exported = dump / "hf"
@@ -170,7 +170,7 @@ def test_export_tokenizer_and_generation(runs, name):
 def test_unsupported_folder_refused_at_start(tmp_path, capsys):
     """attention_bias: true (and an unsupported rope type) stop train.py before anything is written:
     one line naming the field and value, exit 2."""
-    from train import main
+    from weft.train import main
 
     for key, value, shown in [("attention_bias", True, "attention_bias is True"),
                               ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type is yarn")]:
@@ -186,7 +186,7 @@ def test_unsupported_folder_refused_at_start(tmp_path, capsys):
 def test_dry_run_from_config_only_folder(tmp_path, capsys):
     """A folder holding only a Llama 3.1 8B-shaped config.json (explicit head_dim, tied, bias-free)
     is enough to plan a run; the dry run counts transformers' num_parameters()."""
-    from train import main
+    from weft.train import main
 
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -203,7 +203,7 @@ def test_dry_run_from_config_only_folder(tmp_path, capsys):
 
 def test_nonempty_export_folder_refused_at_start(tmp_path, capsys):
     """export.hf_folder that already holds files stops the run before anything is written."""
-    from train import main
+    from weft.train import main
 
     (tmp_path / "run" / "hf").mkdir(parents=True)
     (tmp_path / "run" / "hf" / "config.json").write_text("{}")

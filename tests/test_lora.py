@@ -15,15 +15,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from components.adapters import adapter_state
-from components.distributed import set_determinism
-from models.llama import ModelArgs, Transformer
-from parallelisms.common import TransformError
-from parallelisms.cp import shard_sequence
-from parallelisms.lora import apply_lora, lora_modules, quantize_lora_base
-from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.parallelize import parallelize
+from weft.components.adapters import adapter_state
+from weft.components.distributed import set_determinism
+from weft.models.llama import ModelArgs, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.cp import shard_sequence
+from weft.parallelisms.lora import apply_lora, lora_modules, quantize_lora_base
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.parallelize import parallelize
 from tests.dist_utils import run_distributed
 
 STEPS, VOCAB, SEED = 10, 128, 0

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import train
-from components.checkpoint import complete_steps
-from components.config import ConfigError, parse_args
-from models.llama import LLAMA_FLAVORS
-from recipe.plan import RunPlan
+from weft import train
+from weft.components.checkpoint import complete_steps
+from weft.components.config import ConfigError, parse_args
+from weft.models.llama import LLAMA_FLAVORS
+from weft.recipe.plan import RunPlan
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint import run
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
-from components.memory import measured_peak_bytes
+from weft.components.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
+from weft.components.memory import measured_peak_bytes
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

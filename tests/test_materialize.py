@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallelisms.materialize import materialize
+from weft.parallelisms.materialize import materialize
 from tests.test_own_model import NanoGPT, hf_llama
 
 
@@ -63,8 +63,8 @@ def test_a_module_with_parameters_and_no_reset_parameters_needs_an_init():
 def test_cpu_offload_puts_parameters_on_the_cpu_and_buffers_on_the_device():
     """FSDP's CPU offloading needs parameters materialised on the CPU; the rotary table stays on the
     compute device. "meta" stands in for the GPU: what lands there was not put on the CPU."""
-    from models.llama import LLAMA_FLAVORS, Transformer
-    from parallelisms.materialize import materialize_devices
+    from weft.models.llama import LLAMA_FLAVORS, Transformer
+    from weft.parallelisms.materialize import materialize_devices
 
     assert materialize_devices("cuda:3", cpu_offload=True) == (torch.device("cpu"), torch.device("cuda:3"))
     assert materialize_devices("cuda:3", cpu_offload=False) == (torch.device("cuda:3"), torch.device("cuda:3"))

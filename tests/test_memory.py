@@ -16,11 +16,11 @@ import contextlib
 import pytest
 import torch
 
-from components.config import parse_args
-from components.memory import estimate_memory, local_tensor, measured_peak_bytes
-from models.llama import LLAMA_FLAVORS
-from parallelisms.parallel_dims import ParallelDims
-from recipe.dry_run import step_shape
+from weft.components.config import parse_args
+from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
+from weft.models.llama import LLAMA_FLAVORS
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.recipe.dry_run import step_shape
 from tests.dist_utils import run_distributed
 
 # name -> (world size, overrides)
@@ -52,11 +52,11 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from components.loss import token_loss
-    from components.optim import build_optimizer
-    from parallelisms.cp import shard_sequence
-    from recipe.build import build_model
-    from recipe.plan import RunPlan
+    from weft.components.loss import token_loss
+    from weft.components.optim import build_optimizer
+    from weft.parallelisms.cp import shard_sequence
+    from weft.recipe.build import build_model
+    from weft.recipe.plan import RunPlan
 
     results = {}
     for name in names:
@@ -136,10 +136,10 @@ def test_total_estimate_within_15_percent_of_the_measured_peak(layout, measured)
 
 def measure_one_process(extra: list[str]) -> dict[str, int]:
     """One process, debug model, fp32: the dry run's estimate beside the measured peak of a step."""
-    from components.loss import token_loss
-    from components.optim import build_optimizer
-    from recipe.build import build_model
-    from recipe.plan import RunPlan
+    from weft.components.loss import token_loss
+    from weft.components.optim import build_optimizer
+    from weft.recipe.build import build_model
+    from weft.recipe.plan import RunPlan
 
     cfg = layout_config(extra)
     plan = RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from components import metrics as metrics_module
-from components.metrics import (
+from weft.components import metrics as metrics_module
+from weft.components.metrics import (
     PEAK_BF16_FLOPS,
     MetricsLogger,
     StepStats,
@@ -13,7 +13,7 @@ from components.metrics import (
     flops_per_token,
     peak_flops_for,
 )
-from models.llama import LLAMA_FLAVORS, Transformer
+from weft.models.llama import LLAMA_FLAVORS, Transformer
 
 
 def test_flops_per_token_llama3_8b_by_hand():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import recipe.build
-import train
+import weft.recipe.build as build_module
+from weft import train
 
 
 def run_args(dump: Path, *extra: str) -> list[str]:
@@ -25,14 +25,14 @@ def records(dump: Path) -> list[dict]:
 
 def test_logged_lr_is_the_one_the_step_used(tmp_path, monkeypatch):
     used: list[float] = []
-    real_build = recipe.build.build_optimizer
+    real_build = build_module.build_optimizer
 
     def spying_build(model, cfg):
         optimizer = real_build(model, cfg)
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
         return optimizer
 
-    monkeypatch.setattr(recipe.build, "build_optimizer", spying_build)
+    monkeypatch.setattr(build_module, "build_optimizer", spying_build)
     assert train.main(run_args(tmp_path, "--no-checkpoint.enable", "--no-metrics.enable_tensorboard")) == 0
     assert len(used) == 4 and len(set(used)) > 1  # warmup: the rate changes every step
     assert [r["train/lr"] for r in records(tmp_path)] == pytest.approx(used, rel=1e-12)

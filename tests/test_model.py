@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
-from models.llama.model import apply_rotary_emb, rope_frequencies, rope_rotations
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
+from weft.models.llama.model import apply_rotary_emb, rope_frequencies, rope_rotations
 
 # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors indexes).
 PUBLISHED_PARAMETER_COUNTS = {
@@ -213,8 +213,8 @@ def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypa
     block masking for itself."""
     import sys
 
-    from models.llama import model as llama_model
-    from parallelisms.ac import apply_ac
+    from weft.models.llama import model as llama_model
+    from weft.parallelisms.ac import apply_ac
 
     built, original = [], llama_model.document_mask
 
@@ -241,7 +241,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
     only on the CPU (FlexAttention has no CPU backward in torch 2.13), against the dense SDPA path."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from models.llama import model as llama_model
+    from weft.models.llama import model as llama_model
 
     assert llama_model.use_flex_attention(torch.device("cuda", 0))
     assert not llama_model.use_flex_attention(torch.device("cpu"))
@@ -259,7 +259,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward and the compiled block mask need CUDA")
 def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
     """On a GPU: forward and backward through the BlockMask path equal the dense SDPA mask path."""
-    from models.llama import model as llama_model
+    from weft.models.llama import model as llama_model
 
     model = Transformer(PACKED).cuda()
     model.init_weights(seed=0)

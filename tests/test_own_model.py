@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallelisms.common import TransformError
-from parallelisms.cp import shard_sequence
-from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.compile import torch_has_tp_compile_bug
-from parallelisms.parallelize import parallelize
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.cp import shard_sequence
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.compile import torch_has_tp_compile_bug
+from weft.parallelisms.parallelize import parallelize
 from tests.dist_utils import run_distributed
 
 STEPS, GLOBAL_BATCH, SEQ_LEN, VOCAB, SEED = 10, 4, 16, 96, 0
@@ -190,7 +190,7 @@ def test_layout_matches_single_device(layout, references, layout_losses):
 
 def tp_compiled_backward() -> str:
     """Worker: the HF model under tp 2 with compile forced on (apply_compile by hand), one backward."""
-    from parallelisms.compile import apply_compile
+    from weft.parallelisms.compile import apply_compile
 
     meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
     model = parallelize(build("hf"), meshes, loss_parallel=False, param_dtype=torch.float32)

@@ -1,6 +1,6 @@
 import pytest
 
-from parallelisms.parallel_dims import LayoutError, ParallelDims
+from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 
 
 def resolve(world_size, dp_replicate=1, dp_shard=-1, cp=1, tp=1):

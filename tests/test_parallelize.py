@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from float8 import apply_float8
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms import TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
+from weft.float8 import apply_float8
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms import TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
 from tests.test_own_model import NanoGPT, hf_llama
 
 
@@ -67,9 +67,9 @@ def _tp_compiled_losses() -> dict[bool, list[float]]:
     """Worker (tp 2): three AdamW steps of a 2-block debug model, eager and compiled by parallelize."""
     from dataclasses import replace
 
-    from parallelisms.materialize import materialize
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.parallelize import parallelize
+    from weft.parallelisms.materialize import materialize
+    from weft.parallelisms.parallel_dims import ParallelDims
+    from weft.parallelisms.parallelize import parallelize
 
     losses = {}
     for compile in (False, True):

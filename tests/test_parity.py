@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.config import parse_args
+from weft.components.config import parse_args
 from tests.dist_utils import run_distributed
 
 STEPS = 12
@@ -80,7 +80,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     """Worker: train each layout in turn in this process group; return its loss history."""
     import torch.distributed as dist
 
-    import train
+    from weft import train
 
     histories = {}
     for name in names:
@@ -94,7 +94,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
-    import train
+    from weft import train
 
     cfg = parse_args(config_args(str(tmp_path_factory.mktemp("single")), []))
     return train.train(cfg)

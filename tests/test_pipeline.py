@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-import train
-from components.config.schema import PIPELINE_SCHEDULES
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.common import TransformError
-from parallelisms.materialize import materialize
-from parallelisms.parallel_dims import LayoutError
-from parallelisms.parallelize import pipeline_reshard_policy
-from parallelisms.pipeline import (
+from weft import train
+from weft.components.config.schema import PIPELINE_SCHEDULES
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import LayoutError
+from weft.parallelisms.parallelize import pipeline_reshard_policy
+from weft.parallelisms.pipeline import (
     default_split,
     plan_pipeline,
     split_model,
@@ -224,7 +224,7 @@ def train_hf_pipelines(schedules: list[str]) -> dict[str, tuple[list[float], dic
     torch's schedule over 2 micro-batches; the loss of every step and this rank's final weights."""
     import torch.distributed as dist
 
-    from parallelisms.pipeline import build_schedule
+    from weft.parallelisms.pipeline import build_schedule
 
     results = {}
     for schedule in schedules:
@@ -254,7 +254,7 @@ def test_a_transformers_llama_trains_under_pp_2_like_the_unsplit_model():
     """pp 2 with 1F1B (one stage a rank) and Interleaved1F1B (two, in loop order): every step's loss
     and every final weight equal the unsplit transformers model's in one process."""
     pytest.importorskip("transformers")
-    from components.testing import run_distributed
+    from weft.components.testing import run_distributed
 
     want_losses, want_weights = train_hf_in_one_process()
     assert want_losses[-1] < want_losses[0] - 0.3, "the reference must learn"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.config import parse_args
+from weft.components.config import parse_args
 from tests.dist_utils import run_distributed
 
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
@@ -41,7 +41,7 @@ def resume_copy(source: Path, dump: Path, step: int) -> Path:
 def four_ranks(root: str, single_dump: str) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    import train
+    from weft import train
 
     root_path, runs = Path(root), {}
     runs["straight"] = train.train(parse_args(args(root_path / "pp", PP2_FSDP2 + ["--export.hf_folder", "hf"])))
@@ -61,7 +61,7 @@ def four_ranks(root: str, single_dump: str) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[float]]:
-    import train
+    from weft import train
 
     root = tmp_path_factory.mktemp("pp_checkpoint")
     single = train.train(parse_args(args(root / "single", [])))
@@ -88,7 +88,7 @@ def test_pp_checkpoint_resumes_in_another_layout(runs, layout):
 def test_pp_run_exports_what_its_checkpoint_holds(runs, tmp_path):
     from safetensors.torch import load_file
 
-    from components.hf import export_to_hf
+    from weft.components.hf import export_to_hf
 
     root = runs["root"]
     export_to_hf(root / "pp" / "checkpoint" / "step-20", tmp_path / "offline", flavor="debugmodel")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.config import parse_args
+from weft.components.config import parse_args
 from tests.dist_utils import run_distributed
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -25,12 +25,12 @@ def measure(world_size: int) -> dict[str, tuple[list[int], int, int]]:
     """Worker: per schedule, this rank's stage ids, measured peak and estimated peak (bytes)."""
     import torch.distributed as dist
 
-    from components.data import Batch
-    from components.memory import estimate_memory, local_tensor, measured_peak_bytes
-    from recipe.build import build_model, build_optimizer_and_schedule, build_step
-    from recipe.dry_run import pipeline_step_shape, step_shape
-    from recipe.plan import RunPlan
-    from recipe.step import train_step
+    from weft.components.data import Batch
+    from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
+    from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step
+    from weft.recipe.dry_run import pipeline_step_shape, step_shape
+    from weft.recipe.plan import RunPlan
+    from weft.recipe.step import train_step
 
     def size(tensors) -> int:
         return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import parse_args
+from weft.components.config import parse_args
 from tests.dist_utils import run_distributed
 
 STEPS = 10
@@ -58,10 +58,10 @@ def config(dump_folder: str, overrides: list[str]):
 def train_and_gather(cfg) -> tuple[list[float], dict[str, np.ndarray]]:
     """Train as train.py does (plan, build, step); return the global loss of every step and, on
     one rank per stage, its stages' final weights gathered whole."""
-    from components.distributed import all_reduce_mean
-    from recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
-    from recipe.plan import RunPlan
-    from recipe.step import train_step
+    from weft.components.distributed import all_reduce_mean
+    from weft.recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
+    from weft.recipe.plan import RunPlan
+    from weft.recipe.step import train_step
 
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     plan = RunPlan.from_config(cfg, world_size)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.config import ConfigError, parse_args
-from models.llama import LLAMA_FLAVORS
-from parallelisms.common import TransformError
-from parallelisms.parallelize import parallelize
-from recipe.plan import RunPlan
+from weft.components.config import ConfigError, parse_args
+from weft.models.llama import LLAMA_FLAVORS
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.parallelize import parallelize
+from weft.recipe.plan import RunPlan
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:

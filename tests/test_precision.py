@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-import train
-from components.config import parse_args
-from models.llama import model as llama_model
+from weft import train
+from weft.components.config import parse_args
+from weft.models.llama import model as llama_model
 from tests.dist_utils import run_distributed
 
 # The rotary tables are real fp32 cos/sin or complex64 rotations, depending on the model version.
@@ -85,7 +85,7 @@ def test_policy_is_stated_at_startup(tmp_path, capsys):
 
 def test_float32_with_grouped_query_attention_on_a_gpu_is_announced():
     """SDPA's fused kernels take grouped-query heads in 16-bit only: fp32 on a GPU means the math kernel."""
-    from parallelisms.precision import attention_kernel_warning
+    from weft.parallelisms.precision import attention_kernel_warning
 
     line = attention_kernel_warning("cuda", torch.float32, n_heads=8, n_kv_heads=4)
     assert line.startswith("training.mixed_precision_param = float32 with grouped-query attention")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import Batch, DataError, Tokenizer, batches, build_loader, prefetch
+from weft.components.data import Batch, DataError, Tokenizer, batches, build_loader, prefetch
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets/tokenizer/shakespeare.model"
 LINES = [f"To be, or not to be{', that is the question' * (i % 4)}: line {i}." for i in range(60)]

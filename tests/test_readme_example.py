@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.failure_checks import python_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def readme_example() -> str:
 def test_readme_example_trains_hf_llama_under_fsdp_and_tp(tmp_path):
     script = tmp_path / "own_model.py"
     script.write_text(readme_example())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from assets.make_chat_data import speeches
-from components.config import parse_args
-from components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
-from components.loss import IGNORE_INDEX, global_supervised_count, token_loss
-from models.llama import ModelArgs, Transformer
+from weft.components.config import parse_args
+from weft.components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
+from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.models.llama import ModelArgs, Transformer
 from tests.dist_utils import run_distributed
 from tests.hf_tokenizer import build_tokenizer_folder
 
@@ -197,7 +197,7 @@ def test_resume_mid_epoch_in_another_layout(tok, tmp_path):
     ('{"messages": [{"role": "user", "content": "x"}]}', "chat.jsonl:2: the conversation has no assistant turn"),
 ])
 def test_train_rejects_bad_chat_records(tokenizer_folder, tmp_path, capsys, line, message):
-    import train
+    from weft import train
 
     good = json.dumps(make_chats(1)[0])
     data = write_jsonl(tmp_path / "chat.jsonl", [good, line])
@@ -212,7 +212,7 @@ def test_train_rejects_bad_chat_records(tokenizer_folder, tmp_path, capsys, line
 
 
 def test_train_refuses_chat_without_template(tmp_path, capsys):
-    import train
+    from weft import train
 
     folder = build_tokenizer_folder(tmp_path / "plain", chat_template=None)
     data = write_jsonl(tmp_path / "chat.jsonl", make_chats(2))
@@ -274,7 +274,7 @@ def sft_worker(names: list[str], root: str, files: dict[str, str], tokenizer: st
     """Train each layout in this process group (and, if given, the end-to-end HF job); return losses."""
     import torch.distributed as dist
 
-    import train
+    from weft import train
 
     losses = {}
     for name in names:
@@ -293,8 +293,8 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from models.llama.hf_mapping import hf_config
-    from models.llama import LLAMA_FLAVORS
+    from weft.models.llama.hf_mapping import hf_config
+    from weft.models.llama import LLAMA_FLAVORS
 
     torch.manual_seed(0)
     config = {k: v for k, v in hf_config(LLAMA_FLAVORS["debugmodel"]).items() if k != "architectures"}
@@ -316,7 +316,7 @@ def sft_runs(tmp_path_factory, tokenizer_folder) -> dict:
     hf_job = sft_args(str(root / "hf_run"), files, "", ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], dp=2)
     hf_job += ["--training.steps", "20", "--checkpoint.initial_load_path", str(hf), "--checkpoint.enable",
                "--checkpoint.interval", "20", "--validation.freq", "10", "--metrics.log_freq", "10"]
-    import train
+    from weft import train
 
     single = {"reference": [], "text_reference": TEXT_DOCUMENTS, "accumulation2": SFT_LAYOUTS["accumulation2"][1]}
     runs = {name: train.train(parse_args(sft_args(str(root / name), files, tokenizer_folder, overrides)))
@@ -347,7 +347,7 @@ def test_sft_layout_matches_single_device(layout, sft_runs):
 @pytest.mark.slow
 def test_document_masking_changes_text_training(sft_runs, tokenizer_folder, tmp_path):
     """Sanity check of the text comparison: without document masking the same run differs."""
-    import train
+    from weft import train
 
     files = {k: str(sft_runs["root"] / f"{k}.jsonl") for k in ("chat", "validation", "text")}
     plain = [o for o in TEXT_DOCUMENTS if o != "--data.document_masking"]
@@ -360,9 +360,9 @@ def test_hf_finetune_end_to_end(sft_runs):
     """HF folder imported under fsdp 2 x tp 2 (its tokenizer by default), fine-tuned on packed chats,
     validation loss falls, exported back: transformers' logits equal weft's."""
     transformers = pytest.importorskip("transformers")
-    from components.checkpoint import load_model_weights
-    from components.hf import export_to_hf
-    from models.llama import LLAMA_FLAVORS
+    from weft.components.checkpoint import load_model_weights
+    from weft.components.hf import export_to_hf
+    from weft.models.llama import LLAMA_FLAVORS
 
     root = sft_runs["root"]
     records = [json.loads(line) for line in (root / "hf_run/metrics.jsonl").read_text().splitlines()]
@@ -384,7 +384,7 @@ def test_hf_finetune_end_to_end(sft_runs):
 def test_flex_attention_path_equals_the_exact_mask():
     """The CUDA path (FlexAttention block mask) computes the same attention as the CPU path; checked
     forward-only on the CPU, where FlexAttention has no backward (PyTorch 2.13)."""
-    from models.llama.model import document_attention, document_block_mask, masked_attention
+    from weft.models.llama.model import document_attention, document_block_mask, masked_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 48, 16), torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)
@@ -400,7 +400,7 @@ def test_train_resumes_mid_epoch_on_the_same_samples(tokenizer_folder, tmp_path)
     """Resuming packed chat training from a mid-run checkpoint gives the losses of the uninterrupted run."""
     import shutil
 
-    import train
+    from weft import train
 
     files = {"chat": str(write_jsonl(tmp_path / "chat.jsonl", make_chats(60))),
              "validation": str(write_jsonl(tmp_path / "validation.jsonl", make_chats(4, seed=1)))}
@@ -416,7 +416,7 @@ def test_train_resumes_mid_epoch_on_the_same_samples(tokenizer_folder, tmp_path)
 def test_prompt_completion_trains_with_a_sentencepiece_tokenizer(tmp_path):
     """prompt_completion needs no chat template: the shipped SentencePiece tokenizer works, Alpaca
     records included, and only completions are supervised."""
-    import train
+    from weft import train
 
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 5)} for i in range(20)]
     records += [{"instruction": "Stand.", "input": "Unfold yourself.", "output": "Long live the king!"}] * 5
@@ -427,7 +427,7 @@ def test_prompt_completion_trains_with_a_sentencepiece_tokenizer(tmp_path):
 
 
 def test_train_refuses_a_folder_without_tokenizer_json(tmp_path, capsys):
-    import train
+    from weft import train
 
     (tmp_path / "tok").mkdir()
     code = train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "out"),
@@ -440,7 +440,7 @@ def test_train_refuses_a_folder_without_tokenizer_json(tmp_path, capsys):
 
 def test_validation_leaves_training_untouched(tokenizer_folder, tmp_path):
     """Evaluating every 2 steps changes no training loss: the data cursor and random state are untouched."""
-    import train
+    from weft import train
 
     files = {"chat": str(write_jsonl(tmp_path / "chat.jsonl", make_chats(60))),
              "validation": str(write_jsonl(tmp_path / "validation.jsonl", make_chats(8, seed=1)))}

@@ -20,7 +20,8 @@ from tests.failure_checks import REPO, assert_clean_failure, python, run_command
 # as a rank blocked in a collective after another rank failed, or in a long allocation.
 BLOCKED = """
 import time
-from components.distributed import Preemption
+from weft.components.distributed import Preemption
+from tests.failure_checks import python_path
 preemption = Preemption(grace_s=2.0)
 print("ready", flush=True)
 while True:
@@ -30,7 +31,7 @@ while True:
 
 def start_blocked() -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, text=True, env={"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.stdout.readline() == "ready\n", proc.stderr.read()
     return proc
 

@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import recipe.build
-from recipe.plan import check_launch
-import train
-from components.config import ConfigError, parse_args
-from components.distributed import init_fake_distributed, is_fake_distributed
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.fsdp import apply_fsdp
-from parallelisms.parallel_dims import ParallelDims
+import weft.recipe.build as build_module
+from weft.recipe.plan import check_launch
+from weft import train
+from weft.components.config import ConfigError, parse_args
+from weft.components.distributed import init_fake_distributed, is_fake_distributed
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.parallel_dims import ParallelDims
 
 
 def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:
@@ -31,13 +31,13 @@ def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:
 @pytest.mark.parametrize("world_size, tp", [(8, 1), (4, 2)], ids=["fsdp8", "fsdp2_tp2"])
 def test_rank0_of_a_layout_runs_and_holds_its_share(tmp_path, monkeypatch, world_size, tp):
     built = {}
-    build_optimizer = recipe.build.build_optimizer
+    build_optimizer = build_module.build_optimizer
 
     def spy(model, cfg):  # the model train.py built, after every transform and materialisation
         built["model"], built["fake"] = model, is_fake_distributed()
         return build_optimizer(model, cfg)
 
-    monkeypatch.setattr(recipe.build, "build_optimizer", spy)
+    monkeypatch.setattr(build_module, "build_optimizer", spy)
     argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
             "--training.steps", "2", "--no-metrics.enable_tensorboard",
             "--job.simulate_world_size", str(world_size), "--parallelism.tp", str(tp)]

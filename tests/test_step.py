@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-import train
+from weft import train
 from benchmarks import eager_ops
-from components.config import parse_args
-from recipe.build import build_data
-from recipe.step import train_step
+from weft.components.config import parse_args
+from weft.recipe.build import build_data
+from weft.recipe.step import train_step
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -40,5 +40,6 @@ def test_imports_run_one_way():
             tree = ast.parse(path.read_text())
             names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
             names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            names = [name.removeprefix("weft.") for name in names]
             upward = [name for name in names if name.split(".")[0] in ("recipe", "train", "tests", "benchmarks")]
             assert not upward, f"{path.relative_to(REPO)} imports {upward}"

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import train
-from components.checkpoint import load_model_weights
-from components.hf import export_to_hf
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.materialize import materialize
+from weft import train
+from weft.components.checkpoint import load_model_weights
+from weft.components.hf import export_to_hf
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.materialize import materialize
 from tests.dist_utils import run_distributed
 
 TIED = replace(LLAMA_FLAVORS["debugmodel"], tie_embeddings=True)

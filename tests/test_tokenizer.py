@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from components.data import DataError, HFTokenizer, Tokenizer, load_tokenizer
+from weft.components.data import DataError, HFTokenizer, Tokenizer, load_tokenizer
 from tests.hf_tokenizer import build_tokenizer_folder
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from models.llama import LLAMA_FLAVORS, Transformer
-from parallelisms.common import TransformError
-from parallelisms.tp import apply_tp, default_tp_plan, hf_tp_plan
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.tp import apply_tp, default_tp_plan, hf_tp_plan
 from tests.test_own_model import NanoGPT, hf_llama
 
 
@@ -98,7 +98,7 @@ def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
 def test_transformers_model_under_apply_tp_keeps_its_output_type():
     """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
     LM head), so the model's own loss works; loss parallelism is an explicit argument."""
-    from components.testing import run_distributed
+    from weft.components.testing import run_distributed
 
     for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
         assert plain

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import train
-from components.config import parse_args
-from components.data import DataError
-from models.llama import LLAMA_FLAVORS
+from weft import train
+from weft.components.config import parse_args
+from weft.components.data import DataError
+from weft.models.llama import LLAMA_FLAVORS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,8 +1,8 @@
 """weft's configuration: the schema (schema.py), how it is read (parser.py), the dump-folder check."""
 
-from components.config.dump_folder import RUN_IDENTITY, check_dump_folder
-from components.config.parser import ConfigError, help_text, parse_args, to_dict, to_toml
-from components.config.schema import (
+from weft.components.config.dump_folder import RUN_IDENTITY, check_dump_folder
+from weft.components.config.parser import ConfigError, help_text, parse_args, to_dict, to_toml
+from weft.components.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
     Comm,

@@ -3,8 +3,8 @@
 import os
 from pathlib import Path
 
-from components.config.parser import ConfigError, read_toml, toml_value
-from components.config.schema import JobConfig
+from weft.components.config.parser import ConfigError, read_toml, toml_value
+from weft.components.config.schema import JobConfig
 
 # Settings that make a run what it is: a dump folder holding a run with other values for these
 # belongs to another experiment, and resuming into it would mix the two.

@@ -15,8 +15,8 @@ from dataclasses import Field, asdict, fields
 from pathlib import Path
 from typing import Any
 
-from components.config.schema import MAX_MICRO_BATCH_TOKENS, JobConfig
-from components.errors import UserError
+from weft.components.config.schema import MAX_MICRO_BATCH_TOKENS, JobConfig
+from weft.components.errors import UserError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.llama.args import LLAMA_FLAVORS
+from weft.models.llama.args import LLAMA_FLAVORS
 
 
 def opt(

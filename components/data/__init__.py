@@ -19,15 +19,15 @@ A new data format is a strategy (an object with the methods of `loader.Strategy`
 `build_loader`; a new record shape of the packed formats is an entry of `formats.SAMPLE_FORMATS`.
 """
 
-from components.data.batch import Batch, BatchShape, document_layout
-from components.data.errors import DataError
-from components.data.files import SCAN_BYTES, TEXT_SUFFIXES, check_text_files, find_text_files
-from components.data.formats import SAMPLE_FORMATS, Sample, chat_sample, prompt_completion_sample
-from components.data.loader import Loader, batches, build_loader
-from components.data.packing import PackedSamples
-from components.data.prefetch import Prefetcher, prefetch
-from components.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
-from components.data.windows import TextWindows
+from weft.components.data.batch import Batch, BatchShape, document_layout
+from weft.components.data.errors import DataError
+from weft.components.data.files import SCAN_BYTES, TEXT_SUFFIXES, check_text_files, find_text_files
+from weft.components.data.formats import SAMPLE_FORMATS, Sample, chat_sample, prompt_completion_sample
+from weft.components.data.loader import Loader, batches, build_loader
+from weft.components.data.packing import PackedSamples
+from weft.components.data.prefetch import Prefetcher, prefetch
+from weft.components.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
+from weft.components.data.windows import TextWindows
 
 __all__ = [
     "SAMPLE_FORMATS", "SCAN_BYTES", "TEXT_SUFFIXES", "Batch", "BatchShape", "DataError", "HFTokenizer", "Loader",

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from components.data.errors import DataError
-from components.data.files import DocStart, RawDoc, documents
+from weft.components.data.errors import DataError
+from weft.components.data.files import DocStart, RawDoc, documents
 
 
 class Counted(NamedTuple):

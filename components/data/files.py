@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from components.data.errors import DataError
+from weft.components.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 

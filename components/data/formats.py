@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from components.data.errors import DataError
+from weft.components.data.errors import DataError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 

@@ -23,12 +23,12 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from components.data.batch import Batch, BatchShape, document_layout
-from components.data.cursor import Cursor
-from components.data.files import RawDoc, check_suffixes
-from components.data.packing import PackedSamples
-from components.data.windows import TextWindows
-from components.distributed import shared_gloo_group
+from weft.components.data.batch import Batch, BatchShape, document_layout
+from weft.components.data.cursor import Cursor
+from weft.components.data.files import RawDoc, check_suffixes
+from weft.components.data.packing import PackedSamples
+from weft.components.data.windows import TextWindows
+from weft.components.distributed import shared_gloo_group
 
 
 class Strategy(Protocol):

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from components.data.batch import Batch, BatchShape
-from components.data.cursor import Counted, Cursor
-from components.data.errors import DataError
-from components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, where
-from components.data.formats import SAMPLE_FORMATS, Sample, parse_record
-from components.loss import IGNORE_INDEX
+from weft.components.data.batch import Batch, BatchShape
+from weft.components.data.cursor import Counted, Cursor
+from weft.components.data.errors import DataError
+from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, where
+from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
+from weft.components.loss import IGNORE_INDEX
 
 LONG_SAMPLES = ("truncate", "drop")
 

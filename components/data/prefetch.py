@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from components.data.batch import Batch
-from components.data.loader import Loader
-from components.distributed import shared_gloo_group
+from weft.components.data.batch import Batch
+from weft.components.data.loader import Loader
+from weft.components.distributed import shared_gloo_group
 
 __all__ = ["Prefetcher", "prefetch"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from components.data.errors import DataError
+from weft.components.data.errors import DataError
 
 __all__ = ["HFTokenizer", "Tokenizer", "load_tokenizer"]
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from components.data.batch import Batch, BatchShape
-from components.data.cursor import Counted, Cursor
-from components.data.errors import DataError
-from components.data.files import STATE_KEYS, DocStart, RawDoc, position_state, read_text, where
+from weft.components.data.batch import Batch, BatchShape
+from weft.components.data.cursor import Counted, Cursor
+from weft.components.data.errors import DataError
+from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, position_state, read_text, where
 
 
 class TextWindows:

@@ -2,7 +2,7 @@
 layout, and export a DCP checkpoint as such a folder; both move one tensor at a time, so memory
 stays bounded by the largest tensor (plus, on export, the shard being written).
 
-    python -m components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
+    python -m weft.components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
         --out llama3_8b_hf --dtype bfloat16
 
 Modules: `safetensors_io` (files, shards, index; writing into a folder renamed into place),
@@ -13,22 +13,22 @@ checkpoint or a live model in any layout -> a folder; `export.hf_folder` at the 
 lives with the model, in `models/llama/hf_mapping.py`.
 """
 
-from components.hf.cli import main
-from components.hf.export import (
+from weft.components.hf.cli import main
+from weft.components.hf.export import (
     check_export_folder,
     export_at_end,
     export_model_to_hf,
     export_to_hf,
     record_hf_files,
 )
-from components.hf.load import (
+from weft.components.hf.load import (
     check_same_architecture,
     load_hf_into_model,
     model_args_for_run,
     model_args_from_hf_folder,
     read_hf_config,
 )
-from components.hf.safetensors_io import ConversionError
+from weft.components.hf.safetensors_io import ConversionError
 
 __all__ = [
     "ConversionError",

@@ -1,5 +1,5 @@
 import sys
 
-from components.hf.cli import main
+from weft.components.hf.cli import main
 
 sys.exit(main())

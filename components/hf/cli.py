@@ -1,4 +1,4 @@
-"""`python -m components.hf export ...`: export a DCP checkpoint to a Hugging Face folder."""
+"""`python -m weft.components.hf export ...`: export a DCP checkpoint to a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import math
 from pathlib import Path
 
 
-from components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
-from components.hf.export import export_to_hf, run_hf_files
-from components.hf.load import hf_model_args
-from components.hf.model_files import HF_FILES
-from components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
-from models.llama import LLAMA_FLAVORS
+from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from weft.components.hf.export import export_to_hf, run_hf_files
+from weft.components.hf.load import hf_model_args
+from weft.components.hf.model_files import HF_FILES
+from weft.components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
+from weft.models.llama import LLAMA_FLAVORS
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -24,7 +24,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, export, and return the exit status (2 for a user's mistake)."""
-    parser = _OneLineParser(prog="python -m components.hf",
+    parser = _OneLineParser(prog="python -m weft.components.hf",
                             description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")

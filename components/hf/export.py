@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
-from components.config import Export
-from components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
-from components.hf.safetensors_io import (
+from weft.components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from weft.components.config import Export
+from weft.components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
+from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
     check_output_folder,
@@ -23,9 +23,9 @@ from components.hf.safetensors_io import (
     plan_shards,
     write_shards,
 )
-from components.model_state import full_tensors, whole_model
-from models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
+from weft.components.model_state import full_tensors, whole_model
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
 
 logger = logging.getLogger("weft")
 

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
-from components.checkpoint import listing
-from components.config import FROM_HF_CONFIG, ConfigError
-from components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
-from components.model_state import model_parts, whole_model
-from models.llama import LLAMA_FLAVORS, ModelArgs
-from models.llama.hf_mapping import (
+from weft.components.checkpoint import listing
+from weft.components.config import FROM_HF_CONFIG, ConfigError
+from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
+from weft.components.model_state import model_parts, whole_model
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs
+from weft.models.llama.hf_mapping import (
     HFConfigError,
     architecture_fields,
     from_hf_tensor,

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from components.errors import one_line
-from components.data import load_tokenizer
-from models.llama import ModelArgs
-from models.llama.hf_mapping import hf_config
+from weft.components.errors import one_line
+from weft.components.data import load_tokenizer
+from weft.models.llama import ModelArgs
+from weft.models.llama.hf_mapping import hf_config
 
 logger = logging.getLogger("weft")
 

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from components.checkpoint import CheckpointError
-from components.errors import one_line
+from weft.components.checkpoint import CheckpointError
+from weft.components.errors import one_line
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

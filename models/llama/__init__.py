@@ -1,5 +1,5 @@
-from models.llama.args import LLAMA_FLAVORS, ModelArgs, RopeScaling
-from models.llama.model import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
+from weft.models.llama.args import LLAMA_FLAVORS, ModelArgs, RopeScaling
+from weft.models.llama.model import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 
 __all__ = [
     "LLAMA_FLAVORS",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from models.llama.args import ModelArgs, RopeScaling
+from weft.models.llama.args import ModelArgs, RopeScaling
 
 __all__ = [
     "HFConfigError",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama.args import ModelArgs, RopeScaling
+from weft.models.llama.args import ModelArgs, RopeScaling
 
 # ---------------------------------------------------------------------------------------------
 # Rotary position embeddings
