@@ -1,0 +1,258 @@
+"""Checkpoints: exact resume, resume in another layout, seed checkpoints, crashes, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weft import train
+from weft.recipe import build as recipe_build
+from weft.components import checkpoint as checkpoint_module
+from weft.components.checkpoint import COMPLETE, CheckpointError, complete_steps
+from weft.components.config import ConfigError, parse_args
+from tests.support.dist_utils import run_distributed
+from tests.support.train_runs import run
+
+from tests.support import REPO
+STEPS = 20
+LAYOUTS = {
+    "single": [],
+    "fsdp4": ["--parallelism.dp_shard", "4"],
+    "fsdp2_tp2": ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"],
+}
+
+
+def args(dump: Path, layout: str = "single", *extra: str) -> list[str]:
+    dp = {"single": 1, "fsdp4": 4, "fsdp2_tp2": 2}[layout]
+    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump),
+            "--training.steps", str(STEPS), "--training.seq_len", "32", "--training.local_batch_size", str(8 // dp),
+            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
+            "--checkpoint.enable", "--checkpoint.interval", "5", *LAYOUTS[layout], *extra]
+
+
+def logged_losses(dump: Path) -> dict[int, float]:
+    """The last logged loss of every step (a resumed run logs the steps it repeats again)."""
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in records}
+
+
+def four_rank_runs(root: str) -> dict[str, list[float]]:
+    """Worker: the fsdp4 and fsdp2 x tp2 runs; returns the loss history of each."""
+    root = Path(root)
+    out = {
+        "fsdp4_straight": run(args(root / "fsdp4_straight", "fsdp4")),
+        "fsdp4_first_half": run(args(root / "fsdp4", "fsdp4"), stop_after=10),
+        "fsdp2_tp2_straight": run(args(root / "fsdp2_tp2_straight", "fsdp2_tp2")),
+        "fsdp2_tp2_first_half": run(args(root / "fsdp2_tp2", "fsdp2_tp2"), stop_after=10),
+    }
+    out["fsdp2_tp2_resumed"] = run(args(root / "fsdp2_tp2", "fsdp2_tp2"))
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "fsdp4", root / "fsdp4_for_single")
+    dist.barrier()
+    out["fsdp4_to_fsdp2_tp2"] = run(args(root / "fsdp4", "fsdp2_tp2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt4")
+    return root, run_distributed(four_rank_runs, 4, str(root), timeout=900)[0]
+
+
+def test_exact_resume_single_device(tmp_path):
+    straight = run(args(tmp_path / "straight"))
+    first = run(args(tmp_path / "resumed"), stop_after=10)
+    assert complete_steps(tmp_path / "resumed" / "checkpoint") == [5, 10]
+    second = run(args(tmp_path / "resumed"))
+    assert len(first) == 10 and len(second) == 10
+    assert first + second == straight  # bit-identical
+
+
+@pytest.mark.slow
+def test_exact_resume_fsdp2_tp2(four_ranks):
+    _, runs = four_ranks
+    assert runs["fsdp2_tp2_first_half"] + runs["fsdp2_tp2_resumed"] == runs["fsdp2_tp2_straight"]
+
+
+@pytest.mark.slow
+def test_resume_fsdp4_checkpoint_under_fsdp2_tp2(four_ranks):
+    _, runs = four_ranks
+    assert runs["fsdp4_to_fsdp2_tp2"] == pytest.approx(runs["fsdp4_straight"][10:], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_resume_fsdp4_checkpoint_on_one_device(four_ranks):
+    root, runs = four_ranks
+    resumed = run(args(root / "fsdp4_for_single", "single"))
+    assert resumed == pytest.approx(runs["fsdp4_straight"][10:], rel=1e-4)
+
+
+def test_keep_latest_k(tmp_path):
+    run(args(tmp_path, "single", "--training.steps", "12", "--checkpoint.interval", "3",
+             "--checkpoint.keep_latest_k", "2"))
+    assert complete_steps(tmp_path / "checkpoint") == [9, 12]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-12", "step-9"]
+
+
+def test_async_save_resumes_exactly(tmp_path):
+    straight = run(args(tmp_path / "straight"))
+    first = run(args(tmp_path / "async", "single", "--checkpoint.async_mode", "async"), stop_after=10)
+    second = run(args(tmp_path / "async", "single", "--checkpoint.async_mode", "async"))
+    assert first + second == straight
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    real_save = checkpoint_module.dcp.save
+
+    def save_then_die(state, checkpoint_id):
+        if checkpoint_id.endswith("step-10"):
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a checkpoint")
+            raise KeyboardInterrupt("killed during save")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(args(tmp_path))
+    assert complete_steps(tmp_path / "checkpoint") == [5]
+    assert (tmp_path / "checkpoint" / "step-10").exists()  # the half-written one is there, unmarked
+    monkeypatch.setattr(checkpoint_module.dcp, "save", real_save)
+
+    resumed = run(args(tmp_path))  # loads step 5, saves 10 afresh, ... 20
+    straight = run(args(tmp_path / "straight"))
+    assert resumed == straight[5:]
+    assert complete_steps(tmp_path / "checkpoint") == [5, 10, 15, 20]
+
+
+def test_seed_checkpoint_sets_the_starting_weights(tmp_path):
+    seed_dir = tmp_path / "seed"
+    run(["--job.config_file", "debug_model", "--job.dump_folder", str(seed_dir), "--training.seed", "1",
+         "--training.seq_len", "32", "--checkpoint.create_seed_checkpoint"])
+    assert complete_steps(seed_dir / "checkpoint") == [0]
+    seeded = run(args(tmp_path / "from_seed", "single", "--checkpoint.initial_load_path",
+                      str(seed_dir / "checkpoint" / "step-0"), "--training.steps", "2"))
+    fresh_seed0 = run(args(tmp_path / "fresh0", "single", "--training.steps", "2"))
+    fresh_seed1 = run(args(tmp_path / "fresh1", "single", "--training.steps", "2", "--training.seed", "1"))
+    assert seeded[0] == fresh_seed1[0] != fresh_seed0[0]
+
+
+def test_seed_checkpoint_is_built_on_the_cpu_on_a_gpu_machine(tmp_path, monkeypatch):
+    """With a GPU chosen for the process, the seed checkpoint still builds the whole model on the CPU
+    (a 70B model is 280 GB in fp32). This CPU build of torch fails any use of the CUDA device."""
+    monkeypatch.setattr(recipe_build, "init_distributed", lambda *args, **kwargs: torch.device("cuda", 0))
+    run(args(tmp_path, "single", "--checkpoint.create_seed_checkpoint"))
+    assert complete_steps(tmp_path / "checkpoint") == [0]
+
+
+def test_seed_checkpoint_in_dump_folder_is_picked_up(tmp_path):
+    run(args(tmp_path, "single", "--checkpoint.create_seed_checkpoint"))
+    assert run(args(tmp_path, "single", "--training.steps", "2"))[0] == run(
+        args(tmp_path / "fresh", "single", "--training.steps", "2"))[0]
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_missing_load_step(tmp_path):
+    run(args(tmp_path, "single", "--training.steps", "5"))
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint.load_step = 3: no complete checkpoint .*step-3 "
+                                              r"\(complete: \[5\]\)"):
+        run(args(tmp_path, "single", "--checkpoint.load_step", "3"))
+    assert snapshot(tmp_path) == before
+
+
+def test_corrupt_checkpoint(tmp_path):
+    run(args(tmp_path, "single", "--training.steps", "5"))
+    (tmp_path / "checkpoint" / "step-5" / ".metadata").write_bytes(b"garbage")
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-5: cannot read its DCP metadata"):
+        run(args(tmp_path))
+    assert snapshot(tmp_path) == before
+
+
+def test_checkpoint_of_another_model_shape(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from weft.models.llama import LLAMA_FLAVORS
+
+    monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", replace(LLAMA_FLAVORS["debugmodel"], dim=128))
+    run(args(tmp_path / "other", "single", "--checkpoint.create_seed_checkpoint"))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"tok_embeddings.weight has shape \[2048, 128\], "
+                                              r"the model expects \[2048, 256\]"):
+        run(args(tmp_path / "run", "single", "--checkpoint.initial_load_path",
+                 str(tmp_path / "other" / "checkpoint" / "step-0")))
+
+
+def test_incomplete_initial_checkpoint(tmp_path):
+    (tmp_path / "half" / "step-3").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"^checkpoint.initial_load_path: checkpoint .*step-3 has no COMPLETE"):
+        run(args(tmp_path / "run", "single", "--checkpoint.initial_load_path", str(tmp_path / "half" / "step-3")))
+
+
+def test_dump_folder_of_another_config_is_refused_untouched(tmp_path):
+    run(args(tmp_path, "single", "--training.steps", "5"))
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match=r"config.toml is a run with training.seq_len = 32, this run has 64"):
+        run(args(tmp_path, "single", "--training.seq_len", "64"))
+    assert snapshot(tmp_path) == before
+
+
+# -- crashes, as a user meets them -----------------------------------------------------------
+
+
+def launch(dump: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "train.py", *args(dump)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(dump: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (dump / "metrics.jsonl").exists() and max(logged_losses(dump), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never reached step {step}: {proc.stderr.read() if proc.poll() is not None else ''}")
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_resumes_to_the_same_losses(tmp_path):
+    straight = run(args(tmp_path / "straight"))
+    crash_at = random.Random().randint(6, 15)  # after the first checkpoint (step 5)
+    proc = launch(tmp_path / "crash")
+    wait_for_step(tmp_path / "crash", crash_at, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    restarted = launch(tmp_path / "crash")
+    assert restarted.wait(timeout=300) == 0, restarted.stderr.read()
+    losses = logged_losses(tmp_path / "crash")
+    assert [losses[s] for s in range(1, STEPS + 1)] == straight, f"killed at step {crash_at}"
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = launch(tmp_path)
+    wait_for_step(tmp_path, 7, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    steps = complete_steps(tmp_path / "checkpoint")
+    last_logged = max(logged_losses(tmp_path))
+    assert steps[-1] == last_logged < STEPS  # it stopped early, with a checkpoint of its last step
+    assert (tmp_path / "checkpoint" / f"step-{last_logged}" / COMPLETE).is_file()

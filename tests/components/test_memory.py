@@ -1,0 +1,198 @@
+"""The memory estimate against what real gloo runs hold, and the dry run end to end.
+
+Measured in the real run (rank 0 of each layout, debug model, fp32, CPU):
+  - parameters: the bytes of every local parameter shard; gradients: of every local gradient
+    after backward; optimizer state: of every tensor in AdamW's state after a step;
+  - the peak: torch's profiler with profile_memory=True records every allocation and free of
+    the CPU allocator with its running total (resizes of FSDP's unsharded storages included);
+    the peak of one steady-state step (the second) is the bytes live when it starts
+    (parameters, optimizer state, buffers) plus the highest running total during it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from weft.components.config import parse_args
+from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
+from weft.models.llama import LLAMA_FLAVORS
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.recipe.dry_run import step_shape
+from tests.support.dist_utils import run_distributed
+
+# name -> (world size, overrides)
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.dp_shard", "2"]),
+    "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
+    "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
+    # The activation formula under activation checkpointing and bf16 compute (FSDP's param dtype).
+    "fsdp2_full_ac": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "full"]),
+    "fsdp2_selective_op_bf16": (2, ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "selective",
+                                    "--training.mixed_precision_param", "bfloat16"]),
+    "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+    "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+}
+
+
+def layout_config(overrides: list[str]):
+    return parse_args(["--job.config_file", "debug_model", "--training.seq_len", "256",
+                       "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
+                       "--training.mixed_precision_reduce", "float32", *overrides])
+
+
+def _bytes(tensors) -> int:
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
+
+
+def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
+    """Worker: for each layout, the real bytes held (one step after a warm-up step) and the estimate."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from weft.components.loss import token_loss
+    from weft.components.optim import build_optimizer
+    from weft.parallelisms.cp import shard_sequence
+    from weft.recipe.build import build_model
+    from weft.recipe.plan import RunPlan
+
+    results = {}
+    for name in names:
+        world_size, overrides = LAYOUTS[name]
+        cfg = layout_config(overrides)
+        p = cfg.parallelism
+        dims = ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                                    world_size=world_size)
+        meshes = dims.build_mesh("cpu")
+        args = LLAMA_FLAVORS["debugmodel"]
+        plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+        planned = build_model(plan, meshes, device=None)
+        estimate = estimate_memory(planned, step_shape(cfg, args, dims))
+        model = build_model(plan, meshes, torch.device("cpu"))
+        optimizer = build_optimizer(model, cfg.optimizer)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        held = {}
+
+        def step():
+            inputs, labels = torch.randint(0, 2048, (2, cfg.training.local_batch_size, cfg.training.seq_len),
+                                           generator=generator)
+            positions = None
+            if dims.cp > 1:
+                (inputs, labels), positions = shard_sequence(meshes.cp, inputs, labels)
+            context = loss_parallel if dims.tp > 1 else contextlib.nullcontext
+            with context():
+                logits = model(inputs, positions)
+                loss = token_loss(logits, labels, float(labels.numel()))  # train.py's loss and its `del`
+                del logits
+                loss.backward()
+            held["grads"] = _bytes(q.grad for q in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # warm-up: creates the optimizer state
+        held.clear()
+        optimizer.zero_grad(set_to_none=True)
+        params = _bytes(model.parameters())
+        state = _bytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
+        buffers = _bytes(model.buffers())
+        peak = params + state + buffers + measured_peak_bytes(step)
+        results[name] = dict(params=params, grads=held["grads"], optimizer=state, peak=peak,
+                             est_params=estimate.parameters, est_grads=estimate.gradients,
+                             est_optimizer=estimate.optimizer, est_peak=estimate.peak)
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict[str, int]]:
+    results: dict[str, dict[str, int]] = {}
+    for world_size in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world_size]
+        results.update(run_distributed(measure_layouts, world_size, names, timeout=300)[0])
+    for name, r in results.items():
+        print(f"{name}: state {r['est_params'] + r['est_grads'] + r['est_optimizer']:,} estimated vs "
+              f"{r['params'] + r['grads'] + r['optimizer']:,} held; peak {r['est_peak']:,} estimated vs "
+              f"{r['peak']:,} measured (ratio {r['est_peak'] / r['peak']:.3f})")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_state_estimate_matches_the_real_run_within_2_percent(layout, measured):
+    r = measured[layout]
+    assert r["est_params"] == pytest.approx(r["params"], rel=0.02)
+    assert r["est_grads"] == pytest.approx(r["grads"], rel=0.02)
+    assert r["est_optimizer"] == pytest.approx(r["optimizer"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_total_estimate_within_15_percent_of_the_measured_peak(layout, measured):
+    r = measured[layout]
+    assert r["est_peak"] == pytest.approx(r["peak"], rel=0.15), f"ratio {r['est_peak'] / r['peak']:.3f}"
+
+
+def measure_one_process(extra: list[str]) -> dict[str, int]:
+    """One process, debug model, fp32: the dry run's estimate beside the measured peak of a step."""
+    from weft.components.loss import token_loss
+    from weft.components.optim import build_optimizer
+    from weft.recipe.build import build_model
+    from weft.recipe.plan import RunPlan
+
+    cfg = layout_config(extra)
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)
+    estimate = estimate_memory(build_model(plan, None, None), step_shape(cfg, LLAMA_FLAVORS["debugmodel"], plan.dims))
+    model = build_model(plan, None, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optimizer)
+    generator = torch.Generator().manual_seed(0)
+
+    def step():
+        inputs, labels = torch.randint(0, 2048, (2, cfg.training.local_batch_size, cfg.training.seq_len),
+                                       generator=generator)
+        logits = model(inputs)
+        loss = token_loss(logits, labels, float(labels.numel()))
+        del logits
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    # NF4 weights: their packed values, int8 scales and fp32 factors (what the tensor subclass holds)
+    params = sum(p.quantized_data.nbytes + p.quantized_scalers.nbytes + p.quantization_factor.nbytes
+                 if hasattr(p, "quantized_data") else _bytes([p]) for p in model.parameters())
+    state = _bytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    peak = params + state + _bytes(model.buffers()) + measured_peak_bytes(step)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return dict(params=params, est_params=estimate.parameters, peak=peak, est_peak=estimate.peak,
+                frozen=sum(p.numel() for p in model.parameters()) - trainable, trainable=trainable)
+
+
+def test_lora_and_qlora_estimates_match_their_measured_peaks():
+    full = measure_one_process([])
+    lora = measure_one_process(["--lora.enable"])
+    qlora = measure_one_process(["--lora.enable", "--lora.quantize_base", "nf4"])
+    for run in (lora, qlora):
+        assert run["est_params"] == run["params"]  # NF4 bytes counted exactly
+        assert 0.9 <= run["est_peak"] / run["peak"] <= 1.1
+    # Frozen: no AdamW state (8 B) for each base parameter. Its gradients (4 B) would not all count:
+    # full fine-tuning peaks at the end of forward here, before any gradient exists.
+    assert full["peak"] - lora["peak"] >= 8 * lora["frozen"]
+    assert qlora["peak"] < lora["peak"] - 0.8 * (lora["params"] - qlora["params"])
+
+
+def test_lora_saves_the_frozen_bases_gradients_and_adamw_state():
+    """Where weights dominate (one sample of 32 tokens), full fine-tuning peaks in the optimizer step
+    holding weights, gradients and AdamW state (16 B a parameter); LoRA saves the frozen base's
+    gradient and AdamW bytes (12 B a parameter), less what its adapters hold themselves (weights,
+    gradients, AdamW state: 16 B a parameter). Measured within 10% of that."""
+    shape = ["--training.seq_len", "32", "--training.local_batch_size", "1"]
+    full = measure_one_process(shape)
+    lora = measure_one_process([*shape, "--lora.enable"])
+    assert full["frozen"] == 0 and full["peak"] >= 16 * full["trainable"]
+    saved = full["peak"] - lora["peak"]
+    expected = 12 * lora["frozen"] - 16 * lora["trainable"]
+    assert 0.9 * expected <= saved <= 1.1 * expected
+    assert 0.9 <= lora["est_peak"] / lora["peak"] <= 1.1

@@ -1,0 +1,76 @@
+"""train.py launched the way users launch it: torchrun, on one "node" or two."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.dist_utils import free_port
+from tests.support.failure_checks import every_rank_failed_or_was_stopped
+
+from tests.support import REPO
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def train_args(dump: Path, *extra: str) -> list[str]:
+    return ["train.py", "--job.config_file", "debug_model", "--job.dump_folder", str(dump),
+            "--training.steps", "5", "--training.seq_len", "32", "--training.local_batch_size", "2",
+            "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *extra]
+
+
+def launch(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*TORCHRUN, *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def losses(dump: Path) -> list[float]:
+    return [json.loads(line)["train/loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_node_hsdp_matches_single_node(tmp_path):
+    """Two launchers meet through a c10d rendezvous on loopback; HSDP replicates across them."""
+    hsdp = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
+    single = launch("--nproc_per_node", "4", *train_args(tmp_path / "single", *hsdp))
+    out, err = single.communicate(timeout=600)
+    assert single.returncode == 0, err[-3000:]
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        launch("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", endpoint, "--rdzv_id", "weft-test", *train_args(tmp_path / "multi", *hsdp))
+        for node in (0, 1)
+    ]
+    for node in nodes:
+        out, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-3000:]
+    assert losses(tmp_path / "multi") == pytest.approx(losses(tmp_path / "single"), rel=1e-6)
+    assert len(losses(tmp_path / "multi")) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, layout, message",
+    [
+        (4, ["--parallelism.tp", "3"], "world size 4 is not divisible by dp_replicate·cp·tp = 1·1·3 = 3"),
+        # seq_len 48: divisible by tp 3, so the head count is what stops it
+        (3, ["--parallelism.tp", "3", "--training.seq_len", "48"],
+         "parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8"),
+        (2, ["--parallelism.cp", "2", "--training.seq_len", "30"], "divisible by 2·cp = 4, got 30"),
+        (2, ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "expected one of default, always, never"),
+    ],
+)
+def test_bad_layout_fails_on_every_rank_without_hanging(tmp_path, nproc, layout, message):
+    run = launch("--nproc_per_node", str(nproc), *train_args(tmp_path / "out", *layout))
+    _, err = run.communicate(timeout=120)  # a rank stuck in a collective would time out here
+    assert run.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("weft: error:")]
+    assert every_rank_failed_or_was_stopped(err, nproc), err[-3000:]
+    assert all(message in line for line in errors), err[-3000:]
+    assert not (tmp_path / "out").exists()

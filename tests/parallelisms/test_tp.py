@@ -1,0 +1,106 @@
+"""apply_tp's plans and its checks, before any mesh is touched (one process, meta models)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.tp import apply_tp, default_tp_plan, hf_tp_plan
+from tests.support.own_models import NanoGPT, hf_llama
+
+
+class MeshOfSize:
+    """apply_tp reads only the size of the mesh before its checks pass."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def test_hf_plan_comes_from_the_model_declaration():
+    model = meta(hf_llama)
+    plan = hf_tp_plan(model, loss_parallel=False)
+    assert set(plan) == set(model._tp_plan)
+    assert type(plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
+    assert type(plan["model.layers.*.mlp.down_proj"]) is RowwiseParallel
+    head = plan["lm_head"]
+    assert head.output_layouts == (Replicate(),) and head.use_local_output
+    sharded_head = hf_tp_plan(model, loss_parallel=True)["lm_head"]
+    assert sharded_head.output_layouts == (Shard(-1),) and not sharded_head.use_local_output
+
+
+def test_weft_model_gets_the_sequence_parallel_llama_plan():
+    plan = default_tp_plan(meta(lambda: Transformer(LLAMA_FLAVORS["debugmodel"])))
+    assert "layers.*.attention_norm" in plan and "tok_embeddings" in plan
+
+
+@pytest.mark.parametrize(
+    "build, size, message",
+    [
+        (lambda: Transformer(LLAMA_FLAVORS["debugmodel"]), 3, "apply_tp: tp_mesh size 3 does not divide n_heads 8"),
+        (hf_llama, 4, "apply_tp: tp_mesh size 4 does not divide num_key_value_heads 2"),
+        (NanoGPT, 2, "apply_tp: no tensor-parallel plan is known for NanoGPT; pass plan="),
+    ],
+)
+def test_refusals_name_the_function_and_the_numbers(build, size, message):
+    with pytest.raises(TransformError) as error:
+        apply_tp(meta(build), MeshOfSize(size))
+    assert str(error.value).startswith(message)
+    assert "\n" not in str(error.value)
+
+
+def test_split_dims_are_checked_from_the_weight_shapes():
+    model = meta(lambda: nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8)))
+    with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide dim 0 \(size 6\) of 0.weight$"):
+        apply_tp(model, MeshOfSize(4), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    with pytest.raises(TransformError, match="plan entry 'layers.*.wq' matches no module of Sequential"):
+        apply_tp(model, MeshOfSize(2), {"layers.*.wq": ColwiseParallel()})
+
+
+def test_odd_head_count_is_refused_even_when_a_plan_is_given():
+    args = replace(LLAMA_FLAVORS["debugmodel"], n_heads=6, n_kv_heads=2, dim=192)
+    with pytest.raises(TransformError, match="tp_mesh size 4 does not divide n_heads 6"):
+        apply_tp(meta(lambda: Transformer(args)), MeshOfSize(4), {"output": ColwiseParallel()})
+
+
+def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
+    """Worker: a transformers LlamaForCausalLM's own `labels=` loss on one process, then on the
+    same weights under apply_tp(model, tp_mesh) alone; (logits are a plain tensor, both losses)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(input_ids=tokens, labels=tokens).loss.item()  # this process alone, no mesh
+        parallel = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (dist.get_world_size(),)))
+        output = parallel(input_ids=tokens, labels=tokens)
+    return type(output.logits) is torch.Tensor, output.loss.item(), reference
+
+
+def test_transformers_model_under_apply_tp_keeps_its_output_type():
+    """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
+    LM head), so the model's own loss works; loss parallelism is an explicit argument."""
+    from weft.components.testing import run_distributed
+
+    for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
+        assert plain
+        assert loss == pytest.approx(reference, abs=1e-5)
+

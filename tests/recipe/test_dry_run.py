@@ -1,0 +1,181 @@
+"""--job.dry_run: plans through the same transforms as a real run, writes nothing, exits 2 with
+the figures when the layout does not fit; the layouts table's parameter counts equal the real
+transforms'; every shipped config plans in under a minute and a few GB."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import train
+from weft.components.config import parse_args
+from weft.components.distributed import init_fake_distributed
+from weft.components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
+from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.parallelisms.parallel_dims import ParallelDims
+from weft.parallelisms.parallelize import parallelize
+from weft.recipe.plan import RunPlan
+
+from tests.support import REPO
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    dump = tmp_path / "out"
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--job.dry_run",
+            "--job.dry_run_world_size", "4", "--parallelism.tp", "2", "--job.dry_run_device_memory_gib", "a100-40gb"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    for expected in ("mesh: dp_replicate=1 dp_shard=2 cp=1 tp=2 (world size 4)", "apply_tp:", "apply_fsdp:",
+                     "1,000,576 on each rank", "2,048 tokens per step", "optimizer state", "<- this run", "fits:"):
+        assert expected in out
+    assert not dump.exists() and not dist.is_initialized()
+
+
+def test_a_layout_that_does_not_fit_exits_2_with_the_figures(capsys):
+    argv = ["--job.config_file", "llama8b", "--job.dry_run", "--job.dry_run_world_size", "8",
+            "--job.dry_run_device_memory_gib", "4090"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("weft: error: job.dry_run_device_memory_gib = 4090: does not fit")
+    assert "exceeds 23.6 GiB by" in err[0] and "parameters 3.74" in err[0]
+
+
+def test_a_layout_that_fails_at_start_fails_the_dry_run_with_the_same_error(tmp_path, capsys):
+    """tp 3 cannot split 8 heads: the dry run and a (simulated) real start say the same line."""
+    common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "3",
+              "--parallelism.dp_shard", "1", "--training.seq_len", "96", "--no-metrics.enable_tensorboard"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "3"]) == 2
+    dry = capsys.readouterr().err
+    assert train.main(common + ["--job.simulate_world_size", "3"]) == 2
+    real = capsys.readouterr().err
+    assert dry == real and dry.startswith("weft: error: parallelism.tp = 3")
+
+
+# The debug model on 4 ranks with a local batch of 4 in 4 micro-batches: pipelines of 2 and 4 run.
+PIPELINE_DRY_RUN = ["--job.config_file", "debug_model", "--training.local_batch_size", "4",
+                    "--parallelism.pp_microbatches", "4", "--job.dry_run", "--job.dry_run_world_size", "4"]
+
+
+def _dry_run_output(argv: list[str], capsys) -> tuple[list[float], dict[tuple[int, ...], float]]:
+    """The planned run's peaks (MiB, one per pipeline rank printed) and the layouts table (MiB by
+    (pp, dp_shard, cp, tp))."""
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    peaks = [float(line.split()[-4]) for line in out.splitlines() if line.endswith("<- peak")]
+    table = out[out.index("by estimated peak:"):].splitlines()[2:]
+    rows = {tuple(int(x) for x in line.split()[:4]): float(line.split()[4]) for line in table if line[:6].strip().isdigit()}
+    return peaks, rows
+
+
+def test_the_layouts_table_varies_pp_and_agrees_with_the_planned_pipeline(capsys):
+    """The table's pipeline rows, counted from the unsplit model's shapes, equal the dry run of that
+    layout, whose stages are built and parallelised for real (the larger of the first and the
+    last stage's ranks); and a plain layout's table lists the same figure for it."""
+    peaks, rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"], capsys)
+    assert len(peaks) == 2  # the first and the last stage's ranks
+    assert rows[(2, 2, 1, 1)] == pytest.approx(max(peaks), abs=0.011)
+    assert {pp for pp, *_ in rows} == {1, 2, 4}
+    _, plain_rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4"], capsys)
+    assert plain_rows == rows
+
+
+def test_a_layout_that_does_not_fit_is_told_the_pipeline_layout_that_does(capsys):
+    """FSDP 4 of the debug model needs about 75 MiB; pp 2 x tp 2 about 22 MiB, the least of the
+    table: the error names it, and its own dry run fits."""
+    _, rows = _dry_run_output(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4"], capsys)
+    best = min(rows, key=rows.get)
+    assert best[0] > 1, "the example needs a pipeline layout to be the smallest"
+    limit = ["--job.dry_run_device_memory_gib", f"{(rows[best] + 0.5) / 1024:.6f}"]
+    assert train.main(PIPELINE_DRY_RUN + ["--parallelism.dp_shard", "4", *limit]) == 2
+    err = capsys.readouterr().err
+    pp, dp_shard, cp, tp = best
+    assert f"pp={pp} dp_shard={dp_shard} cp={cp} tp={tp} would need" in err and "and fits" in err
+    layout = ["--parallelism.pp", str(pp), "--parallelism.dp_shard", str(dp_shard), "--parallelism.cp", str(cp),
+              "--parallelism.tp", str(tp)]
+    assert train.main(PIPELINE_DRY_RUN + layout + limit) == 0
+    assert "fits: estimated peak" in capsys.readouterr().out
+
+
+def test_bad_memory_value_is_one_line():
+    with pytest.raises(ValueError):
+        device_memory_gib("lots")
+    assert device_memory_gib("h100") == 79.1 and device_memory_gib("80") == 80.0
+    assert train.main(["--job.config_file", "debug_model", "--job.dry_run", "--job.dry_run_device_memory_gib",
+                       "lots"]) == 2
+
+
+@pytest.mark.parametrize("flavor, world_size, tp, fsdp", [
+    ("debugmodel", 4, 2, 2), ("debugmodel", 8, 1, 8), ("debugmodel", 2, 2, 1), ("llama3_8b", 16, 8, 2),
+])
+def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_size, tp, fsdp):
+    cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--parallelism.tp", str(tp),
+                      "--parallelism.dp_shard", str(fsdp), "--parallelism.dp_replicate", str(world_size // tp // fsdp)])
+    args = LLAMA_FLAVORS[flavor]
+    with torch.device("meta"):
+        plain, model = Transformer(args), Transformer(args)
+    init_fake_distributed(world_size)
+    try:
+        dims = ParallelDims.resolve(dp_replicate=world_size // tp // fsdp, dp_shard=fsdp, tp=tp, world_size=world_size)
+        plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+        parallelize(model, dims.build_mesh("cpu"), **plan.parallelize_kwargs())
+    finally:
+        dist.destroy_process_group()
+    assert tp_fsdp_state_bytes(plain, tp, fsdp) == state_bytes(model)
+
+
+# Shipped configs and the world size their comments plan for.
+SHIPPED = {"debug_model": 1, "debug_sft": 1, "llama8b": 8, "llama2_7b": 8, "llama8b_128k": 8, "llama3_8b_sft": 8,
+           "llama3_70b": 64, "llama3_405b": 512, "debug_lora": 1, "llama3_8b_qlora": 1, "llama3_70b_lora": 8}
+
+
+def test_every_shipped_config_passes_the_dry_run_in_its_documented_layout(capsys):
+    """The dry run applies the real start's transforms and refusals, compile included, so a shipped
+    config that passes here starts (as far as its layout goes) on the hardware it documents."""
+    assert set(SHIPPED) == {path.stem for path in (REPO / "train_configs").glob("*.toml")}
+    for config, world_size in SHIPPED.items():
+        code = train.main(["--job.config_file", config, "--job.dry_run", "--job.dry_run_world_size", str(world_size)])
+        assert code == 0, f"{config}: {capsys.readouterr().err}"
+
+
+def test_dry_run_refuses_compile_with_tp_exactly_as_a_real_start_does(tmp_path, capsys):
+    """torch 2.13 cannot compile tensor-parallel blocks under activation checkpointing: a planned run
+    that asks for all three fails the dry run with the same line as a (simulated) real start."""
+    from weft.parallelisms.compile import torch_has_tp_compile_bug
+
+    if not torch_has_tp_compile_bug():
+        pytest.skip("this torch compiles tensor-parallel blocks")
+    common = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "x"), "--parallelism.tp", "2",
+              "--compile.enable", "--no-metrics.enable_tensorboard"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "4"]) == 0  # no AC: compiles
+    capsys.readouterr()
+    common += ["--activation_checkpoint.mode", "full"]
+    assert train.main(common + ["--job.dry_run", "--job.dry_run_world_size", "4"]) == 2
+    dry = capsys.readouterr().err
+    assert train.main(common + ["--job.simulate_world_size", "4"]) == 2
+    real = capsys.readouterr().err
+    assert dry == real and dry.startswith("weft: error: compile.enable = True: parallelize: compile with tensor")
+    assert len(dry.strip().splitlines()) == 1
+
+
+def _dry_run_subprocess(config: str, world_size: int) -> tuple[float, float]:
+    """(seconds, peak resident GiB) of a dry run of a shipped config in a fresh process."""
+    start = time.monotonic()
+    subprocess.run([sys.executable, "train.py", "--job.config_file", config, "--job.dry_run",
+                    "--job.dry_run_world_size", str(world_size)], cwd=REPO, check=True, capture_output=True)
+    rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2  # KiB on Linux
+    return time.monotonic() - start, rss_gib
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c != "debug_model" else c
+                                    for c in SHIPPED])
+def test_every_shipped_config_plans_in_under_a_minute_and_a_few_gb(config):
+    seconds, rss_gib = _dry_run_subprocess(config, SHIPPED[config])
+    assert seconds < 60, f"{config}: {seconds:.0f} s"
+    assert rss_gib < 4, f"{config}: {rss_gib:.1f} GiB resident"

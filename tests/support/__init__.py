@@ -1,0 +1,7 @@
+"""What the tests share: the repository's paths, and helpers (multi-process runs, the failure
+contract, tokenizer and Hugging Face folders, models weft did not write, in-process train runs)."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the checkout
+ASSETS = REPO / "assets"
