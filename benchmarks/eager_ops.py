@@ -49,7 +49,7 @@ def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tup
     """train.py's plan, model, optimizer and step for this shape, on one CPU process."""
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch), "--optimizer.implementation", optimizer])
-    plan = RunPlan.from_config(cfg, 1, device_type="cpu")
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False)  # measures, writes nothing
     device = torch.device("cpu")
     model = build_model(plan, None, device)
     optimizer, scheduler = build_optimizer_and_schedule(plan, model)

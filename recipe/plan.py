@@ -57,11 +57,14 @@ class RunPlan:
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
-                    check_environment: bool = True) -> RunPlan:
+                    check_environment: bool = True, writes_dump_folder: bool = True) -> RunPlan:
         """Check the config against itself, the files it names and `world_size`; raise a UserError
         (one line naming the key) on the first problem. device_type: where the run will compute
         (default: cuda if this machine has it). check_environment=False (the dry run, which may plan on a
-        laptop for a cluster) skips the tokenizer, data, dump folder, checkpoints and float8 support."""
+        laptop for a cluster) skips the tokenizer, data, dump folder, checkpoints and float8 support.
+        writes_dump_folder=False (a measurement that builds the run but writes no outputs, as the
+        benchmarks do) skips what reads job.dump_folder: another run's config there, the export
+        folders, the checkpoint to resume and its data fingerprint."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size)
         tokenizer, data_files, validation_files = None, [], []
@@ -73,15 +76,17 @@ class RunPlan:
                                 f"larger than the vocabulary of {model_source(cfg)} ({model_args.vocab_size})")
             data_files, validation_files = data_and_validation_files(cfg)
             check_formats(cfg, tokenizer, data_files, validation_files)
-            check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
-            if cfg.export.hf_folder:
-                check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
-            if cfg.checkpoint.enable:
+            resumes = cfg.checkpoint.enable and writes_dump_folder
+            if writes_dump_folder:
+                check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+                if cfg.export.hf_folder:
+                    check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
+            if resumes:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
             # the data against the fingerprint of the checkpoint this run resumes from
             fingerprint, data_note = check_resumed_data(
                 data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
-                if cfg.checkpoint.enable else None, cfg.data.allow_changed_data)
+                if resumes else None, cfg.data.allow_changed_data)
             notes = [note for note in (data_note, restart_warning()) if note]
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,

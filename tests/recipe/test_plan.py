@@ -81,3 +81,21 @@ def test_cpu_offload_needs_fsdp_and_gpu_float8_needs_its_shapes():
     warnings = RunPlan.from_config(parse_args(["--job.config_file", "debug_model"]), 1, device_type="cuda",
                                    check_environment=False).warnings
     assert [w.split(":")[0] for w in warnings] == ["training.mixed_precision_param = float32 with grouped-query attention"]
+
+
+def test_a_plan_that_writes_no_outputs_ignores_the_dump_folder(tmp_path):
+    """A measurement's plan (writes_dump_folder=False) neither checks nor touches job.dump_folder:
+    a folder holding another run (seq_len 128, as the quickstart leaves outputs/debug_model)
+    refuses a run's plan and not a measurement's, and stays as it was."""
+    from weft.components.config import to_toml
+
+    dump = tmp_path / "debug_model"
+    dump.mkdir()
+    (dump / "config.toml").write_text(to_toml(parse_args(["--job.config_file", "debug_model",
+                                                          "--training.seq_len", "128"])))
+    before = sorted(p.name for p in dump.iterdir())
+    cfg = parse_args(["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.seq_len", "64"])
+    with pytest.raises(ConfigError, match="training.seq_len = 128, this run has 64"):
+        RunPlan.from_config(cfg, 1, device_type="cpu")
+    assert RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False).cfg.training.seq_len == 64
+    assert sorted(p.name for p in dump.iterdir()) == before
