@@ -1,6 +1,10 @@
 import logging
+import os
+import tempfile
 
 import pytest
+
+from tests.support import slow_scaled_mm
 
 # The "weft" logger as Python creates it, before any test runs train.py in-process.
 _WEFT = logging.getLogger("weft")
@@ -15,3 +19,17 @@ def restore_weft_logger():
     began in: a module-scoped fixture that ran train.py sets up before this fixture does."""
     yield
     _WEFT.handlers[:], _WEFT.level, _WEFT.propagate = list(_PRISTINE[0]), _PRISTINE[1], _PRISTINE[2]
+
+
+def pytest_configure(config):
+    """With WEFT_SLOW_SCALED_MM=<seconds>, every torch._scaled_mm sleeps that long and is counted
+    (tests/support/slow_scaled_mm.py), in this process and in the ranks it starts."""
+    if os.environ.get(slow_scaled_mm.ENV) and not os.environ.get(slow_scaled_mm.LOG_ENV):
+        os.environ[slow_scaled_mm.LOG_ENV] = tempfile.mkstemp(prefix="weft-scaled-mm-", suffix=".log")[1]
+    slow_scaled_mm.install()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get(slow_scaled_mm.ENV):
+        terminalreporter.write_line(f"torch._scaled_mm calls (each slowed by {os.environ[slow_scaled_mm.ENV]} s): "
+                                    f"{slow_scaled_mm.calls_logged()}")

@@ -1,7 +1,11 @@
 """Float8 training: which layers are converted, where float8 can run, and that it trains.
 
-Float8Linear runs natively on CPU (torch._scaled_mm has a CPU kernel), so the training and
-tensor-parallel tests below use real float8 matmuls, not an emulation.
+The training and tensor-parallel tests below check the recipe (which layers, which scales, TP
+styles), not the kernel, so their Float8Linear layers use torchao's emulated float8 matmul
+(`emulate=True`: the same float8 casts and scales, the product in fp32): their time does not
+depend on how fast the host's `torch._scaled_mm` is (on some CPUs one 512 x 256 x 256 call takes
+a second). The real `torch._scaled_mm` path runs in tests/parallelisms/test_ac.py, which counts
+its calls.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from weft.float8 import (
     float8_tp_styles,
     precompute_float8_scales,
 )
+from weft.float8 import float8 as float8_module
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.materialize import materialize
@@ -226,11 +231,25 @@ def train(model: nn.Module, steps: int) -> list[float]:
     return losses
 
 
+@contextlib.contextmanager
+def emulated_float8_matmuls() -> Iterator[None]:
+    """apply_float8 builds torchao's config for the recipe with emulate=True while active."""
+    real = float8_module._float8_config
+    float8_module._float8_config = lambda *args: replace(real(*args), emulate=True)
+    try:
+        yield
+    finally:
+        float8_module._float8_config = real
+
+
 def build(float8: str | None, meshes=None) -> Transformer:
-    """The training model, built as train.py builds it: meta device, transforms, then weights."""
+    """The training model, built as train.py builds it: meta device, transforms, then weights;
+    float8 matmuls emulated (see the module's docstring)."""
     model = meta_model(TRAIN_ARGS)
-    parallelize(model, meshes, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
-                loss_parallel=False, param_dtype=torch.float32)
+    with emulated_float8_matmuls():
+        parallelize(model, meshes, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
+                    loss_parallel=False, param_dtype=torch.float32)
+    assert all(m.config.emulate for m in model.modules() if isinstance(m, Float8Linear))
     materialize(model, "cpu", seed=0)
     return model
 
@@ -315,7 +334,8 @@ def test_float8_tensor_parallel_styles_through_apply_tp(float8_losses):
     """apply_tp(float8_all_gather=True) wires torchao's float8 styles into the plan. Gloo cannot
     all-gather float8, so this runs on one rank: every style is accepted and the numbers match."""
     model = meta_model(TRAIN_ARGS)
-    apply_float8(model, filter_fqns=["output"], min_dim=16)
+    with emulated_float8_matmuls():
+        apply_float8(model, filter_fqns=["output"], min_dim=16)
     with one_rank_gloo_group():
         apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
         materialize(model, "cpu", seed=0)
@@ -355,7 +375,8 @@ def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
 
     def build() -> Transformer:
         model = meta_model(TRAIN_ARGS)
-        apply_float8(model, filter_fqns=filters, min_dim=16)
+        with emulated_float8_matmuls():
+            apply_float8(model, filter_fqns=filters, min_dim=16)
         return model
 
     reference = train(materialize(build(), "cpu", seed=0), 3)
