@@ -56,7 +56,7 @@ e2e)
     step 90 python3 -m torch.distributed.run --nproc_per_node 2 train.py --job.config_file debug_model \
         --parallelism.dp_shard 1 --parallelism.tp 2 --parallelism.share_gpus --training.steps 10 \
         --metrics.log_freq 1 --job.dump_folder $D/tp
-    step 60 python3 -m pytest -q -x tests/test_model.py -k flex
+    step 60 python3 -m pytest -q -x tests/models/test_llama.py -k flex
     ;;
 memory)
     for ac in none selective full; do

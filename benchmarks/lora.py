@@ -3,7 +3,7 @@
 Each mode builds the model through the recipe (plan -> build_model, the same parallelize and
 materialize train.py uses), in one process, and runs `--steps` AdamW steps on random tokens after
 one warm-up step. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on the CPU the
-profiler's allocation totals (as tests/test_memory.py measures) plus what lives between steps.
+profiler's allocation totals (as tests/components/test_memory.py measures) plus what lives between steps.
 Prints one line per mode and the ratios to full fine-tuning.
 
     python benchmarks/lora.py                                   # debug model, CPU

@@ -14,7 +14,7 @@ line: estimate, measured, ratio; the issue's target is within 10%.
         --parallelism.dp_shard 1 --float8.enable --activation_checkpoint.mode full --training.steps 4
 
 On a CPU it runs the same code and reports the estimate only (there is no allocator peak to
-compare with; tests/test_memory.py measures CPU peaks with the profiler instead).
+compare with; tests/components/test_memory.py measures CPU peaks with the profiler instead).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Full AC keeps a block's input (T/tp·h·e) and recomputes one block at a time in
 selective "op" keeps the matmul and attention outputs; selective N checkpoints every N-th
 block fully. float8 saves the linear inputs in 1 byte instead of e (and the fp8 weight copies).
 Known error: it leaves out tensors below T·h (rsqrt statistics, attention log-sum-exp, RoPE
-tables) and allocator fragmentation. On the debug model on CPU (tests/test_memory.py) the total
+tables) and allocator fragmentation. On the debug model on CPU (tests/components/test_memory.py) the total
 is 0.94–1.03× the measured peak (fsdp, tp, cp, fsdp × tp, hsdp; fp32, full AC, selective op in
 bf16); tp without FSDP is the low end (DTensor redistribution buffers not modelled). Not yet
 measured: float8, GPU kernels' workspaces (flash attention), long-sequence CP. CP's ring attention keeps its gathered
@@ -286,7 +286,7 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
     built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
     wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
-    ceil). Checked against the real transforms in tests/test_memory.py. With LoRA (apply_lora on
+    ceil). Checked against the real transforms in tests/components/test_memory.py. With LoRA (apply_lora on
     the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
     whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
     params = grads = 0

@@ -54,7 +54,7 @@ def tp_compile_needs_input_copy(tp_degree: int) -> bool:
     torch 2.13: when a compiled block's input is the local tensor a tensor-parallel DTensor handed
     out (the sequence-parallel residual stream), AOTAutograd's backward returns a gradient that
     DTensor's redistribute cannot take ("'Tensor' object has no attribute '_local_tensor'",
-    reproduced by tests/test_own_model.py without the copy). A copy made before the compiled
+    reproduced by tests/parallelisms/test_own_model.py without the copy). A copy made before the compiled
     region avoids it, at one activation copy per block."""
     return tp_degree > 1 and torch_has_tp_compile_bug()
 

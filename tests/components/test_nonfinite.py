@@ -1,4 +1,4 @@
-"""The non-finite policy's decisions, step by step (end to end: tests/test_faults.py)."""
+"""The non-finite policy's decisions, step by step (end to end: tests/e2e/test_faults.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The limits CommTimeouts puts on every process group, and the line a failed collective becomes.
 
-(That a stopped rank really ends the run within the limit is tests/test_faults.py's torchrun case.)"""
+(That a stopped rank really ends the run within the limit is tests/e2e/test_faults.py's torchrun case.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 generate.py and `python -m weft.components.hf export`.
 
 One short run (two checkpoints) and one exported Hugging Face folder are made once; every case
-damages its own copy. The contract is tests/failure_checks.py's: exit 2, one `weft: error:` line
+damages its own copy. The contract is tests/support/failure_checks.py's: exit 2, one `weft: error:` line
 naming the folder or key, no traceback, under 60 s, every pre-existing file unchanged (a failed
 export leaves no --out folder).
 """

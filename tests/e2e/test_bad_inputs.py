@@ -2,7 +2,7 @@
 
 Each case builds its bad input under tmp_path and runs train.py's `main` in this process (the
 contract does not depend on how Python was started; a few cases also run `python train.py`
-to prove it). tests/failure_checks.py states and checks the contract: exit 2, one
+to prove it). tests/support/failure_checks.py states and checks the contract: exit 2, one
 `weft: error:` line naming the key, value or file:line, no traceback, under 60 s, and every
 file that existed before byte-identical (the dump folder is never created).
 """

@@ -2,7 +2,7 @@
 that fails, a data file edited between save and resume, a rank that stops responding, a rank
 that is killed under torchrun's restarts.
 
-Each failing case is checked as every failure is (tests/failure_checks.py): exit status, one
+Each failing case is checked as every failure is (tests/support/failure_checks.py): exit status, one
 `weft: error:` line naming the fault, no traceback, and the last good checkpoint byte-identical
 from before the fault to after, with no partial folder left. The single-process cases run
 train.py in this process and inject the fault there (a NaN loss, an ENOSPC write) at a step the

@@ -2,7 +2,7 @@
 input under torchrun fails the same one-line way on every rank, without hanging; single-process
 checkpoint I/O prints no warning.
 
-(That SIGTERM at a reachable loop saves and exits 0 is tests/test_checkpoint.py's
+(That SIGTERM at a reachable loop saves and exits 0 is tests/components/test_checkpoint.py's
 test_sigterm_saves_and_exits_cleanly.)"""
 
 from __future__ import annotations

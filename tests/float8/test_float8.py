@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-pytest.importorskip("torchao", reason="float8 needs torchao; tests/test_float8_optional.py covers its absence")
+pytest.importorskip("torchao", reason="float8 needs torchao; tests/float8/test_float8_optional.py covers its absence")
 
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -94,7 +94,7 @@ def _tp_compiled_losses() -> dict[bool, list[float]]:
 
 @pytest.mark.slow
 def test_tensor_parallel_blocks_compile_behind_an_input_copy():
-    """torch 2.13 fails the backward of a compiled tensor-parallel block (tests/test_own_model.py);
+    """torch 2.13 fails the backward of a compiled tensor-parallel block (tests/parallelisms/test_own_model.py);
     parallelize compiles each behind a copy of its input, and trains as the eager TP model does."""
     from tests.support.dist_utils import run_distributed
 

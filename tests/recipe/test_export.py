@@ -1,7 +1,7 @@
 """recipe/export.py: a LoRA run's checkpoint exported after the fact (`python -m weft.recipe.export`).
 
 The reference is the run's own end-of-run export ([export] peft_folder / hf_folder) of the same
-adapters, itself checked against PEFT and transformers in tests/test_lora_recipe.py: the folders
+adapters, itself checked against PEFT and transformers in tests/recipe/test_lora_recipe.py: the folders
 written from the checkpoint alone must hold the same tensors, bit for bit, and the same files."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ builds the dry run's estimate for its own stages (`recipe.dry_run.pipeline_step_
 micro-batches in flight counted along torch's schedule, the embedding on the first stage, the
 output and logits on the last) and measures its peak over one steady-state step of the recipe's
 `train_step`: the bytes live at the start (parameters, optimizer state, buffers) plus the highest
-running total of the CPU allocator during the step (torch's profiler), as tests/test_memory.py
+running total of the CPU allocator during the step (torch's profiler), as tests/components/test_memory.py
 does. The estimate must be within 10% of the measured peak on the first and on the last stage.
 """
 
