@@ -14,14 +14,13 @@ import time
 
 import pytest
 
-from tests.support.failure_checks import REPO, assert_clean_failure, python, run_command, snapshot
+from tests.support.failure_checks import REPO, assert_clean_failure, python, python_path, run_command, snapshot
 
 # A process that installs weft's SIGTERM handling, then never returns to the training loop:
 # as a rank blocked in a collective after another rank failed, or in a long allocation.
 BLOCKED = """
 import time
 from weft.components.distributed import Preemption
-from tests.support.failure_checks import python_path
 preemption = Preemption(grace_s=2.0)
 print("ready", flush=True)
 while True:
