@@ -1,4 +1,5 @@
-"""weft → Hugging Face: a DCP checkpoint written as a `LlamaForCausalLM` folder, one tensor at a time."""
+"""weft → Hugging Face: a DCP checkpoint or a live model written as a `LlamaForCausalLM` or
+`Llama4ForCausalLM` folder, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ from weft.components.hf.safetensors_io import (
     plan_shards,
     write_shards,
 )
+from weft.components.hf.mappings import FLAVORS, mapping_for_args
 from weft.components.model_state import full_tensors, whole_model
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
 
 logger = logging.getLogger("weft")
 
@@ -43,16 +43,17 @@ def export_to_hf(
     out_dir: str | os.PathLike,
     *,
     flavor: str | None = None,
-    model_args: ModelArgs | None = None,
+    model_args=None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     hf_files: Path | None = None,
 ) -> None:
-    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
+    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` (or
+    `Llama4ForCausalLM`) folder.
 
-    The model's shape comes from `flavor` (a name in LLAMA_FLAVORS) or `model_args`. Runs in
+    The model's shape comes from `flavor` (a Llama or Llama 4 flavor) or `model_args`. Runs in
     one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
-    (DCP reshards on load), permuted, cast to `dtype` and gathered into safetensors files of at
+    (DCP reshards on load), laid out as Hugging Face's (Llama 4's gate and up experts joined), cast to `dtype` and gathered into safetensors files of at
     most `max_shard_bytes`, which is also about the most memory held at once. One file is
     `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with an index.
     `config.json` is written last; with `hf_files` (a run's recorded files, see model_files) it is
@@ -62,9 +63,9 @@ def export_to_hf(
     if (flavor is None) == (model_args is None):
         raise ValueError("export_to_hf: give exactly one of flavor and model_args")
     if flavor is not None:
-        if flavor not in LLAMA_FLAVORS:
-            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(LLAMA_FLAVORS)}")
-        args, expected_by = LLAMA_FLAVORS[flavor], f"flavor {flavor}"
+        if flavor not in FLAVORS:
+            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(FLAVORS)}")
+        args, expected_by = FLAVORS[flavor], f"flavor {flavor}"
     else:
         args, expected_by = model_args, "model_args"
     if dtype not in DTYPE_NAMES:
@@ -74,22 +75,25 @@ def export_to_hf(
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
     check_output_folder(out)
+    mapping = mapping_for_args(args)
     with torch.device("meta"):
-        shapes = Transformer(args)
+        shapes = mapping.model_class(args)
     stored = model_tensor_metadata(folder, shapes, expected_by)
+    groups = mapping.hf_groups(stored)
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = ((weft_to_hf_name(name), meta.size.numel() * itemsize) for name, meta in stored.items())
-    tensors = ((weft_to_hf_name(name), to_hf_tensor(name, _read_dcp_tensor(folder, name, meta), args).to(dtype))
-               for name, meta in stored.items())
+    sizes = ((hf, sum(stored[n].size.numel() for n in names) * itemsize) for hf, names in groups.items())
+    tensors = ((hf, mapping.to_hf(names, [_read_dcp_tensor(folder, n, stored[n]) for n in names], args).to(dtype))
+               for hf, names in groups.items())
     with new_folder(out) as partial:
         write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
         _write_config(partial, args, dtype, hf_files)
 
 
-def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path | None) -> None:
+def _write_config(out: Path, args, dtype: torch.dtype, hf_files: Path | None) -> None:
     if hf_files is None:
-        (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+        config = mapping_for_args(args).hf_config(args, dtype)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     else:
         finish_hf_folder(hf_files, out, args, dtype)
 
@@ -114,7 +118,8 @@ def export_model_to_hf(
     """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
 
     Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
-    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
+    moves it to the CPU, lays it out as Hugging Face's (Llama 4's gate and up experts wait for each
+    other, to be joined) and casts it, and writes a safetensors file whenever one is full;
     so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
     memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
     generation_config.json (None: config.json alone, from the model's args). Written into a
@@ -125,13 +130,18 @@ def export_model_to_hf(
     whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
     args = whole.args
     state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
-    names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
+    mapping = mapping_for_args(args)
+    groups = mapping.hf_groups(name for name in state if not (args.tie_embeddings and name == "output.weight"))
+    names = [name for group in groups.values() for name in group]  # the parts of one HF tensor side by side
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
+    shards = plan_shards(((hf, sum(state[n].numel() for n in group) * itemsize) for hf, group in groups.items()),
+                         max_shard_bytes)
 
     def tensors():
-        for name, full in full_tensors(model, names):
-            yield weft_to_hf_name(name), to_hf_tensor(name, full.to("cpu", dtype), args) if is_writer else None
+        gathered = full_tensors(model, names)
+        for hf, group in groups.items():
+            parts = [full.to("cpu", dtype) if is_writer else None for _, full in (next(gathered) for _ in group)]
+            yield hf, mapping.to_hf(group, parts, args) if is_writer else None
 
     if is_writer:
         with new_folder(out) as partial:
@@ -156,7 +166,7 @@ def check_export_folder(dump_folder: Path, hf_folder: str) -> None:
         raise ConversionError(f"export.hf_folder: {e}") from None
 
 
-def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, initial_load_path: str) -> None:
+def record_hf_files(dump_folder: Path, args, tokenizer_path: str, initial_load_path: str) -> None:
     """What an export of this run needs besides weights, in <dump_folder>/hf_files (see model_files)."""
     source = Path(initial_load_path) if initial_load_path else None
     write_hf_files(dump_folder / HF_FILES, args, tokenizer_path,

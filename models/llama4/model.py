@@ -41,13 +41,14 @@ def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scal
     return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
-def chunk_ids(positions: torch.Tensor, chunk_size: int, document_ids: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """An id per token ([batch, seq]) shared exactly by the tokens of one chunk of one document:
-    chunked attention is the document mask of these ids."""
+def chunk_ids(positions: torch.Tensor, chunk_size: int, document_ids: torch.Tensor | None, batch: int,
+              max_seq_len: int) -> torch.Tensor:
+    """An id per token ([batch, seq]) shared exactly by the tokens of one chunk of one document
+    (positions < max_seq_len): chunked attention is the document mask of these ids."""
     chunks = (positions // chunk_size).expand(batch, -1)
     if document_ids is None:
         return chunks
-    return document_ids * (int(chunks.max()) + 1) + chunks
+    return document_ids * (max_seq_len // chunk_size + 1) + chunks
 
 
 class Attention(LlamaAttention):
@@ -127,7 +128,7 @@ class Transformer(nn.Module):
         nope = None if document_ids is None else core.document_mask(document_ids)
         if self.args.attention_chunk_size is None:
             return {"rope": nope, "nope": nope}
-        chunks = chunk_ids(positions, self.args.attention_chunk_size, document_ids, batch)
+        chunks = chunk_ids(positions, self.args.attention_chunk_size, document_ids, batch, self.args.max_seq_len)
         return {"rope": core.document_mask(chunks), "nope": nope}
 
     def forward(
