@@ -66,10 +66,17 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token uses: all of a dense model's; a Mixture of Experts' less the routed
+    experts a token is not sent to (its `active_parameters()`)."""
+    return model.active_parameters() if hasattr(model, "active_parameters") else count_parameters(model)
+
+
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6·N + 12·L·H·Q·T (forward + backward).
 
-    N counts the parameters that take part in matrix multiplies: all but the token embedding
+    N counts the parameters a token uses (a Mixture of Experts': its active parameters) that take
+    part in matrix multiplies: all but the token embedding
     (a lookup), unless it is tied to the output projection. The second term is attention's
     score and value products: L layers, H heads of size Q, context length T.
     """

@@ -167,3 +167,22 @@ def test_hf_folders_load_and_export_with_the_same_logits(tmp_path):
     export_model_to_hf(model, tmp_path / "export")
     exported = Llama4ForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager").float().eval()
     torch.testing.assert_close(exported(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_packed_documents_equal_each_document_alone():
+    # Dense layers only (moe_every beyond the last layer), chunks of 4 and NoPE layers: each packed
+    # document, its positions restarting at 0, must see exactly what it sees alone.
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=None, vocab_size=64,
+                     dense_hidden_dim=48, expert_hidden_dim=16, n_experts=2, top_k=1, moe_every=3, nope_every=2,
+                     attention_chunk_size=4, floor_scale=2, attn_scale=0.5, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    model.init_weights(seed=1)
+    lengths = (7, 3, 10)
+    docs = [torch.randint(0, 64, (1, n)) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    together = model(packed, positions=positions, document_ids=document_ids)
+    torch.testing.assert_close(together, torch.cat([model(doc) for doc in docs], dim=1), rtol=0, atol=1e-5)
