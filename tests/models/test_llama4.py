@@ -77,10 +77,10 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_d
 def tiny_transformers_model(seed: int = 0, **overrides) -> Llama4ForCausalLM:
     torch.manual_seed(seed)
     model = Llama4ForCausalLM(Llama4TextConfig(**{**TINY, **overrides}, attn_implementation="eager")).float()
-    with torch.no_grad():  # transformers' std 0.02 routes on router logits near 0: spread them out
+    with torch.no_grad():  # transformers' std 0.02 gives near-zero logits and router scores: spread them
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, 1.0 if "router" in name else 0.1)
     return model.eval()
 
 
