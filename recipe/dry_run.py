@@ -26,9 +26,10 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
+from weft.components.hf.mappings import mapping_for_args
 from weft.components.metrics import count_parameters, setup_logging
 from weft.components.model_state import whole_model
-from weft.models.llama import ModelArgs, Transformer
+from weft.models.llama import ModelArgs
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
@@ -108,6 +109,9 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
     plan = RunPlan.from_config(cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
     args, dims = plan.model_args, plan.dims
+    if not isinstance(args, ModelArgs):
+        raise ConfigError(f"job.dry_run: the memory estimate models Llama's blocks, not yet the experts of "
+                          f"model.flavor = {cfg.model.flavor} (Llama 4); run it without job.dry_run")
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
     if dims.world_size > 1:
@@ -199,7 +203,7 @@ def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit:
     from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
     larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
-        plain = Transformer(args)
+        plain = mapping_for_args(args).model_class(args)
     if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
         from weft.parallelisms.lora import apply_lora
 

@@ -21,8 +21,9 @@ from weft.components.data import DataError, HFTokenizer, build_loader, check_tex
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
+from weft.components.hf.mappings import mapping_for_args
 from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from weft.models.llama import ModelArgs, Transformer
+from weft.models.llama import ModelArgs
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
@@ -143,7 +144,22 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, Parall
     dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size)
     dims.check_seq_len(cfg.training.seq_len)
+    check_llama4_support(cfg, args, dims)
     return args, dims
+
+
+def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """Refuse, in one line, what weft does not train Llama 4 in yet: tensor, context and pipeline
+    parallelism (their plans know Llama's modules, not the experts or chunked attention), LoRA."""
+    if isinstance(args, ModelArgs):
+        return
+    for key, degree in (("parallelism.tp", dims.tp), ("parallelism.cp", dims.cp), ("parallelism.pp", dims.pp)):
+        if degree > 1:
+            raise ConfigError(f"{key} = {degree}: {model_source(cfg)} (Llama 4) trains with data parallelism "
+                              f"(dp_shard, dp_replicate) only so far; set {key} = 1")
+    if cfg.lora.enable:
+        raise ConfigError(f"lora.enable: {model_source(cfg)} (Llama 4) has no LoRA targets yet; "
+                          "fine-tune it fully (no lora.enable)")
 
 
 def pipeline_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> PipelineLayout | None:
@@ -229,7 +245,7 @@ def check_lora(plan: RunPlan) -> None:
     from weft.parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
 
     with torch.device("meta"):
-        model = Transformer(plan.model_args)
+        model = mapping_for_args(plan.model_args).model_class(plan.model_args)
     kwargs = plan.parallelize_kwargs()
     try:
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
