@@ -27,7 +27,7 @@ from weft.components.memory import (
     tp_fsdp_state_bytes,
 )
 from weft.components.hf.mappings import mapping_for_args
-from weft.components.metrics import count_parameters, setup_logging
+from weft.components.metrics import active_parameters, count_parameters, setup_logging
 from weft.components.model_state import whole_model
 from weft.models.llama import ModelArgs
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
@@ -109,9 +109,6 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
     plan = RunPlan.from_config(cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
     args, dims = plan.model_args, plan.dims
-    if not isinstance(args, ModelArgs):
-        raise ConfigError(f"job.dry_run: the memory estimate models Llama's blocks, not yet the experts of "
-                          f"model.flavor = {cfg.model.flavor} (Llama 4); run it without job.dry_run")
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")
     if dims.world_size > 1:
@@ -125,7 +122,9 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank")
+    n_active = active_parameters(whole_model(model))
+    active = f" ({n_active:,} active per token)" if n_active != n_params else ""
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank")
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
                 f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
                 f"(seq_len {t.seq_len})")

@@ -51,14 +51,15 @@ def export_to_hf(
     """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` (or
     `Llama4ForCausalLM`) folder.
 
-    The model's shape comes from `flavor` (a Llama or Llama 4 flavor) or `model_args`. Runs in
-    one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
-    (DCP reshards on load), laid out as Hugging Face's (Llama 4's gate and up experts joined), cast to `dtype` and gathered into safetensors files of at
-    most `max_shard_bytes`, which is also about the most memory held at once. One file is
-    `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with an index.
-    `config.json` is written last; with `hf_files` (a run's recorded files, see model_files) it is
-    that folder's, beside its tokenizer and generation_config.json. Refuses a missing or unfinished checkpoint, one of another
-    shape, and an `out_dir` that exists and is not empty.
+    The model's shape comes from `flavor` (a Llama or Llama 4 flavor) or `model_args`. Runs in one
+    process whatever layout saved the checkpoint: each tensor is read whole, one at a time (DCP
+    reshards on load), laid out as Hugging Face's (Llama 4's gate and up experts joined), cast to
+    `dtype` and gathered into safetensors files of at most `max_shard_bytes`, which is also about
+    the most memory held at once. One file is `model.safetensors`; several are
+    `model-0000k-of-0000n.safetensors` with an index. `config.json` is written last; with `hf_files`
+    (a run's recorded files, see model_files) it is that folder's, beside its tokenizer and
+    generation_config.json. Refuses a missing or unfinished checkpoint, one of another shape, and an
+    `out_dir` that exists and is not empty.
     """
     if (flavor is None) == (model_args is None):
         raise ValueError("export_to_hf: give exactly one of flavor and model_args")

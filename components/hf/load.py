@@ -69,10 +69,11 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     `init_weights` or by building the model on a real device).
 
     Each parameter is read whole from its safetensors file, one at a time, laid out as weft's
-    (Llama's wq, wk un-permuted; Llama 4's gate and up experts cut from gate_up_proj), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
-    rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
-    every full tensor from disk (safetensors maps the file, so ranks of one node share the page
-    cache), and memory grows only by the largest tensor, never by the model.
+    (Llama's wq, wk un-permuted; Llama 4's gate and up experts cut from gate_up_proj), cast to the
+    parameter's dtype and copied in with `implicit_replication`, so that each rank keeps its own
+    slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads every full tensor from
+    disk (safetensors maps the file, so ranks of one node share the page cache), and memory grows
+    only by the largest tensor, never by the model.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model

@@ -44,6 +44,15 @@ class ModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads
 
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The feed-forward width one token passes through, averaged over the layers: the dense
+        SwiGLU's, or its top_k experts' and the shared expert's. What the memory estimate scales a
+        block's feed-forward activations by (components/memory.py)."""
+        moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        routed = (self.top_k + 1) * self.expert_hidden_dim
+        return (moe * routed + (self.n_layers - moe) * self.dense_hidden_dim) // self.n_layers
+
     def is_moe_layer(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
 
@@ -66,12 +75,12 @@ class ModelArgs:
 # vocabulary 202048, experts 8192 wide, dense layers 16384 wide, rope_theta 500000, every fourth
 # layer NoPE, chunks of 8192, temperature tuning (floor_scale 8192, attn_scale 0.1), top-1 routing
 # with a shared expert. The rotary table covers 131072 positions (the published
-# max_position_embeddings, 10M for Scout and 1M for Maverick, would take gigabytes). Scout: 16 experts in every layer, QK norm, llama3 rope scaling factor 16
-# (low and high frequency factors 1, original context 8192). Maverick: 128 experts in every other
-# layer (1, 3, ..., 47), dense layers between, no QK norm, no rope scaling. tests/models/
-# test_llama4.py checks the parameter counts against transformers' Llama4ForCausalLM of these
-# configs: Scout 107,769,861,120 (17,172,894,720 active per token), Maverick 400,711,848,960
-# (17,184,691,200 active).
+# max_position_embeddings, 10M for Scout and 1M for Maverick, would take gigabytes). Scout: 16
+# experts in every layer, QK norm, llama3 rope scaling factor 16 (low and high frequency factors 1,
+# original context 8192). Maverick: 128 experts in every other layer (1, 3, ..., 47), dense layers
+# between, no QK norm, no rope scaling. tests/models/test_llama4.py checks the parameter counts
+# against transformers' Llama4ForCausalLM of these configs: Scout 107,769,861,120 (17,172,894,720
+# active per token), Maverick 400,711,848,960 (17,184,691,200 active).
 _SCOUT = ModelArgs(rope_scaling=RopeScaling(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
                                             original_max_seq_len=8192))
 

@@ -55,8 +55,8 @@ def fsdp_and_one_process() -> tuple[list[float], list[float], tuple[float, str]]
     losses = train(models[0], slice(rank * share, (rank + 1) * share), distributed=True)
     reference = train(models[1], slice(None), distributed=False)
     reference_weights = dict(models[1].named_parameters())
-    difference = max(((p.full_tensor() if isinstance(p, DTensor) else p).sub(reference_weights[n]).abs().max().item(), n)
-                     for n, p in models[0].named_parameters())
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in models[0].named_parameters()}
+    difference = max((full[n].sub(reference_weights[n]).abs().max().item(), n) for n in full)
     return losses, reference, difference
 
 
