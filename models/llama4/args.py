@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from weft.models.llama.args import RopeScaling
+from weft.models.common.rotary import RopeScaling
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ A pre-norm decoder like Llama 3 with four changes to attention and one to the fe
 - every `moe_every`-th layer's feed-forward is a Mixture of Experts (top-k routed SwiGLU
   experts with a shared expert beside them); the others are dense SwiGLU.
 
-Norms, rotary, the attention core, masks and the dense SwiGLU are Llama's own pieces.
+Norms, rotary, the attention core, masks and the dense SwiGLU are the shared ones of
+`models/common/`; the projections are Llama's `Attention`.
 Nothing here knows about parallelism.
 """
 
@@ -24,15 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.models.llama.model import (
-    Attention as LlamaAttention,
-    FeedForward,
-    RMSNorm,
-    _param_seed,
-    _trunc_normal,
-    apply_rotary_emb,
-    rope_rotations,
-)
+from weft.models.common.feed_forward import FeedForward
+from weft.models.common.init import param_seed, trunc_normal
+from weft.models.common.norms import RMSNorm
+from weft.models.common.rotary import apply_rotary_emb, rope_rotations
+from weft.models.llama.model import Attention as LlamaAttention
 from weft.models.llama4.args import ModelArgs
 
 
@@ -180,5 +177,5 @@ class Transformer(nn.Module):
                 std = residual_std
             else:
                 std = 0.02
-            param.copy_(_trunc_normal(param.shape, std, param.dtype, param.device, _param_seed(seed, name)))
+            param.copy_(trunc_normal(param.shape, std, param.dtype, param.device, param_seed(seed, name)))
         self.rope_rotations.copy_(rope_rotations(self.args, device=self.rope_rotations.device))

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import Llama4Config, Llama4ForCausalLM, Llama4TextConfig
 
+from weft.models.common.rotary import rope_frequencies
 from weft.models.llama.hf_mapping import HFConfigError
 from weft.models.llama4 import LLAMA4_FLAVORS, ModelArgs, Transformer
 from weft.models.llama4.hf_mapping import (
@@ -15,7 +16,6 @@ from weft.models.llama4.hf_mapping import (
     to_hf_tensor,
     weft_to_hf_name,
 )
-from weft.models.llama.model import rope_frequencies
 
 PUBLISHED = {  # (total, active per token) of the text models, as the issue and model cards give them
     "llama4_scout": (107_769_861_120, 17_172_894_720),
