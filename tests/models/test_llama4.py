@@ -186,3 +186,24 @@ def test_packed_documents_equal_each_document_alone():
     document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     together = model(packed, positions=positions, document_ids=document_ids)
     torch.testing.assert_close(together, torch.cat([model(doc) for doc in docs], dim=1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's chunk and document masks run on CUDA")
+def test_cuda_flex_attention_masks_give_the_cpu_logits_and_a_backward():
+    hf = tiny_transformers_model()
+    model = weft_from_transformers(hf)
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    model, tokens = model.cuda(), tokens.cuda()
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        with torch.no_grad():
+            chunked = model(tokens)  # rotary layers: a FlexAttention chunk mask; NoPE layers: causal SDPA
+            flex = model(tokens, document_ids=torch.zeros_like(tokens))  # every layer through FlexAttention
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.testing.assert_close(chunked.cpu(), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(flex.cpu(), expected, rtol=0, atol=1e-4)
+    model.train()(tokens, document_ids=torch.zeros_like(tokens)).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
