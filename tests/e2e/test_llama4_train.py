@@ -2,11 +2,13 @@
 repeats an uninterrupted one bit for bit, and the end-of-run export loads in transformers."""
 
 import torch
+from safetensors.torch import load_file
 from transformers import Llama4ForCausalLM
 
 from weft import train
 from weft.components.config import parse_args
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
+from weft.components.hf import main as hf_main
 from weft.models.llama4 import Transformer
 from tests.test_checkpoint import run
 
@@ -29,8 +31,14 @@ def test_debug_moe_resumes_exactly_and_logs_active_parameters(tmp_path, capfd):
 
 
 def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
-    train.train(parse_args(args(tmp_path / "run", "--training.steps", "3", "--export.hf_folder", "hf")))
+    train.train(parse_args(args(tmp_path / "run", "--training.steps", "3", "--export.hf_folder", "hf",
+                                "--checkpoint.enable", "--checkpoint.interval", "3")))
     folder = tmp_path / "run" / "hf"
+    # The command-line export of its checkpoint writes the same tensors.
+    assert hf_main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-3"),
+                    "--out", str(tmp_path / "cli")]) == 0
+    ours, cli = load_file(folder / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
+    assert ours.keys() == cli.keys() and all(torch.equal(ours[k], cli[k]) for k in ours)
     model = Transformer(model_args_from_hf_folder(folder))
     load_hf_into_model(model, folder)
     tokens = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(0))  # past a 64-token chunk
