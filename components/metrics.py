@@ -76,12 +76,17 @@ def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6·N + 12·L·H·Q·T (forward + backward).
 
     N counts the parameters a token uses (a Mixture of Experts': its active parameters) that take
-    part in matrix multiplies: all but the token embedding
-    (a lookup), unless it is tied to the output projection. The second term is attention's
-    score and value products: L layers, H heads of size Q, context length T.
+    part in matrix multiplies: all but the token embedding (a lookup), unless it is tied to the
+    output projection. The second term is attention's
+    score and value products: L layers, H heads of size Q, context length T (a Llama 4 rotary
+    layer's chunk where it is shorter).
     """
     embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    return 6 * (n_params - embedding) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    if hasattr(args, "attended_context"):  # Llama 4: rotary layers attend within their chunk
+        context = sum(args.attended_context(layer, seq_len) for layer in range(args.n_layers))
+    else:
+        context = args.n_layers * seq_len
+    return 6 * (n_params - embedding) + 12 * args.n_heads * args.head_dim * context
 
 
 def device_peak_flops(device: torch.device) -> float | None:

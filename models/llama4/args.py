@@ -53,6 +53,13 @@ class ModelArgs:
         routed = (self.top_k + 1) * self.expert_hidden_dim
         return (moe * routed + (self.n_layers - moe) * self.dense_hidden_dim) // self.n_layers
 
+    def attended_context(self, layer: int, seq_len: int) -> int:
+        """How many positions a query of `layer` can attend to at most in a sequence of `seq_len`:
+        its chunk on rotary layers with chunked attention, the whole sequence otherwise."""
+        if self.attention_chunk_size is not None and self.uses_rope(layer):
+            return min(seq_len, self.attention_chunk_size)
+        return seq_len
+
     def is_moe_layer(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
 

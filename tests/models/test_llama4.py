@@ -207,3 +207,14 @@ def test_cuda_flex_attention_masks_give_the_cpu_logits_and_a_backward():
     torch.testing.assert_close(flex.cpu(), expected, rtol=0, atol=1e-4)
     model.train()(tokens, document_ids=torch.zeros_like(tokens)).logsumexp(-1).mean().backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_flops_count_active_parameters_and_chunked_context():
+    from weft.components.metrics import flops_per_token
+
+    args = LLAMA4_FLAVORS["debugmodel_moe"]  # layers 0, 2 rotary (chunks of 64), 1, 3 NoPE
+    with torch.device("meta"):
+        active = Transformer(args).active_parameters()
+    matmuls = active - args.vocab_size * args.dim  # the embedding is a lookup
+    attention = 12 * args.n_heads * args.head_dim * (64 + 256 + 64 + 256)
+    assert flops_per_token(args, active, seq_len=256) == 6 * matmuls + attention
