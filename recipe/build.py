@@ -33,7 +33,7 @@ from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
-from weft.models.llama import Transformer
+from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
@@ -79,7 +79,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
     equal a single-device run's with the same seed, whatever the layout."""
     with torch.device("meta"):
-        model = Transformer(plan.model_args)
+        model = spec_for_args(plan.model_args).build(plan.model_args)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     kwargs = plan.parallelize_kwargs()

@@ -1,5 +1,6 @@
-"""Hugging Face Llama folder → weft: its config.json as ModelArgs, its weights into a model of any
-parallel layout, one tensor at a time."""
+"""Hugging Face folder → weft: its config.json as the ModelArgs of the weft model it describes (the
+`ModelSpec` whose HF mapping reads its model_type), its weights into a model of any parallel
+layout, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -15,19 +16,11 @@ from weft.components.checkpoint import listing
 from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.components.model_state import model_parts, whole_model
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs
-from weft.models.llama.hf_mapping import (
-    HFConfigError,
-    architecture_fields,
-    from_hf_tensor,
-    hf_config,
-    model_args_from_hf_config,
-    weft_to_hf_name,
-)
+from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face folder, checked to describe a model weft's Llama can be."""
+    """The `config.json` of a Hugging Face folder, checked to describe a model weft can build."""
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise ConversionError(f"no HF folder at {folder}")
@@ -36,26 +29,28 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def hf_model_args(config: dict[str, Any], source: str) -> ModelArgs:
-    """`model_args_from_hf_config`, its refusals as one-line ConversionErrors naming `source`."""
+def hf_model_args(config: dict[str, Any], source: str) -> Any:
+    """The ModelArgs of a config.json (its spec's `args_from_hf_config`), its refusals as one-line
+    ConversionErrors naming `source`."""
     try:
-        return model_args_from_hf_config(config)
+        return spec_for_hf_config(config).hf.args_from_hf_config(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
 
-def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> ModelArgs:
+def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> Any:
     """The ModelArgs of the model a Hugging Face folder's config.json describes."""
     return hf_model_args(read_hf_config(hf_dir), f"HF folder {hf_dir}")
 
 
-def check_same_architecture(config: dict[str, Any], args: ModelArgs, source: str) -> None:
+def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
+    hf = spec_for_args(args).hf
     try:
-        theirs = architecture_fields(config)
+        theirs = hf.architecture_fields(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
-    ours = architecture_fields(hf_config(args))
+    ours = hf.architecture_fields(hf.hf_config(args))
     for field, value in theirs.items():
         if value != ours[field]:
             raise ConversionError(f"{source}: {field} is {value}, the model has {ours[field]}")
@@ -84,7 +79,8 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf_names = {name: weft_to_hf_name(name) for name in params}
+    hf = spec_for_args(args).hf
+    hf_names = {name: hf.weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
@@ -101,11 +97,11 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
                 raise ConversionError(
                     f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {list(param.shape)}"
                 )
-            full = from_hf_tensor(name, full, args)
+            full = hf.from_hf_tensor(name, full, args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
+def model_args_for_run(flavor: str, initial_load_path: str) -> Any:
     """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
     config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
     a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
@@ -118,7 +114,7 @@ def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json, got {initial_load_path!r}")
             return model_args_from_hf_folder(folder)
-        args = LLAMA_FLAVORS[flavor]
+        args = spec_for_flavor(flavor).flavors[flavor]
         if is_hf:
             check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
         return args
