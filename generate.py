@@ -32,8 +32,7 @@ from weft.components.checkpoint import load_model_weights, model_tensor_metadata
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.components.hf.mappings import FLAVORS, mapping_for_args
-from weft.models.llama import ModelArgs
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from weft.models.llama.model import rope_rotations
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.plan import SHIPPED_TOKENIZER
@@ -52,7 +51,7 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen
 
 @torch.inference_mode()
 def sample(
-    model: torch.nn.Module,
+    model: Transformer,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -100,7 +99,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="DCP checkpoint step folder, e.g. outputs/checkpoint/step-1000")
     source.add_argument("--hf", help="Hugging Face LlamaForCausalLM folder (config.json + safetensors)")
-    parser.add_argument("--flavor", default="debugmodel", choices=list(FLAVORS),
+    parser.add_argument("--flavor", default="debugmodel", choices=list(LLAMA_FLAVORS),
                         help="model flavor of --checkpoint (a --hf folder brings its own config)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model file or Hugging Face tokenizer folder (default: the --hf folder "
@@ -143,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
-            args = FLAVORS[opts.flavor]
+            args = LLAMA_FLAVORS[opts.flavor]
             with torch.device("meta"):
-                shapes = mapping_for_args(args).model_class(args)
+                shapes = Transformer(args)
             model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, f"--flavor {opts.flavor}")
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
@@ -174,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_model(args: ModelArgs, *, hf: str | None, checkpoint: str | None, device: torch.device,
-               dtype: torch.dtype) -> torch.nn.Module:
+               dtype: torch.dtype) -> Transformer:
     """The model with the weights of a Hugging Face folder (`hf`) or a DCP step folder, read on the
     CPU, cast to `dtype`, then moved to `device`. Only parameters are cast: the rotary table is
     complex, and stays so."""
     with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
-        model = mapping_for_args(args).model_class(args)
+        model = Transformer(args)
     model.to_empty(device="cpu")
     if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
         model.output.weight = model.tok_embeddings.weight

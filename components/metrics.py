@@ -13,10 +13,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from weft.models.llama.args import ModelArgs
+from weft.models import spec_for_args
 
 logger = logging.getLogger("weft")
 
@@ -72,21 +73,11 @@ def active_parameters(model: torch.nn.Module) -> int:
     return model.active_parameters() if hasattr(model, "active_parameters") else count_parameters(model)
 
 
-def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N + 12·L·H·Q·T (forward + backward).
-
-    N counts the parameters a token uses (a Mixture of Experts': its active parameters) that take
-    part in matrix multiplies: all but the token embedding (a lookup), unless it is tied to the
-    output projection. The second term is attention's
-    score and value products: L layers, H heads of size Q, context length T (a Llama 4 rotary
-    layer's chunk where it is shorter).
-    """
-    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    if hasattr(args, "attended_context"):  # Llama 4: rotary layers attend within their chunk
-        context = sum(args.attended_context(layer, seq_len) for layer in range(args.n_layers))
-    else:
-        context = args.n_layers * seq_len
-    return 6 * (n_params - embedding) + 12 * args.n_heads * args.head_dim * context
+def flops_per_token(args: Any, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the model `args` describe, with `n_params` parameters in use
+    (`active_parameters`):
+    its family's formula (`ModelSpec.flops_per_token`; Llama's is 6·N + 12·L·H·Q·T)."""
+    return spec_for_args(args).flops_per_token(args, n_params, seq_len)
 
 
 def device_peak_flops(device: torch.device) -> float | None:

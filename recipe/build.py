@@ -27,7 +27,6 @@ from weft.components.distributed import (
     simulation_warning,
 )
 from weft.components.hf import load_hf_into_model
-from weft.components.hf.mappings import mapping_for_args
 from weft.components.metrics import (
     MetricsLogger,
     active_parameters,
@@ -40,6 +39,7 @@ from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
+from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
@@ -85,7 +85,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
     equal a single-device run's with the same seed, whatever the layout."""
     with torch.device("meta"):
-        model = mapping_for_args(plan.model_args).model_class(plan.model_args)
+        model = spec_for_args(plan.model_args).build(plan.model_args)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     kwargs = plan.parallelize_kwargs()

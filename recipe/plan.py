@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,9 +22,8 @@ from weft.components.data import DataError, HFTokenizer, build_loader, check_tex
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
-from weft.components.hf.mappings import mapping_for_args
 from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
-from weft.models.llama import ModelArgs
+from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
@@ -43,7 +43,7 @@ class Setting:
 @dataclass
 class RunPlan:
     cfg: JobConfig
-    model_args: ModelArgs
+    model_args: Any
     dims: ParallelDims
     tokenizer: object
     data_files: list[Path]
@@ -133,7 +133,7 @@ def model_source(cfg: JobConfig) -> str:
     return f"model flavor {cfg.model.flavor}"
 
 
-def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, ParallelDims]:
+def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
     sequence length (ConfigError / LayoutError, one line)."""
     args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
@@ -150,8 +150,8 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[ModelArgs, Parall
 
 def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
     """Refuse, in one line, what weft does not train Llama 4 in yet: tensor, context and pipeline
-    parallelism (their plans know Llama's modules, not the experts or chunked attention), LoRA."""
-    if isinstance(args, ModelArgs):
+    parallelism (no TP plan or pipeline units in its spec; chunked attention under CP), LoRA."""
+    if spec_for_args(args).name != "Llama 4":
         return
     for key, degree in (("parallelism.tp", dims.tp), ("parallelism.cp", dims.cp), ("parallelism.pp", dims.pp)):
         if degree > 1:
@@ -162,7 +162,7 @@ def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           "fine-tune it fully (no lora.enable)")
 
 
-def pipeline_layout(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> PipelineLayout | None:
+def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLayout | None:
     """The pipeline's schedule, stages and micro-batches, checked against the model and batch."""
     if not dims.pp_enabled:
         return None
@@ -245,7 +245,7 @@ def check_lora(plan: RunPlan) -> None:
     from weft.parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
 
     with torch.device("meta"):
-        model = mapping_for_args(plan.model_args).model_class(plan.model_args)
+        model = spec_for_args(plan.model_args).build(plan.model_args)
     kwargs = plan.parallelize_kwargs()
     try:
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,

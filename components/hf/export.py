@@ -1,5 +1,4 @@
-"""weft → Hugging Face: a DCP checkpoint or a live model written as a `LlamaForCausalLM` or
-`Llama4ForCausalLM` folder, one tensor at a time."""
+"""weft → Hugging Face: a DCP checkpoint written as a `LlamaForCausalLM` folder, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,8 @@ from weft.components.hf.safetensors_io import (
     plan_shards,
     write_shards,
 )
-from weft.components.hf.mappings import FLAVORS, mapping_for_args
 from weft.components.model_state import full_tensors, whole_model
+from weft.models import flavors, spec_for_args
 
 logger = logging.getLogger("weft")
 
@@ -43,30 +43,28 @@ def export_to_hf(
     out_dir: str | os.PathLike,
     *,
     flavor: str | None = None,
-    model_args=None,
+    model_args: Any | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     hf_files: Path | None = None,
 ) -> None:
-    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` (or
-    `Llama4ForCausalLM`) folder.
+    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
 
-    The model's shape comes from `flavor` (a Llama or Llama 4 flavor) or `model_args`. Runs in one
-    process whatever layout saved the checkpoint: each tensor is read whole, one at a time (DCP
-    reshards on load), laid out as Hugging Face's (Llama 4's gate and up experts joined), cast to
-    `dtype` and gathered into safetensors files of at most `max_shard_bytes`, which is also about
-    the most memory held at once. One file is `model.safetensors`; several are
-    `model-0000k-of-0000n.safetensors` with an index. `config.json` is written last; with `hf_files`
-    (a run's recorded files, see model_files) it is that folder's, beside its tokenizer and
-    generation_config.json. Refuses a missing or unfinished checkpoint, one of another shape, and an
-    `out_dir` that exists and is not empty.
+    The model's shape comes from `flavor` (a registered flavor, `weft.models.flavors()`) or `model_args`. Runs in
+    one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
+    (DCP reshards on load), permuted, cast to `dtype` and gathered into safetensors files of at
+    most `max_shard_bytes`, which is also about the most memory held at once. One file is
+    `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with an index.
+    `config.json` is written last; with `hf_files` (a run's recorded files, see model_files) it is
+    that folder's, beside its tokenizer and generation_config.json. Refuses a missing or unfinished checkpoint, one of another
+    shape, and an `out_dir` that exists and is not empty.
     """
     if (flavor is None) == (model_args is None):
         raise ValueError("export_to_hf: give exactly one of flavor and model_args")
     if flavor is not None:
-        if flavor not in FLAVORS:
-            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(FLAVORS)}")
-        args, expected_by = FLAVORS[flavor], f"flavor {flavor}"
+        if flavor not in flavors():
+            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(flavors())}")
+        args, expected_by = flavors()[flavor], f"flavor {flavor}"
     else:
         args, expected_by = model_args, "model_args"
     if dtype not in DTYPE_NAMES:
@@ -76,25 +74,25 @@ def export_to_hf(
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
     check_output_folder(out)
-    mapping = mapping_for_args(args)
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        shapes = mapping.model_class(args)
+        shapes = spec.build(args)
     stored = model_tensor_metadata(folder, shapes, expected_by)
-    groups = mapping.hf_groups(stored)
+
+    hf, groups = spec.hf, spec.hf.groups(stored)  # Llama 4: experts' w1 and w3 make one gate_up_proj
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = ((hf, sum(stored[n].size.numel() for n in names) * itemsize) for hf, names in groups.items())
-    tensors = ((hf, mapping.to_hf(names, [_read_dcp_tensor(folder, n, stored[n]) for n in names], args).to(dtype))
-               for hf, names in groups.items())
+    sizes = ((name, sum(stored[n].size.numel() for n in group) * itemsize) for name, group in groups.items())
+    tensors = ((name, hf.to_hf(group, [_read_dcp_tensor(folder, n, stored[n]) for n in group], args).to(dtype))
+               for name, group in groups.items())
     with new_folder(out) as partial:
         write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
         _write_config(partial, args, dtype, hf_files)
 
 
-def _write_config(out: Path, args, dtype: torch.dtype, hf_files: Path | None) -> None:
+def _write_config(out: Path, args: Any, dtype: torch.dtype, hf_files: Path | None) -> None:
     if hf_files is None:
-        config = mapping_for_args(args).hf_config(args, dtype)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(spec_for_args(args).hf.hf_config(args, dtype), indent=2) + "\n")
     else:
         finish_hf_folder(hf_files, out, args, dtype)
 
@@ -119,8 +117,7 @@ def export_model_to_hf(
     """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
 
     Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
-    moves it to the CPU, lays it out as Hugging Face's (Llama 4's gate and up experts wait for each
-    other, to be joined) and casts it, and writes a safetensors file whenever one is full;
+    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
     so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
     memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
     generation_config.json (None: config.json alone, from the model's args). Written into a
@@ -130,19 +127,19 @@ def export_model_to_hf(
     out = Path(out_dir)
     whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
     args = whole.args
+    hf = spec_for_args(args).hf
     state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
-    mapping = mapping_for_args(args)
-    groups = mapping.hf_groups(name for name in state if not (args.tie_embeddings and name == "output.weight"))
+    groups = hf.groups(name for name in state if not (args.tie_embeddings and name == "output.weight"))
     names = [name for group in groups.values() for name in group]  # the parts of one HF tensor side by side
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = plan_shards(((hf, sum(state[n].numel() for n in group) * itemsize) for hf, group in groups.items()),
-                         max_shard_bytes)
+    shards = plan_shards(((hf_name, sum(state[n].numel() for n in group) * itemsize)
+                          for hf_name, group in groups.items()), max_shard_bytes)
 
     def tensors():
         gathered = full_tensors(model, names)
-        for hf, group in groups.items():
+        for hf_name, group in groups.items():
             parts = [full.to("cpu", dtype) if is_writer else None for _, full in (next(gathered) for _ in group)]
-            yield hf, mapping.to_hf(group, parts, args) if is_writer else None
+            yield hf_name, hf.to_hf(group, parts, args) if is_writer else None
 
     if is_writer:
         with new_folder(out) as partial:
@@ -167,7 +164,7 @@ def check_export_folder(dump_folder: Path, hf_folder: str) -> None:
         raise ConversionError(f"export.hf_folder: {e}") from None
 
 
-def record_hf_files(dump_folder: Path, args, tokenizer_path: str, initial_load_path: str) -> None:
+def record_hf_files(dump_folder: Path, args: Any, tokenizer_path: str, initial_load_path: str) -> None:
     """What an export of this run needs besides weights, in <dump_folder>/hf_files (see model_files)."""
     source = Path(initial_load_path) if initial_load_path else None
     write_hf_files(dump_folder / HF_FILES, args, tokenizer_path,

@@ -1,5 +1,6 @@
-"""Hugging Face Llama or Llama 4 folder → weft: its config.json as ModelArgs, its weights into a
-model of any parallel layout, one tensor at a time."""
+"""Hugging Face folder → weft: its config.json as the ModelArgs of the weft model it describes (the
+`ModelSpec` whose HF mapping reads its model_type), its weights into a model of any parallel
+layout, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ from weft.components.checkpoint import listing
 from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.components.model_state import model_parts, whole_model
-from weft.components.hf.mappings import FLAVORS, mapping_for_args, mapping_for_config
-from weft.models.llama.hf_mapping import HFConfigError
+from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face folder, checked to describe a model weft's Llama can be."""
+    """The `config.json` of a Hugging Face folder, checked to describe a model weft can build."""
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise ConversionError(f"no HF folder at {folder}")
@@ -29,31 +29,31 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def hf_model_args(config: dict[str, Any], source: str):
-    """The ModelArgs of a config.json (Llama's or Llama 4's, by its model_type), its refusals as
-    one-line ConversionErrors naming `source`."""
+def hf_model_args(config: dict[str, Any], source: str) -> Any:
+    """The ModelArgs of a config.json (its spec's `args_from_hf_config`), its refusals as one-line
+    ConversionErrors naming `source`."""
     try:
-        return mapping_for_config(config).args_from_config(config)
+        return spec_for_hf_config(config).hf.args_from_hf_config(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
 
-def model_args_from_hf_folder(hf_dir: str | os.PathLike):
+def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> Any:
     """The ModelArgs of the model a Hugging Face folder's config.json describes."""
     return hf_model_args(read_hf_config(hf_dir), f"HF folder {hf_dir}")
 
 
-def check_same_architecture(config: dict[str, Any], args, source: str) -> None:
+def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
-    mapping, ours_mapping = mapping_for_config(config), mapping_for_args(args)
+    spec = spec_for_args(args)
+    theirs_spec, hf = spec_for_hf_config(config), spec.hf
     try:
-        theirs = mapping.architecture(config)
+        theirs = theirs_spec.hf.architecture_fields(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
-    if mapping is not ours_mapping:
-        raise ConversionError(f"{source}: model_type is {config.get('model_type')}, the model is a "
-                              f"{ours_mapping.model_types[0]}")
-    ours = mapping.architecture(mapping.hf_config(args, torch.float32))
+    if theirs_spec is not spec:
+        raise ConversionError(f"{source}: model_type is {config.get('model_type')}, the model is a {spec.name}")
+    ours = hf.architecture_fields(hf.hf_config(args, torch.float32))
     for field, value in theirs.items():
         if value != ours[field]:
             raise ConversionError(f"{source}: {field} is {value}, the model has {ours[field]}")
@@ -63,29 +63,28 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     """Copy the weights of a Hugging Face Llama or Llama 4 folder into `model`, in any parallel layout
     (`names`: only these parameters, the others may still be on the meta device).
 
-    The folder's config.json must describe a model of the same kind and shape (and rotary,
+    The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
     norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
     only parameters are written, so the rotary buffers must already be filled (as by
     `init_weights` or by building the model on a real device).
 
-    Each parameter is read whole from its safetensors file, one at a time, laid out as weft's
-    (Llama's wq, wk un-permuted; Llama 4's gate and up experts cut from gate_up_proj), cast to the
-    parameter's dtype and copied in with `implicit_replication`, so that each rank keeps its own
-    slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads every full tensor from
-    disk (safetensors maps the file, so ranks of one node share the page cache), and memory grows
-    only by the largest tensor, never by the model.
+    Each parameter is read whole from its safetensors file, one at a time, un-permuted (wq,
+    wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
+    rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
+    every full tensor from disk (safetensors maps the file, so ranks of one node share the page
+    cache), and memory grows only by the largest tensor, never by the model.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
     config = read_hf_config(folder)
     check_same_architecture(config, args, f"HF folder {folder}")
-    mapping = mapping_for_args(args)
 
     files = tensor_files(folder)
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf_names = {name: mapping.prefix(config) + mapping.hf_name(name) for name in params}
+    hf = spec_for_args(args).hf
+    hf_names = {name: hf.prefix(config) + hf.weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
@@ -98,16 +97,16 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
             hf_name = hf_names[name]
             with open_safetensors(files[hf_name]) as f:
                 full = f.get_tensor(hf_name)
-            expected = mapping.hf_shape(name, param.shape)
+            expected = hf.shape(name, param.shape)
             if list(full.shape) != expected:
                 raise ConversionError(
                     f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {expected}"
                 )
-            full = mapping.from_hf(name, full, args)
+            full = hf.from_hf_tensor(name, full, args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-def model_args_for_run(flavor: str, initial_load_path: str):
+def model_args_for_run(flavor: str, initial_load_path: str) -> Any:
     """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
     config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
     a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
@@ -120,7 +119,7 @@ def model_args_for_run(flavor: str, initial_load_path: str):
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json, got {initial_load_path!r}")
             return model_args_from_hf_folder(folder)
-        args = FLAVORS[flavor]
+        args = spec_for_flavor(flavor).flavors[flavor]
         if is_hf:
             check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
         return args

@@ -14,13 +14,15 @@ Nothing here reads or writes files; components/hf does, through these functions.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import torch
 
-from weft.models.llama.hf_mapping import HFConfigError, _rope_scaling
+from weft.models.llama.hf_mapping import _rope_scaling
 from weft.models.llama4.args import ModelArgs
+from weft.models.spec import HFConfigError
 
 # Rotary table length when config.json asks for more: Scout's 10M positions would be a 5 GiB table.
 MAX_ROTARY_POSITIONS = 131072
@@ -51,7 +53,6 @@ _IN_BLOCK = {
     "feed_forward.experts.w2": "feed_forward.experts.down_proj",
 }
 _WEFT_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def weft_to_hf_name(name: str) -> str:
@@ -62,6 +63,21 @@ def weft_to_hf_name(name: str) -> str:
     if match and match.group(2) in _IN_BLOCK:
         return f"model.layers.{match.group(1)}.{_IN_BLOCK[match.group(2)]}"
     raise ValueError(f"no Hugging Face name for weft parameter {name!r}")
+
+
+_TOP_LEVEL_BACK = {hf: weft for weft, hf in _TOP_LEVEL.items()}
+_IN_BLOCK_BACK = {hf: weft for weft, hf in reversed(_IN_BLOCK.items())}  # gate_up_proj -> experts.w1
+_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_to_weft_name(name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` → `layers.3.attention.wq.weight` (gate_up_proj: its w1)."""
+    if name in _TOP_LEVEL_BACK:
+        return _TOP_LEVEL_BACK[name]
+    match = _HF_BLOCK.match(name)
+    if match and match.group(2) in _IN_BLOCK_BACK:
+        return f"layers.{match.group(1)}.{_IN_BLOCK_BACK[match.group(2)]}"
+    raise ValueError(f"no weft name for Hugging Face tensor {name!r}")
 
 
 def hf_groups(weft_names) -> dict[str, list[str]]:
@@ -186,6 +202,14 @@ def _interval(key: str, value: Any, layers: list[int], n_layers: int, what: str)
     if layers != list(range(k - 1, n_layers, k)):
         raise HFConfigError(f"{key} is {value}; weft's Llama 4 supports {what} layers every k-th layer only")
     return k
+
+
+def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArgs fields of a Llama 4 config.json that decide the model's function (all but
+    the rotary table's length); HFConfigError for one weft's Llama 4 cannot represent."""
+    fields = dataclasses.asdict(model_args_from_hf_config(config))
+    fields.pop("max_seq_len")
+    return fields
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
