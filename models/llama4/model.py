@@ -31,6 +31,7 @@ from weft.models.common.norms import RMSNorm
 from weft.models.common.rotary import apply_rotary_emb, rope_rotations
 from weft.models.llama.model import Attention as LlamaAttention
 from weft.models.llama4.args import ModelArgs
+from weft.models.moe import MoE
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -88,8 +89,6 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = args.is_moe_layer(layer)
         if self.moe:
-            from weft.models.moe import MoE  # TODO(llama4): top-level import once branch moe lands
-
             self.feed_forward = MoE(args.dim, args.expert_hidden_dim, args.n_experts, args.top_k,
                                     shared_hidden_dim=args.expert_hidden_dim)
         else:
