@@ -25,8 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.errors import UserError
 from weft.components.hf.model_files import HF_FILES, finish_hf_folder
-from weft.models.llama import Transformer
-from weft.models.llama.hf_mapping import from_hf_tensor, hf_config, hf_to_weft_name, to_hf_tensor, weft_to_hf_name
+from weft.models import spec_for_model
 from weft.parallelisms.lora import LoRALinear, apply_lora, lora_modules
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -47,13 +46,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_name(model: nn.Module, name: str) -> str:
-    """A parameter's name in the Hugging Face model (weft's Llama mapped, transformers' as is)."""
-    return weft_to_hf_name(name) if isinstance(model, Transformer) else name
+    """A parameter's name in the Hugging Face model (a weft model's mapped, transformers' as is)."""
+    spec = spec_for_model(model)
+    return spec.hf.weft_to_hf_name(name) if spec is not None else name
 
 
 def _hf_values(model: nn.Module, name: str, weight: torch.Tensor) -> torch.Tensor:
     """Values laid out as in the Hugging Face model (weft's wq/wk rows in rotate_half order)."""
-    return to_hf_tensor(name, weight, model.args) if isinstance(model, Transformer) else weight
+    spec = spec_for_model(model)
+    return spec.hf.to_hf_tensor(name, weight, model.args) if spec is not None else weight
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -97,7 +98,7 @@ def merged_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[s
             lora: LoRALinear = loras[module_name]
             a, b = full_tensor(lora.lora_A.weight).float(), full_tensor(lora.lora_B.weight).float()
             weight = weight.float() + lora.scaling * (b @ a)
-        if isinstance(model, Transformer) and name == "output.weight" and model.args.tie_embeddings:
+        if spec_for_model(model) is not None and name == "output.weight" and model.args.tie_embeddings:
             continue
         state[_hf_name(model, name)] = _hf_values(model, name, weight).to(dtype).contiguous()
     return state
@@ -109,18 +110,19 @@ def save_peft_adapter(model: nn.Module, out: str | os.PathLike, base_model_name_
     _write_folder(out, adapter_state(model), ADAPTER_WEIGHTS, {ADAPTER_CONFIG: config})
 
 
-def save_merged_hf(model: Transformer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
+def save_merged_hf(model: nn.Module, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
                    hf_files: Path | None = None) -> None:
     """Write weft's Llama with its adapters merged as a Hugging Face folder (all ranks call; rank 0
     writes). hf_files: the files a run recorded (its tokenizer, generation_config.json and the
     base's config.json, components/hf/model_files.py), written beside the weights as a full
     export writes them; without, config.json alone."""
-    if not isinstance(model, Transformer):
+    spec = spec_for_model(model)
+    if spec is None:
         raise ExportError(f"a merged export needs weft's Llama, got {type(model).__name__}")
     if not lora_modules(model):
         raise ExportError("the model has no LoRA adapters to merge (apply_lora was not applied)")
     finish = (lambda folder: finish_hf_folder(hf_files, folder, model.args, dtype)) if hf_files else None
-    _write_folder(out, merged_state(model, dtype), "model.safetensors", {"config.json": hf_config(model.args, dtype)},
+    _write_folder(out, merged_state(model, dtype), "model.safetensors", {"config.json": spec.hf.hf_config(model.args, dtype)},
                   finish)
 
 
@@ -157,7 +159,7 @@ def export_lora_at_end(model: nn.Module, dump_folder: Path, peft_folder: str, hf
         save_merged_hf(model, dump_folder / hf_folder, dtype, recorded if (recorded / "config.json").is_file() else None)
 
 
-def load_peft_adapter(model: Transformer, folder: str | os.PathLike) -> Transformer:
+def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     """Add the adapters of a PEFT adapter folder (as `save_peft_adapter` writes, or PEFT saves for
     the transformers Llama) to weft's Llama, which holds its base weights; for generation."""
     from safetensors.torch import load_file
@@ -170,11 +172,12 @@ def load_peft_adapter(model: Transformer, folder: str | os.PathLike) -> Transfor
         raise ExportError(f"adapter folder {folder}: cannot read {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} ({e})") from None
     if config.get("peft_type") != "LORA":
         raise ExportError(f"adapter folder {folder}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
+    hf = spec_for_model(model).hf
     values = {}
     for key, tensor in tensors.items():
         hf_module, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         try:
-            weft_weight = hf_to_weft_name(f"{hf_module}.weight")
+            weft_weight = hf.hf_to_weft_name(f"{hf_module}.weight")
         except ValueError:
             raise ExportError(f"adapter folder {folder}: {key} names no linear of weft's Llama") from None
         values[(weft_weight.removesuffix(".weight"), which.removesuffix(".weight"))] = (weft_weight, tensor)
@@ -184,7 +187,7 @@ def load_peft_adapter(model: Transformer, folder: str | os.PathLike) -> Transfor
         for (name, which), (weft_weight, tensor) in values.items():
             param = model.get_submodule(f"{name}.lora_{which}").weight
             if which == "B":  # output rows in weft's rotary order, as the base weight's
-                tensor = from_hf_tensor(weft_weight, tensor, model.args)
+                tensor = hf.from_hf_tensor(weft_weight, tensor, model.args)
             if tensor.shape != param.shape:
                 raise ExportError(f"adapter folder {folder}: {name}.lora_{which} has shape {list(tensor.shape)}, "
                                   f"the model expects {list(param.shape)}")

@@ -37,13 +37,14 @@ of one chunk of rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from weft.components.loss import CHUNK_BYTES
-from weft.models.llama import ModelArgs
+from weft.models import spec_for_args
 
 GIB = 1024**3
 
@@ -139,7 +140,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 class StepShape:
     """What decides activation memory: the model, the local tokens and the layout."""
 
-    args: ModelArgs
+    args: Any  # the model's hyper-parameters (its family's ModelArgs)
     local_batch: int
     seq_len: int
     tp: int = 1
@@ -270,16 +271,14 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def block_numel(args: ModelArgs) -> int:
-    """Parameters of one transformer block."""
-    attention = args.dim * (2 * args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim)
-    return attention + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim
+def block_numel(args: Any) -> int:
+    """Parameters of one transformer block of the model `args` describe (its `ModelSpec`)."""
+    return spec_for_args(args).block_numel(args)
 
 
-def lora_block_numel(args: ModelArgs, rank: int) -> int:
-    """Adapter parameters of one block with LoRA on its 7 linears: rank x (in + out) each."""
-    q, kv, h, f = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim, args.ffn_hidden_dim
-    return rank * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + f))
+def lora_block_numel(args: Any, rank: int) -> int:
+    """Adapter parameters of one block with LoRA of `rank` on every block linear (its `ModelSpec`)."""
+    return spec_for_args(args).lora_block_numel(args, rank)
 
 
 def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int, int]:
@@ -357,7 +356,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
 NF4_QUANTIZE_CHUNK = 2**20
 
 
-def qlora_startup_bytes(model: nn.Module, args: ModelArgs, compute_dtype: torch.dtype) -> int:
+def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype) -> int:
     """QLoRA's start-up peak on each rank (recipe/build.py: stream_qlora_base), from the meta-device
     `model` with its adapters: the whole base (its targets in NF4, the rest in their dtype) and the
     adapters, which every rank holds until FSDP shards them; one unit (a block, or the embedding)

@@ -13,10 +13,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from weft.models.llama.args import ModelArgs
+from weft.models import spec_for_args
 
 logger = logging.getLogger("weft")
 
@@ -66,15 +67,17 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N + 12·L·H·Q·T (forward + backward).
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token uses: all of a dense model's; a Mixture of Experts' less the routed
+    experts a token is not sent to (its `active_parameters()`)."""
+    return model.active_parameters() if hasattr(model, "active_parameters") else count_parameters(model)
 
-    N counts the parameters that take part in matrix multiplies: all but the token embedding
-    (a lookup), unless it is tied to the output projection. The second term is attention's
-    score and value products: L layers, H heads of size Q, context length T.
-    """
-    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    return 6 * (n_params - embedding) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+def flops_per_token(args: Any, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the model `args` describe, with `n_params` parameters in use
+    (`active_parameters`):
+    its family's formula (`ModelSpec.flops_per_token`; Llama's is 6·N + 12·L·H·Q·T)."""
+    return spec_for_args(args).flops_per_token(args, n_params, seq_len)
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -11,7 +11,7 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
-from weft.parallelisms.tp import apply_tp, hf_tp_plan, llama_tp_plan
+from weft.parallelisms.tp import apply_tp, hf_tp_plan
 
 __all__ = [
     "LayoutError",
@@ -28,7 +28,6 @@ __all__ = [
     "build_schedule",
     "default_split",
     "hf_tp_plan",
-    "llama_tp_plan",
     "materialize",
     "parallelize",
     "shard_sequence",

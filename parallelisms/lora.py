@@ -27,6 +27,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.parallelisms.plans import path_matches
 
 logger = logging.getLogger("weft")
 
@@ -280,10 +281,8 @@ def lora_tp_style(style: ParallelStyle) -> ParallelStyle:
 
 def lora_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """`plan` with each entry that reaches a LoRALinear made to split its adapters too."""
-    from weft.parallelisms.tp import _path_matches
-
     names = [n for n, _ in lora_modules(model)]
-    return {path: lora_tp_style(style) if any(_path_matches(n, path) for n in names) else style
+    return {path: lora_tp_style(style) if any(path_matches(n, path) for n in names) else style
             for path, style in plan.items()}
 
 

@@ -28,7 +28,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from weft.models.llama.pipeline import HFCausalLMStage, hf_causal_lm_units, llama_units
+from weft.models import spec_for_model
+from weft.parallelisms.hf_stages import HFCausalLMStage, hf_causal_lm_units
 from weft.parallelisms.parallel_dims import LayoutError
 
 logger = logging.getLogger("weft")
@@ -138,11 +139,12 @@ def plan_pipeline(*, schedule: str, pp: int, stages_per_rank_requested: int, mic
 
 def pipeline_units(model: nn.Module) -> list[list[str]]:
     """The model as a sequence of units a split may not cut: the token embedding, each block, and
-    the final norm with the output projection. Known for weft's Llama and transformers'
-    *ForCausalLM (models/llama/pipeline.py); other models pass module names per stage."""
-    for units_of in (llama_units, hf_causal_lm_units):
-        if (units := units_of(model)) is not None:
-            return units
+    the final norm with the output projection. Known for weft's models (their `ModelSpec`) and
+    transformers' *ForCausalLM (parallelisms/hf_stages.py); other models pass module names per stage."""
+    if (spec := spec_for_model(model)) is not None:
+        return spec.pipeline_units(model)
+    if (units := hf_causal_lm_units(model)) is not None:
+        return units
     raise LayoutError(f"pipeline: no default split for {type(model).__name__}; pass module names per stage")
 
 

@@ -1,16 +1,14 @@
 """Tensor parallelism: Megatron-style column/row splits of a model's linear layers over a TP mesh.
 
 A plan maps module paths (`*` matches any one path component, e.g. every block) to PyTorch's
-`ParallelStyle`s. `apply_tp` brings its own plan for weft's Llama (with sequence parallelism)
-and builds one for Hugging Face transformers models from the plan their config declares; any
-other model passes `plan=`.
+`ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/spec.py`; Llama's
+uses sequence parallelism) and builds one for Hugging Face transformers models from the plan
+their config declares; any other model passes `plan=`.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-from collections.abc import Collection, Iterable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,19 +16,16 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-from weft.models.llama import Transformer
+from weft.models import spec_for_model
 from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 from weft.parallelisms.lora import lora_tp_plan
+from weft.parallelisms.plans import Plan, path_matches
 
 logger = logging.getLogger("weft")
-
-Plan = dict[str, ParallelStyle]
 
 
 def apply_tp(
@@ -43,7 +38,7 @@ def apply_tp(
 ) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
 
-    plan None: weft's Llama plan (`llama_tp_plan`) for weft's `Transformer`, the model's own
+    plan None: a weft model's own plan (its `ModelSpec.tp_plan`), the model's own
     declared plan for a transformers model (`hf_tp_plan`). Column-split layers own whole
     output features (whole heads), row-split layers whole input features; the heads and every
     split dimension must be divisible by the mesh size, which is checked before anything changes.
@@ -83,14 +78,15 @@ def apply_tp(
 
 
 def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
-    """weft's Llama plan, or the plan a transformers model declares; else an error asking for one."""
-    if isinstance(model, Transformer):
+    """A weft model's plan (its spec's `tp_plan`), or the plan a transformers model declares; else an
+    error asking for one."""
+    if (spec := spec_for_model(model)) is not None:
         if not float8_all_gather:
-            return llama_tp_plan(loss_parallel=loss_parallel)
-        from weft.float8 import converted_modules
+            return spec.tp_plan(model, loss_parallel=loss_parallel)
+        from weft.float8 import converted_modules, float8_tp_styles
 
-        return llama_tp_plan(loss_parallel=loss_parallel, float8_linears=converted_modules(model),
-                             blocks=[f"layers.{name}" for name in model.layers])
+        return spec.tp_plan(model, loss_parallel=loss_parallel, float8_linears=converted_modules(model),
+                            float8_styles=float8_tp_styles())
     if float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
     if _hf_declared_plan(model):
@@ -99,64 +95,6 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
         "apply_tp", "plan", f"no tensor-parallel plan is known for {type(model).__name__}; pass plan="
         "{module path: ParallelStyle}"
     )
-
-
-# How each block linear of weft's Llama is split, and which linears read each block input.
-_BLOCK_SPLITS = {
-    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-}
-_BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
-
-
-def llama_tp_plan(
-    *, loss_parallel: bool = False, float8_linears: Collection[str] = (), blocks: Iterable[str] = ("layers.*",)
-) -> Plan:
-    """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
-    heads, so grouped-query attention stays local), wo and w2 by input features.
-
-    Between the splits the activations are sequence-parallel: the residual stream and the norms
-    hold 1/tp of the tokens, all-gathered before attention and the feed-forward and
-    reduce-scattered after them. The embedding is split by vocabulary, and so is the output.
-
-    float8_linears: names of the model's `Float8Linear` layers, which get torchao's styles that
-    all-gather activations in float8 (`float8_tp_styles`, tensorwise); an attention or
-    feed-forward input is gathered in float8 only when every linear reading it is one. Those
-    styles refuse any other module, so the layers kept in high precision (min_dim, filter_fqns)
-    get the plain styles. blocks: the block paths to write entries for (the default pattern
-    matches every block; list them when the choice differs between blocks).
-    """
-    float8_linears = set(float8_linears)
-    plain = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare_input": PrepareModuleInput}
-    float8 = plain
-    if float8_linears:
-        from weft.float8 import float8_tp_styles
-
-        float8 = float8_tp_styles()
-
-    def style(kind: str, readers: Iterable[str]) -> type[ParallelStyle]:
-        return float8[kind] if all(reader in float8_linears for reader in readers) else plain[kind]
-
-    plan: Plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": _output_style(loss_parallel, input_layouts=Shard(1)),
-    }
-    for block in blocks:
-        # Attention and the feed-forward need the whole sequence: gather it at their entrance.
-        # The rotary rotations (the attention's other input) are a plain tensor and pass through.
-        readers = {part: [f"{block}.{part}.{n}" for n in names] for part, names in _BLOCK_INPUT_READERS.items()}
-        plan[f"{block}.attention_norm"] = SequenceParallel()
-        plan[f"{block}.attention"] = style("prepare_input", readers["attention"])(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-        plan[f"{block}.ffn_norm"] = SequenceParallel()
-        plan[f"{block}.feed_forward"] = style("prepare_input", readers["feed_forward"])(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        for linear, kind in _BLOCK_SPLITS.items():
-            path = f"{block}.{linear}"
-            chosen = style(kind, [path])
-            plan[path] = chosen(output_layouts=Shard(1)) if kind == "rowwise" else chosen()
-    return plan
 
 
 # The style names transformers uses in `base_model_tp_plan` / `_tp_plan`, and what they mean.
@@ -213,7 +151,8 @@ def _output_style(loss_parallel: bool, input_layouts) -> ParallelStyle:
 
 
 def _plan_name(model: nn.Module) -> str:
-    return "weft Llama" if isinstance(model, Transformer) else type(model).__name__
+    spec = spec_for_model(model)
+    return f"weft {spec.name}" if spec is not None else type(model).__name__
 
 
 def _plan_targets(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, ParallelStyle]]:
@@ -221,7 +160,7 @@ def _plan_targets(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, Pa
     modules = dict(model.named_modules())
     targets = []
     for pattern, style in plan.items():
-        matched = [name for name in modules if name and _path_matches(name, pattern)]
+        matched = [name for name in modules if name and path_matches(name, pattern)]
         if not matched:
             raise TransformError("apply_tp", "plan", f"plan entry {pattern!r} matches no module of {type(model).__name__}")
         targets += [(name, modules[name], style) for name in matched]
@@ -231,12 +170,7 @@ def _plan_targets(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, Pa
 def _entries_present(model: nn.Module, plan: Plan) -> Plan:
     """The plan's entries that match a module of the model."""
     names = [name for name, _ in model.named_modules() if name]
-    return {pattern: style for pattern, style in plan.items() if any(_path_matches(n, pattern) for n in names)}
-
-
-def _path_matches(name: str, pattern: str) -> bool:
-    parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted))
+    return {pattern: style for pattern, style in plan.items() if any(path_matches(n, pattern) for n in names)}
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:

@@ -27,13 +27,19 @@ from weft.components.distributed import (
     simulation_warning,
 )
 from weft.components.hf import load_hf_into_model
-from weft.components.metrics import MetricsLogger, count_parameters, flops_per_token, setup_logging
+from weft.components.metrics import (
+    MetricsLogger,
+    active_parameters,
+    count_parameters,
+    flops_per_token,
+    setup_logging,
+)
 from weft.components.model_state import whole_model
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
-from weft.models.llama import Transformer
+from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
@@ -79,7 +85,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
     equal a single-device run's with the same seed, whatever the layout."""
     with torch.device("meta"):
-        model = Transformer(plan.model_args)
+        model = spec_for_args(plan.model_args).build(plan.model_args)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     kwargs = plan.parallelize_kwargs()
@@ -279,8 +285,10 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
     """The start-up summary: the model, its parameters per rank, precision, the global batch."""
     cfg, args, t = plan.cfg, plan.model_args, plan.cfg.training
     n_params = count_parameters(whole_model(model))  # a pipeline rank: of the whole model, not its stages
+    n_active = active_parameters(whole_model(model))
+    active = f" ({n_active:,} active per token)" if n_active != n_params else ""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank "
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank "
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
                 f"{args.kv_heads} kv heads, vocab {args.vocab_size})")
     logger.info(plan.precision.describe())
@@ -294,7 +302,7 @@ def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: i
     cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
     return MetricsLogger(
         device=device,
-        flops_per_token=flops_per_token(plan.model_args, count_parameters(whole_model(model)),
+        flops_per_token=flops_per_token(plan.model_args, active_parameters(whole_model(model)),
                                         cfg.training.seq_len),
         tokens_per_step=plan.tokens_per_step,
         world_size=plan.dims.world_size,

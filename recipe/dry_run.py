@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +27,9 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
-from weft.components.metrics import count_parameters, setup_logging
+from weft.components.metrics import active_parameters, count_parameters, setup_logging
 from weft.components.model_state import whole_model
-from weft.models.llama import ModelArgs, Transformer
+from weft.models import spec_for_args
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
@@ -47,7 +48,7 @@ def planned_world_size(cfg: JobConfig) -> int:
     return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
 
 
-def step_shape(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> StepShape:
+def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
     """What the memory estimate needs from the config and layout. Compute dtype and mechanism are
     train.py's precision policy (parallelisms/precision.py): FSDP's param dtype, else autocast."""
     t = cfg.training
@@ -121,7 +122,9 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
 
     t = cfg.training
     local = sum(x.numel() for x in map(_local, model.parameters()))
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters, {local:,} on each rank")
+    n_active = active_parameters(whole_model(model))
+    active = f" ({n_active:,} active per token)" if n_active != n_params else ""
+    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank")
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
                 f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
                 f"(seq_len {t.seq_len})")
@@ -169,7 +172,7 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
 TABLE_MAX_PP = 16
 
 
-def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[ParallelDims]:
+def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[ParallelDims]:
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
@@ -193,13 +196,13 @@ def candidate_layouts(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[
     return layouts
 
 
-def layouts_table(cfg: JobConfig, args: ModelArgs, current: ParallelDims, limit: float | None,
+def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float | None,
                   rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
     """The estimated peak of each layout of this world size, smallest first (parameters counted
     from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
     larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
-        plain = Transformer(args)
+        plain = spec_for_args(args).build(args)
     if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
         from weft.parallelisms.lora import apply_lora
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.models.llama.args import LLAMA_FLAVORS
+from weft.models import flavors
 
 
 def opt(
@@ -79,7 +79,7 @@ class Model:
     flavor: str = opt(
         "debugmodel", f"Model architecture and size: a built-in flavor (a Hugging Face checkpoint.initial_load_path "
         f"must match it), or '{FROM_HF_CONFIG}' to read them from that folder's config.json",
-        choices=(*LLAMA_FLAVORS, FROM_HF_CONFIG))
+        choices=(*flavors(), FROM_HF_CONFIG))
     tokenizer_path: str = opt(
         "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
         "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")

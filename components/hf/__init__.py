@@ -9,8 +9,9 @@ Modules: `safetensors_io` (files, shards, index; writing into a folder renamed i
 `load` (config.json -> ModelArgs, `model_args_for_run`, weights into a model), `export` (a DCP
 checkpoint or a live model in any layout -> a folder; `export.hf_folder` at the end of a run),
 `model_files` (config.json, tokenizer and generation_config.json, recorded by a run in
-<dump_folder>/hf_files), `cli`. What is Llama's (names, the rotary permutation, config.json)
-lives with the model, in `models/llama/hf_mapping.py`.
+<dump_folder>/hf_files), `cli`. What is a model's own (names, Llama's rotary permutation,
+config.json) lives with the model (`models/llama/hf_mapping.py`); these modules reach it through
+the model's spec (`ModelSpec.hf`, models/spec.py).
 """
 
 from weft.components.hf.cli import main

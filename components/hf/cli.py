@@ -12,7 +12,7 @@ from weft.components.hf.export import export_to_hf, run_hf_files
 from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES
 from weft.components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
-from weft.models.llama import LLAMA_FLAVORS
+from weft.models import flavors
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")
     export.add_argument("--checkpoint", required=True, help="DCP step folder, e.g. outputs/checkpoint/step-1000")
-    export.add_argument("--flavor", choices=list(LLAMA_FLAVORS),
+    export.add_argument("--flavor", choices=list(flavors()),
                         help="model flavor it was trained as (default: what the run recorded in <dump_folder>/hf_files)")
     export.add_argument("--out", required=True, help="new (or empty) output folder")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
                                   f"{opts.checkpoint} (a checkpoint of an older weft, or moved); give --flavor")
         # A --flavor given wins over the run's record (its shapes are checked against the checkpoint).
-        args = LLAMA_FLAVORS[opts.flavor] if opts.flavor else model_args_from_hf_config_file(hf_files)
+        args = flavors()[opts.flavor] if opts.flavor else model_args_from_hf_config_file(hf_files)
         export_to_hf(
             opts.checkpoint,
             opts.out,

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,7 @@ from weft.components.hf.safetensors_io import (
     write_shards,
 )
 from weft.components.model_state import full_tensors, whole_model
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
+from weft.models import flavors, spec_for_args
 
 logger = logging.getLogger("weft")
 
@@ -43,14 +43,14 @@ def export_to_hf(
     out_dir: str | os.PathLike,
     *,
     flavor: str | None = None,
-    model_args: ModelArgs | None = None,
+    model_args: Any | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     hf_files: Path | None = None,
 ) -> None:
     """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
 
-    The model's shape comes from `flavor` (a name in LLAMA_FLAVORS) or `model_args`. Runs in
+    The model's shape comes from `flavor` (a registered flavor, `weft.models.flavors()`) or `model_args`. Runs in
     one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
     (DCP reshards on load), permuted, cast to `dtype` and gathered into safetensors files of at
     most `max_shard_bytes`, which is also about the most memory held at once. One file is
@@ -62,9 +62,9 @@ def export_to_hf(
     if (flavor is None) == (model_args is None):
         raise ValueError("export_to_hf: give exactly one of flavor and model_args")
     if flavor is not None:
-        if flavor not in LLAMA_FLAVORS:
-            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(LLAMA_FLAVORS)}")
-        args, expected_by = LLAMA_FLAVORS[flavor], f"flavor {flavor}"
+        if flavor not in flavors():
+            raise ConversionError(f"unknown flavor {flavor!r}; expected one of {', '.join(flavors())}")
+        args, expected_by = flavors()[flavor], f"flavor {flavor}"
     else:
         args, expected_by = model_args, "model_args"
     if dtype not in DTYPE_NAMES:
@@ -74,22 +74,25 @@ def export_to_hf(
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
     check_output_folder(out)
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        shapes = Transformer(args)
+        shapes = spec.build(args)
     stored = model_tensor_metadata(folder, shapes, expected_by)
 
+    hf, groups = spec.hf, spec.hf.groups(stored)  # Llama 4: experts' w1 and w3 make one gate_up_proj
+
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = ((weft_to_hf_name(name), meta.size.numel() * itemsize) for name, meta in stored.items())
-    tensors = ((weft_to_hf_name(name), to_hf_tensor(name, _read_dcp_tensor(folder, name, meta), args).to(dtype))
-               for name, meta in stored.items())
+    sizes = ((name, sum(stored[n].size.numel() for n in group) * itemsize) for name, group in groups.items())
+    tensors = ((name, hf.to_hf(group, [_read_dcp_tensor(folder, n, stored[n]) for n in group], args).to(dtype))
+               for name, group in groups.items())
     with new_folder(out) as partial:
         write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
         _write_config(partial, args, dtype, hf_files)
 
 
-def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path | None) -> None:
+def _write_config(out: Path, args: Any, dtype: torch.dtype, hf_files: Path | None) -> None:
     if hf_files is None:
-        (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(spec_for_args(args).hf.hf_config(args, dtype), indent=2) + "\n")
     else:
         finish_hf_folder(hf_files, out, args, dtype)
 
@@ -124,14 +127,19 @@ def export_model_to_hf(
     out = Path(out_dir)
     whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
     args = whole.args
+    hf = spec_for_args(args).hf
     state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
-    names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
+    groups = hf.groups(name for name in state if not (args.tie_embeddings and name == "output.weight"))
+    names = [name for group in groups.values() for name in group]  # the parts of one HF tensor side by side
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
+    shards = plan_shards(((hf_name, sum(state[n].numel() for n in group) * itemsize)
+                          for hf_name, group in groups.items()), max_shard_bytes)
 
     def tensors():
-        for name, full in full_tensors(model, names):
-            yield weft_to_hf_name(name), to_hf_tensor(name, full.to("cpu", dtype), args) if is_writer else None
+        gathered = full_tensors(model, names)
+        for hf_name, group in groups.items():
+            parts = [full.to("cpu", dtype) if is_writer else None for _, full in (next(gathered) for _ in group)]
+            yield hf_name, hf.to_hf(group, parts, args) if is_writer else None
 
     if is_writer:
         with new_folder(out) as partial:
@@ -156,7 +164,7 @@ def check_export_folder(dump_folder: Path, hf_folder: str) -> None:
         raise ConversionError(f"export.hf_folder: {e}") from None
 
 
-def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, initial_load_path: str) -> None:
+def record_hf_files(dump_folder: Path, args: Any, tokenizer_path: str, initial_load_path: str) -> None:
     """What an export of this run needs besides weights, in <dump_folder>/hf_files (see model_files)."""
     source = Path(initial_load_path) if initial_load_path else None
     write_hf_files(dump_folder / HF_FILES, args, tokenizer_path,

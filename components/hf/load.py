@@ -1,5 +1,6 @@
-"""Hugging Face Llama folder → weft: its config.json as ModelArgs, its weights into a model of any
-parallel layout, one tensor at a time."""
+"""Hugging Face folder → weft: its config.json as the ModelArgs of the weft model it describes (the
+`ModelSpec` whose HF mapping reads its model_type), its weights into a model of any parallel
+layout, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -15,19 +16,11 @@ from weft.components.checkpoint import listing
 from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.components.model_state import model_parts, whole_model
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs
-from weft.models.llama.hf_mapping import (
-    HFConfigError,
-    architecture_fields,
-    from_hf_tensor,
-    hf_config,
-    model_args_from_hf_config,
-    weft_to_hf_name,
-)
+from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face folder, checked to describe a model weft's Llama can be."""
+    """The `config.json` of a Hugging Face folder, checked to describe a model weft can build."""
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise ConversionError(f"no HF folder at {folder}")
@@ -36,33 +29,38 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def hf_model_args(config: dict[str, Any], source: str) -> ModelArgs:
-    """`model_args_from_hf_config`, its refusals as one-line ConversionErrors naming `source`."""
+def hf_model_args(config: dict[str, Any], source: str) -> Any:
+    """The ModelArgs of a config.json (its spec's `args_from_hf_config`), its refusals as one-line
+    ConversionErrors naming `source`."""
     try:
-        return model_args_from_hf_config(config)
+        return spec_for_hf_config(config).hf.args_from_hf_config(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
 
-def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> ModelArgs:
+def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> Any:
     """The ModelArgs of the model a Hugging Face folder's config.json describes."""
     return hf_model_args(read_hf_config(hf_dir), f"HF folder {hf_dir}")
 
 
-def check_same_architecture(config: dict[str, Any], args: ModelArgs, source: str) -> None:
+def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
+    spec = spec_for_args(args)
+    theirs_spec, hf = spec_for_hf_config(config), spec.hf
     try:
-        theirs = architecture_fields(config)
+        theirs = theirs_spec.hf.architecture_fields(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
-    ours = architecture_fields(hf_config(args))
+    if theirs_spec is not spec:
+        raise ConversionError(f"{source}: model_type is {config.get('model_type')}, the model is a {spec.name}")
+    ours = hf.architecture_fields(hf.hf_config(args, torch.float32))
     for field, value in theirs.items():
         if value != ours[field]:
             raise ConversionError(f"{source}: {field} is {value}, the model has {ours[field]}")
 
 
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names: Collection[str] | None = None) -> None:
-    """Copy the weights of a Hugging Face Llama folder into `model`, in any parallel layout
+    """Copy the weights of a Hugging Face Llama or Llama 4 folder into `model`, in any parallel layout
     (`names`: only these parameters, the others may still be on the meta device).
 
     The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
@@ -78,13 +76,15 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
-    check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
+    config = read_hf_config(folder)
+    check_same_architecture(config, args, f"HF folder {folder}")
 
     files = tensor_files(folder)
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf_names = {name: weft_to_hf_name(name) for name in params}
+    hf = spec_for_args(args).hf
+    hf_names = {name: hf.prefix(config) + hf.weft_to_hf_name(name) for name in params}
     missing = [hf for hf in hf_names.values() if hf not in files]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
@@ -97,15 +97,16 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
             hf_name = hf_names[name]
             with open_safetensors(files[hf_name]) as f:
                 full = f.get_tensor(hf_name)
-            if full.shape != param.shape:
+            expected = hf.shape(name, param.shape)
+            if list(full.shape) != expected:
                 raise ConversionError(
-                    f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {list(param.shape)}"
+                    f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {expected}"
                 )
-            full = from_hf_tensor(name, full, args)
+            full = hf.from_hf_tensor(name, full, args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
+def model_args_for_run(flavor: str, initial_load_path: str) -> Any:
     """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
     config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
     a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
@@ -118,7 +119,7 @@ def model_args_for_run(flavor: str, initial_load_path: str) -> ModelArgs:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json, got {initial_load_path!r}")
             return model_args_from_hf_folder(folder)
-        args = LLAMA_FLAVORS[flavor]
+        args = spec_for_flavor(flavor).flavors[flavor]
         if is_hf:
             check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")
         return args

@@ -18,8 +18,7 @@ import torch
 
 from weft.components.errors import one_line
 from weft.components.data import load_tokenizer
-from weft.models.llama import ModelArgs
-from weft.models.llama.hf_mapping import hf_config
+from weft.models import spec_for_args
 
 logger = logging.getLogger("weft")
 
@@ -39,12 +38,12 @@ def _json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def model_config(args: ModelArgs, dtype: torch.dtype, source: dict[str, Any], tokenizer) -> dict[str, Any]:
+def model_config(args: Any, dtype: torch.dtype, source: dict[str, Any], tokenizer) -> dict[str, Any]:
     """config.json of the exported model: the source folder's (token ids, transformers version and
     anything else it said) with weft's description of the model over it; token ids from the
     tokenizer where the source gave none."""
     config = {k: v for k, v in source.items() if k not in _ROTARY_KEYS + _DTYPE_KEYS}
-    config.update(hf_config(args, dtype))
+    config.update(spec_for_args(args).hf.hf_config(args, dtype))
     config.setdefault("bos_token_id", tokenizer.bos_id)
     config.setdefault("eos_token_id", tokenizer.eos_id)
     return config
@@ -101,7 +100,7 @@ def finish_tokenizer(out: Path) -> str | None:
                 f"({type(e).__name__}: {one_line(e) or 'no message'})")
 
 
-def write_hf_files(out: Path, args: ModelArgs, tokenizer_path: str | Path, source: str | Path | None) -> None:
+def write_hf_files(out: Path, args: Any, tokenizer_path: str | Path, source: str | Path | None) -> None:
     """config.json (float32), the tokenizer and generation_config.json of the model `args` into the
     folder `out` (created). `source`: the Hugging Face folder the run started from, whose config.json
     and generation_config.json are kept where weft does not define a value; None for a flavor.
@@ -118,7 +117,7 @@ def write_hf_files(out: Path, args: ModelArgs, tokenizer_path: str | Path, sourc
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def finish_hf_folder(recorded: Path, out: Path, args: ModelArgs, dtype: torch.dtype) -> None:
+def finish_hf_folder(recorded: Path, out: Path, args: Any, dtype: torch.dtype) -> None:
     """A run's recorded files (see write_hf_files) into the export `out`: config.json describing
     `args` in `dtype` over the recorded one, the tokenizer made loadable (or a warning and
     TOKENIZER_NOTE.txt saying why not)."""
@@ -127,7 +126,7 @@ def finish_hf_folder(recorded: Path, out: Path, args: ModelArgs, dtype: torch.dt
             shutil.copy2(path, out / path.name)
     recorded_config = _json(recorded / "config.json")
     config = {k: v for k, v in recorded_config.items() if k not in _ROTARY_KEYS + _DTYPE_KEYS}
-    config.update(hf_config(args, dtype))
+    config.update(spec_for_args(args).hf.hf_config(args, dtype))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     note = finish_tokenizer(out)
     if note:

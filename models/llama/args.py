@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 rotary frequency scaling (long-context extension)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
+from weft.models.common.rotary import RopeScaling
 
 
 @dataclass(frozen=True)

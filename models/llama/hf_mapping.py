@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from weft.models.llama.args import ModelArgs, RopeScaling
+from weft.models.spec import HFConfigError
 
 __all__ = [
     "HFConfigError",
@@ -34,8 +35,6 @@ __all__ = [
 ]
 
 
-class HFConfigError(ValueError):
-    """A config.json weft's Llama cannot represent; the message names the field and its value."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_single_process_checkpoint_io_prints_nothing(tmp_path):
     script = (
         "import torch\n"
         "from pathlib import Path\n"
-        "from components.checkpoint import dcp_call\n"
+        "from weft.components.checkpoint import dcp_call\n"
         f"folder = Path({str(tmp_path / 'step-1')!r})\n"
         "dcp_call('save', {'x': torch.ones(3)}, folder)\n"
         "state = {'x': torch.zeros(3)}\n"

@@ -213,17 +213,17 @@ def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypa
     block masking for itself."""
     import sys
 
-    from weft.models.llama import model as llama_model
+    from weft.models.common import attention as attention_core
     from weft.parallelisms.ac import apply_ac
 
-    built, original = [], llama_model.document_mask
+    built, original = [], attention_core.document_mask
 
     def counting(document_ids, *, flex):
         caller = sys._getframe(2)  # the core's document_mask is called by ...
         built.append((caller.f_code.co_name, type(caller.f_locals.get("self")).__name__, flex))
         return original(document_ids, flex=flex)
 
-    monkeypatch.setattr(llama_model, "document_mask", counting)
+    monkeypatch.setattr(attention_core, "document_mask", counting)
     model = Transformer(PACKED)
     model.init_weights(seed=0)
     tokens, positions, docs = packed_batch()
@@ -241,6 +241,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
     only on the CPU (FlexAttention has no CPU backward in torch 2.13), against the dense SDPA path."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    from weft.models.common import attention as attention_core
     from weft.models.llama import model as llama_model
 
     assert llama_model.use_flex_attention(torch.device("cuda", 0))
@@ -251,7 +252,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
     assert isinstance(llama_model.document_mask(docs, flex=True), BlockMask)
     with torch.no_grad():
         dense = model(tokens, positions, document_ids=docs)
-        monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: True)
+        monkeypatch.setattr(attention_core, "use_flex_attention", lambda device: True)
         flex = model(tokens, positions, document_ids=docs)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
@@ -259,7 +260,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward and the compiled block mask need CUDA")
 def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
     """On a GPU: forward and backward through the BlockMask path equal the dense SDPA mask path."""
-    from weft.models.llama import model as llama_model
+    from weft.models.common import attention as attention_core
 
     model = Transformer(PACKED).cuda()
     model.init_weights(seed=0)
@@ -272,7 +273,7 @@ def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
     flex, flex_grads = logits_and_grads()
-    monkeypatch.setattr(llama_model, "use_flex_attention", lambda device: False)
+    monkeypatch.setattr(attention_core, "use_flex_attention", lambda device: False)
     dense, dense_grads = logits_and_grads()
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
     for a, b in zip(flex_grads, dense_grads):

@@ -1,0 +1,122 @@
+"""The attention core shared by the models: causal (and block-causal, for packed documents)
+softmax(q kᵀ / √d) v with grouped-query heads, on SDPA or FlexAttention.
+
+Models project q, k, v their own way and call a `CausalAttention` module, so that context
+parallelism can swap that one module for a version that sees the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def document_causal_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor) -> torch.Tensor:
+    """Block-causal mask: query i sees key j iff j <= i and both lie in the same document.
+
+    q_docs [batch, q_len], kv_docs [batch, kv_len] hold each token's document id, with the queries
+    aligned to the end of the keys (query i sits at key position i + kv_len - q_len). Returns a
+    boolean [batch, 1, q_len, kv_len] (True = attend). Every query sees at least itself.
+    """
+    q_len, kv_len = q_docs.shape[-1], kv_docs.shape[-1]
+    q_at = torch.arange(q_len, device=q_docs.device) + (kv_len - q_len)
+    causal = torch.arange(kv_len, device=q_docs.device)[None, :] <= q_at[:, None]
+    return (causal & (q_docs[:, :, None] == kv_docs[:, None, :])).unsqueeze(1)
+
+
+def use_flex_attention(device: torch.device) -> bool:
+    """Which kernel masks packed documents on `device`: FlexAttention on CUDA (its block mask skips
+    the blocks that cross documents and is a few bits per 128 x 128 block), SDPA with a dense
+    boolean mask elsewhere (FlexAttention has no backward on the CPU in PyTorch 2.13)."""
+    return device.type == "cuda"
+
+
+def document_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor | None = None, *, flex: bool):
+    """The block-causal mask of packed documents (`document_causal_mask`; kv_docs default to
+    q_docs): a FlexAttention `BlockMask` (flex), else the dense boolean [batch, 1, q, kv] SDPA takes.
+
+    Attention cores build it once per micro-batch (`CausalAttention.document_mask`, called by
+    `Transformer.forward` before the blocks), and every block and its activation-checkpoint
+    recompute reuse it. On CUDA the block mask comes from a compiled `create_block_mask`, which
+    never materialises the dense mask."""
+    kv_docs = q_docs if kv_docs is None else kv_docs
+    if flex:
+        return document_block_mask(q_docs, kv_docs)
+    return document_causal_mask(q_docs, kv_docs)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ / √d + mask) v with grouped-query heads, for a mask from `document_mask`."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if not isinstance(mask, BlockMask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if q.is_cuda and not torch.compiler.is_compiling():  # eager FlexAttention materialises the scores: compile it once
+        flex_attention = _compiled("flex_attention", flex_attention)
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_docs: torch.Tensor, kv_docs: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d + block-causal mask) v: causal attention that never crosses documents, with
+    a mask built here (for a core called without the one `Transformer.forward` builds).
+
+    On CUDA, FlexAttention with a block mask skips the blocks that cross documents; on the CPU
+    (where FlexAttention has no backward as of PyTorch 2.13) SDPA takes the boolean mask.
+    """
+    if use_flex_attention(q.device):
+        return masked_attention(q, k, v, document_block_mask(q_docs, kv_docs), scale)
+    return masked_attention(q, k, v, document_causal_mask(q_docs, kv_docs), scale)
+
+
+def document_block_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor):
+    """FlexAttention's block mask of `document_causal_mask` (queries aligned to the end of the keys)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = kv_docs.shape[-1] - q_docs.shape[-1]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
+
+    if q_docs.is_cuda and not torch.compiler.is_compiling():
+        create_block_mask = _compiled("create_block_mask", create_block_mask)
+    return create_block_mask(same_document_causal, q_docs.shape[0], None, q_docs.shape[-1], kv_docs.shape[-1],
+                             device=q_docs.device)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str, function):
+    """torch.compile(function), made once per process."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(function, dynamic=False)
+    return _COMPILED[name]
+
+
+class CausalAttention(nn.Module):
+    """softmax(q kᵀ / √d + causal mask) v with grouped-query heads.
+
+    q: [batch, n_heads, seq, head_dim]; k, v: [batch, n_kv_heads, seq, head_dim]; each key/value
+    head serves n_heads / n_kv_heads consecutive query heads. With `mask` (from `document_mask`,
+    for packed samples) the mask is block-causal: tokens attend only within their document;
+    `document_ids` ([batch, seq]) alone build it here. A module of its own so that context
+    parallelism can swap in a version that sees the whole sequence.
+    """
+
+    def document_mask(self, document_ids: torch.Tensor):
+        """The mask `forward` takes for these document ids, built once per micro-batch."""
+        return document_mask(document_ids, flex=use_flex_attention(document_ids.device))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+        mask=None,
+    ) -> torch.Tensor:
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
+        if document_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return document_attention(q, k, v, document_ids, document_ids)

@@ -1,0 +1,69 @@
+"""weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, Hugging Face
+mapping (with the experts' joined gate_up_proj and Meta's `language_model.` prefix), FLOPs per
+token. No tensor-parallel plan and no pipeline units yet: recipe/plan.py refuses tp, cp, pp and
+LoRA for Llama 4 in one line before anything asks for them."""
+
+from __future__ import annotations
+
+from weft.models.llama4 import hf_mapping
+from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
+from weft.models.llama4.model import Transformer
+from weft.models.spec import HFMapping, ModelSpec
+
+
+def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N + 12·H·Q·ΣT_l (forward + backward).
+
+    N: the parameters a token uses (the active ones: `Transformer.active_parameters`) that take
+    part in matrix multiplies, all but the token embedding unless tied. The second term is
+    attention's score and value products, H heads of size Q, each layer l over its context T_l:
+    the sequence, or a rotary layer's chunk where that is shorter.
+    """
+    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    context = sum(args.attended_context(layer, seq_len) for layer in range(args.n_layers))
+    return 6 * (n_params - embedding) + 12 * args.n_heads * args.head_dim * context
+
+
+def block_numel(args: ModelArgs) -> int:
+    """Parameters of one block, averaged over the MoE and dense blocks."""
+    attention = args.dim * (2 * args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim) + 2 * args.dim
+    moe = 3 * args.dim * args.expert_hidden_dim * (args.n_experts + 1) + args.dim * args.n_experts
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    dense = 3 * args.dim * args.dense_hidden_dim
+    return attention + (n_moe * moe + (args.n_layers - n_moe) * dense) // args.n_layers
+
+
+def _not_yet(what: str):
+    def refuse(*_args, **_kwargs):
+        raise NotImplementedError(f"Llama 4 has no {what} yet")
+    return refuse
+
+
+LLAMA4_HF = HFMapping(
+    model_types=("llama4_text", "llama4"),
+    hf_config=hf_mapping.hf_config,
+    args_from_hf_config=hf_mapping.model_args_from_hf_config,
+    architecture_fields=hf_mapping.architecture_fields,
+    weft_to_hf_name=hf_mapping.weft_to_hf_name,
+    hf_to_weft_name=hf_mapping.hf_to_weft_name,
+    to_hf_tensor=lambda name, tensor, args: hf_mapping.to_hf_tensor([name], [tensor]),
+    from_hf_tensor=lambda name, tensor, args: hf_mapping.from_hf_tensor(name, tensor),
+    hf_groups=hf_mapping.hf_groups,
+    join=lambda names, tensors, args: hf_mapping.to_hf_tensor(names, tensors),
+    hf_shape=hf_mapping.hf_shape,
+    weight_prefix=hf_mapping.weight_prefix,
+)
+
+LLAMA4_SPEC = ModelSpec(
+    name="Llama 4",
+    flavors=LLAMA4_FLAVORS,
+    args_type=ModelArgs,
+    model_type=Transformer,
+    build=Transformer,
+    tp_plan=_not_yet("tensor-parallel plan"),
+    pipeline_units=_not_yet("pipeline units"),
+    hf=LLAMA4_HF,
+    flops_per_token=flops_per_token,
+    block_numel=block_numel,
+    lora_block_numel=_not_yet("LoRA targets"),
+)

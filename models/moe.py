@@ -1,0 +1,89 @@
+"""A Mixture-of-Experts feed-forward (Shazeer et al., 2017; as Llama 4 uses it): a router sends
+each token to its top-k SwiGLU experts, whose outputs are summed with the token's scores, beside a
+shared expert every token passes through.
+
+The routed experts are held stacked, one [experts, out, in] weight per projection, and computed
+over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped_mm`, CPU
+included in torch 2.13), or a loop over experts where its alignment rule (rows of 16 bytes) does
+not hold. Nothing here knows about parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weft.models.common.feed_forward import FeedForward
+
+SCORE_FUNCTIONS = ("sigmoid", "softmax")
+
+
+def route(logits: torch.Tensor, top_k: int, score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, experts), each [tokens, top_k]: each token's top_k experts by router logit (ties to
+    the lower expert index, as torch.topk picks) and their scores: the sigmoid of each chosen
+    logit (Llama 4), or the softmax over all experts taken at the chosen ones."""
+    if score_func == "softmax":
+        return logits.float().softmax(-1).topk(top_k, dim=-1)
+    top, experts = logits.topk(top_k, dim=-1)
+    return torch.sigmoid(top.float()), experts
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts, stacked: expert e computes w2[e](silu(w1[e] x) ⊙ w3[e] x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""
+        if self._grouped_mm_applies(x):
+            ends = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, self.w1.transpose(1, 2), offs=ends))
+            h = h * torch._grouped_mm(x, self.w3.transpose(1, 2), offs=ends)
+            return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
+        pieces = x.split(counts.tolist())
+        return torch.cat([F.linear(F.silu(F.linear(p, self.w1[e])) * F.linear(p, self.w3[e]), self.w2[e])
+                          for e, p in enumerate(pieces)])
+
+    def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        rows = (self.w1.shape[1] * x.element_size(), self.w1.shape[2] * x.element_size())
+        return hasattr(torch, "_grouped_mm") and x.dtype == self.w1.dtype and all(r % 16 == 0 for r in rows)
+
+
+class MoE(nn.Module):
+    """out = shared_expert(x) + Σ over the token's top_k experts e of expert_e(score_e · x) (Llama 4,
+    `score_before_experts`), or of score_e · expert_e(x) (the usual placement)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, *,
+                 shared_hidden_dim: int | None = None, score_func: str = "sigmoid",
+                 score_before_experts: bool = True):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k {top_k} must lie in 1..n_experts ({n_experts})")
+        if score_func not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
+        self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden_dim, n_experts)
+        self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, experts = route(self.router(tokens), self.top_k, self.score_func)
+        order = experts.flatten().argsort(stable=True)  # (token, slot) pairs sorted by expert
+        source = order // self.top_k
+        weight = scores.flatten()[order, None].to(x.dtype)
+        counts = torch.bincount(experts.flatten(), minlength=self.router.out_features)
+        routed_in = tokens[source]
+        if self.score_before_experts:
+            routed = self.experts(routed_in * weight, counts)
+        else:
+            routed = self.experts(routed_in, counts) * weight
+        out = torch.zeros_like(tokens).index_add(0, source, routed)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view_as(x)

@@ -1,0 +1,77 @@
+"""What the rest of weft needs from a model family, declared once per model folder.
+
+`parallelisms/`, `components/`, `float8/` and `recipe/` never import a model folder: they look
+its `ModelSpec` up in the registry of `weft.models` (by flavor, by model, by its hyper-parameters
+or by a Hugging Face config.json) and read what they need from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class HFConfigError(ValueError):
+    """A config.json a weft model cannot represent; the message names the field and its value."""
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a weft model and its Hugging Face checkpoint translate into each other."""
+
+    model_types: tuple[str, ...]  # config.json model_type values this model reads
+    hf_config: Callable[[Any, torch.dtype], dict[str, Any]]  # args, dtype -> config.json
+    args_from_hf_config: Callable[[dict[str, Any]], Any]  # config.json -> args (HFConfigError if not)
+    architecture_fields: Callable[[dict[str, Any]], dict[str, Any]]  # the config.json fields deciding the function
+    weft_to_hf_name: Callable[[str], str]  # weft parameter name -> HF tensor name
+    hf_to_weft_name: Callable[[str], str]  # HF tensor name -> weft parameter name
+    to_hf_tensor: Callable[[str, torch.Tensor, Any], torch.Tensor]  # weft name, weft tensor, args -> HF tensor
+    from_hf_tensor: Callable[[str, torch.Tensor, Any], torch.Tensor]  # weft name, HF tensor, args -> weft tensor
+    # Where one HF tensor holds several weft parameters (Llama 4's experts.gate_up_proj: w1 and w3):
+    # weft names -> {HF name: its weft parameters, in `join`'s order}, and their join. None: one each.
+    hf_groups: Callable[[Iterable[str]], dict[str, list[str]]] | None = None
+    join: Callable[[list[str], list[torch.Tensor], Any], torch.Tensor] | None = None
+    hf_shape: Callable[[str, torch.Size], list[int]] | None = None  # weft name, its shape -> the HF tensor's
+    weight_prefix: Callable[[dict[str, Any]], str] | None = None  # config.json -> what precedes tensor names
+
+    def groups(self, weft_names: Iterable[str]) -> dict[str, list[str]]:
+        """Each HF tensor's name -> the weft parameters it is made of."""
+        if self.hf_groups is not None:
+            return self.hf_groups(weft_names)
+        return {self.weft_to_hf_name(name): [name] for name in weft_names}
+
+    def to_hf(self, weft_names: list[str], tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
+        """The HF tensor made of these weft parameters (a group of `groups`)."""
+        if len(weft_names) == 1:
+            return self.to_hf_tensor(weft_names[0], tensors[0], args)
+        return self.join(weft_names, tensors, args)
+
+    def shape(self, weft_name: str, shape: torch.Size) -> list[int]:
+        """The shape of the HF tensor a weft parameter of `shape` is read from."""
+        return list(shape) if self.hf_shape is None else self.hf_shape(weft_name, shape)
+
+    def prefix(self, config: dict[str, Any]) -> str:
+        """What precedes the model's tensor names in a folder with this config.json."""
+        return "" if self.weight_prefix is None else self.weight_prefix(config)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family: its flavors, how to build it, and how each transform reads it."""
+
+    name: str
+    flavors: Mapping[str, Any]  # flavor name -> hyper-parameters (the family's ModelArgs)
+    args_type: type  # the family's ModelArgs class
+    model_type: type[nn.Module]  # the class `build` returns (stages and wrappers keep it)
+    build: Callable[[Any], nn.Module]  # args -> model, on the current default device (meta included)
+    # (model, loss_parallel, float8_linears) -> {module path: ParallelStyle}, the tensor-parallel plan
+    tp_plan: Callable[..., dict]
+    pipeline_units: Callable[[nn.Module], list[list[str]]]  # modules a pipeline split may not cut, in order
+    hf: HFMapping
+    flops_per_token: Callable[[Any, int, int], float]  # args, parameters in use, seq_len -> training FLOPs
+    block_numel: Callable[[Any], int]  # args -> parameters of one block (memory estimates)
+    lora_block_numel: Callable[[Any, int], int]  # args, LoRA rank -> adapter parameters of one block

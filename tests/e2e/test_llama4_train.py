@@ -1,0 +1,47 @@
+"""train.py on the debug Llama 4 MoE: the start-up log counts active parameters, a resumed run
+repeats an uninterrupted one bit for bit, and the end-of-run export loads in transformers."""
+
+import torch
+from safetensors.torch import load_file
+from transformers import Llama4ForCausalLM
+
+from weft import train
+from weft.components.config import parse_args
+from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
+from weft.components.hf import main as hf_main
+from weft.models.llama4 import Transformer
+from tests.support.train_runs import run
+
+
+def args(dump, *extra: str) -> list[str]:
+    return ["--job.config_file", "debug_moe", "--job.dump_folder", str(dump), "--training.steps", "8",
+            "--training.seq_len", "32", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+            "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *extra]
+
+
+def test_debug_moe_resumes_exactly_and_logs_active_parameters(tmp_path, capfd):
+    checkpoints = ("--checkpoint.enable", "--checkpoint.interval", "4")
+    straight = run(args(tmp_path / "straight", *checkpoints))
+    # 2 of 4 experts per token: each MoE layer leaves 2 experts of 3·256·256 parameters idle.
+    assert f"4,591,872 parameters ({4_591_872 - 2 * 2 * 3 * 256 * 256:,} active per token)" in capfd.readouterr().out
+    first = run(args(tmp_path / "resumed", *checkpoints), stop_after=4)
+    second = run(args(tmp_path / "resumed", *checkpoints))
+    assert len(first) == 4 and first + second == straight
+    assert straight[-1] < straight[0]
+
+
+def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
+    train.train(parse_args(args(tmp_path / "run", "--training.steps", "3", "--export.hf_folder", "hf",
+                                "--checkpoint.enable", "--checkpoint.interval", "3")))
+    folder = tmp_path / "run" / "hf"
+    # The command-line export of its checkpoint writes the same tensors.
+    assert hf_main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-3"),
+                    "--out", str(tmp_path / "cli")]) == 0
+    ours, cli = load_file(folder / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
+    assert ours.keys() == cli.keys() and all(torch.equal(ours[k], cli[k]) for k in ours)
+    model = Transformer(model_args_from_hf_folder(folder))
+    load_hf_into_model(model, folder)
+    tokens = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(0))  # past a 64-token chunk
+    exported = Llama4ForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, model.eval()(tokens), rtol=0, atol=1e-5)

@@ -1,0 +1,68 @@
+"""The MoE layer against plain per-token math, and its grouped multiply against a per-expert loop."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weft.models.moe import MoE
+
+
+def moe(score_func="sigmoid", score_before_experts=True, dtype=torch.float32) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(16, 32, n_experts=4, top_k=2, shared_hidden_dim=24, score_func=score_func,
+                score_before_experts=score_before_experts)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer.to(dtype)
+
+
+def reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every token through the experts it chose, one token and one expert at a time."""
+    out = []
+    for token in x.reshape(-1, x.shape[-1]):
+        logits = layer.router.weight @ token
+        if layer.score_func == "sigmoid":
+            top = logits.topk(layer.top_k)
+            chosen, scores = top.indices, torch.sigmoid(top.values)
+        else:
+            probabilities = logits.softmax(-1)
+            chosen = probabilities.topk(layer.top_k).indices
+            scores = probabilities[chosen]
+        y = layer.shared_expert(token)
+        for e, s in zip(chosen.tolist(), scores):
+            w1, w2, w3 = layer.experts.w1[e], layer.experts.w2[e], layer.experts.w3[e]
+            inp = s * token if layer.score_before_experts else token
+            expert = w2 @ (F.silu(w1 @ inp) * (w3 @ inp))
+            y = y + (expert if layer.score_before_experts else s * expert)
+        out.append(y)
+    return torch.stack(out).view_as(x)
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("score_before_experts", [True, False])
+def test_routed_output_equals_per_token_math(score_func, score_before_experts):
+    layer = moe(score_func, score_before_experts)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(layer(x), reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_multiply_equals_the_per_expert_loop_forward_and_backward(dtype, monkeypatch):
+    layer, x = moe(dtype=dtype), torch.randn(3, 7, 16, dtype=dtype)
+    grad = torch.randn(3, 7, 16, dtype=dtype)
+    results = []
+    for grouped in (True, False):
+        monkeypatch.setattr(type(layer.experts), "_grouped_mm_applies", lambda self, x, g=grouped: g)
+        layer.zero_grad()
+        x_ = x.clone().requires_grad_()
+        out = layer(x_)
+        out.backward(grad)
+        results.append([out, x_.grad, *(p.grad for p in layer.experts.parameters())])
+    for grouped, looped in zip(*results):
+        torch.testing.assert_close(grouped, looped, rtol=0, atol=0)
+
+
+def test_top_k_above_the_experts_is_refused():
+    with pytest.raises(ValueError, match=r"^top_k 5 must lie in 1..n_experts \(4\)$"):
+        MoE(16, 32, n_experts=4, top_k=5)

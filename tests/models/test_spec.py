@@ -1,0 +1,168 @@
+"""The model spec (models/spec.py): the registry finds Llama's by flavor, model, args and config.json;
+what it declares holds for the model it builds; and the packages that read specs import no model
+folder and no module of theirs imports itself back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from weft.models import (
+    MODEL_SPECS,
+    flavors,
+    spec_for_args,
+    spec_for_flavor,
+    spec_for_hf_config,
+    spec_for_model,
+)
+from weft.parallelisms.pipeline import split_model
+from weft.parallelisms.plans import path_matches
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root is the package `weft`
+PACKAGES = ("models", "parallelisms", "float8", "components", "recipe")
+NO_MODEL_FOLDERS = ("parallelisms", "components", "float8")
+
+
+def module_files() -> dict[str, Path]:
+    """weft module name -> file, for every module of PACKAGES."""
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            files[".".join(("weft", *parts))] = path
+    return files
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The weft modules `name` imports anywhere in its file (function bodies too): `from weft.a.b import c`
+    is weft.a.b.c if that is a module, else weft.a.b."""
+    is_package = path.name == "__init__.py"
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package
+                anchor = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    return {target for target in targets if target in known and target != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_graph_reader_sees_lazy_imports_and_cycles():
+    """The reader itself: an import inside a function is an edge, and a two-module circle is found."""
+    graph = import_graph()
+    assert "weft.parallelisms.common" in graph["weft.float8.float8"]
+    assert "weft.models" in graph["weft.parallelisms.tp"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_transform_packages_import_no_model_folder():
+    offenders = [f"{name} imports {target}" for name, targets in import_graph().items()
+                 for target in targets if name.split(".")[1] in NO_MODEL_FOLDERS
+                 and any(target == f"weft.models.{spec.name.lower()}" or target.startswith(f"weft.models.{spec.name.lower()}.")
+                         for spec in MODEL_SPECS)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_import_cycle_among_the_packages():
+    assert find_cycle(import_graph()) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry and what Llama's spec declares
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registry_finds_the_spec_by_flavor_args_model_and_config():
+    spec = spec_for_flavor("debugmodel")
+    args = flavors()["debugmodel"]
+    assert spec_for_args(args) is spec
+    with torch.device("meta"):
+        model = spec.build(args)
+    assert spec_for_model(model) is spec
+    assert spec_for_model(torch.nn.Linear(2, 2)) is None
+    assert spec_for_hf_config(spec.hf.hf_config(args, torch.float32)) is spec
+    with pytest.raises(KeyError, match="unknown flavor 'nope'"):
+        spec_for_flavor("nope")
+    assert len(flavors()) == sum(len(s.flavors) for s in MODEL_SPECS)  # no flavor name twice
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "llama3_1b", "llama3_8b"])
+def test_llama_spec_declarations_hold_for_the_model_it_builds(flavor):
+    """Pipeline units hold every parameter once, in forward order; every TP plan entry names a
+    module; names go to Hugging Face's and back; the config.json reads back as the same model."""
+    spec = spec_for_flavor(flavor)
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build(args)
+    units = spec.pipeline_units(model)
+    owned = [param for unit in units for module in unit for param, _ in model.get_submodule(module).named_parameters()]
+    assert len(owned) == len({id(p) for p in model.parameters()}) + args.tie_embeddings
+    assert units[0] == ["tok_embeddings"] and units[-1] == ["norm", "output"]
+    modules = [name for name, _ in model.named_modules() if name]
+    for entry in spec.tp_plan(model):
+        assert any(path_matches(name, entry) for name in modules), entry
+    for name, _ in model.named_parameters():
+        assert spec.hf.hf_to_weft_name(spec.hf.weft_to_hf_name(name)) == name
+    back = spec.hf.args_from_hf_config(spec.hf.hf_config(args, torch.bfloat16))
+    assert spec.hf.architecture_fields(spec.hf.hf_config(back, torch.bfloat16)) == spec.hf.architecture_fields(
+        spec.hf.hf_config(args, torch.bfloat16))
+
+
+def test_a_pipeline_stage_keeps_its_spec_and_its_units():
+    spec = spec_for_flavor("debugmodel")
+    with torch.device("meta"):
+        model = spec.build(spec.flavors["debugmodel"])
+    first, last = split_model(model, [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]])
+    assert spec_for_model(last) is spec
+    assert spec.pipeline_units(last)[1:-1] == [["layers.2"], ["layers.3"]]
+
+
+def test_llama_flops_per_token_is_six_per_matmul_parameter_plus_attention():
+    """Against a count taken from the built model: every weight a token multiplies (all but the
+    embedding lookup, norms included as the formula does), 6 FLOPs each, plus 12·L·H·Q·T."""
+    spec = spec_for_flavor("debugmodel")
+    args = spec.flavors["debugmodel"]
+    model = spec.build(args)
+    in_matmuls = sum(p.numel() for n, p in model.named_parameters() if n != "tok_embeddings.weight")
+    n_params = sum(p.numel() for p in model.parameters())
+    seq_len = 64
+    expected = 6 * in_matmuls + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    assert spec.flops_per_token(args, n_params, seq_len) == expected
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    assert spec.block_numel(args) * args.n_layers == blocks
