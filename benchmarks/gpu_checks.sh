@@ -2,7 +2,7 @@
 # The runbook's GPU checks (benchmarks/results/README.md), grouped so that one group fits one
 # 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
-#   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora
+#   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe
 # Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,14 @@ Q="--job.config_file llama3_8b_qlora --checkpoint.initial_load_path '' --checkpo
    --training.gradient_accumulation_steps 1 --metrics.log_freq 1"
 
 case $group in
+moe)  # Llama 4: the grouped multiply and the MoE block on one Scout layer; the debug MoE on CUDA
+    step 150 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10
+    step 60 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape cpu --repeats 10
+    step 90 python3 train.py --job.config_file debug_moe --training.steps 30 --metrics.log_freq 5 \
+        --training.mixed_precision_param bfloat16 --job.dump_folder /tmp/moe/eager
+    step 150 python3 train.py --job.config_file debug_moe --training.steps 30 --metrics.log_freq 5 \
+        --training.mixed_precision_param bfloat16 --compile.enable --job.dump_folder /tmp/moe/compiled
+    ;;
 throughput)
     step 560 python3 benchmarks/gpu_throughput.py --steps 5 --warmup 2 --row-timeout 150 \
         --out "$OUT/gpu_throughput.jsonl"

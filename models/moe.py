@@ -39,19 +39,31 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""
-        if self._grouped_mm_applies(x):
-            ends = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(1, 2), offs=ends))
-            h = h * torch._grouped_mm(x, self.w3.transpose(1, 2), offs=ends)
-            return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
+        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim], in the
+        dtype autocast gives a Linear (autocast does not know `_grouped_mm`), else the weights'."""
+        device = x.device.type
+        x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.w1.dtype)
+        return self.grouped(x, counts) if self._grouped_mm_applies(x) else self.loop(x, counts)
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped matrix multiply per projection over all experts."""
+        w1, w2, w3 = (w.to(x.dtype).transpose(1, 2) for w in (self.w1, self.w2, self.w3))
+        ends = counts.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
+        return torch._grouped_mm(h, w2, offs=ends)
+
+    def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same, one expert after another (where the grouped multiply does not apply)."""
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
         pieces = x.split(counts.tolist())
-        return torch.cat([F.linear(F.silu(F.linear(p, self.w1[e])) * F.linear(p, self.w3[e]), self.w2[e])
+        return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
                           for e, p in enumerate(pieces)])
 
     def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        """torch has it; rows are multiples of 16 bytes; on CUDA the kernel takes bfloat16 only."""
         rows = (self.w1.shape[1] * x.element_size(), self.w1.shape[2] * x.element_size())
-        return hasattr(torch, "_grouped_mm") and x.dtype == self.w1.dtype and all(r % 16 == 0 for r in rows)
+        dtype_ok = x.device.type != "cuda" or x.dtype == torch.bfloat16
+        return hasattr(torch, "_grouped_mm") and dtype_ok and all(r % 16 == 0 for r in rows)
 
 
 class MoE(nn.Module):
@@ -83,7 +95,7 @@ class MoE(nn.Module):
             routed = self.experts(routed_in * weight, counts)
         else:
             routed = self.experts(routed_in, counts) * weight
-        out = torch.zeros_like(tokens).index_add(0, source, routed)
+        out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, source, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view_as(x)

@@ -66,3 +66,17 @@ def test_grouped_multiply_equals_the_per_expert_loop_forward_and_backward(dtype,
 def test_top_k_above_the_experts_is_refused():
     with pytest.raises(ValueError, match=r"^top_k 5 must lie in 1..n_experts \(4\)$"):
         MoE(16, 32, n_experts=4, top_k=5)
+
+
+def test_experts_under_autocast_compute_in_its_dtype_as_a_linear_would():
+    """autocast does not know `_grouped_mm`: the experts cast as it casts a Linear (bf16 operands,
+    bf16 result), and equal the per-token math on the bf16-rounded tokens and weights."""
+    layer, x = moe(), torch.randn(2, 5, 16)
+    counts = torch.tensor([4, 0, 3, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer.experts(x.reshape(-1, 16), counts)
+    assert out.dtype == torch.bfloat16
+    bf16 = layer.experts.to(torch.bfloat16)
+    expected = torch.cat([F.linear(F.silu(F.linear(p, bf16.w1[e])) * F.linear(p, bf16.w3[e]), bf16.w2[e])
+                          for e, p in enumerate(x.reshape(-1, 16).bfloat16().split(counts.tolist()))])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
