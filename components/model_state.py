@@ -51,7 +51,7 @@ def load_model_state(model: nn.Module, state: dict[str, Any], *, strict: bool = 
 
 def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for each named tensor of the model's state, one at a time, on every rank
-    (each rank must iterate them all: they gather collectively). A sharded tensor is gathered
+    (each rank must iterate them all: they gather collectively). An NF4 tensor comes dequantized. A sharded tensor is gathered
     over its mesh; under a pipeline the stage holding it broadcasts it over the pipeline ranks."""
     state = {name: t for part in model_parts(model) for name, t in get_model_state_dict(part).items()}
     pp_group = getattr(model, "pp_group", None)
@@ -66,6 +66,8 @@ def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torc
         tensor = state.get(name)
         if tensor is not None:
             tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            if hasattr(tensor, "get_original_weight"):  # torchao's NF4Tensor (QLoRA's base): dequantized
+                tensor = tensor.get_original_weight()
         if pp_group is not None:
             if tensor is None:
                 tensor = torch.empty(whole[name].shape, dtype=whole[name].dtype, device=device)

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from weft.components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
 from weft.components.config import Export
-from weft.components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
+from weft.components.hf.model_files import HF_FILES, write_hf_files
 from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
     check_output_folder,
-    new_folder,
-    plan_shards,
-    write_shards,
 )
-from weft.components.model_state import full_tensors, whole_model
+from weft.components.hf.writer import save_hf_model, write_model
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.models.llama.hf_mapping import hf_config, to_hf_tensor, weft_to_hf_name
 
 logger = logging.getLogger("weft")
 
@@ -78,20 +71,9 @@ def export_to_hf(
         shapes = Transformer(args)
     stored = model_tensor_metadata(folder, shapes, expected_by)
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = ((weft_to_hf_name(name), meta.size.numel() * itemsize) for name, meta in stored.items())
-    tensors = ((weft_to_hf_name(name), to_hf_tensor(name, _read_dcp_tensor(folder, name, meta), args).to(dtype))
-               for name, meta in stored.items())
-    with new_folder(out) as partial:
-        write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
-        _write_config(partial, args, dtype, hf_files)
-
-
-def _write_config(out: Path, args: ModelArgs, dtype: torch.dtype, hf_files: Path | None) -> None:
-    if hf_files is None:
-        (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
-    else:
-        finish_hf_folder(hf_files, out, args, dtype)
+    write_model(out, args, {name: meta.size for name, meta in stored.items()},
+                lambda names: ((name, _read_dcp_tensor(folder, name, stored[name])) for name in names),
+                dtype=dtype, max_shard_bytes=max_shard_bytes, hf_files=hf_files)
 
 
 def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
@@ -101,47 +83,6 @@ def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
         if (above / HF_FILES / "config.json").is_file():
             return above / HF_FILES
     return None
-
-
-def export_model_to_hf(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike,
-    hf_files: Path | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    max_shard_bytes: int = 5 * 2**30,
-) -> None:
-    """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
-
-    Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
-    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
-    so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
-    memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
-    generation_config.json (None: config.json alone, from the model's args). Written into a
-    hidden folder that rank 0 renames into place at the end.
-    """
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    out = Path(out_dir)
-    whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
-    args = whole.args
-    state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
-    names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = plan_shards(((weft_to_hf_name(n), state[n].numel() * itemsize) for n in names), max_shard_bytes)
-
-    def tensors():
-        for name, full in full_tensors(model, names):
-            yield weft_to_hf_name(name), to_hf_tensor(name, full.to("cpu", dtype), args) if is_writer else None
-
-    if is_writer:
-        with new_folder(out) as partial:
-            write_shards(partial, shards, tensors())
-            _write_config(partial, args, dtype, hf_files)
-    else:
-        for _ in tensors():  # the same collectives, in the same order, as the writer
-            pass
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _export_folder(dump_folder: Path, hf_folder: str) -> Path:
@@ -164,10 +105,10 @@ def record_hf_files(dump_folder: Path, args: ModelArgs, tokenizer_path: str, ini
 
 
 def export_at_end(model: torch.nn.Module, dump_folder: Path, export: Export) -> None:
-    """[export] after the last step: `export_model_to_hf` into export.hf_folder with the run's
+    """[export] after the last step: `save_hf_model` into export.hf_folder with the run's
     recorded files (<dump_folder>/hf_files), in export.dtype."""
     out = _export_folder(dump_folder, export.hf_folder)
     dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[export.dtype]
-    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype,
-                       max_shard_bytes=int(export.max_shard_gib * 2**30))
+    save_hf_model(model, out, dtype=dtype, max_shard_bytes=int(export.max_shard_gib * 2**30),
+                  hf_files=dump_folder / HF_FILES)
     logger.info(f"export: the model as a Hugging Face folder in {out}")
