@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from weft.components.errors import UserError
 from weft.components.hf.model_files import finish_hf_folder
 from weft.components.hf.safetensors_io import new_folder, plan_shards, write_shards
-from weft.components.model_state import full_tensors, whole_model
+from weft.components.model_state import full_tensors, model_parts, whole_model
 from weft.models.llama import hf_mapping as _llama
 
 Source = Callable[[list[str]], Iterator[tuple[str, "torch.Tensor | None"]]]
@@ -58,15 +58,26 @@ class Adapters:
 
 
 def model_adapters(model: nn.Module) -> Adapters | None:
-    """The adapters of a model (a pipeline rank's stages: the whole model's), None without any."""
+    """The adapters of a model, None without any. Under a pipeline each rank holds some stages'
+    adapters: the pipeline ranks exchange theirs, so every rank returns the whole model's."""
     from weft.parallelisms.lora import lora_modules
 
-    modules = lora_modules(whole_model(model))
-    if not modules:
+    held = [(name, m.rank, m.alpha, _dropout(m), m.use_rslora, m.scaling)
+            for part in model_parts(model) for name, m in lora_modules(part)]
+    pp_group = getattr(model, "pp_group", None)
+    if pp_group is not None:
+        everyone: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(everyone, held, group=pp_group)
+        held = [adapter for rank_held in everyone for adapter in rank_held]
+    if not held:
         return None
-    first = modules[0][1]
-    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
-    return Adapters(tuple(n for n, _ in modules), first.rank, first.alpha, dropout, first.use_rslora, first.scaling)
+    position = {name: i for i, (name, _) in enumerate(whole_model(model).named_modules())}
+    names = sorted({name for name, *_ in held}, key=lambda name: position[name])
+    return Adapters(tuple(names), *held[0][1:])
+
+
+def _dropout(module: nn.Module) -> float:
+    return module.lora_dropout.p if isinstance(module.lora_dropout, nn.Dropout) else 0.0
 
 
 def live_source(model: nn.Module) -> tuple[dict[str, torch.Size], Source]:
@@ -111,7 +122,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     _write(out, files, tensors(), finish)
 
 
-def write_peft_adapter(out: Path, args, shapes: dict[str, torch.Size], source: Source, adapters: Adapters,
+def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
                        base_model_name_or_path: str | None = None) -> None:
     """A PEFT adapter folder (`adapter_model.safetensors` under PEFT's names for the transformers
     Llama, `adapter_config.json`) of `adapters` from `source`. Every rank calls it; rank 0 writes."""
@@ -185,5 +196,5 @@ def save_peft_adapter(model: nn.Module, out: str | Path, base_model_name_or_path
     adapters = model_adapters(model)
     if adapters is None:
         raise ExportError("the model has no LoRA adapters to export (apply_lora was not applied)")
-    shapes, source = live_source(model)
-    write_peft_adapter(Path(out), whole_model(model).args, shapes, source, adapters, base_model_name_or_path)
+    _, source = live_source(model)
+    write_peft_adapter(Path(out), whole_model(model).args, source, adapters, base_model_name_or_path)
