@@ -51,25 +51,28 @@ def load_model_state(model: nn.Module, state: dict[str, Any], *, strict: bool = 
 
 def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for each named tensor of the model's state, one at a time, on every rank
-    (each rank must iterate them all: they gather collectively). A sharded tensor is gathered
-    over its mesh; under a pipeline the stage holding it broadcasts it over the pipeline ranks."""
+    (each rank must iterate them all: they gather collectively). A sharded tensor is gathered over
+    its mesh, an NF4 one dequantized; under a pipeline the stage holding it broadcasts it over the
+    pipeline ranks, which first exchange who holds what (shapes and dtypes included)."""
     state = {name: t for part in model_parts(model) for name, t in get_model_state_dict(part).items()}
     pp_group = getattr(model, "pp_group", None)
-    owners: dict[str, int] = {}
-    if pp_group is not None:
-        held: list[list[str]] = [[] for _ in range(dist.get_world_size(pp_group))]
-        dist.all_gather_object(held, sorted(state), group=pp_group)
-        owners = {name: rank for rank, names_held in enumerate(held) for name in names_held}
-    whole = whole_model(model).state_dict() if pp_group is not None else {}
+    owners: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+    if pp_group is not None:  # who holds each tensor, its shape and dtype (LoRA's are not in the whole meta model)
+        held: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(held, {name: (t.shape, t.dtype) for name, t in state.items()}, group=pp_group)
+        owners = {name: (rank, *meta) for rank, rank_held in enumerate(held) for name, meta in rank_held.items()}
     device = next(model.parameters()).device
     for name in names:
         tensor = state.get(name)
         if tensor is not None:
             tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            if hasattr(tensor, "get_original_weight"):  # torchao's NF4Tensor (QLoRA's base): dequantized
+                tensor = tensor.get_original_weight()
         if pp_group is not None:
+            owner, shape, dtype = owners[name]
             if tensor is None:
-                tensor = torch.empty(whole[name].shape, dtype=whole[name].dtype, device=device)
-            dist.broadcast(tensor, group=pp_group, group_src=owners[name])
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, group=pp_group, group_src=owner)
         yield name, tensor
 
 

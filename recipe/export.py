@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from weft.components.adapters import ExportError, export_lora_at_end, save_merged_hf, save_peft_adapter
 from weft.components.config import JobConfig, parse_args
 from weft.components.errors import UserError, report_user_error
 from weft.components.hf import export_at_end
+from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.model_files import HF_FILES
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.plan import RunPlan
@@ -24,10 +24,9 @@ from weft.recipe.plan import RunPlan
 def export_after_training(plan: RunPlan, model: nn.Module) -> None:
     """Every rank calls this after the last step; rank 0 writes. Nothing to do without [export] paths."""
     cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
-    if cfg.lora.enable:
-        export_lora_at_end(model, dump, cfg.export.peft_folder, cfg.export.hf_folder, DTYPES[cfg.export.dtype],
-                           cfg.checkpoint.initial_load_path or None)
-    elif cfg.export.hf_folder:
+    if cfg.lora.enable and cfg.export.peft_folder:
+        save_peft_adapter(model, dump / cfg.export.peft_folder, cfg.checkpoint.initial_load_path or None)
+    if cfg.export.hf_folder:  # a LoRA run's adapters merged into the base
         export_at_end(model, dump, cfg.export)
 
 
@@ -64,7 +63,8 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
         save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
     if merged_out is not None:
         recorded = folder.parent.parent / HF_FILES
-        save_merged_hf(model, merged_out, dtype, recorded if (recorded / "config.json").is_file() else None)
+        save_hf_model(model, merged_out, dtype=dtype,
+                      hf_files=recorded if (recorded / "config.json").is_file() else None)
 
 
 def _run_config(checkpoint: Path) -> JobConfig:

@@ -6,8 +6,9 @@ stays bounded by the largest tensor (plus, on export, the shard being written).
         --out llama3_8b_hf --dtype bfloat16
 
 Modules: `safetensors_io` (files, shards, index; writing into a folder renamed into place),
-`load` (config.json -> ModelArgs, `model_args_for_run`, weights into a model), `export` (a DCP
-checkpoint or a live model in any layout -> a folder; `export.hf_folder` at the end of a run),
+`load` (config.json -> ModelArgs, `model_args_for_run`, weights into a model), `writer` (the one
+writer: a full model, LoRA merged, or a PEFT adapter folder, from a live model in any layout or a
+stream of tensors), `export` (a DCP checkpoint -> a folder; `export.hf_folder` at the end of a run),
 `model_files` (config.json, tokenizer and generation_config.json, recorded by a run in
 <dump_folder>/hf_files), `cli`. What is a model's own (names, Llama's rotary permutation,
 config.json) lives with the model (`models/llama/hf_mapping.py`); these modules reach it through
@@ -18,10 +19,10 @@ from weft.components.hf.cli import main
 from weft.components.hf.export import (
     check_export_folder,
     export_at_end,
-    export_model_to_hf,
     export_to_hf,
     record_hf_files,
 )
+from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.load import (
     check_same_architecture,
     load_hf_into_model,
@@ -36,7 +37,9 @@ __all__ = [
     "check_export_folder",
     "check_same_architecture",
     "export_at_end",
-    "export_model_to_hf",
+    "ExportError",
+    "save_hf_model",
+    "save_peft_adapter",
     "export_to_hf",
     "record_hf_files",
     "load_hf_into_model",

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from weft.components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
 from weft.components.config import Export
-from weft.components.hf.model_files import HF_FILES, finish_hf_folder, write_hf_files
+from weft.components.hf.model_files import HF_FILES, write_hf_files
 from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
     check_output_folder,
-    new_folder,
-    plan_shards,
-    write_shards,
 )
-from weft.components.model_state import full_tensors, whole_model
+from weft.components.hf.writer import save_hf_model, write_model
 from weft.models import flavors, spec_for_args
 
 logger = logging.getLogger("weft")
@@ -74,27 +68,13 @@ def export_to_hf(
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
     check_output_folder(out)
-    spec = spec_for_args(args)
     with torch.device("meta"):
-        shapes = spec.build(args)
+        shapes = spec_for_args(args).build(args)
     stored = model_tensor_metadata(folder, shapes, expected_by)
 
-    hf, groups = spec.hf, spec.hf.groups(stored)  # Llama 4: experts' w1 and w3 make one gate_up_proj
-
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = ((name, sum(stored[n].size.numel() for n in group) * itemsize) for name, group in groups.items())
-    tensors = ((name, hf.to_hf(group, [_read_dcp_tensor(folder, n, stored[n]) for n in group], args).to(dtype))
-               for name, group in groups.items())
-    with new_folder(out) as partial:
-        write_shards(partial, plan_shards(sizes, max_shard_bytes), tensors)
-        _write_config(partial, args, dtype, hf_files)
-
-
-def _write_config(out: Path, args: Any, dtype: torch.dtype, hf_files: Path | None) -> None:
-    if hf_files is None:
-        (out / "config.json").write_text(json.dumps(spec_for_args(args).hf.hf_config(args, dtype), indent=2) + "\n")
-    else:
-        finish_hf_folder(hf_files, out, args, dtype)
+    write_model(out, args, {name: meta.size for name, meta in stored.items()},
+                lambda names: ((name, _read_dcp_tensor(folder, name, stored[name])) for name in names),
+                dtype=dtype, max_shard_bytes=max_shard_bytes, hf_files=hf_files)
 
 
 def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
@@ -104,52 +84,6 @@ def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
         if (above / HF_FILES / "config.json").is_file():
             return above / HF_FILES
     return None
-
-
-def export_model_to_hf(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike,
-    hf_files: Path | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    max_shard_bytes: int = 5 * 2**30,
-) -> None:
-    """Write a live weft model, in any parallel layout, as a Hugging Face folder; every rank calls it.
-
-    Parameters travel one at a time: each rank all-gathers one full tensor (`full_tensor`), rank 0
-    moves it to the CPU, permutes and casts it, and writes a safetensors file whenever one is full;
-    so no device ever holds more than the model's shards plus one full tensor, and rank 0's CPU
-    memory one file's worth. `hf_files` holds the run's config.json, tokenizer and
-    generation_config.json (None: config.json alone, from the model's args). Written into a
-    hidden folder that rank 0 renames into place at the end.
-    """
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    out = Path(out_dir)
-    whole = whole_model(model)  # a pipeline rank holds some stages: names and sizes are the whole model's
-    args = whole.args
-    hf = spec_for_args(args).hf
-    state = get_model_state_dict(whole)  # names without wrapper prefixes; DTensor shards, nothing gathered
-    groups = hf.groups(name for name in state if not (args.tie_embeddings and name == "output.weight"))
-    names = [name for group in groups.values() for name in group]  # the parts of one HF tensor side by side
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = plan_shards(((hf_name, sum(state[n].numel() for n in group) * itemsize)
-                          for hf_name, group in groups.items()), max_shard_bytes)
-
-    def tensors():
-        gathered = full_tensors(model, names)
-        for hf_name, group in groups.items():
-            parts = [full.to("cpu", dtype) if is_writer else None for _, full in (next(gathered) for _ in group)]
-            yield hf_name, hf.to_hf(group, parts, args) if is_writer else None
-
-    if is_writer:
-        with new_folder(out) as partial:
-            write_shards(partial, shards, tensors())
-            _write_config(partial, args, dtype, hf_files)
-    else:
-        for _ in tensors():  # the same collectives, in the same order, as the writer
-            pass
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _export_folder(dump_folder: Path, hf_folder: str) -> Path:
@@ -172,10 +106,10 @@ def record_hf_files(dump_folder: Path, args: Any, tokenizer_path: str, initial_l
 
 
 def export_at_end(model: torch.nn.Module, dump_folder: Path, export: Export) -> None:
-    """[export] after the last step: `export_model_to_hf` into export.hf_folder with the run's
+    """[export] after the last step: `save_hf_model` into export.hf_folder with the run's
     recorded files (<dump_folder>/hf_files), in export.dtype."""
     out = _export_folder(dump_folder, export.hf_folder)
     dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[export.dtype]
-    export_model_to_hf(model, out, dump_folder / HF_FILES, dtype=dtype,
-                       max_shard_bytes=int(export.max_shard_gib * 2**30))
+    save_hf_model(model, out, dtype=dtype, max_shard_bytes=int(export.max_shard_gib * 2**30),
+                  hf_files=dump_folder / HF_FILES)
     logger.info(f"export: the model as a Hugging Face folder in {out}")

@@ -89,13 +89,15 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[s
     return shards
 
 
-def write_shards(out: Path, shards: list[list[str]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def write_shards(out: Path, shards: list[list[str]], tensors: Iterator[tuple[str, torch.Tensor]],
+                 single_file: str | None = None) -> None:
     """Write `tensors` (name, tensor), in the order of `shards`, as the safetensors files of `out`,
-    each file written as soon as its last tensor arrives; the index too if there are several."""
+    each file written as soon as its last tensor arrives; the index too if there are several.
+    One file is named `single_file` (default model.safetensors)."""
     weight_map: dict[str, str] = {}
     total_size = 0
     for k, names in enumerate(shards, start=1):
-        file = SAFETENSORS if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        file = (single_file or SAFETENSORS) if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         shard = {}
         for expected in names:
             name, tensor = next(tensors)

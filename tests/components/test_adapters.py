@@ -1,4 +1,4 @@
-"""PEFT adapter and merged exports (components/adapters.py), loaded by PEFT and transformers:
+"""PEFT adapter and merged exports (components/hf/writer.py), loaded by PEFT and transformers:
 their logits must equal weft's, which computes the adapters itself."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from weft.components.adapters import ExportError, load_peft_adapter, save_merged_hf, save_peft_adapter
+from weft.components.adapters import load_peft_adapter
+from weft.components.errors import UserError
+from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.models.llama.hf_mapping import hf_config
 from weft.models.llama import ModelArgs, Transformer
 from weft.parallelisms.lora import lora_modules
@@ -68,7 +70,7 @@ def test_merged_folder_loads_in_transformers_with_weft_logits(trained, tmp_path)
     from transformers import LlamaForCausalLM
 
     model, tokens, logits = trained
-    save_merged_hf(model, tmp_path / "merged")
+    save_hf_model(model, tmp_path / "merged")
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = merged(input_ids=tokens, use_cache=False).logits
@@ -82,7 +84,8 @@ def test_merged_folder_loads_in_transformers_with_weft_logits(trained, tmp_path)
 def test_exports_refuse_an_existing_folder_and_a_model_without_adapters(trained, tmp_path):
     model, _, _ = trained
     (tmp_path / "taken").mkdir()
-    with pytest.raises(ExportError, match="exists; refusing to overwrite"):
+    (tmp_path / "taken" / "mine.txt").write_text("kept")
+    with pytest.raises(UserError, match="exists and is not empty; refusing to overwrite"):
         save_peft_adapter(model, tmp_path / "taken")
     plain = materialize(_plain(), "cpu")
     with pytest.raises(ExportError, match="no LoRA adapters"):

@@ -145,7 +145,7 @@ def test_top_k_above_the_experts_is_refused():
 def test_hf_folders_load_and_export_with_the_same_logits(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from weft.components.hf import export_model_to_hf, load_hf_into_model, model_args_from_hf_folder
+    from weft.components.hf import load_hf_into_model, save_hf_model, model_args_from_hf_folder
 
     hf = tiny_transformers_model(seed=5)
     hf.save_pretrained(tmp_path / "text")
@@ -164,7 +164,7 @@ def test_hf_folders_load_and_export_with_the_same_logits(tmp_path):
         torch.testing.assert_close(model.eval()(tokens), expected, rtol=0, atol=1e-5)
 
     model.init_weights(seed=7)  # weft's own weights, exported and read back by transformers
-    export_model_to_hf(model, tmp_path / "export")
+    save_hf_model(model, tmp_path / "export")
     exported = Llama4ForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager").float().eval()
     torch.testing.assert_close(exported(tokens).logits, model(tokens), rtol=0, atol=1e-5)
 

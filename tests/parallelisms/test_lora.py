@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from weft.components.adapters import adapter_state
+from weft.components.hf.writer import save_peft_adapter
 from weft.components.distributed import set_determinism
 from weft.models.llama import ModelArgs, Transformer
 from weft.parallelisms.common import TransformError
@@ -220,6 +221,18 @@ def build_lora(qlora: bool, meshes=None, ac_mode: str = "none", compile: bool = 
     model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32,
                         compile=compile, compile_backend="aot_eager")
     return materialize(model, "cpu", seed=SEED)
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The PEFT adapter folder the writer makes of `model` (every rank calls; rank 0's dict)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_peft_adapter(model, Path(folder) / "adapter")
+        written = Path(folder) / "adapter" / "adapter_model.safetensors"
+        return load_file(str(written)) if written.is_file() else {}
 
 
 def train_layouts(names: list[str]) -> dict[str, list[float]]:

@@ -463,14 +463,14 @@ def test_model_args_for_run_reads_or_checks_the_folder(tmp_path):
 
 @pytest.mark.parametrize("args", [TIED, SCALED], ids=["tied", "scaled"])
 def test_live_model_export_equals_checkpoint_export(tmp_path, args):
-    """export_model_to_hf on a one-device model writes the files export_to_hf writes from its
+    """save_hf_model on a one-device model writes the files export_to_hf writes from its
     checkpoint, byte for byte in the tensors, with the same config.json."""
-    from weft.components.hf import export_model_to_hf
+    from weft.components.hf import save_hf_model
 
     model = tiny_model(args, 3)
     export_to_hf(save_checkpoint(model.state_dict(), tmp_path / "step-1"), tmp_path / "from_checkpoint",
                  model_args=args, max_shard_bytes=20_000)
-    export_model_to_hf(model, tmp_path / "live", max_shard_bytes=20_000)
+    save_hf_model(model, tmp_path / "live", max_shard_bytes=20_000)
     files = sorted(p.name for p in (tmp_path / "live").iterdir())
     assert files == sorted(p.name for p in (tmp_path / "from_checkpoint").iterdir()) and len(files) > 3
     for name in files:
