@@ -39,7 +39,7 @@ from weft.components.config import Optimizer, parse_args  # noqa: E402
 from weft.components.distributed import all_reduce_mean  # noqa: E402
 from weft.components.data import Batch  # noqa: E402
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
-from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from weft.recipe.build import build_trainer  # noqa: E402
 from weft.recipe.plan import RunPlan  # noqa: E402
 from weft.recipe.step import train_step  # noqa: E402
 from weft.components.testing import run_distributed  # noqa: E402
@@ -200,9 +200,7 @@ def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
     plan = layout_plan(layout, args, dist.get_world_size())
     meshes = plan.dims.build_mesh("cpu")
     device = torch.device("cpu")
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    setup = build_trainer(plan, meshes, device)[-1]
 
     # Every rank of one data-parallel replica (its TP ranks) reads the same batch.
     generator = torch.Generator().manual_seed(meshes.dp.get_local_rank())

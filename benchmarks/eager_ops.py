@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from weft.components.config import parse_args  # noqa: E402
 from weft.components.data import Batch  # noqa: E402
 from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
-from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
+from weft.recipe.build import build_trainer  # noqa: E402
 from weft.recipe.plan import RunPlan  # noqa: E402
 from weft.recipe.step import StepSetup, train_step  # noqa: E402
 
@@ -50,10 +50,7 @@ def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tup
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch), "--optimizer.implementation", optimizer])
     plan = RunPlan.from_config(cfg, 1, device_type="cpu")
-    device = torch.device("cpu")
-    model = build_model(plan, None, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    return build_step(plan, model, optimizer, scheduler, None, device), plan
+    return build_trainer(plan, None, torch.device("cpu"))[-1], plan
 
 
 def main() -> None:

@@ -36,18 +36,15 @@ def step_seconds(extra: list[str], dump: str) -> float:
     """Median wall time of the timed steps (after warm-up) of the recipe's train_step."""
     import torch
 
-    from weft.recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
+    from weft.recipe.build import build_training
     from weft.recipe.plan import RunPlan
     from weft.recipe.step import train_step
 
     cfg = parse_args(ARGS + ["--job.dump_folder", dump, *extra])
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     plan = RunPlan.from_config(cfg, world)
-    device, meshes, _ = start_processes(plan)
-    loader, _ = build_data(plan, meshes, device)
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    run = build_training(plan)
+    loader, setup = run.loader, run.step
     times = []
     for step in range(WARMUP + TIMED):
         batch = [next(loader)]
