@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.data import Batch  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
-from weft.recipe.build import build_trainer  # noqa: E402
-from weft.recipe.plan import RunPlan  # noqa: E402
-from weft.recipe.step import StepSetup, train_step  # noqa: E402
+from weft.components.config import parse_args
+from weft.components.data import Batch
+from weft.models.llama import LLAMA_FLAVORS
+from weft.recipe.build import build_trainer
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import StepSetup, train_step
 
 
 class OpCounter(TorchDispatchMode):

@@ -15,16 +15,13 @@ Run from the repository root:  OMP_NUM_THREADS=1 python benchmarks/pp_bubble.py
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.config.schema import PIPELINE_SCHEDULES  # noqa: E402
-from weft.components.testing import run_distributed  # noqa: E402
+from weft.components.config import parse_args
+from weft.components.config.schema import PIPELINE_SCHEDULES
+from weft.components.testing import run_distributed
 
 PP, MICROBATCHES, WARMUP, TIMED = 2, 4, 1, 3
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "256", "--training.local_batch_size", "8",

@@ -28,9 +28,9 @@ from pathlib import Path
 # Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
 REPO = Path(__file__).resolve().parent.parent
 
-from assets.make_chat_data import speeches  # noqa: E402
-from weft.components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
-from weft.components.testing import run_distributed  # noqa: E402
+from assets.make_chat_data import speeches
+from weft.components.data import Tokenizer, build_loader, find_text_files
+from weft.components.testing import run_distributed
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"
