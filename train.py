@@ -47,7 +47,8 @@ def train(cfg: JobConfig) -> list[float]:
     #    exists, so a bad run fails the same way on every rank, at once, writing nothing.
     plan = RunPlan.from_config(cfg, check_launch(cfg))
 
-    # 2. Build: processes and meshes, data, the model (meta -> transforms -> weights), optimizer.
+    # 2. Build (recipe/build.py, in its one order): processes and meshes, data, the model
+    #    (meta -> transforms -> weights), optimizer and schedule, how each step runs.
     run = build_training(plan)
     model, loader, step_setup, rank = run.model, run.loader, run.step, run.rank
 
