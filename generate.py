@@ -33,7 +33,7 @@ from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.models.llama.model import rope_rotations
+from weft.models.common.rotary import rope_rotations
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.plan import SHIPPED_TOKENIZER
 

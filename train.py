@@ -23,15 +23,11 @@ from weft.components.metrics import StepStats
 from weft.components.timeouts import collective_failure
 from weft.recipe.build import (
     build_checkpointer,
-    build_data,
     build_fault_guards,
     build_metrics,
-    build_model,
-    build_optimizer_and_schedule,
-    build_step,
+    build_training,
     log_summary,
     restore,
-    start_processes,
 )
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
@@ -51,16 +47,14 @@ def train(cfg: JobConfig) -> list[float]:
     #    exists, so a bad run fails the same way on every rank, at once, writing nothing.
     plan = RunPlan.from_config(cfg, check_launch(cfg))
 
-    # 2. Build: processes and meshes, data, the model (meta -> transforms -> weights), optimizer.
-    device, meshes, rank = start_processes(plan)
-    loader, validation_loader = build_data(plan, meshes, device)
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    step_setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    # 2. Build (recipe/build.py, in its one order): processes and meshes, data, the model
+    #    (meta -> transforms -> weights), optimizer and schedule, how each step runs.
+    run = build_training(plan)
+    model, loader, step_setup, rank = run.model, run.loader, run.step, run.rank
 
     # 3. Resume: the latest checkpoint of this dump folder, else the initial weights. Outputs wait
     #    for the first step: a run that fails before it leaves the dump folder as it found it.
-    checkpointer = build_checkpointer(plan, model, optimizer, scheduler, loader)
+    checkpointer = build_checkpointer(plan, model, run.optimizer, run.scheduler, loader)
     start_step = restore(plan, checkpointer, model)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
@@ -69,7 +63,7 @@ def train(cfg: JobConfig) -> list[float]:
         return []
 
     # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank.
-    metrics = build_metrics(plan, model, device, rank, start_step)
+    metrics = build_metrics(plan, model, run.device, rank, start_step)
     preemption = Preemption()
     nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
     history: list[float] = []
@@ -93,7 +87,7 @@ def train(cfg: JobConfig) -> list[float]:
         if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
             with metrics.untimed(), timeouts.long():
-                loss = evaluate(step_setup, validation_loader(), batches, document_masking=cfg.data.document_masking)
+                loss = evaluate(step_setup, run.validation_loader(), batches, document_masking=cfg.data.document_masking)
             metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)

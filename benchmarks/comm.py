@@ -25,24 +25,20 @@ import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-# Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
-ROOT = str(Path(__file__).resolve().parents[1])
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from weft.components.config import Optimizer, parse_args  # noqa: E402
-from weft.components.distributed import all_reduce_mean  # noqa: E402
-from weft.components.data import Batch  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs  # noqa: E402
-from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
-from weft.recipe.plan import RunPlan  # noqa: E402
-from weft.recipe.step import train_step  # noqa: E402
-from weft.components.testing import run_distributed  # noqa: E402
+from weft.components.config import Optimizer, parse_args
+from weft.components.distributed import all_reduce_mean
+from weft.components.data import Batch
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs
+from weft.recipe.build import build_trainer
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import train_step
+from weft.components.testing import run_distributed
 
 ARGS = LLAMA_FLAVORS["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank
@@ -200,9 +196,7 @@ def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
     plan = layout_plan(layout, args, dist.get_world_size())
     meshes = plan.dims.build_mesh("cpu")
     device = torch.device("cpu")
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    setup = build_trainer(plan, meshes, device)[-1]
 
     # Every rank of one data-parallel replica (its TP ranks) reads the same batch.
     generator = torch.Generator().manual_seed(meshes.dp.get_local_rank())

@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.data import Batch  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
-from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step  # noqa: E402
-from weft.recipe.plan import RunPlan  # noqa: E402
-from weft.recipe.step import StepSetup, train_step  # noqa: E402
+from weft.components.config import parse_args
+from weft.components.data import Batch
+from weft.models.llama import LLAMA_FLAVORS
+from weft.recipe.build import build_trainer
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import StepSetup, train_step
 
 
 class OpCounter(TorchDispatchMode):
@@ -50,10 +47,7 @@ def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tup
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch), "--optimizer.implementation", optimizer])
     plan = RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False)  # measures, writes nothing
-    device = torch.device("cpu")
-    model = build_model(plan, None, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    return build_step(plan, model, optimizer, scheduler, None, device), plan
+    return build_trainer(plan, None, torch.device("cpu"))[-1], plan
 
 
 def main() -> None:

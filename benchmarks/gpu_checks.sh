@@ -23,6 +23,9 @@ step() {  # step SECONDS COMMAND...: run it under a time limit, log its command 
 { echo "# group $group on $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)";
   python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, 'cuda', torch.version.cuda)"; } >"$LOG" 2>&1
 
+# Two ranks sharing the one GPU (--parallelism.share_gpus) with tp, cp or pp > 1 crashed in gloo
+# (first H100 session); the plan now refuses them: those steps expect exit 2 and its one line.
+
 # Llama 3.1 8B QLoRA on a seeded base and the shipped corpus (no weights on the device machine)
 Q="--job.config_file llama3_8b_qlora --checkpoint.initial_load_path '' --checkpoint.enable false
    --model.tokenizer_path assets/tokenizer/shakespeare.model --data.format text

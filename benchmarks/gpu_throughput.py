@@ -58,23 +58,23 @@ from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "3")  # the profiler (SDPA backend probe) prints stage lines otherwise
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from weft.components.config import Optimizer  # noqa: E402
-from weft.models.llama.hf_mapping import hf_config  # noqa: E402
-from weft.components.loss import token_loss  # noqa: E402
-from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token  # noqa: E402
-from weft.components.optim import build_optimizer  # noqa: E402
-from weft.components.data import Batch  # noqa: E402
-from weft.float8 import DEFAULT_MIN_DIM, check_float8_support  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer  # noqa: E402
-from weft.parallelisms.materialize import materialize  # noqa: E402
-from weft.parallelisms.parallel_dims import Meshes, ParallelDims  # noqa: E402
-from weft.parallelisms.parallelize import parallelize  # noqa: E402
-from weft.recipe.step import StepSetup, model_forward, train_step  # noqa: E402
+from weft.components.config import Optimizer
+from weft.models.llama.hf_mapping import hf_config
+from weft.components.loss import token_loss
+from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
+from weft.components.optim import build_optimizer
+from weft.components.data import Batch
+from weft.float8 import DEFAULT_MIN_DIM, check_float8_support
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.parallelisms.materialize import materialize
+from weft.parallelisms.parallel_dims import Meshes, ParallelDims
+from weft.parallelisms.parallelize import parallelize
+from weft.recipe.step import StepSetup, model_forward, train_step
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")

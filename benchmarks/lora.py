@@ -1,8 +1,8 @@
 """Step time and peak memory of full fine-tuning, LoRA and QLoRA on one shape, in one run.
 
-Each mode builds the model through the recipe (plan -> build_model, the same parallelize and
-materialize train.py uses), in one process, and runs `--steps` AdamW steps on random tokens after
-one warm-up step. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on the CPU the
+Each mode builds its model, optimizer and step through the recipe (plan -> build_trainer, as
+train.py builds them), in one process, and runs `--steps` of train.py's own `train_step` on random
+tokens after one warm-up step. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on the CPU the
 profiler's allocation totals (as tests/components/test_memory.py measures) plus what lives between steps.
 Prints one line per mode and the ratios to full fine-tuning.
 
@@ -16,20 +16,16 @@ Arguments after `--` are train.py options applied to every mode (debug_model.tom
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import torch
 
-import torch  # noqa: E402
-
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.loss import token_loss  # noqa: E402
-from weft.components.memory import local_tensor, measured_peak_bytes  # noqa: E402
-from weft.components.optim import build_optimizer  # noqa: E402
-from weft.recipe.build import build_model  # noqa: E402
-from weft.recipe.plan import RunPlan  # noqa: E402
+from weft.components.config import parse_args
+from weft.components.data import Batch
+from weft.components.memory import local_tensor, measured_peak_bytes
+from weft.recipe.build import build_trainer
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import StepSetup, train_step
 
 MODES = {
     "full": [],
@@ -51,24 +47,22 @@ def held_bytes(model, optimizer) -> int:
     return total + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[float, int]:
+def build_setup(overrides: list[str], device: torch.device) -> tuple[StepSetup, RunPlan]:
+    """train.py's plan, model, optimizer and step for the debug config with these options, in one process."""
     cfg = parse_args(["--job.config_file", "debug_model", "--training.local_batch_size", "4", *overrides])
     plan = RunPlan.from_config(cfg, 1, device_type=device.type, check_environment=False)
-    model = build_model(plan, None, device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    context = plan.precision.forward_context()
-    vocab, shape = plan.model_args.vocab_size, (2, cfg.training.local_batch_size, cfg.training.seq_len)
+    return build_trainer(plan, None, device)[-1], plan
+
+
+def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[float, int]:
+    setup, plan = build_setup(overrides, device)
+    vocab, cfg = plan.model_args.vocab_size, plan.cfg
+    shape = (2, cfg.training.local_batch_size, cfg.training.seq_len)
     generator = torch.Generator().manual_seed(0)
 
-    def step():
+    def step():  # train.py's step on random tokens
         inputs, labels = (t.to(device) for t in torch.randint(0, vocab, shape, generator=generator))
-        with context():
-            logits = model(inputs)
-            loss = token_loss(logits, labels, float(labels.numel()))
-            del logits
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(setup, [Batch(inputs, labels)])
 
     step()  # warm-up: optimizer state, allocator caches
     if device.type == "cuda":
@@ -83,7 +77,7 @@ def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[fl
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = held_bytes(model, optimizer) + measured_peak_bytes(step)
+        peak = held_bytes(setup.model, setup.optimizer) + measured_peak_bytes(step)
     return seconds, peak
 
 

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from weft.components.loss import chunked_cross_entropy, compiled_cross_entropy  # noqa: E402
-from weft.components.memory import GIB, measured_peak_bytes  # noqa: E402
+from weft.components.loss import chunked_cross_entropy, compiled_cross_entropy
+from weft.components.memory import GIB, measured_peak_bytes
 
 
 def eager(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -22,18 +22,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from weft import train  # noqa: E402
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.memory import GIB  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS  # noqa: E402
-from weft.recipe.dry_run import dry_run  # noqa: E402
+from weft import train
+from weft.components.config import parse_args
+from weft.components.memory import GIB
+from weft.models.llama import LLAMA_FLAVORS
+from weft.recipe.dry_run import dry_run
 
 
 def main() -> None:

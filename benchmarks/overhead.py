@@ -16,20 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from weft import train  # noqa: E402
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
-from weft.models.llama import LLAMA_FLAVORS, Transformer  # noqa: E402
+from weft import train
+from weft.components.config import parse_args
+from weft.components.data import Tokenizer, build_loader, find_text_files
+from weft.models.llama import LLAMA_FLAVORS, Transformer
 
 
 def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: int, steps: int) -> float:

@@ -15,16 +15,13 @@ Run from the repository root:  OMP_NUM_THREADS=1 python benchmarks/pp_bubble.py
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
-from weft.components.config import parse_args  # noqa: E402
-from weft.components.config.schema import PIPELINE_SCHEDULES  # noqa: E402
-from weft.components.testing import run_distributed  # noqa: E402
+from weft.components.config import parse_args
+from weft.components.config.schema import PIPELINE_SCHEDULES
+from weft.components.testing import run_distributed
 
 PP, MICROBATCHES, WARMUP, TIMED = 2, 4, 1, 3
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "256", "--training.local_batch_size", "8",
@@ -36,18 +33,15 @@ def step_seconds(extra: list[str], dump: str) -> float:
     """Median wall time of the timed steps (after warm-up) of the recipe's train_step."""
     import torch
 
-    from weft.recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
+    from weft.recipe.build import build_training
     from weft.recipe.plan import RunPlan
     from weft.recipe.step import train_step
 
     cfg = parse_args(ARGS + ["--job.dump_folder", dump, *extra])
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     plan = RunPlan.from_config(cfg, world)
-    device, meshes, _ = start_processes(plan)
-    loader, _ = build_data(plan, meshes, device)
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    run = build_training(plan)
+    loader, setup = run.loader, run.step
     times = []
     for step in range(WARMUP + TIMED):
         batch = [next(loader)]

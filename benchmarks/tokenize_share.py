@@ -13,7 +13,8 @@ position). Two shapes of data:
 and two micro-batch sizes: train_configs/debug_model.toml's (seq_len 128, local batch 8) and a
 long-context one (seq_len 2048, local batch 8).
 
-Run from the repository root:  OMP_NUM_THREADS=1 python benchmarks/tokenize_share.py
+Run from the repository root (it reads assets/, which the install leaves out):
+    OMP_NUM_THREADS=1 python -m benchmarks.tokenize_share
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import time
 from itertools import islice
 from pathlib import Path
 
-# Run as a script, Python puts benchmarks/ on the path, not the repository root the imports need.
 REPO = Path(__file__).resolve().parent.parent
 
-from assets.make_chat_data import speeches  # noqa: E402
-from weft.components.data import Tokenizer, build_loader, find_text_files  # noqa: E402
-from weft.components.testing import run_distributed  # noqa: E402
+from assets.make_chat_data import speeches
+from weft.components.data import Tokenizer, build_loader, find_text_files
+from weft.components.testing import run_distributed
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"

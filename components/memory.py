@@ -126,10 +126,11 @@ def nf4_planned_weights(model: nn.Module) -> set[int]:
 
 
 def nf4_bytes(numel: int) -> int:
-    """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per 256 scales."""
-    from weft.parallelisms.lora import NF4_BLOCK, NF4_SCALER_BLOCK
+    """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per group of
+    scales (up to 256, parallelisms.lora.nf4_scaler_block)."""
+    from weft.parallelisms.lora import NF4_BLOCK, nf4_scaler_block
 
-    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * NF4_SCALER_BLOCK))
+    return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * nf4_scaler_block(numel)))
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -32,9 +32,10 @@ from weft.parallelisms.plans import path_matches
 logger = logging.getLogger("weft")
 
 QUANTIZE_BASE_CHOICES = ("nf4",)
-# torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of
-# NF4_SCALER_BLOCK blocks, so a weight quantizes only if its size divides by their product.
+# torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of at
+# most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_MIN_SCALER_BLOCK, NF4_GROUPS_MULTIPLE = 32, 8
 # Output heads stay whole when no target_modules are given (PEFT's "all-linear" does the same).
 OUTPUT_HEADS = ("output", "lm_head")
 
@@ -129,15 +130,30 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def nf4_scaler_block(numel: int) -> int:
+    """How many NF4 blocks share one scale factor in a weight of `numel` values: the largest number
+    from NF4_SCALER_BLOCK down to NF4_MIN_SCALER_BLOCK that cuts its blocks into a multiple of
+    NF4_GROUPS_MULTIPLE groups, so FSDP over 2, 4 or 8 ranks holds whole groups (Llama's weights
+    keep 256, the debug model's 704-wide feed-forward gets 176); else NF4_SCALER_BLOCK. It depends
+    on the size alone, so one process and every FSDP degree quantize a weight the same way."""
+    blocks = numel // NF4_BLOCK
+    for size in range(NF4_SCALER_BLOCK, NF4_MIN_SCALER_BLOCK - 1, -1):
+        if blocks % size == 0 and (blocks // size) % NF4_GROUPS_MULTIPLE == 0:
+            return size
+    return NF4_SCALER_BLOCK
+
+
 def check_nf4_shape(name: str, shape: torch.Size, shards: int = 1, function: str = "apply_lora") -> None:
-    """NF4 needs the weight's size to divide by NF4_BLOCK * NF4_SCALER_BLOCK values (a group of
+    """NF4 needs the weight's size to divide by NF4_BLOCK * nf4_scaler_block values (a group of
     scales), and FSDP over `shards` ranks needs whole groups on each; name the layer if not."""
-    numel, group = math.prod(shape), NF4_BLOCK * NF4_SCALER_BLOCK
+    numel = math.prod(shape)
+    scaler_block = nf4_scaler_block(numel)
+    group = NF4_BLOCK * scaler_block
     if numel % group:
         raise TransformError(
             function, "quantize_base",
             f"cannot quantize {name} {tuple(shape)} to NF4: its {numel} values do not divide into blocks of "
-            f"{NF4_BLOCK} with scales grouped by {NF4_SCALER_BLOCK} ({group} values); "
+            f"{NF4_BLOCK} with scales grouped by {scaler_block} ({group} values); "
             "leave it out of target_modules or quantize_base"
         )
     if shape[0] % shards or (numel // group) % shards:
@@ -316,9 +332,9 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
         check_nf4_shape(name, module.weight.shape, shards, "quantize_lora_base")
     for name, module in todo:
         weight = module.weight.detach()
-        nf4 = to_nf4(weight.to(device) if device is not None else weight, NF4_BLOCK, NF4_SCALER_BLOCK)
+        nf4 = to_nf4(weight.to(device) if device is not None else weight, NF4_BLOCK, nf4_scaler_block(weight.numel()))
         module.weight = nn.Parameter(nf4, requires_grad=False)
     if log and todo:
         logger.info(f"quantize_lora_base: {len(todo)} frozen base weights stored as NF4 (blocks of {NF4_BLOCK}, "
-                    f"scales in groups of {NF4_SCALER_BLOCK})")
+                    f"scales in groups of up to {NF4_SCALER_BLOCK})")
     return model

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +51,38 @@ from weft.recipe.plan import RunPlan
 from weft.recipe.step import PipelineLoss, StepSetup
 
 logger = logging.getLogger("weft")
+
+
+@dataclass
+class Training:
+    """What a training loop needs, built in the one order: processes and meshes, data, the model,
+    optimizer and schedule, and how each step runs (`step`, for recipe/step.py's train_step)."""
+
+    device: torch.device
+    meshes: Meshes | None
+    rank: int
+    loader: object  # yields Batch; close() stops its background thread
+    validation_loader: Callable[[], object]  # a fresh validation loader per evaluation
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: StepSetup
+
+
+def build_training(plan: RunPlan) -> Training:
+    """Start the processes, then build data, model, optimizer and step from the plan, in that order."""
+    device, meshes, rank = start_processes(plan)
+    loader, validation_loader = build_data(plan, meshes, device)
+    model, optimizer, scheduler, step = build_trainer(plan, meshes, device)
+    return Training(device, meshes, rank, loader, validation_loader, model, optimizer, scheduler, step)
+
+
+def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device):
+    """The model, its optimizer and schedule, and the step setup, for processes already started
+    (or none, in one process): what a benchmark feeding its own batches needs."""
+    model = build_model(plan, meshes, device)
+    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
+    return model, optimizer, scheduler, build_step(plan, model, optimizer, scheduler, meshes, device)
 
 
 def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:

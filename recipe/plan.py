@@ -98,6 +98,7 @@ class RunPlan:
                               f"({dims.describe()}) has no FSDP (dp_shard x cp = 1)")
         if cfg.parallelism.fsdp_cpu_offload and device_type != "cuda":  # FSDP pins the shards it offloads
             raise ConfigError("parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run has no GPU")
+        check_shared_gpus(cfg, dims, device_type)
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
@@ -334,6 +335,19 @@ def check_gpu_compute(cfg: JobConfig, dims: ParallelDims, precision: PrecisionPo
         check_float8_compute(device_type, f8.recipe, precision.compute_dtype, t.local_batch_size * t.seq_len // dims.cp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_shared_gpus(cfg: JobConfig, dims: ParallelDims, device_type: str) -> None:
+    """Ranks sharing a GPU talk through gloo, which moves CUDA tensors well enough for FSDP and DDP
+    but crashes under TP, CP and PP (all-gathers into one tensor, point-to-point sends: SIGSEGV,
+    `writev Bad address`, `Pair is not connected` with torch 2.11 on an H100): a ConfigError."""
+    if not cfg.parallelism.share_gpus or device_type != "cuda":
+        return
+    sizes = {"parallelism.tp": dims.tp, "parallelism.cp": dims.cp, "parallelism.pp": dims.pp}
+    if bad := [f"{key} = {size}" for key, size in sizes.items() if size > 1]:
+        raise ConfigError(f"parallelism.share_gpus: ranks sharing a GPU use gloo, which cannot all-gather CUDA "
+                          f"tensors into one or send them point to point (crashes seen with torch 2.11 on an "
+                          f"H100); use it with FSDP or DDP only, not {', '.join(bad)}")
 
 
 def check_launch(cfg: JobConfig) -> int:

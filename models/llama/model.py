@@ -14,24 +14,12 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from weft.models.common.attention import (  # noqa: F401  (re-exported: weft.models.llama.model's names)
-    CausalAttention,
-    document_attention,
-    document_block_mask,
-    document_causal_mask,
-    document_mask,
-    masked_attention,
-    use_flex_attention,
-)
+from weft.models.common.attention import CausalAttention
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.init import param_seed, trunc_normal
 from weft.models.common.norms import RMSNorm
-from weft.models.common.rotary import apply_rotary_emb, rope_frequencies, rope_rotations  # noqa: F401
+from weft.models.common.rotary import apply_rotary_emb, rope_rotations
 from weft.models.llama.args import ModelArgs
-
-# Older names of the initialisation helpers (models/common/init.py).
-_param_seed, _trunc_normal = param_seed, trunc_normal
-
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft import train
 from weft.recipe import build as recipe_build
 from weft.components import checkpoint as checkpoint_module
 from weft.components.checkpoint import COMPLETE, CheckpointError, complete_steps
-from weft.components.config import ConfigError, parse_args
+from weft.components.config import ConfigError
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run
 

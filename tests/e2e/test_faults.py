@@ -54,7 +54,7 @@ def step_folders(dump: Path) -> list[str]:
 
 def inject_nan(monkeypatch, steps: set[int], on_inject=lambda step: None) -> None:
     """The loss of the given steps (one micro-batch each) becomes NaN, and so do their gradients."""
-    real_build_step, calls = train.build_step, [0]
+    real_build_step, calls = build_module.build_step, [0]
 
     def build_step(*args, **kwargs):
         setup = real_build_step(*args, **kwargs)
@@ -71,7 +71,7 @@ def inject_nan(monkeypatch, steps: set[int], on_inject=lambda step: None) -> Non
         setup.loss_fn = loss_fn
         return setup
 
-    monkeypatch.setattr(train, "build_step", build_step)
+    monkeypatch.setattr(build_module, "build_step", build_step)  # as build_training calls it
 
 
 # -- non-finite steps -----------------------------------------------------------------------

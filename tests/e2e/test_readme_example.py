@@ -6,20 +6,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from tests.support.failure_checks import python_path
 
-from tests.support import REPO
-
-
-def readme_example() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Use weft's transforms on your own model", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "the section holds exactly one Python example"
-    return blocks[0]
+from tests.support.readme import readme_example
 
 
 @pytest.mark.slow

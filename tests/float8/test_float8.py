@@ -14,7 +14,6 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

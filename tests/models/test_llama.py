@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
-from weft.models.llama.model import apply_rotary_emb, rope_frequencies, rope_rotations
+from weft.models.common.rotary import apply_rotary_emb, rope_frequencies, rope_rotations
 
 # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors indexes).
 PUBLISHED_PARAMETER_COUNTS = {

@@ -29,7 +29,7 @@ from tests.support.dist_utils import run_distributed
 
 STEPS, VOCAB, SEED = 10, 128, 0
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=64)
-# Every targeted weight holds whole NF4 scale groups (64 x 256 values), two per FSDP shard at least.
+# Every targeted weight holds whole NF4 scale groups (64 x nf4_scaler_block values), two per FSDP shard at least.
 NF4_ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, vocab_size=VOCAB, multiple_of=256, max_seq_len=64)
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 
@@ -145,8 +145,8 @@ def test_nf4_checks_fsdp_shards_and_meta():
     with pytest.raises(TransformError, match="meta device; quantize real weights"):
         quantize_lora_base(model)
     materialize(model, "cpu", seed=SEED)
-    with pytest.raises(TransformError, match=r"cannot shard NF4 layers.0.attention.wq \(256, 256\) over 8 FSDP ranks"):
-        quantize_lora_base(model, shards=8)
+    with pytest.raises(TransformError, match=r"cannot shard NF4 layers.0.attention.wq \(256, 256\) over 16 FSDP ranks"):
+        quantize_lora_base(model, shards=16)
 
 
 def test_qlora_computes_with_torchaos_dequantized_base():

@@ -59,17 +59,14 @@ def train_and_gather(cfg) -> tuple[list[float], dict[str, np.ndarray]]:
     """Train as train.py does (plan, build, step); return the global loss of every step and, on
     one rank per stage, its stages' final weights gathered whole."""
     from weft.components.distributed import all_reduce_mean
-    from weft.recipe.build import build_data, build_model, build_optimizer_and_schedule, build_step, start_processes
+    from weft.recipe.build import build_training
     from weft.recipe.plan import RunPlan
     from weft.recipe.step import train_step
 
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     plan = RunPlan.from_config(cfg, world_size)
-    device, meshes, _ = start_processes(plan)
-    loader, _ = build_data(plan, meshes, device)
-    model = build_model(plan, meshes, device)
-    optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    setup = build_step(plan, model, optimizer, scheduler, meshes, device)
+    run = build_training(plan)
+    loader, setup, model, meshes = run.loader, run.step, run.model, run.meshes
     losses = []
     for _ in range(STEPS):
         result = train_step(setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)])

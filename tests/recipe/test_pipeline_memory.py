@@ -27,7 +27,7 @@ def measure(world_size: int) -> dict[str, tuple[list[int], int, int]]:
 
     from weft.components.data import Batch
     from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
-    from weft.recipe.build import build_model, build_optimizer_and_schedule, build_step
+    from weft.recipe.build import build_model, build_trainer
     from weft.recipe.dry_run import pipeline_step_shape, step_shape
     from weft.recipe.plan import RunPlan
     from weft.recipe.step import train_step
@@ -48,9 +48,7 @@ def measure(world_size: int) -> dict[str, tuple[list[int], int, int]]:
         shape = pipeline_step_shape(step_shape(cfg, plan.model_args, plan.dims), plan.pipeline, planned,
                                     meshes.pp.get_group(), meshes.pp.get_local_rank())
         estimate = estimate_memory(planned, shape)
-        model = build_model(plan, meshes, torch.device("cpu"))
-        optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-        setup = build_step(plan, model, optimizer, scheduler, meshes, torch.device("cpu"))
+        model, optimizer, _, setup = build_trainer(plan, meshes, torch.device("cpu"))
         generator = torch.Generator().manual_seed(dist.get_rank())
 
         def step():
