@@ -14,13 +14,15 @@ import torch.distributed as dist
 
 from benchmarks import gpu_throughput as bench
 from weft.models.llama import LLAMA_FLAVORS, Transformer
+from tests.support.slow_scaled_mm import emulated_scaled_mm
 
 
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_dry_run_measures_every_eager_kind(tmp_path, capsys):
+def test_dry_run_measures_every_eager_kind(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)  # the row's plumbing, not the kernel
     out = tmp_path / "rows.jsonl"
     configs = ["bf16_eager", "float8_tensorwise_eager", "autocast_eager", "hf_eager"]
     bench.main(["--dry-run", "--in-process", "--configs", *configs, "--out", str(out)])

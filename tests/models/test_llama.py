@@ -242,14 +242,13 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
     from torch.nn.attention.flex_attention import BlockMask
 
     from weft.models.common import attention as attention_core
-    from weft.models.llama import model as llama_model
 
-    assert llama_model.use_flex_attention(torch.device("cuda", 0))
-    assert not llama_model.use_flex_attention(torch.device("cpu"))
+    assert attention_core.use_flex_attention(torch.device("cuda", 0))
+    assert not attention_core.use_flex_attention(torch.device("cpu"))
     model = Transformer(PACKED)
     model.init_weights(seed=0)
     tokens, positions, docs = packed_batch()
-    assert isinstance(llama_model.document_mask(docs, flex=True), BlockMask)
+    assert isinstance(attention_core.document_mask(docs, flex=True), BlockMask)
     with torch.no_grad():
         dense = model(tokens, positions, document_ids=docs)
         monkeypatch.setattr(attention_core, "use_flex_attention", lambda device: True)

@@ -37,3 +37,11 @@ def install() -> None:
 def calls_logged() -> int:
     path = os.environ.get(LOG_ENV)
     return sum(1 for _ in open(path)) if path and os.path.exists(path) else 0
+
+
+def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """`torch._scaled_mm` computed in fp32 from the float8 operands and their scales, for tests that
+    count float8 matmuls or run float8 plumbing rather than measure the kernel: a real one takes
+    about a second on some CPUs this suite runs on."""
+    out = (a.float() @ b.float()) * scale_a * scale_b
+    return (out if bias is None else out + bias).to(out_dtype or torch.bfloat16)
