@@ -16,6 +16,7 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.data import DataError
 from weft.models.llama import LLAMA_FLAVORS
+from weft.models import flavors
 
 from tests.support import REPO
 
@@ -100,7 +101,7 @@ def test_help_lists_options():
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
 def test_shipped_configs_parse_and_fit_their_model(config):
     cfg = parse_args(["--job.config_file", config])
-    assert cfg.training.seq_len <= LLAMA_FLAVORS[cfg.model.flavor].max_seq_len
+    assert cfg.training.seq_len <= flavors()[cfg.model.flavor].max_seq_len
 
 
 @pytest.mark.slow

@@ -4,13 +4,14 @@ The training and tensor-parallel tests below check the recipe (which layers, whi
 styles), not the kernel, so their Float8Linear layers use torchao's emulated float8 matmul
 (`emulate=True`: the same float8 casts and scales, the product in fp32): their time does not
 depend on how fast the host's `torch._scaled_mm` is (on some CPUs one 512 x 256 x 256 call takes
-a second). The real `torch._scaled_mm` path runs in tests/parallelisms/test_ac.py, which counts
-its calls.
+a second). The real `torch._scaled_mm` path runs once, small, in
+`test_the_real_float8_matmul_equals_the_emulated_one`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -239,6 +240,24 @@ def emulated_float8_matmuls() -> Iterator[None]:
         yield
     finally:
         float8_module._float8_config = real
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_real_float8_matmul_equals_the_emulated_one(recipe):
+    """One Float8Linear (64 x 32 -> 16: three `torch._scaled_mm` calls, forward and backward)
+    through the host's real kernel gives what the emulation the other tests use gives."""
+    torch.manual_seed(0)
+    linear, x = nn.Linear(32, 16, bias=False).to(torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+    results = []
+    for emulate in (False, True):
+        config = replace(float8_module._float8_config(recipe, False), emulate=emulate)
+        layer = Float8Linear.from_float(copy.deepcopy(linear), config=config)
+        x_ = x.clone().requires_grad_()
+        out = layer(x_)
+        out.float().square().sum().backward()
+        results.append((out, x_.grad, layer.weight.grad))
+    for real, emulated in zip(*results):
+        torch.testing.assert_close(real, emulated, rtol=1e-2, atol=1e-2)
 
 
 def build(float8: str | None, meshes=None) -> Transformer:
