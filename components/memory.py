@@ -286,9 +286,11 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
     built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
     wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
-    ceil). Checked against the real transforms in tests/components/test_memory.py. With LoRA (apply_lora on
+    ceil; stacked experts on more ranks than experts: their largest dim, `fsdp_shard_dim`). Checked against the real transforms in tests/components/test_memory.py. With LoRA (apply_lora on
     the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
     whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
+    from weft.parallelisms.fsdp import fsdp_shard_dim  # parallelisms import components: not at the top
+
     params = grads = 0
     nf4 = nf4_planned_weights(model)
     for name, p in model.named_parameters():
@@ -297,7 +299,8 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
             split = 1 if name.endswith(("wo.weight", "w2.weight")) else 0
             shape[split] = -(-shape[split] // tp)
         if fsdp > 1:
-            shape[0] = -(-shape[0] // fsdp)
+            dim = 0 if tp > 1 else fsdp_shard_dim(shape, fsdp)  # apply_fsdp's rule; TP's DTensors keep 0
+            shape[dim] = -(-shape[dim] // fsdp)
         numel = torch.Size(shape).numel()
         size = nf4_bytes(numel) if id(p) in nf4 else numel * p.element_size()
         params += size

@@ -10,12 +10,22 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from weft.parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
 
 RESHARD_POLICIES = ("default", "always", "never")
+
+
+def fsdp_shard_dim(shape: torch.Size | list[int], ranks: int) -> int:
+    """The dimension FSDP splits a parameter of `shape` over `ranks` along: dim 0, except for a
+    stacked weight ([experts, out, in]) with fewer experts than ranks: its largest dimension, so
+    that every rank holds a share instead of each of the first ranks a whole expert."""
+    if len(shape) < 3 or shape[0] >= ranks:
+        return 0
+    return max(range(len(shape)), key=lambda dim: shape[dim])
 
 
 def apply_fsdp(
@@ -45,6 +55,9 @@ def apply_fsdp(
     full precision (parallelisms/precision.py); the hidden state is already in `param_dtype`,
     as it comes out of the embedding computed with `param_dtype` weights.
 
+    Parameters split along dim 0, except stacked expert weights with fewer experts than
+    `dp_mesh`'s shard dimension has ranks (`fsdp_shard_dim`).
+
     Apply after tensor parallelism, activation checkpointing and compile, which must see plain
     modules, and before the model is materialised from the meta device.
     """
@@ -55,8 +68,15 @@ def apply_fsdp(
             f"reshard_after_forward: expected one of {', '.join(RESHARD_POLICIES)}, got {reshard_after_forward!r}",
         )
     blocks = transformer_blocks(model, "apply_fsdp", blocks)
+    ranks = dp_mesh.shape[-1]  # HSDP shards over the last dimension of its (replicate, shard) mesh
+
+    def placement(param: nn.Parameter) -> Shard | None:  # tensor-parallel DTensors keep dim 0
+        dim = 0 if isinstance(param, DTensor) else fsdp_shard_dim(param.shape, ranks)
+        return Shard(dim) if dim else None
+
     settings = dict(
         mesh=dp_mesh,
+        shard_placement_fn=placement,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        cast_forward_inputs=cast_forward_inputs),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),

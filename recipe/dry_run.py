@@ -34,7 +34,7 @@ from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
 from weft.recipe.build import build_model
-from weft.recipe.plan import RunPlan, pipeline_layout
+from weft.recipe.plan import RunPlan, check_llama4_support, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -176,7 +176,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
-    batches on the local batch with at most one stage per block. QLoRA runs without tp and pp."""
+    batches on the local batch with at most one stage per block. QLoRA runs without tp and pp; the
+    model trains in the layout (`check_llama4_support`)."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
@@ -189,8 +190,9 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
                 dims = ParallelDims(replicate, rest // pp // tp // cp, cp, tp, world_size, pp)
                 try:
                     dims.check_seq_len(cfg.training.seq_len)
+                    check_llama4_support(cfg, args, dims)
                     pipeline_layout(cfg, args, dims)
-                except LayoutError:
+                except (LayoutError, ConfigError):
                     continue
                 layouts.append(dims)
     return layouts

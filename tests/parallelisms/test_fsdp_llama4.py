@@ -67,3 +67,23 @@ def test_fsdp2_trains_the_debug_moe_as_one_process_does():
     # Adam divides by the root of the squared gradients: where a gradient is near zero, the
     # rounding of a two-rank sum moves its update by a visible fraction of lr (3e-3).
     assert weight_difference[0] < 1e-4, weight_difference
+
+
+def test_fsdp_on_more_ranks_than_experts_splits_each_expert():
+    """8 ranks, 4 experts: every rank holds an eighth of every expert (split along the largest
+    dimension), not ranks 0-3 a whole expert each and ranks 4-7 none; other weights along dim 0."""
+    from torch.distributed.tensor import Shard
+
+    from weft.components.distributed import init_fake_distributed
+
+    with torch.device("meta"):
+        model = Transformer(LLAMA4_FLAVORS["debugmodel_moe"])
+    init_fake_distributed(8)
+    try:
+        apply_fsdp(model, init_device_mesh("cpu", (8,)))
+    finally:
+        dist.destroy_process_group()
+    experts = model.layers["1"].feed_forward.experts
+    for weight in (experts.w1, experts.w2, experts.w3):
+        assert weight.placements == (Shard(1),) and weight.to_local().shape[1] * 8 == weight.shape[1]
+    assert model.layers["1"].attention.wq.weight.placements == (Shard(0),)

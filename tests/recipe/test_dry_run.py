@@ -16,7 +16,7 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.distributed import init_fake_distributed
 from weft.components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
-from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.models import flavors, spec_for_args
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import parallelize
 from weft.recipe.plan import RunPlan
@@ -111,13 +111,14 @@ def test_bad_memory_value_is_one_line():
 
 @pytest.mark.parametrize("flavor, world_size, tp, fsdp", [
     ("debugmodel", 4, 2, 2), ("debugmodel", 8, 1, 8), ("debugmodel", 2, 2, 1), ("llama3_8b", 16, 8, 2),
+    ("debugmodel_moe", 8, 1, 8),  # 4 experts on 8 ranks: stacked expert weights split along their largest dim
 ])
 def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_size, tp, fsdp):
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--parallelism.tp", str(tp),
                       "--parallelism.dp_shard", str(fsdp), "--parallelism.dp_replicate", str(world_size // tp // fsdp)])
-    args = LLAMA_FLAVORS[flavor]
+    args = flavors()[flavor]
     with torch.device("meta"):
-        plain, model = Transformer(args), Transformer(args)
+        plain, model = spec_for_args(args).build(args), spec_for_args(args).build(args)
     init_fake_distributed(world_size)
     try:
         dims = ParallelDims.resolve(dp_replicate=world_size // tp // fsdp, dp_shard=fsdp, tp=tp, world_size=world_size)
@@ -131,7 +132,7 @@ def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_
 # Shipped configs and the world size their comments plan for.
 SHIPPED = {"debug_model": 1, "debug_sft": 1, "llama8b": 8, "llama2_7b": 8, "llama8b_128k": 8, "llama3_8b_sft": 8,
            "llama3_70b": 64, "llama3_405b": 512, "debug_lora": 1, "llama3_8b_qlora": 1, "llama3_70b_lora": 8,
-           "debug_moe": 1}
+           "debug_moe": 1, "llama4_scout": 64}
 
 
 def test_every_shipped_config_passes_the_dry_run_in_its_documented_layout(capsys):
