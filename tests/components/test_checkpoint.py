@@ -45,22 +45,25 @@ def logged_losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records}
 
 
+SHORT = ["--training.steps", "10"]  # the 4-rank runs: 10 steps, a checkpoint at 5 (4 ranks on 2 cores are slow)
+
+
 def four_rank_runs(root: str) -> dict[str, list[float]]:
-    """Worker: the fsdp4 and fsdp2 x tp2 runs; returns the loss history of each."""
+    """Worker: the fsdp4 and fsdp2 x tp2 runs of 10 steps; returns the loss history of each."""
     root = Path(root)
     out = {
-        "fsdp4_straight": run(args(root / "fsdp4_straight", "fsdp4")),
-        "fsdp4_first_half": run(args(root / "fsdp4", "fsdp4"), stop_after=10),
-        "fsdp2_tp2_straight": run(args(root / "fsdp2_tp2_straight", "fsdp2_tp2")),
-        "fsdp2_tp2_first_half": run(args(root / "fsdp2_tp2", "fsdp2_tp2"), stop_after=10),
+        "fsdp4_straight": run(args(root / "fsdp4_straight", "fsdp4", *SHORT)),
+        "fsdp4_first_half": run(args(root / "fsdp4", "fsdp4", *SHORT), stop_after=5),
+        "fsdp2_tp2_straight": run(args(root / "fsdp2_tp2_straight", "fsdp2_tp2", *SHORT)),
+        "fsdp2_tp2_first_half": run(args(root / "fsdp2_tp2", "fsdp2_tp2", *SHORT), stop_after=5),
     }
-    out["fsdp2_tp2_resumed"] = run(args(root / "fsdp2_tp2", "fsdp2_tp2"))
+    out["fsdp2_tp2_resumed"] = run(args(root / "fsdp2_tp2", "fsdp2_tp2", *SHORT))
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         shutil.copytree(root / "fsdp4", root / "fsdp4_for_single")
     dist.barrier()
-    out["fsdp4_to_fsdp2_tp2"] = run(args(root / "fsdp4", "fsdp2_tp2"))
+    out["fsdp4_to_fsdp2_tp2"] = run(args(root / "fsdp4", "fsdp2_tp2", *SHORT))
     return out
 
 
@@ -88,14 +91,14 @@ def test_exact_resume_fsdp2_tp2(four_ranks):
 @pytest.mark.slow
 def test_resume_fsdp4_checkpoint_under_fsdp2_tp2(four_ranks):
     _, runs = four_ranks
-    assert runs["fsdp4_to_fsdp2_tp2"] == pytest.approx(runs["fsdp4_straight"][10:], rel=1e-4)
+    assert runs["fsdp4_to_fsdp2_tp2"] == pytest.approx(runs["fsdp4_straight"][5:], rel=1e-4)
 
 
 @pytest.mark.slow
 def test_resume_fsdp4_checkpoint_on_one_device(four_ranks):
     root, runs = four_ranks
-    resumed = run(args(root / "fsdp4_for_single", "single"))
-    assert resumed == pytest.approx(runs["fsdp4_straight"][10:], rel=1e-4)
+    resumed = run(args(root / "fsdp4_for_single", "single", *SHORT))
+    assert resumed == pytest.approx(runs["fsdp4_straight"][5:], rel=1e-4)
 
 
 def test_keep_latest_k(tmp_path):

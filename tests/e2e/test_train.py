@@ -66,19 +66,26 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+SLOW = pytest.mark.slow  # each starts python train.py (4-5 s); three stay in the fast tier
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--job.config_file", "no_such.toml"], "job.config_file: 'no_such.toml' not found"),
         (["--training.stpes", "3"], "did you mean --training.steps"),
         (["--training.steps", "ten"], "--training.steps: expected an integer, got 'ten'"),
-        (["--training.steps", "0"], "--training.steps: must be >= 1, got 0"),
-        (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the maximum 2048"),
-        (["--model.tokenizer_path", "missing.model"], "model.tokenizer_path: no tokenizer file at 'missing.model'"),
-        (["--data.dataset_path", "missing_dir"], "data.dataset_path: no file or folder at 'missing_dir'"),
-        (["--parallelism.tp", "3"], "world size 1 is not divisible by dp_replicate·cp·tp = 1·1·3"),
-        (["--parallelism.dp_shard", "2"], "dp_replicate·dp_shard·cp·tp = 1·2·1·1 = 2 does not equal the world size 1"),
-        (["--activation_checkpoint.mode", "fulll"], "expected one of none, full, selective"),
+        pytest.param(["--training.steps", "0"], "--training.steps: must be >= 1, got 0", marks=SLOW),
+        pytest.param(["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds the maximum 2048", marks=SLOW),
+        pytest.param(["--model.tokenizer_path", "missing.model"],
+                     "model.tokenizer_path: no tokenizer file at 'missing.model'", marks=SLOW),
+        pytest.param(["--data.dataset_path", "missing_dir"], "data.dataset_path: no file or folder at 'missing_dir'",
+                     marks=SLOW),
+        pytest.param(["--parallelism.tp", "3"], "world size 1 is not divisible by dp_replicate·cp·tp = 1·1·3",
+                     marks=SLOW),
+        pytest.param(["--parallelism.dp_shard", "2"],
+                     "dp_replicate·dp_shard·cp·tp = 1·2·1·1 = 2 does not equal the world size 1", marks=SLOW),
+        pytest.param(["--activation_checkpoint.mode", "fulll"], "expected one of none, full, selective", marks=SLOW),
     ],
 )
 def test_bad_input_is_one_line_nonzero_and_writes_nothing(tmp_path, args, message):
