@@ -11,7 +11,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ class StepStats:
     grad_norm: float
     lr: float
     skipped_steps: int = 0  # optimizer steps skipped so far for a non-finite loss or gradient norm
+    moe_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> busiest expert's load / mean
 
 
 class MetricsLogger:
@@ -176,6 +177,7 @@ class MetricsLogger:
             "train/skipped_steps": stats.skipped_steps,
             "train/tokens_per_second": tokens_per_second,
             "memory/peak_gib": peak_memory_gib(self.device),
+            **{f"moe/imbalance/{layer}": value for layer, value in stats.moe_imbalance.items()},
         }
         if not self._opened:
             self._open()
@@ -187,6 +189,7 @@ class MetricsLogger:
             f"step {stats.step:>6}  loss {stats.loss:8.4f}  grad_norm {stats.grad_norm:8.4f}  lr {stats.lr:.3e}  "
             f"tokens/s/device {tokens_per_second:,.0f}  mfu {mfu}  peak_memory {values['memory/peak_gib']:.2f} GiB"
             + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
+            + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
         )
         if self.writer is not None:
             for tag, value in values.items():

@@ -6,6 +6,12 @@ The routed experts are held stacked, one [experts, out, in] weight per projectio
 over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped_mm`, CPU
 included in torch 2.13), or a loop over experts where its alignment rule (rows of 16 bytes) does
 not hold. Nothing here knows about parallelism.
+
+Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
+forwards since the training loop last read it) and holds a per-expert `expert_bias` added to the
+router logits for the choice only, never to the scores that weigh the outputs. The training loop
+nudges the bias towards equal load after each step (components/moe_balance.py: DeepSeek-V3's
+auxiliary-loss-free balancing). With the bias zero the choice is the unbiased one exactly.
 """
 
 from __future__ import annotations
@@ -19,14 +25,17 @@ from weft.models.common.feed_forward import FeedForward
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
 
-def route(logits: torch.Tensor, top_k: int, score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores, experts), each [tokens, top_k]: each token's top_k experts by router logit (ties to
-    the lower expert index, as torch.topk picks) and their scores: the sigmoid of each chosen
-    logit (Llama 4), or the softmax over all experts taken at the chosen ones."""
-    if score_func == "softmax":
-        return logits.float().softmax(-1).topk(top_k, dim=-1)
-    top, experts = logits.topk(top_k, dim=-1)
-    return torch.sigmoid(top.float()), experts
+def route(logits: torch.Tensor, top_k: int, score_func: str,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, experts), each [tokens, top_k]: each token's top_k experts by router logit plus
+    `bias` (ties to the lower expert index, as torch.topk picks) and their scores, from the logits
+    alone: the sigmoid of each chosen logit (Llama 4), or the softmax over all experts taken at the
+    chosen ones. (DeepSeek-V3 adds its bias to the sigmoid scores; added to the logits, a zero
+    bias leaves the choice exactly as transformers' Llama 4 makes it.)"""
+    logits = logits.float()
+    experts = (logits if bias is None else logits + bias).topk(top_k, dim=-1).indices
+    probabilities = torch.sigmoid(logits) if score_func == "sigmoid" else logits.softmax(-1)
+    return probabilities.gather(-1, experts), experts
 
 
 class GroupedExperts(nn.Module):
@@ -82,14 +91,18 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, n_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed: balancing state
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        scores, experts = route(self.router(tokens), self.top_k, self.score_func)
+        scores, experts = route(self.router(tokens), self.top_k, self.score_func, self.expert_bias)
         order = experts.flatten().argsort(stable=True)  # (token, slot) pairs sorted by expert
         source = order // self.top_k
         weight = scores.flatten()[order, None].to(x.dtype)
         counts = torch.bincount(experts.flatten(), minlength=self.router.out_features)
+        with torch.no_grad():  # recomputed forwards (activation checkpointing) count all experts again alike
+            self.tokens_per_expert += counts
         routed_in = tokens[source]
         if self.score_before_experts:
             routed = self.experts(routed_in * weight, counts)

@@ -255,6 +255,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
         forward_context=plan.precision.forward_context(),
         compiled_loss=cfg.compile.enable,
         precompute_float8=cfg.float8.enable and cfg.float8.precompute_float8_dynamic_scale_for_fsdp,
+        moe_bias_rate=cfg.moe.bias_update_rate,
     )
 
 

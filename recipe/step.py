@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.data import Batch, batches
 from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.moe_balance import balance_experts
 from weft.components.optim import clip_grad_norm_
 from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
@@ -57,6 +58,7 @@ class StepSetup:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # loss parallel
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # autocast
     compiled_loss: bool = False
+    moe_bias_rate: float = 0.0  # MoE layers' routing bias step after each update (components/moe_balance.py)
     precompute_float8: bool = False  # one fused amax all-reduce after the update, for float8 all-gather
     forward: Callable[[nn.Module, Batch], torch.Tensor] = model_forward  # model, batch -> logits
     loss_fn: Callable[..., torch.Tensor] = token_loss  # as token_loss: logits, labels, count, grad_ranks, compiled=
@@ -74,12 +76,14 @@ class StepResult:
     loss: torch.Tensor  # this rank's share of the global mean loss; all_reduce_mean over loss_group for the mean
     grad_norm: torch.Tensor
     lr: float  # the learning rate this step's update used
+    moe_imbalance: dict[str, float] = field(default_factory=dict)  # each MoE layer's busiest expert / mean
 
 
 def train_step(setup: StepSetup, micro_batches: list[Batch],
                on_phase: Callable[[str], None] = lambda phase: None,
                allow_update: Callable[[torch.Tensor, torch.Tensor], bool] = lambda grad_norm, loss: True) -> StepResult:
-    """Forward and backward over the micro-batches, clip, update, advance the schedule.
+    """Forward and backward over the micro-batches, clip, update, advance the schedule, nudge the
+    MoE layers' routing biases towards equal load (none without MoE layers).
     on_phase("forward" | "backward" | "step") is called as each phase begins (benchmarks/comm.py
     counts collectives per phase with it). allow_update(grad_norm, loss), asked after clipping,
     may leave out the update and the schedule's advance (components/nonfinite.py: a NaN step)."""
@@ -106,12 +110,14 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     on_phase("step")
     grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pp_group)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
-    if allow_update(grad_norm, step_loss):
+    updated = allow_update(grad_norm, step_loss)
+    if updated:
         setup.optimizer.step()
         setup.scheduler.step()
         if setup.precompute_float8:
             precompute_float8_scales(setup.model)
-    return StepResult(step_loss, grad_norm, lr)
+    imbalance = balance_experts(setup.model, setup.moe_bias_rate if updated else 0.0, setup.loss_group)
+    return StepResult(step_loss, grad_norm, lr, imbalance)
 
 
 @torch.no_grad()

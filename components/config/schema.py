@@ -257,6 +257,14 @@ class Lora:
 
 
 @dataclass
+class Moe:
+    bias_update_rate: float = opt(
+        0.0, "MoE balancing: after each step, move each expert's routing bias by this much towards equal load "
+        "(auxiliary-loss-free, as DeepSeek-V3; 1e-3 there); 0: off, routing as the checkpoint does, which a "
+        "Hugging Face Llama 4 export keeps (it has no routing bias)", min=0)
+
+
+@dataclass
 class Compile:
     enable: bool = opt(False, "torch.compile each transformer block and the loss")
 
@@ -285,6 +293,7 @@ class JobConfig:
     export: Export = field(default_factory=Export)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
 

@@ -21,6 +21,7 @@ Llama 4's experts' gate_up_proj, config.json) comes from the model's spec (model
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from weft.components.hf.safetensors_io import new_folder, plan_shards, write_sha
 from weft.components.model_state import full_tensors, model_parts, whole_model
 from weft.models import spec_for_args
 from weft.models.spec import HFMapping
+
+logger = logging.getLogger("weft")
 
 Source = Callable[[list[str]], Iterator[tuple[str, "torch.Tensor | None"]]]
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -102,6 +105,10 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     hf = spec_for_args(args).hf
     bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == "output.weight")]
     groups = hf.groups(bases)  # each HF tensor's weft parameters (Llama 4: w1 and w3 make gate_up_proj)
+    left_out = sorted(set(bases) - {n for group in groups.values() for n in group})
+    if left_out and is_writer():
+        logger.info(f"export: left out {len(left_out)} tensors the Hugging Face model has no place for "
+                    f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})")
     adapted = {f"{m}.weight" for m in (adapters.modules if adapters else ())}
     order = [x for group in groups.values() for n in group
              for x in ([n, _lora(n, "A"), _lora(n, "B")] if n in adapted else [n])]

@@ -82,9 +82,12 @@ def hf_to_weft_name(name: str) -> str:
 
 def hf_groups(weft_names) -> dict[str, list[str]]:
     """Each Hugging Face tensor's name → the weft parameters it is made of, in the order
-    `to_hf_tensor` takes them (the experts' w1 before w3), in the order of `weft_names`."""
+    `to_hf_tensor` takes them (the experts' w1 before w3), in the order of `weft_names`; the MoE
+    layers' `expert_bias` buffers are weft's alone and left out."""
     groups: dict[str, list[str]] = {}
     for name in weft_names:
+        if name.endswith("feed_forward.expert_bias"):  # weft's balancing state; transformers has none
+            continue
         groups.setdefault(weft_to_hf_name(name), []).append(name)
     return {hf: sorted(names, key=lambda n: n.endswith("experts.w3")) for hf, names in groups.items()}
 

@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         """Fill every parameter (or those of `names`) and buffer on the device it lives on, each
         from its own generator seeded by (seed, name), as Llama does: truncated normal std 0.02,
         residual projections (wo, w2, the experts' down projection) scaled by 1/√(2·n_layers),
-        embeddings std 1, output std 1/√dim, norms 1."""
+        embeddings std 1, output std 1/√dim, norms 1; the MoE layers' balancing bias 0."""
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
             if names is not None and name not in names:
@@ -178,3 +178,7 @@ class Transformer(nn.Module):
                 std = 0.02
             param.copy_(trunc_normal(param.shape, std, param.dtype, param.device, param_seed(seed, name)))
         self.rope_rotations.copy_(rope_rotations(self.args, device=self.rope_rotations.device))
+        for layer in self.layers.values():
+            if layer.moe:  # balancing state: no bias, nothing counted
+                layer.feed_forward.expert_bias.zero_()
+                layer.feed_forward.tokens_per_expert.zero_()

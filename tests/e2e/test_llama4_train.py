@@ -1,6 +1,8 @@
 """train.py on the debug Llama 4 MoE: the start-up log counts active parameters, a resumed run
 repeats an uninterrupted one bit for bit, and the end-of-run export loads in transformers."""
 
+import json
+
 import torch
 from safetensors.torch import load_file
 from transformers import Llama4ForCausalLM
@@ -20,10 +22,18 @@ def args(dump, *extra: str) -> list[str]:
 
 
 def test_debug_moe_resumes_exactly_and_logs_active_parameters(tmp_path, capfd):
-    checkpoints = ("--checkpoint.enable", "--checkpoint.interval", "4")
+    """With the routing bias balancing the experts: it is checkpointed (the resumed run routes as
+    the straight one), and each MoE layer's load imbalance is in the log line and metrics.jsonl."""
+    checkpoints = ("--checkpoint.enable", "--checkpoint.interval", "4", "--moe.bias_update_rate", "0.01")
     straight = run(args(tmp_path / "straight", *checkpoints))
     # 2 of 4 experts per token: each MoE layer leaves 2 experts of 3·256·256 parameters idle.
-    assert f"4,591,872 parameters ({4_591_872 - 2 * 2 * 3 * 256 * 256:,} active per token)" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert f"4,591,872 parameters ({4_591_872 - 2 * 2 * 3 * 256 * 256:,} active per token)" in out
+    assert "moe_imbalance " in out
+    record = json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[-1])
+    imbalance = {k: v for k, v in record.items() if k.startswith("moe/imbalance/")}
+    assert set(imbalance) == {"moe/imbalance/layers.1.feed_forward", "moe/imbalance/layers.3.feed_forward"}
+    assert all(1 <= v <= 2 for v in imbalance.values())  # top 2 of 4 experts: at most 2 x the mean
     first = run(args(tmp_path / "resumed", *checkpoints), stop_after=4)
     second = run(args(tmp_path / "resumed", *checkpoints))
     assert len(first) == 4 and first + second == straight

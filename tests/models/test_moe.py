@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.models.moe import MoE
+from weft.models.moe import MoE, route
 
 
 def moe(score_func="sigmoid", score_before_experts=True, dtype=torch.float32) -> MoE:
@@ -22,13 +22,9 @@ def reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     out = []
     for token in x.reshape(-1, x.shape[-1]):
         logits = layer.router.weight @ token
-        if layer.score_func == "sigmoid":
-            top = logits.topk(layer.top_k)
-            chosen, scores = top.indices, torch.sigmoid(top.values)
-        else:
-            probabilities = logits.softmax(-1)
-            chosen = probabilities.topk(layer.top_k).indices
-            scores = probabilities[chosen]
+        chosen = (logits + layer.expert_bias).topk(layer.top_k).indices  # the bias picks, never weighs
+        probabilities = torch.sigmoid(logits) if layer.score_func == "sigmoid" else logits.softmax(-1)
+        scores = probabilities[chosen]
         y = layer.shared_expert(token)
         for e, s in zip(chosen.tolist(), scores):
             w1, w2, w3 = layer.experts.w1[e], layer.experts.w2[e], layer.experts.w3[e]
@@ -61,6 +57,27 @@ def test_grouped_multiply_equals_the_per_expert_loop_forward_and_backward(dtype,
         results.append([out, x_.grad, *(p.grad for p in layer.experts.parameters())])
     for grouped, looped in zip(*results):
         torch.testing.assert_close(grouped, looped, rtol=0, atol=0)
+
+
+def test_the_routing_bias_changes_the_choice_not_the_weights():
+    """A bias that sends every token to expert 3 (among its top 2): the output is the per-token
+    math with that choice and the unbiased scores."""
+    layer = moe()
+    x = torch.randn(2, 5, 16)
+    unbiased = route(layer.router(x.reshape(-1, 16)), 2, "sigmoid")[1]
+    with torch.no_grad():
+        layer.expert_bias[3] = 100.0
+    chosen = route(layer.router(x.reshape(-1, 16)), 2, "sigmoid", layer.expert_bias)[1]
+    assert (chosen == 3).any(-1).all() and not (unbiased == 3).any(-1).all()
+    torch.testing.assert_close(layer(x), reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_forward_counts_the_tokens_per_expert():
+    layer, x = moe(), torch.randn(3, 7, 16)
+    chosen = route(layer.router(x.reshape(-1, 16)), 2, "sigmoid")[1]
+    layer(x)
+    layer(x)
+    assert torch.equal(layer.tokens_per_expert, 2 * torch.bincount(chosen.flatten(), minlength=4).float())
 
 
 def test_top_k_above_the_experts_is_refused():

@@ -1,4 +1,5 @@
-"""FSDP over 2 gloo ranks trains the debug Llama 4 MoE as one process does (fp32, 10 AdamW steps)."""
+"""FSDP over 2 gloo ranks trains the debug Llama 4 MoE as one process does (fp32, 10 AdamW steps,
+the routing bias balancing the experts), and splits experts over more ranks than there are experts."""
 
 from dataclasses import replace
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from weft.components.moe_balance import balance_experts, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.materialize import materialize
@@ -15,6 +17,7 @@ from tests.support.dist_utils import run_distributed
 
 ARGS = replace(LLAMA4_FLAVORS["debugmodel_moe"], attention_chunk_size=8)  # chunks inside the 24 tokens
 STEPS, BATCH, SEQ = 10, 4, 24
+BIAS_RATE = 1e-2
 
 
 def batches() -> list[torch.Tensor]:
@@ -34,6 +37,7 @@ def train(model: torch.nn.Module, rows: slice, distributed: bool) -> list[float]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        balance_experts(model, BIAS_RATE, dist.group.WORLD if distributed else None)  # counts summed over ranks
         loss = loss.detach()
         if distributed:  # FSDP averages the ranks' gradients; the loss likewise
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -41,8 +45,9 @@ def train(model: torch.nn.Module, rows: slice, distributed: bool) -> list[float]
     return losses
 
 
-def fsdp_and_one_process() -> tuple[list[float], list[float], tuple[float, str]]:
-    """Worker: (FSDP's losses, one process's losses, (the largest weight difference after training, its parameter))."""
+def fsdp_and_one_process() -> tuple[list[float], list[float], tuple[float, str], list]:
+    """Worker: (FSDP's losses, one process's losses, (the largest weight difference after training,
+    its parameter), [FSDP's routing biases on each rank, one process's])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     models = []
     for sharded in (True, False):
@@ -57,11 +62,16 @@ def fsdp_and_one_process() -> tuple[list[float], list[float], tuple[float, str]]
     reference_weights = dict(models[1].named_parameters())
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in models[0].named_parameters()}
     difference = max((full[n].sub(reference_weights[n]).abs().max().item(), n) for n in full)
-    return losses, reference, difference
+    biases = [None] * world
+    dist.all_gather_object(biases, [layer.expert_bias.tolist() for _, layer in moe_layers(models[0])])
+    return losses, reference, difference, [*biases, [layer.expert_bias.tolist() for _, layer in moe_layers(models[1])]]
 
 
 def test_fsdp2_trains_the_debug_moe_as_one_process_does():
-    losses, reference, weight_difference = run_distributed(fsdp_and_one_process, 2)[0]
+    """With the routing bias moving after every step: the same biases on both ranks as in one
+    process (the ranks' token counts are summed before each move), so every token routes alike."""
+    losses, reference, weight_difference, biases = run_distributed(fsdp_and_one_process, 2)[0]
+    assert biases[0] == biases[1] == biases[2] and any(b != 0 for layer in biases[2] for b in layer)
     assert reference[-1] < reference[0] - 0.5  # it learns
     assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5
     # Adam divides by the root of the squared gradients: where a gradient is near zero, the

@@ -1,0 +1,48 @@
+"""Keeping a Mixture-of-Experts model's experts evenly loaded, and measuring how even they are.
+
+Auxiliary-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after every optimizer step, each
+MoE layer's `expert_bias` (added to the router logits for the choice only) moves by
+`rate · sign(mean load − load)`: an expert that received more than its share of tokens becomes a
+little less likely to be chosen, one that received less a little more. The loads are the tokens
+the layer's experts received in the step (`MoE.tokens_per_expert`, all micro-batches), summed
+over the ranks that saw other tokens, so every rank keeps the same bias and routes alike.
+
+A layer's load imbalance is its busiest expert's tokens over the mean (1: perfectly even;
+n_experts: every token to one expert).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weft.components.model_state import model_parts
+from weft.models.moe import MoE
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """The MoE layers this rank holds (a pipeline rank: those of its stages), by the model's own
+    names (`layers.1.feed_forward`, without activation checkpointing's wrapper)."""
+    return [(name.replace("_checkpoint_wrapped_module.", ""), module) for part in model_parts(model)
+            for name, module in part.named_modules() if isinstance(module, MoE)]
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Read and reset every MoE layer's token counts, summed over `group` (the data- and context-
+    parallel ranks: None, one process); nudge each layer's bias by `rate` towards equal load
+    (rate 0: no balancing); return each layer's load imbalance. One all-reduce for all layers."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    loads = torch.stack([layer.tokens_per_expert for _, layer in layers])  # [layers, experts]
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    mean = loads.mean(dim=-1, keepdim=True)
+    for (_, layer), load, layer_mean in zip(layers, loads, mean):
+        if rate:
+            layer.expert_bias += rate * torch.sign(layer_mean - load)
+        layer.tokens_per_expert.zero_()
+    imbalance = loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1e-9)
+    return {name: value for (name, _), value in zip(layers, imbalance.tolist())}

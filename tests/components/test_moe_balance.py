@@ -1,0 +1,42 @@
+"""components/moe_balance.py: the load imbalance it reports, and that its bias evens the load."""
+
+import torch
+
+from weft.components.moe_balance import balance_experts
+from weft.models.moe import MoE, route
+
+
+def skewed() -> tuple[MoE, torch.Tensor]:
+    """A layer of 4 experts (top 1) whose router sends most of these 256 tokens to expert 0."""
+    torch.manual_seed(0)
+    layer = MoE(16, 32, n_experts=4, top_k=1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(256, 16) + 1.0
+    with torch.no_grad():
+        layer.router.weight[0] = 0.25  # a positive logit for every token's (positive-mean) features
+    return layer, x
+
+
+def test_imbalance_is_the_busiest_experts_load_over_the_mean():
+    layer, x = skewed()
+    counts = torch.bincount(route(layer.router(x), 1, "sigmoid")[1].flatten(), minlength=4).float()
+    layer(x)
+    assert balance_experts(layer, rate=0.0) == {"": (counts.max() / counts.mean()).item()}
+    assert counts.max() / counts.mean() > 3  # skewed: most tokens to one expert
+    assert torch.equal(layer.tokens_per_expert, torch.zeros(4))  # read and reset
+    assert torch.equal(layer.expert_bias, torch.zeros(4))  # rate 0: left alone
+
+
+def test_the_bias_lowers_the_imbalance_of_skewed_tokens_over_50_steps():
+    """The same tokens 50 times, the bias moved by 0.1 after each: the load evens out (and the
+    bias never enters the outputs' weights: see tests/models/test_moe.py)."""
+    layer, x = skewed()
+    imbalances = []
+    for _ in range(50):
+        with torch.no_grad():
+            layer(x)
+        imbalances.append(balance_experts(layer, rate=0.1)[""])
+    assert imbalances[0] > 3 and max(imbalances[-10:]) < 1.5, imbalances
+    assert layer.expert_bias[0] < 0 < layer.expert_bias[1:].max()  # the busy expert pushed down
