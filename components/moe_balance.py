@@ -46,3 +46,10 @@ def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | No
         layer.tokens_per_expert.zero_()
     imbalance = loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1e-9)
     return {name: value for (name, _), value in zip(layers, imbalance.tolist())}
+
+
+def set_load_balance_loss(model: nn.Module, coeff: float, accumulation_steps: int = 1) -> None:
+    """Every MoE layer adds coeff · its load-balancing loss to the training loss's gradient, as a
+    mean over the step's `accumulation_steps` micro-batches (each layer adds it once per forward)."""
+    for _, layer in moe_layers(model):
+        layer.load_balance_coeff = coeff / accumulation_steps

@@ -12,6 +12,8 @@ forwards since the training loop last read it) and holds a per-expert `expert_bi
 router logits for the choice only, never to the scores that weigh the outputs. The training loop
 nudges the bias towards equal load after each step (components/moe_balance.py: DeepSeek-V3's
 auxiliary-loss-free balancing). With the bias zero the choice is the unbiased one exactly.
+Optionally (`load_balance_coeff` > 0, in training) the layer also adds Switch Transformer's
+load-balancing loss to the training loss's gradient.
 """
 
 from __future__ import annotations
@@ -36,6 +38,37 @@ def route(logits: torch.Tensor, top_k: int, score_func: str,
     experts = (logits if bias is None else logits + bias).topk(top_k, dim=-1).indices
     probabilities = torch.sigmoid(logits) if score_func == "sigmoid" else logits.softmax(-1)
     return probabilities.gather(-1, experts), experts
+
+
+def load_balance_loss(logits: torch.Tensor, experts: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al., 2021): n_experts · Σ_i f_i · P_i, with f_i
+    the fraction of the tokens' top-k choices that went to expert i and P_i the mean over tokens
+    of the router's probability for i (softmax; sigmoid scores normalised over the experts, as
+    DeepSeek-V3's sequence-wise loss). 1 when the load is even, up to n_experts when it is not;
+    its gradient reaches the router through P."""
+    n_experts = logits.shape[-1]
+    logits = logits.float()
+    if score_func == "softmax":
+        probabilities = logits.softmax(-1)
+    else:
+        scores = torch.sigmoid(logits)
+        probabilities = scores / scores.sum(-1, keepdim=True)
+    fraction = torch.bincount(experts.flatten(), minlength=n_experts).float() / experts.numel()
+    return n_experts * (fraction * probabilities.mean(0)).sum()
+
+
+class _WithAuxiliaryLoss(torch.autograd.Function):
+    """out unchanged; its backward also gives `aux` the gradient 1, as if `aux` had been added to
+    the training loss (so the loss need not be carried out of the layer)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad_out, torch.ones((), dtype=ctx.aux_dtype, device=grad_out.device)
 
 
 class GroupedExperts(nn.Module):
@@ -93,10 +126,12 @@ class MoE(nn.Module):
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed: balancing state
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)
+        self.load_balance_coeff = 0.0  # > 0: training adds coeff · load_balance_loss (set by the recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        scores, experts = route(self.router(tokens), self.top_k, self.score_func, self.expert_bias)
+        logits = self.router(tokens)
+        scores, experts = route(logits, self.top_k, self.score_func, self.expert_bias)
         order = experts.flatten().argsort(stable=True)  # (token, slot) pairs sorted by expert
         source = order // self.top_k
         weight = scores.flatten()[order, None].to(x.dtype)
@@ -111,4 +146,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, source, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
+        if self.training and self.load_balance_coeff > 0:
+            aux = self.load_balance_coeff * load_balance_loss(logits, experts, self.score_func)
+            out = _WithAuxiliaryLoss.apply(out, aux)
         return out.view_as(x)

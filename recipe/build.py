@@ -36,6 +36,7 @@ from weft.components.metrics import (
     setup_logging,
 )
 from weft.components.model_state import whole_model
+from weft.components.moe_balance import set_load_balance_loss
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
@@ -235,7 +236,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
                device: torch.device) -> StepSetup:
     """How each step runs in this layout: with loss parallel (tp > 1), the loss and its backward
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
-    autocast does (parallelisms/precision.py)."""
+    autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
     pipeline = {}
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
@@ -244,6 +245,8 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
                                   microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
                                   pp_group=meshes.pp.get_group())
         pipeline = dict(pipeline=schedule, pipeline_loss=loss, pp_group=meshes.pp.get_group())
+    forwards = cfg.training.gradient_accumulation_steps * (plan.pipeline.microbatches if plan.pipeline else 1)
+    set_load_balance_loss(model, cfg.moe.load_balance_coeff, forwards)  # MoE layers: a mean over the step's forwards
     return StepSetup(
         **pipeline,
         model=model, optimizer=optimizer, scheduler=scheduler, device=device,

@@ -262,6 +262,9 @@ class Moe:
         0.0, "MoE balancing: after each step, move each expert's routing bias by this much towards equal load "
         "(auxiliary-loss-free, as DeepSeek-V3; 1e-3 there); 0: off, routing as the checkpoint does, which a "
         "Hugging Face Llama 4 export keeps (it has no routing bias)", min=0)
+    load_balance_coeff: float = opt(
+        0.0, "MoE balancing: add this times Switch Transformer's load-balancing loss (1 when even) of every MoE "
+        "layer to the training loss (0.01 there); 0: off", min=0)
 
 
 @dataclass

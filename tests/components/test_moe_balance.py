@@ -1,8 +1,9 @@
 """components/moe_balance.py: the load imbalance it reports, and that its bias evens the load."""
 
+import pytest
 import torch
 
-from weft.components.moe_balance import balance_experts
+from weft.components.moe_balance import balance_experts, moe_layers
 from weft.models.moe import MoE, route
 
 
@@ -40,3 +41,18 @@ def test_the_bias_lowers_the_imbalance_of_skewed_tokens_over_50_steps():
         imbalances.append(balance_experts(layer, rate=0.1)[""])
     assert imbalances[0] > 3 and max(imbalances[-10:]) < 1.5, imbalances
     assert layer.expert_bias[0] < 0 < layer.expert_bias[1:].max()  # the busy expert pushed down
+
+
+def test_the_recipe_gives_each_moe_layer_its_share_of_the_load_balance_coefficient():
+    """--moe.load_balance_coeff 0.01 with 4 accumulated micro-batches: each MoE layer adds
+    0.0025 × its loss per forward, so the step's gradient holds 0.01 × their mean."""
+    from weft.components.config import parse_args
+    from weft.recipe.build import build_trainer
+    from weft.recipe.plan import RunPlan
+
+    cfg = parse_args(["--job.config_file", "debug_moe", "--moe.load_balance_coeff", "0.01",
+                      "--training.gradient_accumulation_steps", "4", "--training.local_batch_size", "2"])
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False)
+    model = build_trainer(plan, None, torch.device("cpu"))[0]
+    coefficients = [layer.load_balance_coeff for _, layer in moe_layers(model)]
+    assert len(coefficients) == 2 and all(c == pytest.approx(0.0025) for c in coefficients)

@@ -1,10 +1,12 @@
 """The MoE layer against plain per-token math, and its grouped multiply against a per-expert loop."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.models.moe import MoE, route
+from weft.models.moe import MoE, load_balance_loss, route
 
 
 def moe(score_func="sigmoid", score_before_experts=True, dtype=torch.float32) -> MoE:
@@ -97,3 +99,41 @@ def test_experts_under_autocast_compute_in_its_dtype_as_a_linear_would():
     expected = torch.cat([F.linear(F.silu(F.linear(p, bf16.w1[e])) * F.linear(p, bf16.w3[e]), bf16.w2[e])
                           for e, p in enumerate(x.reshape(-1, 16).bfloat16().split(counts.tolist()))])
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_load_balance_loss_is_switch_transformers_formula(score_func):
+    """n_experts · Σ_i f_i · P_i computed token by token: f_i the share of the top-k choices that
+    went to expert i, P_i the mean normalised router probability."""
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    experts = logits.topk(2).indices
+    choices, probability_sums = [0.0] * 4, [0.0] * 4
+    for token_logits, token_experts in zip(logits, experts):
+        if score_func == "softmax":
+            probabilities = [float(v) for v in token_logits.softmax(-1)]
+        else:
+            scores = [1 / (1 + math.exp(-float(v))) for v in token_logits]
+            probabilities = [v / sum(scores) for v in scores]
+        for i in range(4):
+            probability_sums[i] += probabilities[i] / 6
+        for e in token_experts.tolist():
+            choices[e] += 1 / 12
+    expected = 4 * sum(f * p for f, p in zip(choices, probability_sums))
+    assert load_balance_loss(logits, experts, score_func).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_load_balance_loss_reaches_the_router_as_if_added_to_the_loss():
+    """With load_balance_coeff c the layer's backward gives every weight the gradient of
+    loss + c · load_balance_loss; in eval, or with c = 0, nothing is added."""
+    x = torch.randn(3, 7, 16)
+    with_aux, plain = moe(), moe()
+    with_aux.load_balance_coeff = 0.5
+    with_aux(x).square().sum().backward()
+    logits = plain.router(x.reshape(-1, 16))
+    experts = route(logits, 2, "sigmoid")[1]
+    (plain(x).square().sum() + 0.5 * load_balance_loss(logits, experts, "sigmoid")).backward()
+    for (name, a), b in zip(with_aux.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert plain.router.weight.grad.abs().sum() > 0
+    with_aux.eval()
+    torch.testing.assert_close(with_aux(x), plain.eval()(x), rtol=0, atol=0)
