@@ -4,8 +4,8 @@ shared expert every token passes through.
 
 The routed experts are held stacked, one [experts, out, in] weight per projection, and computed
 over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped_mm`, CPU
-included in torch 2.13), or a loop over experts where its alignment rule (rows of 16 bytes) does
-not hold. Nothing here knows about parallelism.
+included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
+bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism.
 
 Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
 forwards since the training loop last read it) and holds a per-expert `expert_bias` added to the
@@ -85,7 +85,9 @@ class GroupedExperts(nn.Module):
         dtype autocast gives a Linear (autocast does not know `_grouped_mm`), else the weights'."""
         device = x.device.type
         x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.w1.dtype)
-        return self.grouped(x, counts) if self._grouped_mm_applies(x) else self.loop(x, counts)
+        if self._grouped_mm_applies(x):
+            return self.grouped(x, counts)
+        return self.masked(x, counts) if torch.compiler.is_compiling() else self.loop(x, counts)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One grouped matrix multiply per projection over all experts."""
@@ -101,10 +103,23 @@ class GroupedExperts(nn.Module):
         return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
                           for e, p in enumerate(pieces)])
 
+    def masked(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same again, every expert on every row, each row keeping its own expert's output: n_experts
+        times the work, but no shape that depends on the routing (compiled, where the grouped
+        multiply does not apply and the loop's split would need the counts on the host)."""
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+        out = torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            y = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+            out = torch.where((owner == e)[:, None], y, out)
+        return out
+
     def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
-        """torch has it; rows are multiples of 16 bytes; on CUDA the kernel takes bfloat16 only."""
+        """torch has it; rows are multiples of 16 bytes; bfloat16 only on CUDA and when compiled
+        (torch's shape rule for it refuses float32 even where the CPU kernel takes it)."""
         rows = (self.w1.shape[1] * x.element_size(), self.w1.shape[2] * x.element_size())
-        dtype_ok = x.device.type != "cuda" or x.dtype == torch.bfloat16
+        dtype_ok = x.dtype == torch.bfloat16 or (x.device.type != "cuda" and not torch.compiler.is_compiling())
         return hasattr(torch, "_grouped_mm") and dtype_ok and all(r % 16 == 0 for r in rows)
 
 

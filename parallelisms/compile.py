@@ -29,9 +29,14 @@ def apply_compile(
     backend: torch.compile's ("aot_eager" traces without generating kernels, for debugging).
     copy_input: each compiled block reads a copy of its first input, made outside the compiled
     region (`tp_compile_needs_input_copy` says when: tensor parallelism on torch 2.13).
+    A block's forward may keep a record as it runs (an MoE layer counts its experts' tokens):
+    compiled, activation checkpointing's recomputation does not repeat it (torch refuses such a
+    side effect inside a checkpoint otherwise).
     Apply after tensor parallelism and activation checkpointing, before FSDP.
     """
     blocks = transformer_blocks(model, "apply_compile", blocks)
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks:
         compiled = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
         block.forward = _behind_a_copy(compiled) if copy_input else compiled
