@@ -155,14 +155,14 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims
 
 
 def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """Refuse, in one line, what weft does not train Llama 4 in yet: tensor, context and pipeline
-    parallelism (no TP plan or pipeline units in its spec; chunked attention under CP), LoRA."""
+    """Refuse, in one line, what weft does not train Llama 4 in yet: tensor and context
+    parallelism (no TP plan in its spec; chunked attention under CP), LoRA."""
     if spec_for_args(args).name != "Llama 4":
         return
-    for key, degree in (("parallelism.tp", dims.tp), ("parallelism.cp", dims.cp), ("parallelism.pp", dims.pp)):
+    for key, degree in (("parallelism.tp", dims.tp), ("parallelism.cp", dims.cp)):
         if degree > 1:
-            raise ConfigError(f"{key} = {degree}: {model_source(cfg)} (Llama 4) trains with data parallelism "
-                              f"(dp_shard, dp_replicate) only so far; set {key} = 1")
+            raise ConfigError(f"{key} = {degree}: {model_source(cfg)} (Llama 4) trains with data and "
+                              f"pipeline parallelism (dp_shard, dp_replicate, pp) only so far; set {key} = 1")
     if cfg.lora.enable:
         raise ConfigError(f"lora.enable: {model_source(cfg)} (Llama 4) has no LoRA targets yet; "
                           "fine-tune it fully (no lora.enable)")

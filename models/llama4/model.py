@@ -141,11 +141,14 @@ class Transformer(nn.Module):
             positions = torch.arange(seq, device=tokens.device)
         rotations = self.rope_rotations[positions]
         temperature = attention_temperature(positions, self.args.floor_scale, self.args.attn_scale)
-        masks = self.attention_masks(positions, document_ids, batch)
-        h = self.tok_embeddings(tokens)
+        masks = self.attention_masks(positions, document_ids, batch) if len(self.layers) else {}
+        # A pipeline stage (parallelisms/pipeline.py) lacks the modules other stages own (None):
+        # without the embedding its input is the previous stage's hidden state.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, rotations, temperature, masks)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""

@@ -1,10 +1,12 @@
-"""weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, Hugging Face
-mapping (with the experts' joined gate_up_proj and Meta's `language_model.` prefix), FLOPs per
-token. No tensor-parallel plan and no pipeline units yet: recipe/plan.py refuses tp, cp, pp and
-LoRA for Llama 4 in one line before anything asks for them."""
+"""weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, pipeline units
+(Llama's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
+experts' joined gate_up_proj and Meta's `language_model.` prefix), FLOPs per token. No
+tensor-parallel plan and no LoRA targets yet: recipe/plan.py refuses tp, cp and LoRA for Llama 4
+in one line before anything asks for them."""
 
 from __future__ import annotations
 
+from weft.models.llama.pipeline import llama_units
 from weft.models.llama4 import hf_mapping
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
@@ -61,7 +63,7 @@ LLAMA4_SPEC = ModelSpec(
     model_type=Transformer,
     build=Transformer,
     tp_plan=_not_yet("tensor-parallel plan"),
-    pipeline_units=_not_yet("pipeline units"),
+    pipeline_units=llama_units,
     hf=LLAMA4_HF,
     flops_per_token=flops_per_token,
     block_numel=block_numel,

@@ -21,6 +21,8 @@ RTOL = 1e-5
 PP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]
 LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0"]
+# Llama 4's debug MoE, its routing bias moving after each step (each stage balances its own layers).
+MOE = ["--model.flavor", "debugmodel_moe", "--moe.bias_update_rate", "0.01"]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
@@ -37,6 +39,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2_accumulation2": (2, PP2 + ["--training.gradient_accumulation_steps", "2", "--training.local_batch_size", "4"]),
     # LoRA adapters on the stages' block linears (against a LoRA run in one process).
     "pp2_lora": (2, PP2 + LORA + schedule("Interleaved1F1B")),
+    # Llama 4 (against the debug MoE in one process).
+    "pp2_moe": (2, PP2 + MOE + schedule("1F1B")),
     # Every schedule under FSDP, the split-backward ones included (the reshard trap).
     **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s)) for s in SCHEDULES},
     "pp2_tp2": (4, PP2 + ["--parallelism.tp", "2"]),
@@ -102,6 +106,11 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return train_and_gather(config(str(tmp_path_factory.mktemp("single_moe")), MOE))
+
+
+@pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarray]]]:
     root = str(tmp_path_factory.mktemp("pp"))
     merged: dict[str, tuple[list[float], dict[str, np.ndarray]]] = {}
@@ -115,8 +124,10 @@ def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, layouts):
-    ref_losses, ref_weights = lora_reference if "--lora.enable" in LAYOUTS[layout][1] else reference
+def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, moe_reference, layouts):
+    overrides = LAYOUTS[layout][1]
+    ref_losses, ref_weights = (lora_reference if "--lora.enable" in overrides else
+                               moe_reference if "debugmodel_moe" in overrides else reference)
     losses, weights = layouts[layout]
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run must actually learn"
     assert len(losses) == STEPS

@@ -8,11 +8,11 @@ from weft.recipe.plan import model_and_layout
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
-     "parallelism.tp = 2: model flavor debugmodel_moe (Llama 4) trains with data parallelism (dp_shard, "
-     "dp_replicate) only so far; set parallelism.tp = 1"),
+     "parallelism.tp = 2: model flavor debugmodel_moe (Llama 4) trains with data and pipeline parallelism "
+     "(dp_shard, dp_replicate, pp) only so far; set parallelism.tp = 1"),
     (["--parallelism.cp", "2", "--parallelism.dp_shard", "1"],
-     "parallelism.cp = 2: model flavor debugmodel_moe (Llama 4) trains with data parallelism (dp_shard, "
-     "dp_replicate) only so far; set parallelism.cp = 1"),
+     "parallelism.cp = 2: model flavor debugmodel_moe (Llama 4) trains with data and pipeline parallelism "
+     "(dp_shard, dp_replicate, pp) only so far; set parallelism.cp = 1"),
     (["--lora.enable"], "lora.enable: model flavor debugmodel_moe (Llama 4) has no LoRA targets yet; "
                         "fine-tune it fully (no lora.enable)"),
 ])
@@ -37,5 +37,5 @@ def test_dry_run_table_lists_only_the_layouts_llama4_trains_in(capsys):
     assert code == 0, out
     table = out.split("layouts of 4 ranks", 1)[1].splitlines()[2:]
     rows = [line.split()[:4] for line in table if line.strip() and line.split()[0].isdigit()]
-    expected = [[str(k) for k in row] for row in ((1, 4, 1, 1),)]
-    assert sorted(rows) == expected  # pp dp_shard cp tp; tp, cp, pp: refused for Llama 4 so far
+    expected = [[str(k) for k in row] for row in ((1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1))]
+    assert sorted(rows) == expected  # pp dp_shard cp tp; tp and cp: refused for Llama 4 so far
