@@ -1,0 +1,66 @@
+"""Float8 on Llama 4: the dense linears (attention, dense feed-forwards, shared experts) become
+Float8Linear, the router and the stacked routed experts stay in high precision, and the debug MoE
+trains like its fp32 run. Float8 matmuls are emulated (see tests/float8/test_float8.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchao", reason="float8 needs torchao")
+
+from weft.float8 import converted_modules  # noqa: E402
+from weft.float8 import float8 as float8_module  # noqa: E402
+from weft.models.llama4 import LLAMA4_FLAVORS, Transformer  # noqa: E402
+from weft.parallelisms import parallelize  # noqa: E402
+from weft.parallelisms.materialize import materialize  # noqa: E402
+
+ARGS = LLAMA4_FLAVORS["debugmodel_moe"]
+
+
+def build(float8: str | None, monkeypatch) -> Transformer:
+    real = float8_module._float8_config
+    monkeypatch.setattr(float8_module, "_float8_config", lambda *a: replace(real(*a), emulate=True))
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    parallelize(model, None, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
+                param_dtype=torch.float32)
+    materialize(model, "cpu", seed=0)
+    return model
+
+
+def losses(model: Transformer, steps: int = 20) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 16, (4, 33), generator=generator)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_dense_linears_go_float8_routers_and_routed_experts_stay(monkeypatch):
+    model = build("tensorwise", monkeypatch)
+    converted = set(converted_modules(model))
+    moe_layers = [i for i in range(ARGS.n_layers) if ARGS.is_moe_layer(i)]
+    expected = {f"layers.{i}.attention.{w}" for i in range(ARGS.n_layers) for w in ("wq", "wk", "wv", "wo")}
+    expected |= {f"layers.{i}.feed_forward.{w}" for i in range(ARGS.n_layers) if i not in moe_layers
+                 for w in ("w1", "w2", "w3")}
+    expected |= {f"layers.{i}.feed_forward.shared_expert.{w}" for i in moe_layers for w in ("w1", "w2", "w3")}
+    assert converted == expected  # routers (4 outputs: under min_dim) and stacked experts (not Linear) stay
+
+
+@pytest.mark.slow
+def test_float8_debug_moe_trains_like_fp32(monkeypatch):
+    reference = losses(build(None, monkeypatch))
+    float8 = losses(build("tensorwise", monkeypatch))
+    for step in (5, 10, 15, 20):
+        assert float8[step - 1] == pytest.approx(reference[step - 1], rel=0.02), step
+    assert float8[-1] < float8[0] - 1.0
