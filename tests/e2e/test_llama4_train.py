@@ -3,6 +3,7 @@ repeats an uninterrupted one bit for bit, and the end-of-run export loads in tra
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Llama4ForCausalLM
@@ -12,6 +13,7 @@ from weft.components.config import parse_args
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf import main as hf_main
 from weft.models.llama4 import Transformer
+from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run
 
 
@@ -40,13 +42,16 @@ def test_debug_moe_resumes_exactly_and_logs_active_parameters(tmp_path, capfd):
     assert straight[-1] < straight[0]
 
 
-def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
-    train.train(parse_args(args(tmp_path / "run", "--training.steps", "3", "--export.hf_folder", "hf",
-                                "--checkpoint.enable", "--checkpoint.interval", "3")))
-    folder = tmp_path / "run" / "hf"
+def export_run(dump, *layout: str) -> None:
+    """3 steps of the debug MoE and its end-of-run export (to dump/hf) and checkpoint (step 3)."""
+    train.train(parse_args(args(dump, "--training.steps", "3", "--export.hf_folder", "hf",
+                                "--checkpoint.enable", "--checkpoint.interval", "3", *layout)))
+
+
+def assert_export_gives_transformers_weft_logits(dump, tmp_path) -> dict[str, torch.Tensor]:
+    folder = dump / "hf"
     # The command-line export of its checkpoint writes the same tensors.
-    assert hf_main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-3"),
-                    "--out", str(tmp_path / "cli")]) == 0
+    assert hf_main(["export", "--checkpoint", str(dump / "checkpoint" / "step-3"), "--out", str(tmp_path / "cli")]) == 0
     ours, cli = load_file(folder / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
     assert ours.keys() == cli.keys() and all(torch.equal(ours[k], cli[k]) for k in ours)
     model = Transformer(model_args_from_hf_folder(folder))
@@ -55,3 +60,23 @@ def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
     exported = Llama4ForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, model.eval()(tokens), rtol=0, atol=1e-5)
+    return ours
+
+
+def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
+    export_run(tmp_path / "run")
+    assert_export_gives_transformers_weft_logits(tmp_path / "run", tmp_path)
+
+
+@pytest.mark.slow
+def test_fsdp2_fine_tune_exports_what_one_process_does(tmp_path):
+    """The same 3 steps under FSDP 2 (the same global batch): its export loads in transformers with
+    weft's logits, and equals the one-process run's export within 1e-5."""
+    run_distributed(export_run, 2, tmp_path / "fsdp2", "--parallelism.dp_shard", "2",
+                    "--training.local_batch_size", "2")
+    fsdp2 = assert_export_gives_transformers_weft_logits(tmp_path / "fsdp2", tmp_path / "a")
+    export_run(tmp_path / "one")
+    one = load_file(tmp_path / "one" / "hf" / "model.safetensors")
+    assert fsdp2.keys() == one.keys()
+    for name in one:
+        torch.testing.assert_close(fsdp2[name], one[name], rtol=1e-5, atol=1e-5, msg=name)
