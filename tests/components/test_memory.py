@@ -18,6 +18,7 @@ import torch
 
 from weft.components.config import parse_args
 from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
+from weft.models import flavors
 from weft.models.llama import LLAMA_FLAVORS
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.recipe.dry_run import step_shape
@@ -135,7 +136,8 @@ def test_total_estimate_within_15_percent_of_the_measured_peak(layout, measured)
 
 
 def measure_one_process(extra: list[str]) -> dict[str, int]:
-    """One process, debug model, fp32: the dry run's estimate beside the measured peak of a step."""
+    """One process, debug model (or `--model.flavor`), fp32: the dry run's estimate beside the
+    measured peak of a step."""
     from weft.components.loss import token_loss
     from weft.components.optim import build_optimizer
     from weft.recipe.build import build_model
@@ -143,7 +145,7 @@ def measure_one_process(extra: list[str]) -> dict[str, int]:
 
     cfg = layout_config(extra)
     plan = RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)
-    estimate = estimate_memory(build_model(plan, None, None), step_shape(cfg, LLAMA_FLAVORS["debugmodel"], plan.dims))
+    estimate = estimate_memory(build_model(plan, None, None), step_shape(cfg, flavors()[cfg.model.flavor], plan.dims))
     model = build_model(plan, None, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optimizer)
     generator = torch.Generator().manual_seed(0)
@@ -196,3 +198,12 @@ def test_lora_saves_the_frozen_bases_gradients_and_adamw_state():
     expected = 12 * lora["frozen"] - 16 * lora["trainable"]
     assert 0.9 * expected <= saved <= 1.1 * expected
     assert 0.9 <= lora["est_peak"] / lora["peak"] <= 1.1
+
+
+def test_debug_moe_estimate_within_10_percent_of_its_measured_peak():
+    """Llama 4's debug MoE: every expert's weights, gradients and AdamW state, and the activations
+    of the tokens the experts receive (top 2 of 4, and the shared expert). Measured: 0.904 (the
+    estimate leaves out the routed tokens' sorted copies; below, where the dense model's is above)."""
+    r = measure_one_process(["--model.flavor", "debugmodel_moe"])
+    assert r["est_params"] == r["params"]
+    assert r["est_peak"] == pytest.approx(r["peak"], rel=0.10), f"ratio {r['est_peak'] / r['peak']:.3f}"
