@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from weft.models.common.feed_forward import FeedForward
-from weft.models.moe import MoE
+from weft.models.moe import MoE, grouped, loop
 
 # dim, expert hidden, experts, top_k, shared expert hidden, tokens
 SHAPES = {
@@ -109,16 +109,17 @@ def main() -> None:
         experts = moe.router(x).topk(top_k, dim=-1).indices.flatten()
     counts = torch.bincount(experts, minlength=n_experts)
     routed = x[(experts.argsort(stable=True) // top_k)].detach().requires_grad_(True)
+    weights = (moe.experts.w1, moe.experts.w2, moe.experts.w3)
     print(f"tokens per expert: min {counts.min().item()}, max {counts.max().item()}")
-    grouped = measure(lambda: moe.experts.grouped(routed, counts), device, args.warmup, args.repeats)
-    loop = measure(lambda: moe.experts.loop(routed, counts), device, args.warmup, args.repeats)
+    grouped_time = measure(lambda: grouped(routed, counts, *weights), device, args.warmup, args.repeats)
+    loop_time = measure(lambda: loop(routed, counts, *weights), device, args.warmup, args.repeats)
     moe.zero_grad()  # the timed backwards accumulated into them
-    out_g, out_l = moe.experts.grouped(routed, counts), moe.experts.loop(routed, counts)
+    out_g, out_l = grouped(routed, counts, *weights), loop(routed, counts, *weights)
     out_g.float().square().mean().backward()
     g_grads = grads(moe.experts)
     out_l.float().square().mean().backward()
     l_grads = grads(moe.experts)
-    print(row("routed experts", grouped, loop, "grouped", "loop"))
+    print(row("routed experts", grouped_time, loop_time, "grouped", "loop"))
     print(f"  grouped vs loop: output max relative difference {max_rel_diff([out_g], [out_l]):.2e}, "
           f"weight gradients {max_rel_diff(g_grads, l_grads):.2e}")
 

@@ -5,7 +5,8 @@ shared expert every token passes through.
 The routed experts are held stacked, one [experts, out, in] weight per projection, and computed
 over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped_mm`, CPU
 included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
-bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism.
+bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism;
+`GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
 
 Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
 forwards since the training loop last read it) and holds a per-expert `expert_bias` added to the
@@ -72,7 +73,10 @@ class _WithAuxiliaryLoss(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU experts, stacked: expert e computes w2[e](silu(w1[e] x) ⊙ w3[e] x)."""
+    """n_experts SwiGLU experts, stacked: expert e computes w2[e](silu(w1[e] x) ⊙ w3[e] x).
+
+    `compute` takes the weights as arguments, so that a parallel transform can run it on its
+    rank's part of them (parallelisms/moe_tp.py: a hidden-dimension slice of every expert)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
@@ -81,46 +85,59 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim], in the
-        dtype autocast gives a Linear (autocast does not know `_grouped_mm`), else the weights'."""
+        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""
+        return self.compute(x, counts, self.w1, self.w2, self.w3)
+
+    @staticmethod
+    def compute(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+        """The experts with these weights, in the dtype autocast gives a Linear (autocast does not
+        know `_grouped_mm`), else the weights'; grouped where the multiply applies."""
         device = x.device.type
-        x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.w1.dtype)
-        if self._grouped_mm_applies(x):
-            return self.grouped(x, counts)
-        return self.masked(x, counts) if torch.compiler.is_compiling() else self.loop(x, counts)
+        x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
+        if grouped_mm_applies(x, w1):
+            return grouped(x, counts, w1, w2, w3)
+        return (masked if torch.compiler.is_compiling() else loop)(x, counts, w1, w2, w3)
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One grouped matrix multiply per projection over all experts."""
-        w1, w2, w3 = (w.to(x.dtype).transpose(1, 2) for w in (self.w1, self.w2, self.w3))
-        ends = counts.cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
-        return torch._grouped_mm(h, w2, offs=ends)
 
-    def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The same, one expert after another (where the grouped multiply does not apply)."""
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        pieces = x.split(counts.tolist())
-        return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
-                          for e, p in enumerate(pieces)])
+def grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+            w3: torch.Tensor) -> torch.Tensor:
+    """One grouped matrix multiply per projection over all experts."""
+    w1, w2, w3 = (w.to(x.dtype).transpose(1, 2) for w in (w1, w2, w3))
+    ends = counts.cumsum(0).to(torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
+    return torch._grouped_mm(h, w2, offs=ends)
 
-    def masked(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The same again, every expert on every row, each row keeping its own expert's output: n_experts
-        times the work, but no shape that depends on the routing (compiled, where the grouped
-        multiply does not apply and the loop's split would need the counts on the host)."""
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
-        out = torch.zeros_like(x)
-        for e in range(w1.shape[0]):
-            y = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
-            out = torch.where((owner == e)[:, None], y, out)
-        return out
 
-    def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
-        """torch has it; rows are multiples of 16 bytes; bfloat16 only on CUDA and when compiled
-        (torch's shape rule for it refuses float32 even where the CPU kernel takes it)."""
-        rows = (self.w1.shape[1] * x.element_size(), self.w1.shape[2] * x.element_size())
-        dtype_ok = x.dtype == torch.bfloat16 or (x.device.type != "cuda" and not torch.compiler.is_compiling())
-        return hasattr(torch, "_grouped_mm") and dtype_ok and all(r % 16 == 0 for r in rows)
+def loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+         w3: torch.Tensor) -> torch.Tensor:
+    """The same, one expert after another (where the grouped multiply does not apply)."""
+    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+    pieces = x.split(counts.tolist())
+    return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
+                      for e, p in enumerate(pieces)])
+
+
+def masked(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+           w3: torch.Tensor) -> torch.Tensor:
+    """The same again, every expert on every row, each row keeping its own expert's output: n_experts
+    times the work, but no shape that depends on the routing (compiled, where the grouped
+    multiply does not apply and the loop's split would need the counts on the host)."""
+    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        y = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+        out = torch.where((owner == e)[:, None], y, out)
+    return out
+
+
+def grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """torch has it; rows are multiples of 16 bytes; bfloat16 only on CUDA and when compiled
+    (torch's shape rule for it refuses float32 even where the CPU kernel takes it)."""
+    rows = (w1.shape[1] * x.element_size(), w1.shape[2] * x.element_size())
+    dtype_ok = x.dtype == torch.bfloat16 or (x.device.type != "cuda" and not torch.compiler.is_compiling())
+    return hasattr(torch, "_grouped_mm") and dtype_ok and all(r % 16 == 0 for r in rows)
 
 
 class MoE(nn.Module):

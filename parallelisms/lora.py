@@ -36,8 +36,10 @@ QUANTIZE_BASE_CHOICES = ("nf4",)
 # most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 NF4_MIN_SCALER_BLOCK, NF4_GROUPS_MULTIPLE = 32, 8
-# Output heads stay whole when no target_modules are given (PEFT's "all-linear" does the same).
+# Output heads stay whole when no target_modules are given (PEFT's "all-linear" does the same), and
+# so do Mixture-of-Experts routers: an adapter there would move the routing.
 OUTPUT_HEADS = ("output", "lm_head")
+ROUTERS = ("router",)
 
 
 class LoRALinear(nn.Linear):
@@ -81,7 +83,9 @@ def apply_lora(
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
-    (`layers.*.attention.w?`); None: every nn.Linear but the output head. quantize_base "nf4":
+    (`layers.*.attention.w?`); None: every nn.Linear but the output head and MoE routers. Stacked
+    routed experts (3-D weights, not linears) take no adapters: PEFT could not load them back.
+    quantize_base "nf4":
     the targets' frozen weights become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
     parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
@@ -195,8 +199,16 @@ def _matching(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n]
     if target_modules is None:
         heads = {id(h) for h in [_output_embeddings(model)] if h is not None}
-        return [(n, m) for n, m in linears if n not in OUTPUT_HEADS and id(m) not in heads]
+        return [(n, m) for n, m in linears
+                if n not in OUTPUT_HEADS and id(m) not in heads and n.rsplit(".", 1)[-1] not in ROUTERS]
     patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    for name, module in model.named_modules():
+        stacked = [p for p in module.parameters(recurse=False) if p.ndim == 3]
+        if stacked and any(_name_matches(name, p) for p in patterns):
+            raise TransformError("apply_lora", "target_modules",
+                                 f"target_modules {target_modules!r} names {name}, routed experts held as stacked "
+                                 "3-D weights: they take no adapters (PEFT could not load them back); target the "
+                                 "attention, shared expert and dense linears")
     return [(n, m) for n, m in linears if any(_name_matches(n, p) for p in patterns)]
 
 

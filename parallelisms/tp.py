@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from weft.models import spec_for_model
 from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 from weft.parallelisms.lora import lora_tp_plan
+from weft.parallelisms.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.parallelisms.plans import Plan, path_matches
 
 logger = logging.getLogger("weft")
@@ -191,6 +192,13 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: int) -> None:
     """Every dimension a style splits must divide by the mesh size (read from the weight shapes)."""
     for name, module, style in targets:
+        if isinstance(style, ExpertHiddenParallel):
+            for weight_name, dim in EXPERT_HIDDEN_DIMS.items():
+                size = getattr(module, weight_name).shape[dim]
+                if size % tp:
+                    raise TransformError("apply_tp", "tp_mesh", f"tp_mesh size {tp} does not divide the experts' hidden "
+                                         f"dimension (size {size}) of {name}.{weight_name}")
+            continue
         weight = getattr(module, "weight", None)
         if weight is None or weight.ndim != 2:
             continue

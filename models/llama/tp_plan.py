@@ -39,6 +39,7 @@ _BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", 
 def llama_tp_plan(
     *, loss_parallel: bool = False, float8_linears: Collection[str] = (),
     float8_styles: dict[str, type[ParallelStyle]] | None = None, blocks: Iterable[str] = ("layers.*",),
+    attention_inputs: int = 2,
 ) -> Plan:
     """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
     heads, so grouped-query attention stays local), wo and w2 by input features.
@@ -52,7 +53,9 @@ def llama_tp_plan(
     feed-forward input is gathered in float8 only when every linear reading it is one. Those
     styles refuse any other module, so the layers kept in high precision (min_dim, filter_fqns)
     get the plain styles. blocks: the block paths to write entries for (the default pattern
-    matches every block; list them when the choice differs between blocks).
+    matches every block; list them when the choice differs between blocks). attention_inputs: how
+    many positional inputs the attention takes, the hidden state first (Llama's: it and the
+    rotations; Llama 4's adds the NoPE temperature).
     """
     float8_linears = set(float8_linears)
     plain = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare_input": PrepareModuleInput}
@@ -70,11 +73,12 @@ def llama_tp_plan(
     }
     for block in blocks:
         # Attention and the feed-forward need the whole sequence: gather it at their entrance.
-        # The rotary rotations (the attention's other input) are a plain tensor and pass through.
+        # The rotary rotations (the attention's other inputs) are plain tensors and pass through.
         readers = {part: [f"{block}.{part}.{n}" for n in names] for part, names in _BLOCK_INPUT_READERS.items()}
+        others = (None,) * (attention_inputs - 1)
         plan[f"{block}.attention_norm"] = SequenceParallel()
         plan[f"{block}.attention"] = style("prepare_input", readers["attention"])(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+            input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others))
         plan[f"{block}.ffn_norm"] = SequenceParallel()
         plan[f"{block}.feed_forward"] = style("prepare_input", readers["feed_forward"])(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

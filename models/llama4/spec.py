@@ -1,8 +1,7 @@
 """weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, pipeline units
 (Llama's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
-experts' joined gate_up_proj and Meta's `language_model.` prefix), FLOPs per token. No
-tensor-parallel plan and no LoRA targets yet: recipe/plan.py refuses tp, cp and LoRA for Llama 4
-in one line before anything asks for them."""
+experts' joined gate_up_proj and Meta's `language_model.` prefix), tensor-parallel plan, FLOPs per
+token, LoRA adapters per block."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from weft.models.llama.pipeline import llama_units
 from weft.models.llama4 import hf_mapping
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
+from weft.models.llama4.tp_plan import tp_plan
 from weft.models.spec import HFMapping, ModelSpec
 
 
@@ -35,10 +35,14 @@ def block_numel(args: ModelArgs) -> int:
     return attention + (n_moe * moe + (args.n_layers - n_moe) * dense) // args.n_layers
 
 
-def _not_yet(what: str):
-    def refuse(*_args, **_kwargs):
-        raise NotImplementedError(f"Llama 4 has no {what} yet")
-    return refuse
+def lora_block_numel(args: ModelArgs, rank: int) -> int:
+    """Adapter parameters of one block, averaged over the MoE and dense blocks, with LoRA on the
+    default targets: attention's 4 linears and the feed-forward's 3 (the shared expert's in an MoE
+    block; not the router, not the stacked routed experts), rank x (in + out) each."""
+    q, kv, h = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    feed_forward = 3 * (n_moe * (h + args.expert_hidden_dim) + (args.n_layers - n_moe) * (h + args.dense_hidden_dim))
+    return rank * ((h + q) * 2 + (h + kv) * 2) + rank * feed_forward // args.n_layers
 
 
 LLAMA4_HF = HFMapping(
@@ -62,10 +66,10 @@ LLAMA4_SPEC = ModelSpec(
     args_type=ModelArgs,
     model_type=Transformer,
     build=Transformer,
-    tp_plan=_not_yet("tensor-parallel plan"),
+    tp_plan=tp_plan,
     pipeline_units=llama_units,
     hf=LLAMA4_HF,
     flops_per_token=flops_per_token,
     block_numel=block_numel,
-    lora_block_numel=_not_yet("LoRA targets"),
+    lora_block_numel=lora_block_numel,
 )

@@ -1,0 +1,100 @@
+"""Tensor parallelism for the Mixture-of-Experts layer (models/moe.py): the plan entries of one
+`MoE` module, which a model's tensor-parallel plan adds for each of its MoE layers.
+
+The routed experts are split by their hidden dimension, each tp rank holding a slice of every
+expert (w1, w3: [experts, hidden/tp, dim]; w2: [experts, dim, hidden/tp]), as Megatron splits a
+dense SwiGLU: memory, the experts' weights being most of an MoE model, divides by tp like the
+rest of the block's. (Keeping the experts whole would repeat them on every tp rank.) The layer
+then runs like a dense feed-forward under sequence parallelism:
+
+- its input is all-gathered along the sequence, so every tp rank routes every token of the
+  micro-batch, alike: the router is replicated and its choice is the same on every rank;
+- each rank runs its hidden slice of the chosen experts (and of the shared expert, split like
+  Llama's feed-forward) on all the routed tokens, giving a partial sum of the output;
+- the partial sums are reduce-scattered back to the sequence shards.
+
+In backward the gradient of the experts' input is a partial sum as well, and is all-reduced
+where the tokens enter the experts, before it reaches the router's scores. The score must
+therefore weigh the token before the experts (`score_before_experts`, Llama 4's placement):
+weighed after them, the gradient of the scores would be partial.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
+
+from weft.parallelisms.common import TransformError
+
+# Which dimension of each stacked expert weight is the hidden one.
+EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
+    """The plan entries for the `MoE` at `path`, whose input and output are sequence-sharded
+    (Shard(1)) as the rest of a sequence-parallel block's are."""
+    if not module.score_before_experts:
+        raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
+                             "(score_before_experts False) cannot split its experts by hidden dimension; "
+                             "tensor parallelism needs the score applied before the experts")
+    plan: dict[str, ParallelStyle] = {
+        path: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True),
+        f"{path}.router": ReplicatedParallel(),
+        f"{path}.experts": ExpertHiddenParallel(),
+    }
+    if module.shared_expert is not None:
+        plan[f"{path}.shared_expert.w1"] = ColwiseParallel()
+        plan[f"{path}.shared_expert.w3"] = ColwiseParallel()
+        plan[f"{path}.shared_expert.w2"] = RowwiseParallel(output_layouts=Partial())
+    return plan
+
+
+class ReplicatedParallel(ParallelStyle):
+    """A module whose parameters are whole on every rank (Replicate DTensors, so that FSDP and the
+    gradient norm see them as the mesh's) and which computes on plain, replicated tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh,
+            input_fn=lambda _mod, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) for x in inputs),
+            output_fn=lambda _mod, output, _mesh: output.to_local(),
+        )
+
+
+class ExpertHiddenParallel(ParallelStyle):
+    """`GroupedExperts` split by hidden dimension (`EXPERT_HIDDEN_DIMS`): each rank computes its
+    slice of every expert for all the tokens it is given, whole on every rank, and returns its
+    partial sum of the output; the incoming gradient of those tokens is all-reduced."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in EXPERT_HIDDEN_DIMS.items():
+            weight = getattr(module, name)
+            split = distribute_tensor(weight, device_mesh, [Shard(dim)])
+            module.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
+        module.__class__ = _hidden_split_class(type(module))
+        module.tp_mesh = device_mesh
+        return module
+
+
+def _hidden_split_forward(self, x, counts):
+    # The tokens are the same on every rank; each rank's slice of the experts gives part of the
+    # gradient of its input, summed over the ranks in backward (grad placement Partial).
+    x = DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+    return self.compute(x, counts, *(getattr(self, name).to_local() for name in ("w1", "w2", "w3")))
+
+
+def _hidden_split_class(cls: type) -> type:
+    """`cls` computing on its rank's slices (as FSDP2 swaps a module's class for its own)."""
+    if getattr(cls, "_hidden_split", False):
+        return cls
+    return type(f"HiddenSplit{cls.__name__}", (cls,), {"forward": _hidden_split_forward, "_hidden_split": True})

@@ -1,0 +1,77 @@
+"""LoRA on Llama 4 and its exports: adapters on the attention, the shared experts and the dense
+feed-forwards of a tiny model with every Llama 4 feature. PEFT loads the adapter folder onto
+transformers' Llama4ForCausalLM and transformers loads the merged folder, each with weft's
+logits; the adapter folder loads back onto weft's base for generation. Routers and the
+stacked routed experts take no adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.components.adapters import load_peft_adapter
+from weft.components.hf.writer import save_hf_model, save_peft_adapter
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.lora import apply_lora, lora_modules
+from tests.models.test_llama4 import TINY, tiny_transformers_model, weft_from_transformers
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(transformers' base, weft's model with adapters away from their init, tokens, weft's logits)."""
+    hf = tiny_transformers_model(seed=5)
+    model = apply_lora(weft_from_transformers(hf), rank=4, alpha=8.0)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.1)
+        tokens = torch.randint(0, TINY["vocab_size"], (2, 30), generator=generator)
+        logits = model(tokens)
+        assert not torch.allclose(hf(tokens).logits, logits, atol=1e-3), "the adapters must change the logits"
+    return hf, model, tokens, logits
+
+
+def test_lora_targets_attention_shared_experts_and_dense_layers_not_routers():
+    model = apply_lora(weft_from_transformers(tiny_transformers_model()), rank=4, alpha=8.0)
+    targets = {name.split(".", 2)[2] for name, _ in lora_modules(model)}
+    assert targets == {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",  # dense layers 0 and 2
+                       "feed_forward.shared_expert.w1", "feed_forward.shared_expert.w2",
+                       "feed_forward.shared_expert.w3"}
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
+
+
+def test_routed_experts_are_refused_as_targets():
+    model = weft_from_transformers(tiny_transformers_model())
+    with pytest.raises(TransformError, match="layers.1.feed_forward.experts, routed experts held as stacked 3-D"):
+        apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "experts"])
+
+
+def test_peft_loads_the_adapter_onto_transformers_llama4_with_weft_logits(trained, tmp_path):
+    from peft import PeftModel
+
+    hf, model, tokens, logits = trained
+    save_peft_adapter(model, tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=tokens).logits
+    peft_model.unload()  # the base goes back as it was, for the other tests
+    torch.testing.assert_close(theirs, logits, rtol=0, atol=1e-5)
+
+
+def test_the_merged_folder_loads_in_transformers_with_weft_logits(trained, tmp_path):
+    from transformers import Llama4ForCausalLM
+
+    _, model, tokens, logits = trained
+    save_hf_model(model, tmp_path / "merged")
+    merged = Llama4ForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits, logits, rtol=0, atol=1e-5)
+
+
+def test_the_adapter_folder_loads_back_onto_weft_base(trained, tmp_path):
+    hf, model, tokens, logits = trained
+    save_peft_adapter(model, tmp_path / "adapter")
+    base = load_peft_adapter(weft_from_transformers(hf), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(base(tokens), logits, rtol=0, atol=1e-6)
