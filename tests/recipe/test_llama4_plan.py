@@ -1,4 +1,4 @@
-"""What train.py does not run Llama 4 in yet is refused in one line naming the key."""
+"""What train.py cannot run Llama 4 in is refused in one line naming the key; the rest plans."""
 
 import pytest
 
@@ -7,8 +7,10 @@ from weft.recipe.plan import model_and_layout
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["--lora.enable"], "lora.enable: model flavor debugmodel_moe (Llama 4) has no LoRA targets yet; "
-                        "fine-tune it fully (no lora.enable)"),
+    (["--lora.enable", "--lora.quantize_base", "nf4"],
+     "lora.quantize_base = 'nf4': model flavor debugmodel_moe (Llama 4) keeps its routed experts as stacked 3-D "
+     "weights, which torchao's NF4 cannot hold, so QLoRA would leave most of the model unquantized; use LoRA "
+     "(lora.quantize_base = '')"),
 ])
 def test_unsupported_llama4_layouts_are_refused(overrides, message):
     cfg = parse_args(["--job.config_file", "debug_moe", *overrides])
@@ -17,13 +19,14 @@ def test_unsupported_llama4_layouts_are_refused(overrides, message):
     assert str(caught.value) == message
 
 
-def test_debug_moe_plans_with_fsdp_tp_and_cp():
+def test_debug_moe_plans_with_fsdp_tp_cp_and_lora():
     args, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe"]), world_size=2)
     assert (args.n_experts, dims.dp_shard) == (4, 2)
     for key in ("tp", "cp"):
         _, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe", "--parallelism.dp_shard", "1",
                                                f"--parallelism.{key}", "2"]), world_size=2)
         assert getattr(dims, key) == 2
+    model_and_layout(parse_args(["--job.config_file", "debug_moe", "--lora.enable"]), world_size=1)
 
 
 def test_dry_run_table_lists_the_layouts_llama4_trains_in(capsys):
