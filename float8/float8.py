@@ -14,7 +14,7 @@ Recipes (scaling granularity):
               communication stays in high precision.
 
 Which layers are converted: a layer is kept in high precision when its name matches an entry
-of `filter_fqns`, when its in or out features are not multiples of 16 (a float8 matmul
+of `filter_fqns`, when it is a Mixture-of-Experts router, when its in or out features are not multiples of 16 (a float8 matmul
 requirement), or when either dimension is below `min_dim`: for small matmuls the casts to
 float8 (memory-bound passes over inputs and weights) cost more than the faster matmul saves.
 The default, 1024, converts every projection of Llama 3 8B and larger; tests on tiny models
@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.components.errors import UserError
+from weft.models.moe import ROUTER
 from weft.parallelisms.common import refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
@@ -275,6 +276,8 @@ def _reason_to_keep(fqn: str, linear: nn.Module, filter_fqns: tuple[str, ...], m
     """Why this linear layer stays in high precision, or None to convert it."""
     if any(f".{entry}." in f".{fqn}." for entry in filter_fqns):
         return "filter_fqns"
+    if fqn.rsplit(".", 1)[-1] == ROUTER:
+        return "an MoE router (float8 rounding would move the routing)"
     dims = (linear.in_features, linear.out_features)
     if any(d % _DIM_MULTIPLE for d in dims):
         return f"dims not multiples of {_DIM_MULTIPLE}"

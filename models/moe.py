@@ -26,6 +26,9 @@ from torch import nn
 from weft.models.common.feed_forward import FeedForward
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
+# The router's attribute name: LoRA and float8 leave layers of this name as they are (an adapter or
+# float8 rounding there would move the routing).
+ROUTER = "router"
 
 
 def route(logits: torch.Tensor, top_k: int, score_func: str,

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from weft.models.moe import ROUTER
 from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
@@ -39,7 +40,6 @@ NF4_MIN_SCALER_BLOCK, NF4_GROUPS_MULTIPLE = 32, 8
 # Output heads stay whole when no target_modules are given (PEFT's "all-linear" does the same), and
 # so do Mixture-of-Experts routers: an adapter there would move the routing.
 OUTPUT_HEADS = ("output", "lm_head")
-ROUTERS = ("router",)
 
 
 class LoRALinear(nn.Linear):
@@ -200,7 +200,7 @@ def _matching(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
     if target_modules is None:
         heads = {id(h) for h in [_output_embeddings(model)] if h is not None}
         return [(n, m) for n, m in linears
-                if n not in OUTPUT_HEADS and id(m) not in heads and n.rsplit(".", 1)[-1] not in ROUTERS]
+                if n not in OUTPUT_HEADS and id(m) not in heads and n.rsplit(".", 1)[-1] != ROUTER]
     patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     for name, module in model.named_modules():
         stacked = [p for p in module.parameters(recurse=False) if p.ndim == 3]

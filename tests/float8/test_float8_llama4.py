@@ -54,7 +54,7 @@ def test_dense_linears_go_float8_routers_and_routed_experts_stay(monkeypatch):
     expected |= {f"layers.{i}.feed_forward.{w}" for i in range(ARGS.n_layers) if i not in moe_layers
                  for w in ("w1", "w2", "w3")}
     expected |= {f"layers.{i}.feed_forward.shared_expert.{w}" for i in moe_layers for w in ("w1", "w2", "w3")}
-    assert converted == expected  # routers (4 outputs: under min_dim) and stacked experts (not Linear) stay
+    assert converted == expected  # routers (kept by name) and stacked experts (not Linear) stay
 
 
 @pytest.mark.slow
@@ -64,3 +64,15 @@ def test_float8_debug_moe_trains_like_fp32(monkeypatch):
     for step in (5, 10, 15, 20):
         assert float8[step - 1] == pytest.approx(reference[step - 1], rel=0.02), step
     assert float8[-1] < float8[0] - 1.0
+
+
+def test_a_router_stays_in_high_precision_whatever_its_size():
+    """16 experts: the router (256 → 16) passes the size rules at min_dim 16 and is still kept."""
+    from weft.float8 import apply_float8
+
+    with torch.device("meta"):
+        model = Transformer(replace(ARGS, n_experts=16))
+    apply_float8(model, min_dim=16, filter_fqns=["output"])
+    converted = set(converted_modules(model))
+    assert "layers.1.feed_forward.shared_expert.w1" in converted
+    assert not any(name.endswith("router") for name in converted)
