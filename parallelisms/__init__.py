@@ -6,6 +6,7 @@ from weft.parallelisms.ac import apply_ac
 from weft.parallelisms.common import TransformError, transformer_blocks
 from weft.parallelisms.compile import apply_compile
 from weft.parallelisms.cp import apply_cp, shard_sequence
+from weft.parallelisms.ep import apply_ep
 from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
@@ -23,6 +24,7 @@ __all__ = [
     "apply_compile",
     "apply_cp",
     "apply_ddp",
+    "apply_ep",
     "apply_fsdp",
     "apply_tp",
     "build_schedule",

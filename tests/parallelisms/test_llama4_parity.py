@@ -24,7 +24,6 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_lora": (2, ["--parallelism.dp_shard", "2", *LORA]),
     "tp2_lora": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *LORA]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
-    "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2"]),
 }
 
 

@@ -41,8 +41,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "cp4": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "4"]),
     "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2"]),
     "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"]),
-    "hsdp2x2_tp2": (8, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
-    "hsdp2x2_cp2": (8, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--parallelism.cp", "2"]),
+    # The 3-D products on 8 ranks (hsdp 2x2 with tp 2 or cp 2) matched too; 8 processes on 2 cores
+    # cost a minute and a half of the suite, so they are left to `--parallelism` runs by hand.
 }
 
 

@@ -1,0 +1,119 @@
+"""Expert parallelism: each rank of an EP mesh holds a share of every MoE layer's routed experts,
+and tokens travel to the rank that holds their expert and back by all-to-all.
+
+The ranks of the EP mesh are data-parallel: each routes its own tokens (the router, the shared
+expert and the rest of the model are whole on every rank, or sharded by a data-parallel
+transform as usual). In each MoE layer, after routing, `GroupedExperts` receives this rank's
+tokens sorted by expert, `counts[e]` of them for expert e. Under `apply_ep` it
+
+1. exchanges the counts (all-to-all of n_experts integers), so that each rank knows how many
+   tokens every other rank sends to each of its experts;
+2. sends each token to the rank holding its expert (all-to-all with those split sizes: rank r
+   holds experts r·E/ep … (r+1)·E/ep − 1, so tokens sorted by expert are already grouped by
+   destination);
+3. regroups what arrived by local expert, runs the grouped multiply over its own experts, puts
+   the outputs back in arrival order and sends them home by the reverse all-to-all.
+
+Both all-to-alls are autograd-aware (their backward is the reverse exchange), so backward is
+exact. No token is dropped or padded: the split sizes are whatever the routing gives.
+
+Gradients: a rank's expert gradients sum the contributions of the tokens of every rank of the
+EP mesh, while the other parameters' gradients come from its own tokens only. Where a
+data-parallel transform averages gradients over ranks, the experts' must be divided by the EP
+degree as well (for the average over the same tokens); `expert_parameters` names them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+
+logger = logging.getLogger("weft")
+
+__all__ = ["apply_ep", "expert_parameters"]
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Spread the routed experts of every MoE layer over `ep_mesh` (each weight a Shard(0) DTensor:
+    checkpoints and exports still see whole tensors) and exchange tokens by all-to-all.
+
+    Works on any model built with weft's MoE layer (`models/moe.py`: modules with stacked
+    `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`). The
+    experts must divide by the mesh size. Apply to the plain model on the meta device or on
+    real weights, before tensor parallelism (the experts are then kept whole by it), activation
+    checkpointing and FSDP; not with compile (the split sizes are read on the host).
+    """
+    refuse_data_parallel_model(model, "apply_ep")
+    ep = ep_mesh.size()
+    experts = _grouped_experts(model)
+    if not experts:
+        raise TransformError("apply_ep", "model", f"{type(model).__name__} has no MoE layer with stacked experts")
+    for name, module in experts:
+        n_experts = module.w1.shape[0]
+        if any(isinstance(getattr(module, w), DTensor) for w in EXPERT_WEIGHTS):
+            raise TransformError("apply_ep", "model", f"{name} is already split (a DTensor); apply_ep comes first")
+        if n_experts % ep:
+            raise TransformError("apply_ep", "ep_mesh", f"ep_mesh size {ep} does not divide {name}'s {n_experts} "
+                                 "experts; each rank must hold as many experts as the others")
+    for _, module in experts:
+        for weight_name in EXPERT_WEIGHTS:
+            weight = getattr(module, weight_name)
+            module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
+                                                                requires_grad=weight.requires_grad))
+        module.__class__ = _expert_parallel_class(type(module))
+        module.ep_mesh = ep_mesh
+    logger.info(f"apply_ep: the experts of {len(experts)} MoE layers over ep_mesh size {ep} "
+                f"({experts[0][1].w1.shape[0] // ep} experts a rank), tokens exchanged by all-to-all")
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `apply_ep` spread over its mesh (their gradients span the EP group's tokens)."""
+    return [(f"{name}.{w}", getattr(module, w)) for name, module in model.named_modules()
+            if getattr(type(module), "_expert_parallel", False) for w in EXPERT_WEIGHTS]
+
+
+def _grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules()
+            if all(isinstance(getattr(module, w, None), nn.Parameter) and getattr(module, w).ndim == 3
+                   for w in EXPERT_WEIGHTS) and callable(getattr(module, "compute", None))]
+
+
+def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+    local = counts.numel() // ep
+    # 1. how many tokens each rank sends to each of this rank's experts: [source rank, local expert]
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    received = received.view(ep, local)
+    send_sizes = counts.view(ep, local).sum(1).tolist()
+    receive_sizes = received.sum(1).tolist()
+    # 2. tokens to the ranks holding their experts
+    arrived = funcol.all_to_all_single_autograd(x.contiguous(), receive_sizes, send_sizes, group)
+    # 3. arrival order is (source rank, local expert); the grouped multiply wants (local expert, source)
+    segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
+                                      output_size=arrived.shape[0])
+    order = ((segment % local) * ep + segment // local).argsort(stable=True)
+    weights = [getattr(self, w).to_local() for w in EXPERT_WEIGHTS]
+    computed = self.compute(arrived[order], received.sum(0), *weights)
+    out = torch.empty_like(computed).index_copy(0, order, computed)  # back in arrival order
+    # 4. the outputs home, in the order their tokens left
+    return funcol.all_to_all_single_autograd(out.contiguous(), send_sizes, receive_sizes, group)
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """`cls` exchanging tokens with its EP mesh (as FSDP2 swaps a module's class for its own)."""
+    if getattr(cls, "_expert_parallel", False):
+        return cls
+    return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward,
+                                                          "_expert_parallel": True})

@@ -1,0 +1,143 @@
+"""apply_ep (parallelisms/ep.py): over 2 gloo ranks, each holding 2 of the debug MoE's 4 experts and
+half of every batch, 10 AdamW steps train the debug Llama 4 as one process does on the whole
+batches (fp32, the routing bias moving), and the transform refuses what it cannot split."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from weft.components.moe_balance import balance_experts, moe_layers
+from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.ep import apply_ep, expert_parameters
+from weft.parallelisms.materialize import materialize
+from tests.support.dist_utils import run_distributed
+
+ARGS = replace(LLAMA4_FLAVORS["debugmodel_moe"], attention_chunk_size=8)
+STEPS, BATCH, SEQ, BIAS_RATE = 10, 4, 24, 1e-2
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 16, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def average_gradients(model: torch.nn.Module, ep: int) -> None:
+    """What data parallelism over the EP ranks does: the mean of the ranks' gradients; the
+    experts' already sum every rank's tokens, so they only divide by the ranks."""
+    experts = {id(p) for _, p in expert_parameters(model)}
+    for param in model.parameters():
+        if id(param) in experts:
+            param.grad.div_(ep)
+        else:
+            dist.all_reduce(param.grad)
+            param.grad.div_(ep)
+
+
+def train(model: torch.nn.Module, rows: slice, ep: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    losses = []
+    for tokens in batches():
+        tokens = tokens[rows]
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if ep > 1:
+            average_gradients(model, ep)
+        optimizer.step()
+        optimizer.zero_grad()
+        balance_experts(model, BIAS_RATE, dist.group.WORLD if ep > 1 else None)
+        loss = loss.detach()
+        if ep > 1:
+            dist.all_reduce(loss)
+        losses.append(loss.item() / ep)
+    return losses
+
+
+def ep_and_one_process() -> tuple[list[float], list[float], tuple[float, str], list]:
+    """Worker: (EP's losses, one process's, (the largest weight difference, its name), the biases
+    of EP's rank and of one process)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    models = []
+    for split in (True, False):
+        with torch.device("meta"):
+            models.append(Transformer(ARGS))
+        if split:
+            apply_ep(models[-1], init_device_mesh("cpu", (world,)))
+        materialize(models[-1], "cpu", seed=0)
+    assert all(p.to_local().shape[0] == ARGS.n_experts // world for _, p in expert_parameters(models[0]))
+    share = BATCH // world
+    losses = train(models[0], slice(rank * share, (rank + 1) * share), world)
+    reference = train(models[1], slice(None), 1)
+    whole = dict(models[1].named_parameters())
+    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in models[0].named_parameters()}
+    difference = max((full[n].sub(whole[n]).abs().max().item(), n) for n in full)
+    biases = [[layer.expert_bias.tolist() for _, layer in moe_layers(m)] for m in models]
+    return losses, reference, difference, biases
+
+
+def test_ep2_trains_the_debug_moe_as_one_process_does():
+    for losses, reference, difference, biases in run_distributed(ep_and_one_process, 2):
+        assert reference[-1] < reference[0] - 0.5  # it learns
+        assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5
+        assert difference[0] < 1e-4, difference
+        assert biases[0] == biases[1] and any(b != 0 for layer in biases[1] for b in layer)  # routed alike
+
+
+def skewed_routing() -> dict[str, float]:
+    """Worker: an MoE layer whose bias sends every token to experts 0 and 1 (both on rank 0), so
+    rank 1's experts receive nothing: outputs, input gradients and expert gradients against the
+    whole layer on both ranks' tokens. Returns the largest difference of each."""
+    from weft.models.moe import MoE
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    whole = MoE(16, 32, 4, 2, shared_hidden_dim=32)
+    for param in whole.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    whole.expert_bias.copy_(torch.tensor([100.0, 100.0, 0.0, 0.0]))
+    split = MoE(16, 32, 4, 2, shared_hidden_dim=32)
+    split.load_state_dict(whole.state_dict())
+    holder = torch.nn.ModuleDict({"moe": split})
+    apply_ep(holder, init_device_mesh("cpu", (2,)))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))  # both ranks' tokens
+    mine, every = x[rank].clone().requires_grad_(), x.clone().requires_grad_()
+    out, reference = split(mine), whole(every)
+    out.square().sum().backward()
+    reference.square().sum().backward()
+    return {
+        "out": (out - reference[rank]).abs().max().item(),
+        "x.grad": (mine.grad - every.grad[rank]).abs().max().item(),
+        **{name: (p.grad.full_tensor() - getattr(whole.experts, name).grad).abs().max().item()
+           for name, p in split.experts.named_parameters()},
+        "tokens on rank 1's experts": whole.tokens_per_expert[2:].sum().item(),
+    }
+
+
+def test_a_rank_whose_experts_receive_no_tokens_neither_hangs_nor_errs():
+    for result in run_distributed(skewed_routing, 2):
+        assert result.pop("tokens on rank 1's experts") == 0
+        assert max(result.values()) < 1e-5, result
+
+
+class MeshOfSize:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_experts_that_do_not_divide_and_models_without_experts_are_refused():
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    with pytest.raises(TransformError, match="ep_mesh size 3 does not divide layers.1.feed_forward.experts's 4 experts"):
+        apply_ep(model, MeshOfSize(3))
+    with pytest.raises(TransformError, match="Linear has no MoE layer"):
+        apply_ep(torch.nn.Linear(4, 4), MeshOfSize(2))
