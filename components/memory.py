@@ -147,6 +147,7 @@ class StepShape:
     tp: int = 1
     cp: int = 1
     fsdp: int = 1  # ranks sharing parameters (dp_shard · cp); 1: no FSDP
+    ep: int = 1  # expert parallelism: ranks the routed experts are spread over (borrowed from fsdp)
     compute_dtype: torch.dtype = torch.bfloat16
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
@@ -308,6 +309,16 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     return params, grads, grads * 2  # trainable parameters are fp32: AdamW 2 x fp32 each
 
 
+def routed_experts_per_block(model: nn.Module) -> int:
+    """Parameters of the stacked routed experts, averaged over the blocks (0 without experts)."""
+    from weft.parallelisms.common import transformer_blocks
+
+    blocks = transformer_blocks(model, "estimate_memory")
+    routed = sum(p.numel() for block in blocks for m in block.modules()
+                 for name, p in m.named_parameters(recurse=False) if p.ndim == 3 and name in ("w1", "w2", "w3"))
+    return routed // max(len(blocks), 1)
+
+
 def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] | None = None) -> MemoryEstimate:
     """The estimate for one rank of the parallelised meta-device `model` running steps of shape `s`
     (`state`: parameter, gradient and optimizer bytes if already known, else counted from `model`)."""
@@ -321,6 +332,8 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     logits, loss_forward, loss_backward = loss_bytes(s)
     pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
     block = block_numel(s.args) // s.tp
+    if s.ep > 1:  # FSDP gathers only the experts this rank holds (over the ranks holding the same ones)
+        block -= routed_experts_per_block(model) * (s.ep - 1) // (s.ep * s.tp)
     ends = 1 if s.args.tie_embeddings else s.first_stage + s.last_stage  # embedding, output
     root = (s.args.vocab_size * s.args.dim * ends) // s.tp
     buffers: dict[str, int] = {}

@@ -81,14 +81,22 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float,
     pp_group: the pipeline ranks, each holding other stages' parameters: the squared norms of
     their stages are summed over it, so every stage clips by the whole model's norm.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    # Gradients on different meshes (expert parallelism's experts beside FSDP's other parameters)
+    # cannot meet in one foreach op: each mesh's norm is reduced alone, then the norms combined.
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values() or [[]]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         squared = total_norm.double() ** 2
         dist.all_reduce(squared, group=pp_group)
         total_norm = squared.sqrt().to(total_norm.dtype)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
     return total_norm

@@ -17,10 +17,12 @@ tokens sorted by expert, `counts[e]` of them for expert e. Under `apply_ep` it
 Both all-to-alls are autograd-aware (their backward is the reverse exchange), so backward is
 exact. No token is dropped or padded: the split sizes are whatever the routing gives.
 
-Gradients: a rank's expert gradients sum the contributions of the tokens of every rank of the
-EP mesh, while the other parameters' gradients come from its own tokens only. Where a
-data-parallel transform averages gradients over ranks, the experts' must be divided by the EP
-degree as well (for the average over the same tokens); `expert_parameters` names them.
+Gradients: a rank's expert weights serve the tokens of every rank of the EP mesh, so their
+gradient is a sum over the ranks' losses, where every other parameter's comes from this rank's
+tokens alone. The experts' gradient is therefore scaled by 1/ep in backward: it comes out as the
+mean over the EP ranks, as data parallelism's average gives the others, and a data-parallel
+transform over the same ranks (FSDP over the ranks holding the same experts, or the caller's own
+average of the other gradients) makes every parameter's gradient the mean over the same tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from weft.parallelisms.common import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
-__all__ = ["apply_ep", "expert_parameters"]
+__all__ = ["apply_ep", "expert_modules", "expert_parameters"]
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -77,8 +79,13 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose experts `apply_ep` spread."""
+    return [module for module in model.modules() if getattr(type(module), "_expert_parallel", False)]
+
+
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters `apply_ep` spread over its mesh (their gradients span the EP group's tokens)."""
+    """The parameters `apply_ep` spread over its mesh."""
     return [(f"{name}.{w}", getattr(module, w)) for name, module in model.named_modules()
             if getattr(type(module), "_expert_parallel", False) for w in EXPERT_WEIGHTS]
 
@@ -104,11 +111,24 @@ def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> tor
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
                                       output_size=arrived.shape[0])
     order = ((segment % local) * ep + segment // local).argsort(stable=True)
-    weights = [getattr(self, w).to_local() for w in EXPERT_WEIGHTS]
+    weights = [_ScaleGradient.apply(getattr(self, w).to_local(), 1 / ep) for w in EXPERT_WEIGHTS]
     computed = self.compute(arrived[order], received.sum(0), *weights)
     out = torch.empty_like(computed).index_copy(0, order, computed)  # back in arrival order
     # 4. the outputs home, in the order their tokens left
     return funcol.all_to_all_single_autograd(out.contiguous(), send_sizes, receive_sizes, group)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _expert_parallel_class(cls: type) -> type:

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from weft.parallelisms.common import TransformError, transformer_blocks
+from weft.parallelisms.ep import expert_modules
 
 logger = logging.getLogger("weft")
 
@@ -21,9 +22,10 @@ RESHARD_POLICIES = ("default", "always", "never")
 
 def fsdp_shard_dim(shape: torch.Size | list[int], ranks: int) -> int:
     """The dimension FSDP splits a parameter of `shape` over `ranks` along: dim 0, except for a
-    stacked weight ([experts, out, in]) with fewer experts than ranks: its largest dimension, so
-    that every rank holds a share instead of each of the first ranks a whole expert."""
-    if len(shape) < 3 or shape[0] >= ranks:
+    weight with fewer rows than ranks (stacked experts [experts, out, in] with fewer experts, a
+    router with fewer experts): its largest dimension, so that every rank holds a share instead
+    of each of the first ranks a whole row."""
+    if len(shape) < 2 or shape[0] >= ranks:
         return 0
     return max(range(len(shape)), key=lambda dim: shape[dim])
 
@@ -38,6 +40,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     blocks: Iterable[nn.Module] | None = None,
     cast_forward_inputs: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2.
 
@@ -55,8 +58,13 @@ def apply_fsdp(
     full precision (parallelisms/precision.py); the hidden state is already in `param_dtype`,
     as it comes out of the embedding computed with `param_dtype` weights.
 
-    Parameters split along dim 0, except stacked expert weights with fewer experts than
-    `dp_mesh`'s shard dimension has ranks (`fsdp_shard_dim`).
+    Parameters split along dim 0, except weights with fewer rows (stacked experts, a router's
+    experts) than `dp_mesh`'s shard dimension has ranks (`fsdp_shard_dim`).
+
+    expert_mesh: where apply_ep spread the experts (parallelisms/ep.py), the ranks of dp_mesh that
+    hold the same experts; each block's experts become their own unit sharded over it (a rank's
+    E/ep experts split by `fsdp_shard_dim` too), their gradients (already the mean over the EP
+    ranks) averaged over it.
 
     Apply after tensor parallelism, activation checkpointing and compile, which must see plain
     modules, and before the model is materialised from the meta device.
@@ -74,6 +82,10 @@ def apply_fsdp(
         dim = 0 if isinstance(param, DTensor) else fsdp_shard_dim(param.shape, ranks)
         return Shard(dim) if dim else None
 
+    def expert_placement(param: nn.Parameter) -> Shard | None:  # a rank's experts, by the same rule
+        dim = fsdp_shard_dim(param.to_local().shape, expert_mesh.size())
+        return Shard(dim) if dim else None
+
     settings = dict(
         mesh=dp_mesh,
         shard_placement_fn=placement,
@@ -86,12 +98,17 @@ def apply_fsdp(
             reshard = i < len(blocks) - 1
         else:
             reshard = reshard_after_forward == "always"
+        for experts in expert_modules(block) if expert_mesh is not None else ():
+            fully_shard(experts, reshard_after_forward=reshard,
+                        **{**settings, "mesh": expert_mesh, "shard_placement_fn": expert_placement})
         fully_shard(block, reshard_after_forward=reshard, **settings)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **settings)
     if dp_mesh.ndim == 2:
         kind = f"hsdp over dp_mesh {tuple(dp_mesh.shape)} (replicate, shard)"
     else:
         kind = f"fsdp over dp_mesh size {dp_mesh.size()}"
+    if expert_mesh is not None:
+        kind += f", experts over expert_mesh size {expert_mesh.size()}"
     logger.info(
         f"apply_fsdp: {kind}: {len(blocks)} blocks and the root, reshard_after_forward={reshard_after_forward}, "
         f"param_dtype={_dtype_name(param_dtype)}, reduce_dtype={_dtype_name(reduce_dtype)}"

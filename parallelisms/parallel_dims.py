@@ -10,6 +10,11 @@ stage):
     dp           = dp_replicate × dp_shard        ranks that read different data
     dp_shard_cp  = dp_shard × cp                  ranks that shard parameters (FSDP)
     dp_cp        = dp_replicate × dp_shard × cp   ranks whose losses are averaged
+
+Expert parallelism borrows its ranks from FSDP's: ep divides dp_shard × cp, whose ranks are
+regrouped as (dp_shard_mod_ep, ep). An MoE layer's experts are spread over `ep` (each rank
+E/ep of them) and FSDP-sharded over `dp_shard_mod_ep`, the ranks that hold the same experts;
+everything else is sharded over dp_shard × cp as without it. No rank is added.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Meshes:
     cp: DeviceMesh
     tp: DeviceMesh
     pp: DeviceMesh  # pipeline stages: the ranks that hold the same shard of different stages
+    ep: DeviceMesh | None = None  # expert parallelism: ranks holding different experts (ep > 1)
+    expert_fsdp: DeviceMesh | None = None  # FSDP of the experts: dp_shard_mod_ep, ranks with the same experts
 
 
 class LayoutError(UserError):
@@ -50,13 +57,15 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    ep: int = 1
 
     @classmethod
     def resolve(
-        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1
+        cls, *, world_size: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
+        ep: int = 1,
     ) -> "ParallelDims":
         """Fill in dp_shard = -1 as 'the rest of the world' and check the layout multiplies out."""
-        for name, degree in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
+        for name, degree in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("ep", ep)):
             if degree < 1:
                 raise LayoutError(f"parallelism.{name} must be >= 1, got {degree}")
         if world_size % pp:
@@ -75,7 +84,10 @@ class ParallelDims:
             raise LayoutError(
                 f"{_product_text(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)} does not equal the world size {world_size}"
             )
-        return cls(dp_replicate, dp_shard, cp, tp, world_size, pp)
+        if (dp_shard * cp) % ep:
+            raise LayoutError(f"parallelism.ep = {ep} must divide dp_shard·cp = {dp_shard}·{cp} = {dp_shard * cp}: "
+                              "expert parallelism borrows its ranks from FSDP's")
+        return cls(dp_replicate, dp_shard, cp, tp, world_size, pp, ep)
 
     def check_seq_len(self, seq_len: int) -> None:
         """Reject sequence lengths the layout cannot split (the model's own shape is checked by
@@ -122,6 +134,9 @@ class ParallelDims:
         dp_shard_cp = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
         # HSDP shards inside a replica and all-reduces across replicas: a 2-D (replicate, shard) mesh.
         hsdp = dp_cp._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+        experts = None
+        if self.ep > 1:
+            experts = dp_shard_cp._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
         return Meshes(
             dims=self,
             world=world,
@@ -132,12 +147,14 @@ class ParallelDims:
             cp=world["cp"],
             tp=world["tp"],
             pp=world["pp"],
+            ep=experts["ep"] if experts is not None else None,
+            expert_fsdp=experts["dp_shard_mod_ep"] if experts is not None else None,
         )
 
     def describe(self) -> str:
         return (
             (f"pp={self.pp} " if self.pp > 1 else "") + f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} "
-            f"(world size {self.world_size})"
+            + (f"ep={self.ep} " if self.ep > 1 else "") + f"(world size {self.world_size})"
         )
 
 

@@ -13,6 +13,7 @@ from weft.parallelisms.ac import apply_ac
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from weft.parallelisms.cp import apply_cp
+from weft.parallelisms.ep import apply_ep
 from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
 from weft.parallelisms.lora import apply_lora, quantize_lora_base
 from weft.parallelisms.parallel_dims import Meshes
@@ -97,6 +98,11 @@ def parallelize(
             enable_fsdp_float8_all_gather=float8_fsdp_all_gather,
             min_dim=DEFAULT_MIN_DIM if float8_min_dim is None else float8_min_dim,
         )
+    # Expert parallelism spreads the stacked experts over their ranks (DTensors of the ep mesh) and
+    # swaps their forward for the all-to-all one, before anything wraps the blocks; FSDP then
+    # shards the experts over the ranks that hold the same ones (dp_shard_mod_ep).
+    if dims is not None and dims.ep > 1:
+        apply_ep(model, meshes.ep)
     # Tensor parallelism next: it turns weights into DTensor shards, and everything after must
     # wrap the parallel modules, not the plain ones.
     if dims is not None and dims.tp > 1:
@@ -134,6 +140,7 @@ def parallelize(
             reshard_after_forward=pipeline_reshard_policy(reshard_after_forward, pipeline_schedule),
             cpu_offload=cpu_offload,
             blocks=blocks,
+            expert_mesh=meshes.expert_fsdp,
         )
     elif dims is not None and dims.ddp_enabled:
         apply_ddp(model, meshes.dp_replicate)

@@ -58,7 +58,8 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
     compute = policy.compute_dtype
     return StepShape(
         args=args, local_batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
-        fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, compute_dtype=compute, param_dtype=param_dtype,
+        fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep, compute_dtype=compute,
+        param_dtype=param_dtype,
         reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
@@ -229,11 +230,12 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
         results.append((max(peaks), dims))
     results.sort(key=lambda r: r[0])
     scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")
-    lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}), by estimated peak:",
+    without_ep = ", without expert parallelism" if current.ep > 1 else ""
+    lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}{without_ep}), by estimated peak:",
              f"  {'pp':>4} {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
     def row(peak: int, dims: ParallelDims) -> str:
         mark = ("  yes" if peak <= limit * GIB else "  no") if limit else ""
-        here = "   <- this run" if _degrees(dims) == _degrees(current) else ""
+        here = "   <- this run" if _degrees(dims) == _degrees(current) and current.ep == 1 else ""
         return f"  {dims.pp:>4} {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}"
 
     lines += [row(peak, dims) for peak, dims in results[:rows]]

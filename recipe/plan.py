@@ -129,7 +129,7 @@ class RunPlan:
 
 
 # Arguments the transforms take from the layout and the model rather than from parallelize's keywords.
-LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "model")
+LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "ep_mesh", "model")
 
 
 def model_source(cfg: JobConfig) -> str:
@@ -148,9 +148,10 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims
                           f"of {model_source(cfg)}")
     p = cfg.parallelism
     dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                                world_size=world_size)
+                                world_size=world_size, ep=p.ep)
     dims.check_seq_len(cfg.training.seq_len)
     check_llama4_support(cfg, args, dims)
+    check_expert_parallel(cfg, args, dims)
     return args, dims
 
 
@@ -163,6 +164,28 @@ def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
         raise ConfigError(f"lora.quantize_base = {cfg.lora.quantize_base!r}: {model_source(cfg)} (Llama 4) keeps its "
                           "routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA would "
                           "leave most of the model unquantized; use LoRA (lora.quantize_base = '')")
+
+
+def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """Expert parallelism needs experts to spread, as many on each rank, and (so far) FSDP or CP
+    ranks alone to borrow: one line naming the key otherwise."""
+    if dims.ep == 1:
+        return
+    n_experts = getattr(args, "n_experts", 0)
+    if not n_experts:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: {model_source(cfg)} has no experts to spread; set parallelism.ep = 1")
+    if n_experts % dims.ep:
+        raise ConfigError(f"parallelism.ep = {dims.ep} does not divide the {n_experts} experts of {model_source(cfg)}; "
+                          "each rank holds as many experts as the others")
+    others = {"parallelism.tp": dims.tp, "parallelism.pp": dims.pp, "parallelism.dp_replicate": dims.dp_replicate}
+    if bad := [f"{key} = {size}" for key, size in others.items() if size > 1]:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard and cp only so far, "
+                          f"not {', '.join(bad)}")
+    if cfg.compile.enable:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: the all-to-all's split sizes are read on the host, which "
+                          "compile cannot trace; set compile.enable = false")
+    if cfg.lora.enable:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: not with LoRA yet (lora.enable)")
 
 
 def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLayout | None:
@@ -184,6 +207,7 @@ def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> 
         "tp_mesh": Setting(p.tp, "parallelism.tp"),
         "plan": Setting(p.tp, "parallelism.tp"),
         "cp_mesh": Setting(p.cp, "parallelism.cp"),
+        "ep_mesh": Setting(p.ep, "parallelism.ep"),
         "model": Setting(cfg.model.flavor, "model.flavor"),
         "float8_recipe": Setting(f8.recipe if f8.enable else None, "float8.recipe"),
         "float8_filter_fqns": Setting(tuple(f8.filter_fqns), "float8.filter_fqns"),

@@ -61,6 +61,22 @@ def test_a_one_process_checkpoint_resumes_under_tp2_as_the_run_goes_on(tmp_path)
     assert resumed == pytest.approx(straight[4:], rel=1e-5) and len(resumed) == 4
 
 
+def first_half_under_ep2(dump: str) -> list[float]:
+    """Worker: steps 1-4 of the run in `dump` with the experts spread over 2 ranks (ep 2 over fsdp 2)."""
+    return run(args(dump, *CHECKPOINTS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                    "--training.local_batch_size", "2"), stop_after=4)
+
+
+@pytest.mark.slow
+def test_an_ep2_checkpoint_resumes_in_one_process_as_the_run_goes_on(tmp_path):
+    """DCP gathers the experts spread over the EP ranks (and FSDP-sharded) back into whole
+    stacked weights: steps 5-8 in one process repeat the straight run's within 1e-5."""
+    straight = run(args(tmp_path / "straight", *CHECKPOINTS))
+    first = run_distributed(first_half_under_ep2, 2, str(tmp_path / "moved"), timeout=600)[0]
+    second = run(args(tmp_path / "moved", *CHECKPOINTS))
+    assert first + second == pytest.approx(straight, rel=1e-5) and len(second) == 4
+
+
 def export_run(dump, *layout: str) -> None:
     """3 steps of the debug MoE and its end-of-run export (to dump/hf) and checkpoint (step 3)."""
     train.train(parse_args(args(dump, "--training.steps", "3", "--export.hf_folder", "hf",

@@ -30,25 +30,23 @@ def batches() -> list[torch.Tensor]:
 
 
 def average_gradients(model: torch.nn.Module, ep: int) -> None:
-    """What data parallelism over the EP ranks does: the mean of the ranks' gradients; the
-    experts' already sum every rank's tokens, so they only divide by the ranks."""
+    """What data parallelism over the EP ranks does: the mean of the ranks' gradients, for all but
+    the experts, whose gradient apply_ep makes the mean over the ranks' tokens already."""
     experts = {id(p) for _, p in expert_parameters(model)}
     for param in model.parameters():
-        if id(param) in experts:
-            param.grad.div_(ep)
-        else:
+        if id(param) not in experts:
             dist.all_reduce(param.grad)
             param.grad.div_(ep)
 
 
-def train(model: torch.nn.Module, rows: slice, ep: int) -> list[float]:
+def train(model: torch.nn.Module, rows: slice, ep: int, fsdp: bool = False) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     losses = []
     for tokens in batches():
         tokens = tokens[rows]
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        if ep > 1:
+        if ep > 1 and not fsdp:
             average_gradients(model, ep)
         optimizer.step()
         optimizer.zero_grad()
@@ -56,7 +54,7 @@ def train(model: torch.nn.Module, rows: slice, ep: int) -> list[float]:
         loss = loss.detach()
         if ep > 1:
             dist.all_reduce(loss)
-        losses.append(loss.item() / ep)
+        losses.append(loss.item() / dist.get_world_size() if ep > 1 else loss.item())
     return losses
 
 
@@ -114,7 +112,8 @@ def skewed_routing() -> dict[str, float]:
     return {
         "out": (out - reference[rank]).abs().max().item(),
         "x.grad": (mine.grad - every.grad[rank]).abs().max().item(),
-        **{name: (p.grad.full_tensor() - getattr(whole.experts, name).grad).abs().max().item()
+        # the whole layer's gradient sums both ranks' tokens; apply_ep's is their mean
+        **{name: (p.grad.full_tensor() * 2 - getattr(whole.experts, name).grad).abs().max().item()
            for name, p in split.experts.named_parameters()},
         "tokens on rank 1's experts": whole.tokens_per_expert[2:].sum().item(),
     }
@@ -124,6 +123,38 @@ def test_a_rank_whose_experts_receive_no_tokens_neither_hangs_nor_errs():
     for result in run_distributed(skewed_routing, 2):
         assert result.pop("tokens on rank 1's experts") == 0
         assert max(result.values()) < 1e-5, result
+
+
+TWO_EXPERTS = replace(ARGS, n_experts=2, top_k=1)
+
+
+def ep2_over_fsdp4() -> tuple[list[float], list[float], list[str]]:
+    """Worker: 4 ranks, ep 2 borrowed from fsdp 4 through parallelize: each rank holds 1 of the 2
+    experts, and FSDP splits it over the 2 ranks holding the same one along its largest dim (one
+    expert cannot split by dim 0). (losses, one process's losses, the experts' placements)."""
+    from weft.parallelisms.parallel_dims import ParallelDims
+    from weft.parallelisms.parallelize import parallelize
+
+    rank = dist.get_rank()
+    models = []
+    for split in (True, False):
+        with torch.device("meta"):
+            models.append(Transformer(TWO_EXPERTS))
+        if split:
+            meshes = ParallelDims.resolve(world_size=4, dp_shard=4, ep=2).build_mesh("cpu")
+            parallelize(models[-1], meshes, param_dtype=torch.float32)
+        materialize(models[-1], "cpu", seed=0)
+    placements = sorted({str(p.placements) for _, p in expert_parameters(models[0])})
+    losses = train(models[0], slice(rank, rank + 1), 4, fsdp=True)
+    return losses, train(models[1], slice(None), 1), placements
+
+
+@pytest.mark.slow
+def test_ep2_borrowed_from_fsdp4_splits_a_lone_expert_and_trains_as_one_process():
+    for losses, reference, placements in run_distributed(ep2_over_fsdp4, 4):
+        assert placements == ["(Shard(dim=1), Shard(dim=0))"], placements  # (dp_shard_mod_ep, ep)
+        assert reference[-1] < reference[0] - 0.5
+        assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5
 
 
 class MeshOfSize:

@@ -3,6 +3,7 @@
 import pytest
 
 from weft.components.config import ConfigError, parse_args
+from weft.parallelisms.parallel_dims import LayoutError
 from weft.recipe.plan import model_and_layout
 
 
@@ -11,11 +12,33 @@ from weft.recipe.plan import model_and_layout
      "lora.quantize_base = 'nf4': model flavor debugmodel_moe (Llama 4) keeps its routed experts as stacked 3-D "
      "weights, which torchao's NF4 cannot hold, so QLoRA would leave most of the model unquantized; use LoRA "
      "(lora.quantize_base = '')"),
+    (["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"],
+     "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
+    (["--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2", "--parallelism.ep", "2"],
+     "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
+    (["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"],
+     "parallelism.ep = 2: expert parallelism composes with dp_shard and cp only so far, not parallelism.pp = 2"),
+    (["--parallelism.ep", "2", "--compile.enable"],
+     "parallelism.ep = 2: the all-to-all's split sizes are read on the host, which compile cannot trace; "
+     "set compile.enable = false"),
 ])
 def test_unsupported_llama4_layouts_are_refused(overrides, message):
     cfg = parse_args(["--job.config_file", "debug_moe", *overrides])
+    world_size = 4 if "--parallelism.pp" in overrides else 2
+    with pytest.raises((ConfigError, LayoutError)) as caught:
+        model_and_layout(cfg, world_size=world_size)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(("config", "world_size", "message"), [
+    ("debug_moe", 8, "parallelism.ep = 8 does not divide the 4 experts of model flavor debugmodel_moe; each rank "
+                     "holds as many experts as the others"),
+    ("debug_model", 2, "parallelism.ep = 2: model flavor debugmodel has no experts to spread; set parallelism.ep = 1"),
+])
+def test_expert_parallel_degrees_the_experts_cannot_take_are_refused(config, world_size, message):
+    cfg = parse_args(["--job.config_file", config, "--parallelism.ep", str(world_size)])
     with pytest.raises(ConfigError) as caught:
-        model_and_layout(cfg, world_size=2)
+        model_and_layout(cfg, world_size=world_size)
     assert str(caught.value) == message
 
 
