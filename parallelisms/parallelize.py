@@ -156,7 +156,7 @@ def pipeline_reshard_policy(reshard_after_forward: str, pipeline_schedule: str |
     into an input part and a later weight part (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
     also need it to be correct: with each block resharded after forward, torch 2.13 computed wrong
     weight gradients (relative error 0.5-1.0, some None), so "always" is refused for them
-    (tests/parallelisms/test_pipeline_parity.py trains every schedule under pp 2 x fsdp 2)."""
+    (tests/parallelisms/test_pipeline_parity.py trains the split-backward schedules under pp 2 x fsdp 2)."""
     if pipeline_schedule is None:
         return reshard_after_forward
     from weft.parallelisms.pipeline import splits_backward

@@ -51,11 +51,16 @@ def resume_under_tp2(dump: str) -> list[float]:
     return run(args(dump, *CHECKPOINTS, "--parallelism.dp_shard", "1", "--parallelism.tp", "2"))
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    """8 steps in one process, checkpoints at 4 and 8, the routing bias moving."""
+    return run(args(tmp_path_factory.mktemp("straight"), *CHECKPOINTS))
+
+
 @pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_under_tp2_as_the_run_goes_on(tmp_path):
+def test_a_one_process_checkpoint_resumes_under_tp2_as_the_run_goes_on(tmp_path, straight):
     """Resume into another layout: DCP reshards the stacked experts (whole → hidden slices) and
     the routing bias, and steps 5-8 repeat the straight run's within 1e-5."""
-    straight = run(args(tmp_path / "straight", *CHECKPOINTS))
     run(args(tmp_path / "moved", *CHECKPOINTS), stop_after=4)
     resumed = run_distributed(resume_under_tp2, 2, str(tmp_path / "moved"), timeout=600)[0]
     assert resumed == pytest.approx(straight[4:], rel=1e-5) and len(resumed) == 4
@@ -68,10 +73,9 @@ def first_half_under_ep2(dump: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_an_ep2_checkpoint_resumes_in_one_process_as_the_run_goes_on(tmp_path):
+def test_an_ep2_checkpoint_resumes_in_one_process_as_the_run_goes_on(tmp_path, straight):
     """DCP gathers the experts spread over the EP ranks (and FSDP-sharded) back into whole
     stacked weights: steps 5-8 in one process repeat the straight run's within 1e-5."""
-    straight = run(args(tmp_path / "straight", *CHECKPOINTS))
     first = run_distributed(first_half_under_ep2, 2, str(tmp_path / "moved"), timeout=600)[0]
     second = run(args(tmp_path / "moved", *CHECKPOINTS))
     assert first + second == pytest.approx(straight, rel=1e-5) and len(second) == 4

@@ -250,7 +250,6 @@ SFT_LAYOUTS: dict[str, tuple[int, list[str], str]] = {
                                "--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_microbatches", "2"],
                            "text_reference"),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], "reference"),
-    "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"], "reference"),
 }
 
 
