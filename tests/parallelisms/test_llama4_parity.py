@@ -13,7 +13,7 @@ import pytest
 
 from weft.components.config import parse_args
 from tests.parallelisms.test_parity import data_parallel_degree
-from tests.support.dist_utils import run_distributed
+from tests.support.dist_utils import run_by_world_size
 
 STEPS, GLOBAL_BATCH, SEQ = 10, 4, 128
 
@@ -65,11 +65,7 @@ def references(tmp_path_factory) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict[str, list[float]]:
-    root, losses = str(tmp_path_factory.mktemp("moe_layouts")), {}
-    for world_size in sorted({w for w, _ in LAYOUTS.values()}):
-        names = [n for n, (w, _) in LAYOUTS.items() if w == world_size]
-        losses.update(run_distributed(train_layouts, world_size, names, root, timeout=900)[0])
-    return losses
+    return run_by_world_size(train_layouts, LAYOUTS, str(tmp_path_factory.mktemp("moe_layouts")))
 
 
 @pytest.mark.slow

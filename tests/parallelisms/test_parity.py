@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from weft.components.config import parse_args
-from tests.support.dist_utils import run_distributed
+from tests.support.dist_utils import run_by_world_size
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -96,12 +96,7 @@ def reference(tmp_path_factory) -> list[float]:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict[str, list[float]]:
-    root = str(tmp_path_factory.mktemp("layouts"))
-    losses: dict[str, list[float]] = {}
-    for world_size in sorted({w for w, _ in LAYOUTS.values()}):
-        names = [n for n, (w, _) in LAYOUTS.items() if w == world_size]
-        losses.update(run_distributed(train_layouts, world_size, names, root, timeout=900)[0])
-    return losses
+    return run_by_world_size(train_layouts, LAYOUTS, str(tmp_path_factory.mktemp("layouts")))
 
 
 @pytest.mark.slow
