@@ -1,5 +1,5 @@
 """Loss parity for Llama 4: train.py trains the debug MoE under tensor and context parallelism, and
-under expert parallelism (alone, with cp, and borrowed from fsdp 4), and fine-tunes it with LoRA
+under expert parallelism (alone and with cp), and fine-tunes it with LoRA
 under fsdp and tp, as one process does (fp32, CPU, gloo, 10 steps, the
 routing bias moving after every step, so that a token routed differently anywhere would part the
 losses), within 1e-5 relative at every step.
@@ -23,12 +23,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"]),
     "fsdp2_lora": (2, ["--parallelism.dp_shard", "2", *LORA]),
-    "tp2_lora": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *LORA]),
+    "tp2_lora": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *LORA]),  # shared experts split
     "ep2": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),  # experts over the 2 FSDP ranks
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
-    # ep 2 borrowed from fsdp 4: the experts sharded by FSDP over the 2 ranks holding the same ones
-    "fsdp4_ep2": (4, ["--parallelism.dp_shard", "4", "--parallelism.ep", "2"]),
+    # ep 2 borrowed from fsdp 4 (experts FSDP-sharded over the ranks holding the same ones):
+    # tests/parallelisms/test_ep.py, through parallelize, with a lone expert per rank split by FSDP
 }
 
 

@@ -176,7 +176,6 @@ def test_qlora_computes_with_torchaos_dequantized_base():
 # name -> (world size, dp_replicate, dp_shard, cp, tp, QLoRA, activation checkpointing, compile)
 LAYOUTS = {
     "fsdp2": (2, 1, 2, 1, 1, False, "full", False),
-    "ddp2": (2, 2, 1, 1, 1, False, "none", False),
     "tp2": (2, 1, 1, 1, 2, False, "none", False),
     "cp2": (2, 1, 1, 2, 1, False, "none", False),
     "qlora_fsdp2": (2, 1, 2, 1, 1, True, "none", False),

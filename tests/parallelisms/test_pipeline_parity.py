@@ -41,11 +41,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2_lora": (2, PP2 + LORA + schedule("Interleaved1F1B")),
     # Llama 4 (against the debug MoE in one process).
     "pp2_moe": (2, PP2 + MOE + schedule("1F1B")),
-    # Under FSDP: 1F1B and the schedules that split backward (the reshard trap). GPipe, Interleaved1F1B
-    # and LoopedBFS under FSDP, and pp 2 x fsdp 2 x tp 2 on 8 ranks, matched too and are left out for
-    # the suite's time on 2 cores.
+    # Under FSDP: the schedules that split backward (the reshard trap). The others under FSDP, and
+    # pp 2 x fsdp 2 x tp 2 on 8 ranks, matched too and are left out for the suite's time on 2 cores.
     **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s))
-       for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")},
+       for s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")},
     "pp2_tp2": (4, PP2 + ["--parallelism.tp", "2"]),
     "pp2_cp2": (4, PP2 + ["--parallelism.cp", "2"]),
 }

@@ -239,8 +239,6 @@ SFT_LAYOUTS: dict[str, tuple[int, list[str], str]] = {
     "fsdp2": (2, ["--parallelism.dp_shard", "2"], "reference"),
     "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], "reference"),
     "cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2"], "reference"),
-    "fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2"],
-                            "reference"),
     "text_documents_cp2": (2, [*TEXT_DOCUMENTS, "--parallelism.dp_shard", "1", "--parallelism.cp", "2"],
                            "text_reference"),
     # Pipeline parallelism: packed chat, and text with document masking; validation through the pipeline.
