@@ -41,11 +41,11 @@ logger = logging.getLogger("weft")
 
 def planned_world_size(cfg: JobConfig) -> int:
     """job.dry_run_world_size, else job.simulate_world_size, else the product of the degrees
-    (dp_shard -1 counting as 1)."""
+    (dp_shard -1 counting as 1): the smallest world the config's own layout plans for."""
     if cfg.job.dry_run_world_size or cfg.job.simulate_world_size:
         return cfg.job.dry_run_world_size or cfg.job.simulate_world_size
     p = cfg.parallelism
-    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
+    return p.pp * p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
 
 
 def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
@@ -108,7 +108,13 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     if launched_world_size() > 1:
         raise ConfigError(f"job.dry_run: plans in one process (python train.py), not {launched_world_size()}")
     limit = _memory_limit(cfg.job.dry_run_device_memory_gib)
-    plan = RunPlan.from_config(cfg, planned_world_size(cfg), device_type="cuda", check_environment=False)
+    world_size = planned_world_size(cfg)
+    try:
+        plan = RunPlan.from_config(cfg, world_size, device_type="cuda", check_environment=False)
+    except LayoutError as e:
+        source = ("job.dry_run_world_size" if cfg.job.dry_run_world_size else
+                  "job.simulate_world_size" if cfg.job.simulate_world_size else "the product of the degrees")
+        raise LayoutError(f"{e} (the dry run planned {world_size} ranks: {source})") from None
     args, dims = plan.model_args, plan.dims
     setup_logging(0)
     logger.info(f"dry run: {dims.world_size} ranks planned in one process on the meta device, nothing written")

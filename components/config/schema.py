@@ -63,7 +63,7 @@ class Job:
                "layout, parameters per rank and a per-device memory estimate, write nothing")
     dry_run_world_size: int = opt(
         0, "World size the dry run plans for (0: job.simulate_world_size if set, else the product of the "
-           "parallelism degrees, dp_shard -1 counting as 1)",
+           "parallelism degrees, pp included, dp_shard -1 counting as 1)",
         min=0)
     dry_run_device_memory_gib: str = opt(
         "", "Device memory the dry run checks the estimate against: GiB ('80') or a GPU name ('h100', 'a100-40gb', "

@@ -19,6 +19,7 @@ from weft.components.memory import device_memory_gib, state_bytes, tp_fsdp_state
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import parallelize
+from weft.recipe.dry_run import planned_world_size
 from weft.recipe.plan import RunPlan
 
 from tests.support import REPO
@@ -54,6 +55,22 @@ def test_a_layout_that_fails_at_start_fails_the_dry_run_with_the_same_error(tmp_
     assert train.main(common + ["--job.simulate_world_size", "3"]) == 2
     real = capsys.readouterr().err
     assert dry == real and dry.startswith("weft: error: parallelism.tp = 3")
+
+
+def test_the_planned_world_is_the_product_of_the_degrees_pipeline_included():
+    """llama3_405b asks pp 8 x tp 8 and no world size: the dry run plans its 64 ranks."""
+    cfg = parse_args(["--job.config_file", "llama3_405b"])
+    assert (cfg.parallelism.pp, cfg.parallelism.tp, cfg.job.dry_run_world_size) == (8, 8, 0)
+    assert planned_world_size(cfg) == 64
+    assert planned_world_size(parse_args(["--job.config_file", "llama3_405b", "--job.dry_run_world_size", "128"])) == 128
+
+
+def test_a_world_the_layout_cannot_fill_names_the_ranks_planned_and_why(capsys):
+    argv = ["--job.config_file", "debug_model", "--parallelism.pp", "2", "--job.dry_run"]
+    assert train.main(argv + ["--job.dry_run_world_size", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("weft: error: parallelism.pp = 2 does not divide the world size 3 "
+                   "(the dry run planned 3 ranks: job.dry_run_world_size)")
 
 
 # The debug model on 4 ranks with a local batch of 4 in 4 micro-batches: pipelines of 2 and 4 run.
