@@ -78,7 +78,8 @@ def train(cfg: JobConfig) -> list[float]:
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
-                              result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance)
+                              result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
+                              ep_imbalance=result.ep_imbalance)
             metrics.log(stats)
             history.append(stats.loss)
             report_long_samples(loader)

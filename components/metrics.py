@@ -110,6 +110,7 @@ class StepStats:
     lr: float
     skipped_steps: int = 0  # optimizer steps skipped so far for a non-finite loss or gradient norm
     moe_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> busiest expert's load / mean
+    ep_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> tokens of the busiest ep rank / mean
 
 
 class MetricsLogger:
@@ -178,6 +179,7 @@ class MetricsLogger:
             "train/tokens_per_second": tokens_per_second,
             "memory/peak_gib": peak_memory_gib(self.device),
             **{f"moe/imbalance/{layer}": value for layer, value in stats.moe_imbalance.items()},
+            **{f"moe/ep_imbalance/{layer}": value for layer, value in stats.ep_imbalance.items()},
         }
         if not self._opened:
             self._open()
@@ -190,6 +192,7 @@ class MetricsLogger:
             f"tokens/s/device {tokens_per_second:,.0f}  mfu {mfu}  peak_memory {values['memory/peak_gib']:.2f} GiB"
             + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
             + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
+            + (f"  ep_imbalance {max(stats.ep_imbalance.values()):.2f}" if stats.ep_imbalance else "")
         )
         if self.writer is not None:
             for tag, value in values.items():

@@ -8,7 +8,9 @@ the layer's experts received in the step (`MoE.tokens_per_expert`, all micro-bat
 over the ranks that saw other tokens, so every rank keeps the same bias and routes alike.
 
 A layer's load imbalance is its busiest expert's tokens over the mean (1: perfectly even;
-n_experts: every token to one expert).
+n_experts: every token to one expert). Under expert parallelism what costs time is the tokens each
+rank's experts receive from its EP group: the EP imbalance is the busiest rank's over the mean (1:
+even; ep: every token to one rank's experts), the worst over the EP groups.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | No
             layer.expert_bias += rate * torch.sign(layer_mean - load)
         layer.tokens_per_expert.zero_()
     imbalance = loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1e-9)
+    return {name: value for (name, _), value in zip(layers, imbalance.tolist())}
+
+
+@torch.no_grad()
+def ep_imbalance(model: nn.Module, ep_group: dist.ProcessGroup, group: dist.ProcessGroup) -> dict[str, float]:
+    """Each MoE layer's EP imbalance this step (see the module), read before `balance_experts`
+    resets the counts: the counts summed over `ep_group` (the expert-parallel ranks, of which rank
+    r holds experts r·E/ep … (r+1)·E/ep − 1), then the worst over `group` (every data- and
+    context-parallel rank, so that all log the same). Two all-reduces of [layers, experts]."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    loads = torch.stack([layer.tokens_per_expert for _, layer in layers])  # [layers, experts]
+    dist.all_reduce(loads, group=ep_group)
+    received = loads.view(len(layers), dist.get_world_size(ep_group), -1).sum(-1)  # [layers, ep ranks]
+    imbalance = received.max(-1).values / received.mean(-1).clamp(min=1e-9)
+    dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=group)
     return {name: value for (name, _), value in zip(layers, imbalance.tolist())}
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.data import Batch, batches
 from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
-from weft.components.moe_balance import balance_experts
+from weft.components.moe_balance import balance_experts, ep_imbalance
 from weft.components.optim import clip_grad_norm_
 from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
@@ -65,6 +65,7 @@ class StepSetup:
     pipeline: object = None  # under pp: torch's schedule over this rank's stages (model is their PipelineStages)
     pipeline_loss: PipelineLoss | None = None  # the schedule's loss_fn
     pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
+    ep_group: torch.distributed.ProcessGroup | None = None  # under ep: the ranks holding different experts
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -77,6 +78,7 @@ class StepResult:
     grad_norm: torch.Tensor
     lr: float  # the learning rate this step's update used
     moe_imbalance: dict[str, float] = field(default_factory=dict)  # each MoE layer's busiest expert / mean
+    ep_imbalance: dict[str, float] = field(default_factory=dict)  # under ep: each layer's busiest rank / mean
 
 
 def train_step(setup: StepSetup, micro_batches: list[Batch],
@@ -116,8 +118,9 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
         setup.scheduler.step()
         if setup.precompute_float8:
             precompute_float8_scales(setup.model)
+    ranks = ep_imbalance(setup.model, setup.ep_group, setup.loss_group) if setup.ep_group is not None else {}
     imbalance = balance_experts(setup.model, setup.moe_bias_rate if updated else 0.0, setup.loss_group)
-    return StepResult(step_loss, grad_norm, lr, imbalance)
+    return StepResult(step_loss, grad_norm, lr, imbalance, ranks)
 
 
 @torch.no_grad()

@@ -77,8 +77,14 @@ def test_an_ep2_checkpoint_resumes_in_one_process_as_the_run_goes_on(tmp_path, s
     """DCP gathers the experts spread over the EP ranks (and FSDP-sharded) back into whole
     stacked weights: steps 5-8 in one process repeat the straight run's within 1e-5."""
     first = run_distributed(first_half_under_ep2, 2, str(tmp_path / "moved"), timeout=600)[0]
+    records = [json.loads(line) for line in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
     second = run(args(tmp_path / "moved", *CHECKPOINTS))
     assert first + second == pytest.approx(straight, rel=1e-5) and len(second) == 4
+    # Under ep the log carries each layer's EP imbalance: between 1 (even) and ep = 2.
+    ranks = [{k: v for k, v in record.items() if k.startswith("moe/ep_imbalance/")} for record in records]
+    assert len(ranks) == 4 and all(set(r) == {"moe/ep_imbalance/layers.1.feed_forward",
+                                              "moe/ep_imbalance/layers.3.feed_forward"} for r in ranks)
+    assert all(1 <= v <= 2 for r in ranks for v in r.values())
 
 
 def export_run(dump, *layout: str) -> None:

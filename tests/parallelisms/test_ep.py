@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from weft.components.moe_balance import balance_experts, moe_layers
+from weft.components.moe_balance import balance_experts, ep_imbalance, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.ep import apply_ep, expert_parameters
@@ -39,7 +39,17 @@ def average_gradients(model: torch.nn.Module, ep: int) -> None:
             param.grad.div_(ep)
 
 
-def train(model: torch.nn.Module, rows: slice, ep: int, fsdp: bool = False) -> list[float]:
+def blocks_imbalance(model: torch.nn.Module, blocks: int) -> dict[str, float]:
+    """What ep_imbalance should say, from one process's counts: each layer's tokens for each block
+    of n_experts / blocks experts (the experts one EP rank holds), the largest over the mean."""
+    loads = {name: layer.tokens_per_expert.view(blocks, -1).sum(-1) for name, layer in moe_layers(model)}
+    return {name: (load.max() / load.mean()).item() for name, load in loads.items()}
+
+
+def train(model: torch.nn.Module, rows: slice, ep: int, fsdp: bool = False,
+          imbalances: list | None = None) -> list[float]:
+    """10 steps on `rows` of each batch; the EP imbalance of each step into `imbalances` (ep_imbalance
+    under ep, else the one-process formula over 2 ranks' blocks)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     losses = []
     for tokens in batches():
@@ -50,6 +60,9 @@ def train(model: torch.nn.Module, rows: slice, ep: int, fsdp: bool = False) -> l
             average_gradients(model, ep)
         optimizer.step()
         optimizer.zero_grad()
+        if imbalances is not None:
+            world = dist.group.WORLD
+            imbalances.append(ep_imbalance(model, world, world) if ep > 1 else blocks_imbalance(model, 2))
         balance_experts(model, BIAS_RATE, dist.group.WORLD if ep > 1 else None)
         loss = loss.detach()
         if ep > 1:
@@ -71,21 +84,26 @@ def ep_and_one_process() -> tuple[list[float], list[float], tuple[float, str], l
         materialize(models[-1], "cpu", seed=0)
     assert all(p.to_local().shape[0] == ARGS.n_experts // world for _, p in expert_parameters(models[0]))
     share = BATCH // world
-    losses = train(models[0], slice(rank * share, (rank + 1) * share), world)
-    reference = train(models[1], slice(None), 1)
+    imbalances, expected = [], []
+    losses = train(models[0], slice(rank * share, (rank + 1) * share), world, imbalances=imbalances)
+    reference = train(models[1], slice(None), 1, imbalances=expected)
     whole = dict(models[1].named_parameters())
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in models[0].named_parameters()}
     difference = max((full[n].sub(whole[n]).abs().max().item(), n) for n in full)
     biases = [[layer.expert_bias.tolist() for _, layer in moe_layers(m)] for m in models]
-    return losses, reference, difference, biases
+    return losses, reference, difference, biases, (imbalances, expected)
 
 
 def test_ep2_trains_the_debug_moe_as_one_process_does():
-    for losses, reference, difference, biases in run_distributed(ep_and_one_process, 2):
+    """... and each step's EP imbalance (the tokens each rank's experts received, busiest over the
+    mean) equals the one computed from one process's counts of the same routing."""
+    for losses, reference, difference, biases, (imbalances, expected) in run_distributed(ep_and_one_process, 2):
         assert reference[-1] < reference[0] - 0.5  # it learns
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5
         assert difference[0] < 1e-4, difference
         assert biases[0] == biases[1] and any(b != 0 for layer in biases[1] for b in layer)  # routed alike
+        assert imbalances == pytest.approx(expected, rel=1e-6) and len(imbalances) == STEPS
+        assert any(v > 1.01 for step in expected for v in step.values())  # uneven somewhere: not a tautology
 
 
 def skewed_routing() -> dict[str, float]:
@@ -109,7 +127,9 @@ def skewed_routing() -> dict[str, float]:
     out, reference = split(mine), whole(every)
     out.square().sum().backward()
     reference.square().sum().backward()
+    world = dist.group.WORLD
     return {
+        "ep_imbalance": ep_imbalance(holder, world, world)["moe"],  # every token on rank 0's experts: ep = 2
         "out": (out - reference[rank]).abs().max().item(),
         "x.grad": (mine.grad - every.grad[rank]).abs().max().item(),
         # the whole layer's gradient sums both ranks' tokens; apply_ep's is their mean
@@ -122,6 +142,7 @@ def skewed_routing() -> dict[str, float]:
 def test_a_rank_whose_experts_receive_no_tokens_neither_hangs_nor_errs():
     for result in run_distributed(skewed_routing, 2):
         assert result.pop("tokens on rank 1's experts") == 0
+        assert result.pop("ep_imbalance") == 2.0
         assert max(result.values()) < 1e-5, result
 
 
