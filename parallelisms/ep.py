@@ -52,7 +52,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     Works on any model built with weft's MoE layer (`models/moe.py`: modules with stacked
     `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`). The
     experts must divide by the mesh size. Apply to the plain model on the meta device or on
-    real weights, before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
+    real weights (after `apply_lora`, whose adapters leave the stacked experts frozen and whole),
+    before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
     shards each layer's experts over the ranks holding the same ones); not yet with tensor
     parallelism, whose MoE plan splits the experts by hidden dimension, and not with compile
     (the split sizes are read on the host).

@@ -184,8 +184,6 @@ def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if cfg.compile.enable:
         raise ConfigError(f"parallelism.ep = {dims.ep}: the all-to-all's split sizes are read on the host, which "
                           "compile cannot trace; set compile.enable = false")
-    if cfg.lora.enable:
-        raise ConfigError(f"parallelism.ep = {dims.ep}: not with LoRA yet (lora.enable)")
 
 
 def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLayout | None:

@@ -1,6 +1,6 @@
 """Loss parity for Llama 4: train.py trains the debug MoE under tensor and context parallelism, and
-under expert parallelism (alone and with cp), and fine-tunes it with LoRA
-under fsdp and tp, as one process does (fp32, CPU, gloo, 10 steps, the
+under expert parallelism (alone, with cp and with gradient accumulation), and fine-tunes it with
+LoRA under fsdp, tp and ep, as one process does (fp32, CPU, gloo, 10 steps, the
 routing bias moving after every step, so that a token routed differently anywhere would part the
 losses), within 1e-5 relative at every step.
 
@@ -25,6 +25,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_lora": (2, ["--parallelism.dp_shard", "2", *LORA]),
     "tp2_lora": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *LORA]),  # shared experts split
     "ep2": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),  # experts over the 2 FSDP ranks
+    "ep2_lora": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *LORA]),  # experts frozen, spread
+    "ep2_accumulation": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "1",
+                             "--training.gradient_accumulation_steps", "2"]),
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
     # ep 2 borrowed from fsdp 4 (experts FSDP-sharded over the ranks holding the same ones):
