@@ -58,7 +58,8 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
     compute = policy.compute_dtype
     return StepShape(
         args=args, local_batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
-        fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep, compute_dtype=compute,
+        fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep,
+        ep_imbalance=cfg.job.dry_run_ep_imbalance, compute_dtype=compute,
         param_dtype=param_dtype,
         reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,

@@ -65,6 +65,9 @@ class Job:
         0, "World size the dry run plans for (0: job.simulate_world_size if set, else the product of the "
            "parallelism degrees, pp included, dp_shard -1 counting as 1)",
         min=0)
+    dry_run_ep_imbalance: float = opt(
+        1.25, "Under parallelism.ep, the tokens the busiest rank's experts receive over the mean, as the dry run "
+              "plans for (the training log's ep_imbalance measures it; 1: perfectly even)", min=1)
     dry_run_device_memory_gib: str = opt(
         "", "Device memory the dry run checks the estimate against: GiB ('80') or a GPU name ('h100', 'a100-40gb', "
             "'4090'); exit 2 if it does not fit ('': no check)")

@@ -53,6 +53,19 @@ class ModelArgs:
         routed = (self.top_k + 1) * self.expert_hidden_dim
         return (moe * routed + (self.n_layers - moe) * self.dense_hidden_dim) // self.n_layers
 
+    @property
+    def routed_hidden_dim(self) -> int:
+        """The routed experts' part of `ffn_hidden_dim` (top_k experts' width on the MoE layers,
+        averaged over the layers): the part that follows the routing rather than the token."""
+        moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        return moe * self.top_k * self.expert_hidden_dim // self.n_layers
+
+    @property
+    def routed_slots(self) -> float:
+        """Expert slots one token fills in a block, averaged over the layers (top_k on MoE layers, 0
+        on dense ones): the copies of its hidden state the routing makes."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers)) * self.top_k / self.n_layers
+
     def attended_context(self, layer: int, seq_len: int) -> int:
         """How many positions a query of `layer` can attend to at most in a sequence of `seq_len`:
         its chunk on rotary layers with chunked attention, the whole sequence otherwise."""
