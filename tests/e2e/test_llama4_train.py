@@ -1,8 +1,10 @@
 """train.py on the debug Llama 4 MoE: the start-up log counts active parameters, a resumed run
-repeats an uninterrupted one bit for bit (and within 1e-5 when resumed under tp 2), and the
+repeats an uninterrupted one bit for bit (and within 1e-5 when resumed under tp 2, or from ep 2 in
+one process and under ep 4, with the EP imbalance logged), and the
 end-of-run export loads in transformers."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -72,14 +74,24 @@ def first_half_under_ep2(dump: str) -> list[float]:
                     "--training.local_batch_size", "2"), stop_after=4)
 
 
+def second_half_under_ep4(dump: str) -> list[float]:
+    """Worker: steps 5-8 of the run in `dump` with each of the 4 experts on its own rank (ep 4, fsdp 4)."""
+    return run(args(dump, *CHECKPOINTS, "--parallelism.dp_shard", "4", "--parallelism.ep", "4",
+                    "--training.local_batch_size", "1"))
+
+
 @pytest.mark.slow
-def test_an_ep2_checkpoint_resumes_in_one_process_as_the_run_goes_on(tmp_path, straight):
+def test_an_ep2_checkpoint_resumes_in_one_process_and_under_ep4_as_the_run_goes_on(tmp_path, straight):
     """DCP gathers the experts spread over the EP ranks (and FSDP-sharded) back into whole
-    stacked weights: steps 5-8 in one process repeat the straight run's within 1e-5."""
+    stacked weights, or respreads them one a rank: steps 5-8 in one process, and under ep 4,
+    repeat the straight run's within 1e-5."""
     first = run_distributed(first_half_under_ep2, 2, str(tmp_path / "moved"), timeout=600)[0]
+    shutil.copytree(tmp_path / "moved", tmp_path / "moved_ep4")
     records = [json.loads(line) for line in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
     second = run(args(tmp_path / "moved", *CHECKPOINTS))
     assert first + second == pytest.approx(straight, rel=1e-5) and len(second) == 4
+    under_ep4 = run_distributed(second_half_under_ep4, 4, str(tmp_path / "moved_ep4"), timeout=600)[0]
+    assert under_ep4 == pytest.approx(straight[4:], rel=1e-5) and len(under_ep4) == 4
     # Under ep the log carries each layer's EP imbalance: between 1 (even) and ep = 2.
     ranks = [{k: v for k, v in record.items() if k.startswith("moe/ep_imbalance/")} for record in records]
     assert len(ranks) == 4 and all(set(r) == {"moe/ep_imbalance/layers.1.feed_forward",
