@@ -54,7 +54,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     experts must divide by the mesh size. Apply to the plain model on the meta device or on
     real weights (after `apply_lora`, whose adapters leave the stacked experts frozen and whole),
     before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
-    shards each layer's experts over the ranks holding the same ones); not yet with tensor
+    shards each layer's experts over the ranks holding the same ones). Under a pipeline, apply it
+    to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
+    schedule, so their all-to-alls pair up micro-batch by micro-batch). Not yet with tensor
     parallelism, whose MoE plan splits the experts by hidden dimension, and not with compile
     (the split sizes are read on the host).
     """

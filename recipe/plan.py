@@ -177,9 +177,9 @@ def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if n_experts % dims.ep:
         raise ConfigError(f"parallelism.ep = {dims.ep} does not divide the {n_experts} experts of {model_source(cfg)}; "
                           "each rank holds as many experts as the others")
-    others = {"parallelism.tp": dims.tp, "parallelism.pp": dims.pp, "parallelism.dp_replicate": dims.dp_replicate}
+    others = {"parallelism.tp": dims.tp, "parallelism.dp_replicate": dims.dp_replicate}
     if bad := [f"{key} = {size}" for key, size in others.items() if size > 1]:
-        raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard and cp only so far, "
+        raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard, cp and pp so far, "
                           f"not {', '.join(bad)}")
     if cfg.compile.enable:
         raise ConfigError(f"parallelism.ep = {dims.ep}: the all-to-all's split sizes are read on the host, which "

@@ -45,6 +45,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # pp 2 x fsdp 2 x tp 2 on 8 ranks, matched too and are left out for the suite's time on 2 cores.
     **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s))
        for s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")},
+    # Expert parallelism inside each stage: ep 2 borrowed from the stage's fsdp 2.
+    "pp2_fsdp2_ep2_moe": (4, PP2_FSDP2 + MOE + ["--parallelism.ep", "2"] + schedule("1F1B")),
     "pp2_tp2": (4, PP2 + ["--parallelism.tp", "2"]),
     "pp2_cp2": (4, PP2 + ["--parallelism.cp", "2"]),
 }

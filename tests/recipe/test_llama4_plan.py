@@ -7,24 +7,23 @@ from weft.parallelisms.parallel_dims import LayoutError
 from weft.recipe.plan import model_and_layout
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["--lora.enable", "--lora.quantize_base", "nf4"],
+@pytest.mark.parametrize(("overrides", "world_size", "message"), [
+    (["--lora.enable", "--lora.quantize_base", "nf4"], 2,
      "lora.quantize_base = 'nf4': model flavor debugmodel_moe (Llama 4) keeps its routed experts as stacked 3-D "
      "weights, which torchao's NF4 cannot hold, so QLoRA would leave most of the model unquantized; use LoRA "
      "(lora.quantize_base = '')"),
-    (["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"],
+    (["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"], 2,
      "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
-    (["--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2", "--parallelism.ep", "2"],
+    (["--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2", "--parallelism.ep", "2"], 2,
      "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
-    (["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"],
-     "parallelism.ep = 2: expert parallelism composes with dp_shard and cp only so far, not parallelism.pp = 2"),
-    (["--parallelism.ep", "2", "--compile.enable"],
+    (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"], 4,
+     "parallelism.ep = 2: expert parallelism composes with dp_shard, cp and pp so far, not parallelism.dp_replicate = 2"),
+    (["--parallelism.ep", "2", "--compile.enable"], 2,
      "parallelism.ep = 2: the all-to-all's split sizes are read on the host, which compile cannot trace; "
      "set compile.enable = false"),
 ])
-def test_unsupported_llama4_layouts_are_refused(overrides, message):
+def test_unsupported_llama4_layouts_are_refused(overrides, world_size, message):
     cfg = parse_args(["--job.config_file", "debug_moe", *overrides])
-    world_size = 4 if "--parallelism.pp" in overrides else 2
     with pytest.raises((ConfigError, LayoutError)) as caught:
         model_and_layout(cfg, world_size=world_size)
     assert str(caught.value) == message
