@@ -326,10 +326,12 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
 
 
 def routed_experts_per_block(model: nn.Module) -> int:
-    """Parameters of the stacked routed experts, averaged over the blocks (0 without experts)."""
+    """Parameters of the stacked routed experts, averaged over the blocks of the whole model (a
+    pipeline rank's stages: of the model they were split from; 0 without experts)."""
+    from weft.components.model_state import whole_model
     from weft.parallelisms.common import transformer_blocks
 
-    blocks = transformer_blocks(model, "estimate_memory")
+    blocks = transformer_blocks(whole_model(model), "estimate_memory")
     routed = sum(p.numel() for block in blocks for m in block.modules()
                  for name, p in m.named_parameters(recurse=False) if p.ndim == 3 and name in ("w1", "w2", "w3"))
     return routed // max(len(blocks), 1)

@@ -73,6 +73,15 @@ def test_a_world_the_layout_cannot_fill_names_the_ranks_planned_and_why(capsys):
                    "(the dry run planned 3 ranks: job.dry_run_world_size)")
 
 
+def test_expert_parallelism_inside_pipeline_stages_plans_each_stage(capsys):
+    """pp 2 x fsdp 2 x ep 2 on the debug MoE: each pipeline rank's estimate, the all-to-all in it."""
+    argv = ["--job.config_file", "debug_moe", "--job.dry_run", "--job.dry_run_world_size", "4", "--parallelism.pp", "2",
+            "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--parallelism.pp_microbatches", "2"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("EP all-to-all (1 layer, 1.25x mean received)") == 2 and "pipeline rank 1 of 2" in out
+
+
 # The debug model on 4 ranks with a local batch of 4 in 4 micro-batches: pipelines of 2 and 4 run.
 PIPELINE_DRY_RUN = ["--job.config_file", "debug_model", "--training.local_batch_size", "4",
                     "--parallelism.pp_microbatches", "4", "--job.dry_run", "--job.dry_run_world_size", "4"]
