@@ -1,5 +1,5 @@
 """weft's transforms on models weft did not write: a transformers LlamaForCausalLM and a
-nanoGPT-style model, each built on the meta device, parallelised by `parallelize` with
+nanoGPT-style model (and one whose MLPs are weft's MoE layer, under `apply_ep` alone), each built on the meta device, parallelised by `parallelize` with
 activation checkpointing and compile, materialised, and trained 10 steps. Every layout must
 follow the single-device eager run of the same model from the same weights (fp32, CPU, gloo).
 
@@ -131,6 +131,49 @@ def test_layout_matches_single_device(layout, references, layout_losses):
     reference, losses = references[LAYOUTS[layout][0]], layout_losses[layout]
     assert reference[-1] < reference[0] - 1.0, "the reference run must learn"
     assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def nanogpt_moe_under_apply_ep() -> tuple[list[float], list[float]]:
+    """Worker: a nanoGPT whose MLPs are weft's MoE layer (4 experts, top 2), its experts spread over
+    the 2 ranks by `apply_ep` alone, each rank on its half of every batch and the other gradients
+    averaged by hand (what any data-parallel wrapper does). (Its losses, one process's.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weft.parallelisms.ep import apply_ep, expert_parameters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    whole = NanoGPT(n_experts=4)
+    split = NanoGPT(n_experts=4)
+    split.load_state_dict(whole.state_dict())
+    apply_ep(split, init_device_mesh("cpu", (world,)))
+    experts = {id(p) for _, p in expert_parameters(split)}
+    losses = {"ep": [], "one process": []}
+    for model, name in ((split, "ep"), (whole, "one process")):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in batches():
+            rows = batch.chunk(world)[rank] if model is split else batch
+            loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+            loss.backward()
+            if model is split:  # apply_ep made the experts' gradient the mean over the ranks already
+                for param in model.parameters():
+                    if id(param) not in experts:
+                        dist.all_reduce(param.grad)
+                        param.grad /= world
+                loss = loss.detach()
+                dist.all_reduce(loss)
+                loss /= world
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    return losses["ep"], losses["one process"]
+
+
+@pytest.mark.slow
+def test_apply_ep_alone_trains_a_nanogpt_with_moe_mlps_as_one_process():
+    for ep, reference in run_distributed(nanogpt_moe_under_apply_ep, 2):
+        assert reference[-1] < reference[0] - 1.0, "the reference run must learn"
+        assert ep == pytest.approx(reference, rel=1e-5)
 
 
 def tp_compiled_backward() -> str:

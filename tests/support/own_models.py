@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.models.moe import MoE
+
 SEQ_LEN, VOCAB = 16, 96
 
 
@@ -35,11 +37,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_head: int):
+    def __init__(self, dim: int, n_head: int, n_experts: int = 0):
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(dim), CausalSelfAttention(dim, n_head)
         self.ln_2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        if n_experts:  # weft's MoE layer as the MLP: top 2, softmax scores weighing the experts' outputs
+            self.mlp = MoE(dim, 2 * dim, n_experts, 2, score_func="softmax", score_before_experts=False)
+            with torch.no_grad():
+                for weight in (self.mlp.experts.w1, self.mlp.experts.w2, self.mlp.experts.w3):
+                    nn.init.normal_(weight, std=0.1)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -47,14 +55,15 @@ class Block(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    """GPT-2 as nanoGPT writes it: blocks in `transformer.h`, learned positions, LayerNorm."""
+    """GPT-2 as nanoGPT writes it: blocks in `transformer.h`, learned positions, LayerNorm; with
+    `n_experts`, weft's MoE layer as every block's MLP."""
 
-    def __init__(self, dim: int = 32, n_head: int = 4, n_layer: int = 2):
+    def __init__(self, dim: int = 32, n_head: int = 4, n_layer: int = 2, n_experts: int = 0):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(VOCAB, dim),
             wpe=nn.Embedding(SEQ_LEN, dim),
-            h=nn.ModuleList(Block(dim, n_head) for _ in range(n_layer)),
+            h=nn.ModuleList(Block(dim, n_head, n_experts) for _ in range(n_layer)),
             ln_f=nn.LayerNorm(dim),
         ))
         self.lm_head = nn.Linear(dim, VOCAB, bias=False)
