@@ -1,6 +1,7 @@
 """weft's transforms on models weft did not write: a transformers LlamaForCausalLM and a
-nanoGPT-style model (and one whose MLPs are weft's MoE layer, under `apply_ep` alone), each built on the meta device, parallelised by `parallelize` with
-activation checkpointing and compile, materialised, and trained 10 steps. Every layout must
+nanoGPT-style model, each built on the meta device, parallelised by `parallelize` with
+activation checkpointing and compile, materialised, and trained 10 steps (and a nanoGPT whose MLPs
+are weft's MoE layer, under `apply_ep` alone). Every layout must
 follow the single-device eager run of the same model from the same weights (fp32, CPU, gloo).
 
 Tensor-parallel layouts (all with activation checkpointing here) compile only where torch can
