@@ -34,7 +34,7 @@ from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
 from weft.recipe.build import build_model
-from weft.recipe.plan import RunPlan, check_llama4_support, pipeline_layout
+from weft.recipe.plan import RunPlan, check_expert_parallel, check_llama4_support, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -185,7 +185,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
     batches on the local batch with at most one stage per block. QLoRA runs without tp and pp; the
-    model trains in the layout (`check_llama4_support`)."""
+    model trains in the layout (`check_llama4_support`). A model with experts also gets each ep
+    that divides them and dp_shard × cp, where expert parallelism applies (`check_expert_parallel`)."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
@@ -195,14 +196,17 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
             if args.n_heads % tp or args.kv_heads % tp:
                 continue
             for cp in _divisors(rest // pp // tp):
-                dims = ParallelDims(replicate, rest // pp // tp // cp, cp, tp, world_size, pp)
-                try:
-                    dims.check_seq_len(cfg.training.seq_len)
-                    check_llama4_support(cfg, args, dims)
-                    pipeline_layout(cfg, args, dims)
-                except (LayoutError, ConfigError):
-                    continue
-                layouts.append(dims)
+                shard = rest // pp // tp // cp
+                for ep in (d for d in _divisors(shard * cp) if d == 1 or getattr(args, "n_experts", 0) % d == 0):
+                    dims = ParallelDims(replicate, shard, cp, tp, world_size, pp, ep)
+                    try:
+                        dims.check_seq_len(cfg.training.seq_len)
+                        check_llama4_support(cfg, args, dims)
+                        check_expert_parallel(cfg, args, dims)
+                        pipeline_layout(cfg, args, dims)
+                    except (LayoutError, ConfigError):
+                        continue
+                    layouts.append(dims)
     return layouts
 
 
@@ -237,13 +241,15 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
         results.append((max(peaks), dims))
     results.sort(key=lambda r: r[0])
     scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")
-    without_ep = ", without expert parallelism" if current.ep > 1 else ""
-    lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}{without_ep}), by estimated peak:",
-             f"  {'pp':>4} {'dp_shard':>8} {'cp':>4} {'tp':>4} {'peak ' + unit:>9}" + ("  fits" if limit else "")]
+    with_ep = any(dims.ep > 1 for _, dims in results)
+    lines = [f"layouts of {current.world_size} ranks (dp_replicate {current.dp_replicate}), by estimated peak:",
+             f"  {'pp':>4} {'dp_shard':>8} {'cp':>4} {'tp':>4}" + (f" {'ep':>4}" if with_ep else "")
+             + f" {'peak ' + unit:>9}" + ("  fits" if limit else "")]
     def row(peak: int, dims: ParallelDims) -> str:
         mark = ("  yes" if peak <= limit * GIB else "  no") if limit else ""
-        here = "   <- this run" if _degrees(dims) == _degrees(current) and current.ep == 1 else ""
-        return f"  {dims.pp:>4} {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4} {peak / scale:9.2f}{mark}{here}"
+        here = "   <- this run" if _degrees(dims) == _degrees(current) else ""
+        ep = f" {dims.ep:>4}" if with_ep else ""
+        return f"  {dims.pp:>4} {dims.dp_shard:>8} {dims.cp:>4} {dims.tp:>4}{ep} {peak / scale:9.2f}{mark}{here}"
 
     lines += [row(peak, dims) for peak, dims in results[:rows]]
     if len(results) > rows:
@@ -275,8 +281,8 @@ class TableStages:
         return self._groups[pp]
 
 
-def _degrees(dims: ParallelDims) -> tuple[int, int, int, int]:
-    return dims.pp, dims.dp_shard, dims.cp, dims.tp
+def _degrees(dims: ParallelDims) -> tuple[int, int, int, int, int]:
+    return dims.pp, dims.dp_shard, dims.cp, dims.tp, dims.ep
 
 
 def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims: ParallelDims,
@@ -301,7 +307,8 @@ def _verdict(estimate: MemoryEstimate, limit: float | None, cfg: JobConfig, dims
 
 
 def _layout_text(dims: ParallelDims) -> str:
-    return (f"pp={dims.pp} " if dims.pp > 1 else "") + f"dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}"
+    return ((f"pp={dims.pp} " if dims.pp > 1 else "") + f"dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}"
+            + (f" ep={dims.ep}" if dims.ep > 1 else ""))
 
 
 def _memory_limit(text: str) -> float | None:

@@ -3,6 +3,7 @@
 import pytest
 
 from weft.components.config import ConfigError, parse_args
+from weft.models import flavors
 from weft.parallelisms.parallel_dims import LayoutError
 from weft.recipe.plan import model_and_layout
 
@@ -53,14 +54,16 @@ def test_debug_moe_plans_with_fsdp_tp_cp_and_lora():
 
 def test_dry_run_table_lists_the_layouts_llama4_trains_in(capsys):
     """Every product of pp, dp_shard, cp and tp of 4 ranks that the debug MoE's 4 blocks and
-    128-token sequences allow (the table leaves out what the plan refuses)."""
+    128-token sequences allow (the table leaves out what the plan refuses), and without tp each ep
+    that divides dp_shard × cp (all divide its 4 experts); the printed table has an ep column."""
     from weft import train
+    from weft.recipe.dry_run import candidate_layouts
 
-    code = train.main(["--job.config_file", "debug_moe", "--job.dry_run", "--job.dry_run_world_size", "4"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    table = out.split("layouts of 4 ranks", 1)[1].splitlines()[2:]
-    rows = [line.split()[:4] for line in table if line.strip() and line.split()[0].isdigit()]
-    layouts = [(pp, dp, cp, 4 // (pp * dp * cp)) for pp in (1, 2, 4) for dp in (1, 2, 4) for cp in (1, 2, 4)
-               if 4 % (pp * dp * cp) == 0]
-    assert sorted(rows) == sorted([str(k) for k in row] for row in layouts)  # pp dp_shard cp tp
+    cfg = parse_args(["--job.config_file", "debug_moe"])
+    listed = [(d.pp, d.dp_shard, d.cp, d.tp, d.ep) for d in candidate_layouts(cfg, flavors()["debugmodel_moe"], 4)]
+    expected = [(pp, dp, cp, 4 // (pp * dp * cp), ep) for pp in (1, 2, 4) for dp in (1, 2, 4) for cp in (1, 2, 4)
+                for ep in (1, 2, 4) if 4 % (pp * dp * cp) == 0 and (ep == 1 or (pp * dp * cp == 4 and dp * cp % ep == 0))]
+    assert sorted(listed) == sorted(expected) and len(listed) == 18
+    assert train.main(["--job.config_file", "debug_moe", "--job.dry_run", "--job.dry_run_world_size", "4"]) == 0
+    table = capsys.readouterr().out.split("layouts of 4 ranks", 1)[1].splitlines()
+    assert table[1].split() == ["pp", "dp_shard", "cp", "tp", "ep", "peak", "MiB"] and "(6 more" in table[14]
