@@ -67,6 +67,14 @@ def ep_imbalance(model: nn.Module, ep_group: dist.ProcessGroup, group: dist.Proc
     return {name: value for (name, _), value in zip(layers, imbalance.tolist())}
 
 
+@torch.no_grad()
+def reset_expert_counts(model: nn.Module) -> None:
+    """Forget the token counts of every MoE layer in `model` (forwards that were not the step's:
+    torch's pipeline metadata inference)."""
+    for _, layer in moe_layers(model):
+        layer.tokens_per_expert.zero_()
+
+
 def set_load_balance_loss(model: nn.Module, coeff: float, accumulation_steps: int = 1) -> None:
     """Every MoE layer adds coeff · its load-balancing loss to the training loss's gradient, as a
     mean over the step's `accumulation_steps` micro-batches (each layer adds it once per forward)."""

@@ -9,7 +9,7 @@ bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows
 `GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
 
 Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
-forwards since the training loop last read it) and holds a per-expert `expert_bias` added to the
+training forwards since the training loop last read it; forwards in eval mode do not count) and holds a per-expert `expert_bias` added to the
 router logits for the choice only, never to the scores that weigh the outputs. The training loop
 nudges the bias towards equal load after each step (components/moe_balance.py: DeepSeek-V3's
 auxiliary-loss-free balancing). With the bias zero the choice is the unbiased one exactly.
@@ -171,8 +171,9 @@ class MoE(nn.Module):
         source = order // self.top_k
         weight = scores.flatten()[order, None].to(x.dtype)
         counts = torch.bincount(experts.flatten(), minlength=self.router.out_features)
-        with torch.no_grad():  # recomputed forwards (activation checkpointing) count all experts again alike
-            self.tokens_per_expert += counts
+        if self.training:  # the step's tokens: not validation's (eval mode); recomputed forwards
+            with torch.no_grad():  # (activation checkpointing) count all experts again alike
+                self.tokens_per_expert += counts
         routed_in = tokens[source]
         if self.score_before_experts:
             routed = self.experts(routed_in * weight, counts)

@@ -208,14 +208,32 @@ def _delete_module(model: nn.Module, name: str) -> None:
         setattr(parent, child, None)
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage that calls `after_metadata_inference(module)` once torch's metadata
+    inference is done: before the first step, torch runs one real forward and backward of a
+    micro-batch through every stage to learn the shapes between them, and state a forward
+    accumulates (an MoE layer's token counts) must not keep what that run added."""
+
+    def __init__(self, *args, after_metadata_inference: Callable[[nn.Module], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after_metadata_inference = after_metadata_inference
+
+    def _post_metadata_inference_cleanup(self) -> None:  # torch's own cleanup of that run (FSDP, grads)
+        super()._post_metadata_inference_cleanup()
+        self.after_metadata_inference(self.submod)
+
+
 def build_schedule(stage_modules: Sequence[nn.Module], ids: Sequence[int], n_stages: int, *, schedule: str,
-                   microbatches: int, loss_fn: Callable, device: torch.device, pp_group) -> object:
+                   microbatches: int, loss_fn: Callable, device: torch.device, pp_group,
+                   after_metadata_inference: Callable[[nn.Module], None] = lambda stage: None) -> object:
     """torch's schedule over this rank's stages (already parallelised and materialised).
 
     loss_fn(output, target) gives each micro-batch's loss as it should enter backward: the
     schedule does not rescale gradients (scale_grads=False), so a loss already normalised by the
-    global batch's token count gives the gradients of one big batch."""
-    stages = [PipelineStage(module, stage_index, n_stages, device, group=pp_group)
+    global batch's token count gives the gradients of one big batch. after_metadata_inference(stage)
+    undoes what torch's shape-finding run before the first step left in a stage (see `_Stage`)."""
+    stages = [_Stage(module, stage_index, n_stages, device, group=pp_group,
+                     after_metadata_inference=after_metadata_inference)
               for module, stage_index in zip(stage_modules, ids)]
     cls = schedule_class(schedule)
     if issubclass(cls, PipelineScheduleMulti):

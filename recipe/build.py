@@ -36,7 +36,7 @@ from weft.components.metrics import (
     setup_logging,
 )
 from weft.components.model_state import whole_model
-from weft.components.moe_balance import set_load_balance_loss
+from weft.components.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
@@ -243,7 +243,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
         loss = PipelineLoss(compiled=cfg.compile.enable)
         schedule = build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
                                   microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
-                                  pp_group=meshes.pp.get_group())
+                                  pp_group=meshes.pp.get_group(), after_metadata_inference=reset_expert_counts)
         pipeline = dict(pipeline=schedule, pipeline_loss=loss, pp_group=meshes.pp.get_group())
     forwards = cfg.training.gradient_accumulation_steps * (plan.pipeline.microbatches if plan.pipeline else 1)
     set_load_balance_loss(model, cfg.moe.load_balance_coeff, forwards)  # MoE layers: a mean over the step's forwards

@@ -75,11 +75,12 @@ def test_the_routing_bias_changes_the_choice_not_the_weights():
     torch.testing.assert_close(layer(x), reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
-def test_each_forward_counts_the_tokens_per_expert():
+def test_each_training_forward_counts_the_tokens_per_expert_and_eval_forwards_do_not():
     layer, x = moe(), torch.randn(3, 7, 16)
     chosen = route(layer.router(x.reshape(-1, 16)), 2, "sigmoid")[1]
     layer(x)
     layer(x)
+    layer.eval()(torch.randn(3, 7, 16))  # validation: not the step's tokens
     assert torch.equal(layer.tokens_per_expert, 2 * torch.bincount(chosen.flatten(), minlength=4).float())
 
 
