@@ -138,19 +138,26 @@ def test_end_of_run_export_gives_transformers_weft_logits(tmp_path):
     assert_export_gives_transformers_weft_logits(tmp_path / "run", tmp_path)
 
 
+@pytest.fixture(scope="module")
+def one_process_export(tmp_path_factory) -> dict[str, torch.Tensor]:
+    dump = tmp_path_factory.mktemp("one")
+    export_run(dump)
+    return load_file(dump / "hf" / "model.safetensors")
+
+
 @pytest.mark.slow
-def test_fsdp2_fine_tune_exports_what_one_process_does(tmp_path):
-    """The same 3 steps under FSDP 2 (the same global batch): its export loads in transformers with
-    weft's logits, and each tensor equals the one-process run's within 1e-5 of its norm (not
-    element by element: AdamW's first steps divide a gradient by its own magnitude, so an element
-    whose gradient is near zero turns rounding differences into steps of up to the learning rate;
-    measured on one host, 1 element in 4.6 million 1.5e-5 apart)."""
-    run_distributed(export_run, 2, tmp_path / "fsdp2", "--parallelism.dp_shard", "2",
-                    "--training.local_batch_size", "2")
-    fsdp2 = assert_export_gives_transformers_weft_logits(tmp_path / "fsdp2", tmp_path / "a")
-    export_run(tmp_path / "one")
-    one = load_file(tmp_path / "one" / "hf" / "model.safetensors")
-    assert fsdp2.keys() == one.keys()
-    for name in one:
-        difference = (fsdp2[name] - one[name]).norm() / one[name].norm()
+@pytest.mark.parametrize("layout", [["--parallelism.dp_shard", "2"],
+                                    ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]], ids=["fsdp2", "ep2"])
+def test_a_2_rank_fine_tune_exports_what_one_process_does(tmp_path, layout, one_process_export):
+    """The same 3 steps under FSDP 2, and with the experts spread by ep 2 (the same global batch):
+    the export, gathered one tensor at a time, loads in transformers with weft's logits, and each
+    tensor equals the one-process run's within 1e-5 of its norm (not element by element: AdamW's
+    first steps divide a gradient by its own magnitude, so an element whose gradient is near zero
+    turns rounding differences into steps of up to the learning rate; measured on one host, 1
+    element in 4.6 million 1.5e-5 apart)."""
+    run_distributed(export_run, 2, tmp_path / "run", *layout, "--training.local_batch_size", "2")
+    exported = assert_export_gives_transformers_weft_logits(tmp_path / "run", tmp_path / "a")
+    assert exported.keys() == one_process_export.keys()
+    for name, want in one_process_export.items():
+        difference = (exported[name] - want).norm() / want.norm()
         assert difference <= 1e-5, f"{name}: {difference:.2e} of its norm apart"
