@@ -59,16 +59,25 @@ def straight(tmp_path_factory) -> list[float]:
     return run(args(tmp_path_factory.mktemp("straight"), *CHECKPOINTS))
 
 
-@pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_under_tp2_as_the_run_goes_on(tmp_path, straight):
-    """Resume into another layout: DCP reshards the stacked experts (whole → hidden slices) and
-    the routing bias, and steps 5-8 repeat the straight run's within 1e-5."""
-    run(args(tmp_path / "moved", *CHECKPOINTS), stop_after=4)
-    resumed = run_distributed(resume_under_tp2, 2, str(tmp_path / "moved"), timeout=600)[0]
-    assert resumed == pytest.approx(straight[4:], rel=1e-5) and len(resumed) == 4
-
-
 EP2 = ("--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "2")
+
+
+def resume_under_tp2_and_ep2(tp_dump: str, ep_dump: str) -> tuple[list[float], list[float]]:
+    """Worker: the rest of the run in `tp_dump` under tp 2 (the experts split by hidden dimension)
+    and of the run in `ep_dump` under ep 2 (two experts a rank)."""
+    return resume_under_tp2(tp_dump), run(args(ep_dump, *CHECKPOINTS, *EP2))
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_tp2_and_ep2_as_the_run_goes_on(tmp_path, straight):
+    """Resume into other layouts: DCP reshards the stacked experts (whole → hidden slices, or →
+    two experts a rank) and the routing bias, and steps 5-8 repeat the straight run's within 1e-5."""
+    run(args(tmp_path / "moved", *CHECKPOINTS), stop_after=4)
+    shutil.copytree(tmp_path / "moved", tmp_path / "moved_ep2")
+    under_tp2, under_ep2 = run_distributed(resume_under_tp2_and_ep2, 2, str(tmp_path / "moved"),
+                                           str(tmp_path / "moved_ep2"), timeout=600)[0]
+    for resumed in (under_tp2, under_ep2):
+        assert resumed == pytest.approx(straight[4:], rel=1e-5) and len(resumed) == 4
 
 
 def first_half_under_ep2(dump: str) -> list[float]:
