@@ -93,7 +93,7 @@ def train(cfg: JobConfig) -> list[float]:
             metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        with metrics.untimed(), timeouts.long("checkpoint"):  # saves may wait on the slowest writer
+        with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
             if saved:
                 checkpointer.save(step)
             else:
