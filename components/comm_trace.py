@@ -27,8 +27,13 @@ from weft.components.config import ConfigError, JobConfig
 
 # torch names each rank's dump <prefix><global rank>; its analyzer infers the prefix from the names.
 TRACE_FILE_PREFIX = "rank_"
-# The c10d store key under which a rank publishes the step and phase it last entered.
-PHASE_KEY = "weft/last-phase/{rank}"
+# The c10d store key under which a rank publishes the step and phase it last entered, per round of
+# torchrun's restarts (a store shared across rounds must not show a dead round's phase).
+PHASE_KEY = "weft/last-phase/{restart}/{rank}"
+
+
+def phase_key(rank: int) -> str:
+    return PHASE_KEY.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), rank=rank)
 
 
 def trace_prefix(cfg: JobConfig) -> Path:
@@ -65,8 +70,8 @@ def check_trace_folder(cfg: JobConfig) -> None:
                 raise ConfigError(f"comm.trace_folder = {cfg.comm.trace_folder!r}: {above} is a file; expected a "
                                   "folder for the flight recorder's dumps")
             if not os.access(above, os.W_OK | os.X_OK):
-                raise ConfigError(f"comm.trace_folder = {cfg.comm.trace_folder!r}: {folder} cannot be created "
-                                  f"({above} is not writable)")
+                raise ConfigError(f"comm.trace_folder = {cfg.comm.trace_folder!r}: {above} is not writable; "
+                                  f"expected to create or write {folder}")
             return
 
 
@@ -96,7 +101,7 @@ class PhaseRecord:
     at most a few writes a step, and only for gloo jobs (NCCL has the flight recorder)."""
 
     def __init__(self, store: dist.Store, rank: int) -> None:
-        self._store, self._key = store, PHASE_KEY.format(rank=rank)
+        self._store, self._key = store, phase_key(rank)
         self._step: int | None = None
         self._published: set[str] = set()
 
@@ -125,7 +130,7 @@ def last_phases(ranks: list[int]) -> dict[int, str]:
     empty if the store cannot be reached."""
     try:
         store = c10d._get_default_store()
-        keys = {rank: PHASE_KEY.format(rank=rank) for rank in ranks}
+        keys = {rank: phase_key(rank) for rank in ranks}
         return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
     except Exception:  # noqa: BLE001 - the store lives with rank 0's launcher; it may be gone too
         return {}

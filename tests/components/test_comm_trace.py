@@ -121,3 +121,4 @@ def test_a_silent_ranks_last_phase_is_named():
     assert line.startswith("step 2: a collective waited longer than comm.train_timeout_seconds = 1 s ("), line
     # the second "forward" of train_step (after the last backward) is not published again
     assert line.endswith("); rank 1 did not respond; last seen: step 2 backward"), line
+
