@@ -353,10 +353,11 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
                       rf"{timeout_s} s \(.*\); rank 1 did not respond; last seen: step (\d+) "
                       rf"(forward|backward|optimizer|checkpoint)$", lines[0])
     assert found, err[-3000:]
-    # Rank 0 waits in a collective rank 1 never joined: rank 1 stopped in that step before it, or
-    # after the last collective of the step before (its checkpoint, or the SIGTERM check after it).
-    waiting, seen, phase = int(found[1]), int(found[2]), found[3]
-    assert seen == waiting or (seen == waiting - 1 and phase in ("optimizer", "checkpoint")), lines[0]
+    # Rank 0 waits in a collective of its step that rank 1 did not finish: rank 1 stopped in that
+    # step, or at the end of the step before (after its last collective), or just into the next
+    # (a rank may finish its side of a collective, sends buffered, before the other's ends).
+    waiting, seen = int(found[1]), int(found[2])
+    assert abs(seen - waiting) <= 1, lines[0]
     assert all("step" in line for line in lines[1:]) and len(lines) <= 2, err[-3000:]  # rank 1: its lost peer
     assert checkpoints(dump) == before  # complete checkpoints untouched, no partial folder
 
