@@ -49,6 +49,7 @@ print(len(pickle.loads(_dump_fr_trace())["entries"]))
 """
 
 
+@pytest.mark.slow  # ~3-4 s: a fresh interpreter imports torch
 def test_torch_keeps_as_many_collectives_as_the_environment_says():
     """The buffer size set is the one torch's recorder honours (its gloo side, the one a CPU build
     has: the same FlightRecorder class NCCL's uses): 3 entries kept of 5 all-reduces."""
