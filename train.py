@@ -71,6 +71,7 @@ def train(cfg: JobConfig) -> list[float]:
     for step in range(start_step + 1, cfg.training.steps + 1):
         timeouts.at_step(step)
         result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)],
+                            on_phase=timeouts.phase,  # gloo: a silent rank's last phase is named
                             allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
@@ -87,19 +88,19 @@ def train(cfg: JobConfig) -> list[float]:
         # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
         if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            with metrics.untimed(), timeouts.long():
+            with metrics.untimed(), timeouts.long("validation"):
                 loss = evaluate(step_setup, run.validation_loader(), batches, document_masking=cfg.data.document_masking)
             metrics.log_validation(step, loss)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
-        with metrics.untimed(), timeouts.long():  # saves may wait on the slowest writer
+        with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
             if saved:
                 checkpointer.save(step)
             else:
                 checkpointer.finish_pending(wait=False)  # a failed background save is reported here
         if preemption.requested():
             if cfg.checkpoint.enable and not saved:
-                with timeouts.long():
+                with timeouts.long("checkpoint"):
                     checkpointer.save(step, blocking=True)
             logger.info(f"stopped by SIGTERM after step {step}")
             break

@@ -5,7 +5,8 @@ torch.compile compiles), save and validate, and a short one for ordinary trainin
 a rank that stops responding (a hung GPU, a stopped process, a dead node) ends the job within
 minutes instead of torch's default half hour. A rank whose collective times out raises
 CollectiveTimeoutError: one line naming the step, the limit and, when the store can tell, the
-ranks that did not respond; torchrun then stops the others.
+ranks that did not respond and, on gloo, the step and phase each of them last entered
+(components/comm_trace.py); torchrun then stops the others.
 
 On gloo (CPU) a timed-out collective raises, and that line is printed. On NCCL the same limit
 applies, but NCCL's watchdog aborts the process itself with its own message.
@@ -22,6 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from weft.components.comm_trace import PhaseRecord, last_phases
 from weft.components.errors import UserError, one_line
 
 # What gloo and the c10d store say when a peer never answered, or went away.
@@ -57,15 +59,25 @@ def set_collective_timeout(seconds: float, long_seconds: float | None = None) ->
         c10d._set_pg_timeout(timedelta(seconds=limit), group)
 
 
+# train_step's phase names (recipe/step.py) as the timeout line spells them.
+_PHASE_NAMES = {"step": "optimizer"}
+
+
 class CommTimeouts:
     """The limit in force: `init_s` through the first step of the run and inside `long()` (saves,
     validation), `train_s` for every other step. The newest instance is the one
-    `collective_failure` reports for (a process runs one training loop at a time)."""
+    `collective_failure` reports for (a process runs one training loop at a time).
+
+    `phases` (gloo jobs) publishes each phase this rank enters (`phase`, `long(phase)`), so that
+    another rank's timeout line can say where a silent rank was; `trace_note` (the flight recorder
+    on NCCL) is appended to that line to name the dump files."""
 
     active: CommTimeouts | None = None
 
-    def __init__(self, init_s: float, train_s: float) -> None:
+    def __init__(self, init_s: float, train_s: float, *, phases: PhaseRecord | None = None,
+                 trace_note: str | None = None) -> None:
         self.init_s, self.train_s = init_s, train_s
+        self.phases, self.trace_note = phases, trace_note
         self.step: int | None = None
         self._first_step: int | None = None
         self._limit = init_s
@@ -84,9 +96,17 @@ class CommTimeouts:
             self._set(self.train_s)
         self.step = step
 
+    def phase(self, name: str) -> None:
+        """Call as each phase of the step begins (train_step's on_phase): published for gloo jobs."""
+        if self.phases is not None:
+            self.phases.enter(self.step, _PHASE_NAMES.get(name, name))
+
     @contextlib.contextmanager
-    def long(self) -> Iterator[None]:
-        """The long limit for what may legitimately take long: a save, a validation pass."""
+    def long(self, phase: str | None = None) -> Iterator[None]:
+        """The long limit for what may legitimately take long: a save ("checkpoint"), a validation
+        pass ("validation"); `phase` is published as this rank's phase."""
+        if phase is not None:
+            self.phase(phase)
         previous = self._limit
         self._set(self.init_s)
         try:
@@ -107,11 +127,24 @@ class CommTimeouts:
         limit = f"{key} = {self._limit:g} s" if math.isfinite(self._limit) else "its time limit"
         what = (f"a collective waited longer than {limit}" if timed_out
                 else "a collective lost its connection to another rank")
-        silent = silent_ranks(f"weft/failed-collective/{self.step}")
+        silent = silent_ranks(f"weft/failed-collective/{self.step}", CHECK_IN_S)
         who = ("could not tell which rank stopped responding" if silent is None else
                "every rank answered the check-in afterwards" if not silent else
                f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not respond")
-        return CollectiveTimeoutError(f"{where}: {what} ({one_line(error)}); {who}")
+        seen = last_seen(silent) if self.phases is not None and silent else ""
+        note = f"; {self.trace_note}" if self.trace_note else ""
+        return CollectiveTimeoutError(f"{where}: {what} ({one_line(error)}); {who}{seen}{note}")
+
+
+def last_seen(silent: list[int]) -> str:
+    """'; last seen: step 3 forward' for one silent rank, '; last seen: rank 1 at step 3 forward,
+    rank 2 at ...' for several: what each last published (PhaseRecord); '' if none did."""
+    phases = last_phases(silent)
+    if not phases:
+        return ""
+    if len(silent) == 1:
+        return f"; last seen: {phases[silent[0]]}"
+    return "; last seen: " + ", ".join(f"rank {rank} at {phase}" for rank, phase in sorted(phases.items()))
 
 
 def silent_ranks(key: str, wait_s: float = CHECK_IN_S) -> list[int] | None:

@@ -40,6 +40,7 @@ from weft.components.moe_balance import reset_expert_counts, set_load_balance_lo
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
+from weft.components.comm_trace import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
@@ -91,6 +92,7 @@ def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
     logging and random state set up. With job.simulate_world_size this one process is rank 0 of
     that many, collectives faked."""
     cfg, dims, p = plan.cfg, plan.dims, plan.cfg.parallelism
+    start_flight_recorder(cfg)  # [comm] trace_buf_size: torch reads its environment as the group starts
     device = init_distributed(timeout_s=cfg.comm.init_timeout_seconds, simulate_world_size=cfg.job.simulate_world_size,
                               share_gpus=p.share_gpus,
                               cpu_offload=p.fsdp_cpu_offload)
@@ -278,7 +280,8 @@ def build_fault_guards(plan: RunPlan, checkpointer: Checkpointer) -> tuple[NonFi
     t, comm = plan.cfg.training, plan.cfg.comm
     nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps, on_first=checkpointer.protect_before,
                                 before_stop=lambda: checkpointer.finish_pending(True))
-    return nonfinite, CommTimeouts(comm.init_timeout_seconds, comm.train_timeout_seconds)
+    return nonfinite, CommTimeouts(comm.init_timeout_seconds, comm.train_timeout_seconds,
+                                   phases=PhaseRecord.for_job(), trace_note=trace_files_note(plan.cfg))
 
 
 def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:

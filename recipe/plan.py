@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from weft.components.checkpoint import check_resume, resume_folder
+from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
@@ -80,6 +81,7 @@ class RunPlan:
             resumes = cfg.checkpoint.enable and writes_dump_folder
             if writes_dump_folder:
                 check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
+                check_trace_folder(cfg)
                 if cfg.export.hf_folder:
                     check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
             if resumes:

@@ -224,6 +224,13 @@ class Comm:
     train_timeout_seconds: float = opt(
         300.0, "Seconds a collective may wait during training steps; a rank silent for longer ends the run",
         gt=0)
+    trace_buf_size: int = opt(
+        0, "Entries of torch's flight recorder per rank: each rank's last collectives, written to trace_folder when "
+           "an NCCL collective times out (0: weft sets nothing; torch's defaults and TORCH_FR_* variables apply)",
+        min=0)
+    trace_folder: str = opt(
+        "comm_traces", "With trace_buf_size > 0: folder of the flight recorder's dumps, one rank_<N> file per rank "
+                       "(relative to dump_folder)", check=_NOT_EMPTY)
 
 
 @dataclass
