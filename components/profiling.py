@@ -31,6 +31,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from weft.components.config import ConfigError, JobConfig
 from weft.components.config.schema import Profiling
+from weft.components.metrics import MetricsLogger
 
 logger = logging.getLogger("weft")
 
@@ -149,7 +150,8 @@ class StepProfiler:
     step already done (a resume), so windows stay at the same steps. With [profiling] off it holds
     neither a torch profiler nor a memory recording, and step / on_phase do nothing."""
 
-    def __init__(self, cfg: Profiling, dump: Path, device_type: str, rank: int, metrics, start_step: int = 0) -> None:
+    def __init__(self, cfg: Profiling, dump: Path, device_type: str, rank: int, metrics: MetricsLogger,
+                 start_step: int = 0) -> None:
         self.cfg, self.dump, self.rank, self.metrics = cfg, dump, rank, metrics
         self.profiler: torch.profiler.profile | None = None
         self.memory = MemorySnapshots(dump, rank, cfg.memory_snapshot_freq, cfg.memory_snapshot_max_entries) \
