@@ -208,6 +208,8 @@ class StepProfiler:
         """Stop the profiler (a window the run's end cut short after a recorded step is written, one
         whose recorded steps never ran is not) and the memory recording."""
         if self.profiler is not None:
+            if self._action == ProfilerAction.WARMUP:
+                logger.info(f"profiler: the run ended in the warm-up of a window, step {self._step}: no trace")
             if self._action != ProfilerAction.RECORD:
                 self.profiler.on_trace_ready = None
             with _without_cycle_warning():

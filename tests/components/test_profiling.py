@@ -165,9 +165,10 @@ def test_profiled_steps_are_left_out_of_the_throughput(tmp_path):
     assert {"forward", "backward", "optimizer", "ProfilerStep#6"} <= names and "ProfilerStep#5" not in names
 
 
-def test_a_run_ending_inside_a_window_writes_its_recorded_steps(tmp_path):
+def test_a_run_ending_inside_a_window_writes_its_recorded_steps(tmp_path, caplog):
     """freq 4, warmup 1, active 2: a run of 3 steps ends after step 3, recorded, of the window
-    3-4: its trace is written as step-3; a run of 2 steps (warm-up only) writes none."""
+    3-4: its trace is written as step-3; a run of 2 steps (warm-up only) writes none, and says so."""
+    caplog.set_level(logging.INFO, logger="weft")
     for steps, expected in [(3, ["step-3"]), (2, [])]:
         dump = tmp_path / str(steps)
         profiler = StepProfiler(Profiling(enable=True, freq=4, warmup=1, active=2), dump, "cpu", 0, metrics_logger())
@@ -176,6 +177,8 @@ def test_a_run_ending_inside_a_window_writes_its_recorded_steps(tmp_path):
                 torch.ones(8).sum()
         profiler.close()
         assert sorted(p.name for p in (dump / "profile_traces").glob("*")) == expected
+    assert [r.getMessage() for r in caplog.records if "no trace" in r.getMessage()] == [
+        "profiler: the run ended in the warm-up of a window, step 2: no trace"]
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------
