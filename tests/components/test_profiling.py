@@ -73,6 +73,27 @@ def test_memory_history_args_are_torch_s_with_python_stacks():
     inspect.signature(torch.cuda.memory._record_memory_history_impl).bind(**args)
 
 
+def test_a_gpu_run_profiles_cuda_kernels_with_the_configured_options(tmp_path, monkeypatch):
+    """What StepProfiler asks torch.profiler.profile for on a GPU (the profiler itself is not built)."""
+    asked = {}
+
+    class Recorded:
+        def __init__(self, **kwargs):
+            asked.update(kwargs)
+            self.schedule = kwargs["schedule"]
+
+        def start(self):
+            asked["started_at"] = (self.step_num, self.current_action)
+
+    monkeypatch.setattr(torch.profiler, "profile", Recorded)
+    cfg = Profiling(enable=True, freq=5, warmup=2, active=1, record_shapes=True, with_stack=True)
+    StepProfiler(cfg, tmp_path, "cuda", 0, metrics_logger(), start_step=7)
+    assert asked["activities"] == [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    assert asked["record_shapes"] is True and asked["with_stack"] is True
+    assert asked["started_at"] == (8, ProfilerAction.WARMUP)  # step 8 warms up the window 8-10
+    assert profiling.activities("cpu") == [torch.profiler.ProfilerActivity.CPU]
+
+
 # ---- the run, CUDA calls stubbed -----------------------------------------------------------------
 
 class CudaMemoryCalls:
