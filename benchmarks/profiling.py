@@ -103,7 +103,8 @@ def main() -> None:
         print(f"step time on, steps inside windows:  median {1000 * statistics.median(profiled_s):.2f} ms "
               f"over {len(profiled_s)} steps (left out of the log's throughput)")
     ratio = on_ms / off_ms
-    print(f"ratio on / off (steps outside windows): {ratio:.3f}  (target <= 1.02: {'met' if ratio <= 1.02 else 'NOT met'})")
+    verdict = "met" if ratio <= 1.02 else "NOT met"
+    print(f"ratio on / off (steps outside windows): {ratio:.3f}  (target <= 1.02: {verdict})")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,8 @@ class StepProfiler:
         self._action = self.profiler.current_action if self.profiler else ProfilerAction.NONE
         if self._action != ProfilerAction.NONE and previous in (ProfilerAction.NONE, ProfilerAction.RECORD_AND_SAVE):
             self._window_starts(step)
-        if self._action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE) and previous != ProfilerAction.RECORD:
+        recording = self._action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        if recording and previous != ProfilerAction.RECORD:
             self._first_recorded = step
         try:
             with self.metrics.untimed_step() if self._action != ProfilerAction.NONE else contextlib.nullcontext():
