@@ -20,6 +20,7 @@ from weft.components.distributed import Preemption, all_reduce_mean
 from weft.components.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
 from weft.components.metrics import StepStats
+from weft.components.profiling import StepProfiler
 from weft.components.timeouts import collective_failure
 from weft.recipe.build import (
     build_checkpointer,
@@ -66,13 +67,21 @@ def train(cfg: JobConfig) -> list[float]:
     metrics = build_metrics(plan, model, run.device, rank, start_step)
     preemption = Preemption()
     nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
+    # [profiling]: a trace of one window in every profiling.freq steps, CUDA memory snapshots; off: inert
+    profiler = StepProfiler(cfg.profiling, Path(cfg.job.dump_folder), run.device.type, rank, metrics, start_step)
+
+    def on_phase(phase: str) -> None:  # as each phase of a step begins: a profiler region, and the
+        timeouts.phase(phase)          # phase a silent rank is named with (gloo)
+        profiler.on_phase(phase)
+
     history: list[float] = []
     step = start_step
     for step in range(start_step + 1, cfg.training.steps + 1):
         timeouts.at_step(step)
-        result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)],
-                            on_phase=timeouts.phase,  # gloo: a silent rank's last phase is named
-                            allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
+        with profiler.step(step):  # a profiled step is left out of the throughput
+            result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)],
+                                on_phase=on_phase,
+                                allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()
         if step == start_step + 1 and rank == 0:
             write_run_record(plan)
@@ -107,6 +116,7 @@ def train(cfg: JobConfig) -> list[float]:
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
+    profiler.close()
     if step == cfg.training.steps:
         export_after_training(plan, model)  # [export]: Hugging Face / PEFT folders, one tensor at a time
     loader.close()

@@ -117,8 +117,8 @@ class MetricsLogger:
     """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl.
 
     Throughput is measured over the steps since the previous log, less the time spent in
-    `untimed()` blocks (validation, checkpoint saves); the memory peak counts from construction
-    (after start-up) on CUDA. Only the rank given folders
+    `untimed()` blocks (validation, checkpoint saves) and the steps run in `untimed_step()` (profiled
+    ones); the memory peak counts from construction (after start-up) on CUDA. Only the rank given folders
     writes files, and only from the first `log`: a run that fails before it writes nothing.
 
     A run that starts at `start_step` (a resume) continues the records of the run it resumes:
@@ -141,6 +141,7 @@ class MetricsLogger:
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._untimed_s = 0.0
+        self._untimed_steps = 0
         reset_peak_memory(device)
 
     @contextlib.contextmanager
@@ -151,6 +152,14 @@ class MetricsLogger:
             yield
         finally:
             self._untimed_s += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def untimed_step(self) -> Iterator[None]:
+        """Leave the training step run inside (a profiled one) out of the throughput window: its
+        time and its tokens. A window of untimed steps only logs tokens/s as nan."""
+        self._untimed_steps += 1
+        with self.untimed():
+            yield
 
     def _open(self) -> None:
         """Open the outputs at the first log, dropping records after start_step (see the class)."""
@@ -170,7 +179,9 @@ class MetricsLogger:
 
     def log(self, stats: StepStats) -> dict[str, float]:
         elapsed = time.perf_counter() - self._window_start - self._untimed_s
-        tokens_per_second = self.tokens_per_step * self._window_steps / elapsed / self.world_size  # per device
+        timed_steps = self._window_steps - self._untimed_steps
+        tokens_per_second = (self.tokens_per_step * timed_steps / elapsed / self.world_size  # per device
+                             if timed_steps else math.nan)
         values = {
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
@@ -204,6 +215,7 @@ class MetricsLogger:
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._untimed_s = 0.0
+        self._untimed_steps = 0
         return values
 
     def log_validation(self, step: int, loss: float) -> dict[str, float]:

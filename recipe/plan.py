@@ -23,6 +23,7 @@ from weft.components.data import DataError, HFTokenizer, build_loader, check_tex
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
+from weft.components.profiling import check_profiling
 from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
@@ -101,6 +102,7 @@ class RunPlan:
         if cfg.parallelism.fsdp_cpu_offload and device_type != "cuda":  # FSDP pins the shards it offloads
             raise ConfigError("parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run has no GPU")
         check_shared_gpus(cfg, dims, device_type)
+        check_profiling(cfg, device_type, check_folders=check_environment and writes_dump_folder)
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,

@@ -18,6 +18,7 @@ from weft.components.config.schema import (
     Model,
     Optimizer,
     Parallelism,
+    Profiling,
     Training,
     Validation,
 )
@@ -26,5 +27,5 @@ __all__ = [
     "RUN_IDENTITY", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
     "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FROM_HF_CONFIG", "Float8", "JobConfig",
     "Job", "LRScheduler",
-    "Metrics", "Model", "Optimizer", "Parallelism", "Training", "Validation",
+    "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
 ]

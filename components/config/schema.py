@@ -293,6 +293,26 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Profiling:
+    enable: bool = opt(
+        False, "Trace one window of steps in every profiling.freq with torch.profiler: a Chrome trace per rank, "
+        "<dump_folder>/<profiling.folder>/step-N/rank-R.json.gz (N: the window's last step)")
+    freq: int = opt(100, "Profile one window in every N steps; windows end at the steps divisible by N", min=1)
+    warmup: int = opt(3, "Steps the profiler runs before each window's recorded steps, not recorded (0: none)", min=0)
+    active: int = opt(1, "Steps recorded in each window (its last ones)", min=1)
+    folder: str = opt("profile_traces", "Trace folder, relative to dump_folder", check=_NOT_EMPTY)
+    record_shapes: bool = opt(False, "Record each op's input shapes in the traces")
+    with_stack: bool = opt(False, "Record each op's Python stack in the traces (larger traces, slower steps)")
+    enable_memory_snapshot: bool = opt(
+        False, "CUDA only: record the allocator's history (Python stacks) from the first step and write a snapshot "
+        "per rank every memory_snapshot_freq steps and when a training step runs out of memory, under "
+        "<dump_folder>/memory_snapshot/", without_enable=True)
+    memory_snapshot_freq: int = opt(100, "Write a memory snapshot every N steps", min=1, without_enable=True)
+    memory_snapshot_max_entries: int = opt(
+        100000, "Allocations and frees each memory snapshot keeps (the latest ones)", min=1, without_enable=True)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -311,5 +331,6 @@ class JobConfig:
     moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    profiling: Profiling = field(default_factory=Profiling)
 
 
