@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from weft.components.config import ConfigError, JobConfig
+from weft.components.config import JobConfig, check_creatable_folder
 
 # torch names each rank's dump <prefix><global rank>; its analyzer infers the prefix from the names.
 TRACE_FILE_PREFIX = "rank_"
@@ -59,20 +59,9 @@ def flight_recorder_env(trace_buf_size: int, prefix: Path | str) -> dict[str, st
 
 
 def check_trace_folder(cfg: JobConfig) -> None:
-    """With comm.trace_buf_size > 0: refuse a trace folder that cannot be created (a file in its
-    place or above it, an unwritable ancestor), without creating anything."""
-    if cfg.comm.trace_buf_size == 0:
-        return
-    folder = trace_prefix(cfg).parent
-    for above in (folder, *folder.parents):  # the folder itself, or its nearest existing ancestor
-        if above.exists():
-            if not above.is_dir():
-                raise ConfigError(f"comm.trace_folder = {cfg.comm.trace_folder!r}: {above} is a file; expected a "
-                                  "folder for the flight recorder's dumps")
-            if not os.access(above, os.W_OK | os.X_OK):
-                raise ConfigError(f"comm.trace_folder = {cfg.comm.trace_folder!r}: {above} is not writable; "
-                                  f"expected to create or write {folder}")
-            return
+    """With comm.trace_buf_size > 0: refuse a trace folder that cannot be created, creating nothing."""
+    if cfg.comm.trace_buf_size:
+        check_creatable_folder(trace_prefix(cfg).parent, f"comm.trace_folder = {cfg.comm.trace_folder!r}")
 
 
 def start_flight_recorder(cfg: JobConfig) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from weft.components.config import ConfigError, JobConfig
+from weft.components.config import ConfigError, JobConfig, check_creatable_folder
 from weft.components.config.schema import Profiling
 from weft.components.metrics import MetricsLogger
 
@@ -58,19 +57,6 @@ def check_profiling(cfg: JobConfig, device_type: str, *, check_folders: bool = T
         check_creatable_folder(dump / p.folder, f"profiling.folder = {p.folder!r}")
     if check_folders and p.enable_memory_snapshot:
         check_creatable_folder(dump / MEMORY_SNAPSHOT_FOLDER, "profiling.enable_memory_snapshot = true")
-
-
-def check_creatable_folder(folder: Path, setting: str) -> None:
-    """`folder` exists as a folder, or its nearest existing ancestor is a folder this process may
-    write in; else a ConfigError naming `setting` (the key and value that chose the folder)."""
-    for above in (folder, *folder.parents):
-        if above.exists():
-            if not above.is_dir():
-                what = "is a file" if above == folder else f"is below {above}, a file"
-                raise ConfigError(f"{setting}: {folder} {what}; expected a folder")
-            if not os.access(above, os.W_OK | os.X_OK):
-                raise ConfigError(f"{setting}: {above} is not writable; expected a folder {folder} can be created in")
-            return
 
 
 # ---- the decisions -----------------------------------------------------------------------------

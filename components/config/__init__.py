@@ -1,6 +1,6 @@
 """weft's configuration: the schema (schema.py), how it is read (parser.py), the dump-folder check."""
 
-from weft.components.config.dump_folder import RUN_IDENTITY, check_dump_folder
+from weft.components.config.dump_folder import RUN_IDENTITY, check_creatable_folder, check_dump_folder
 from weft.components.config.parser import ConfigError, help_text, parse_args, to_dict, to_toml
 from weft.components.config.schema import (
     ActivationCheckpoint,
@@ -24,7 +24,7 @@ from weft.components.config.schema import (
 )
 
 __all__ = [
-    "RUN_IDENTITY", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
+    "RUN_IDENTITY", "check_creatable_folder", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
     "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FROM_HF_CONFIG", "Float8", "JobConfig",
     "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",

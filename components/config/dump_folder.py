@@ -12,18 +12,25 @@ RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "da
                 "training.seq_len", "training.seed")
 
 
+def check_creatable_folder(folder: Path, setting: str) -> None:
+    """Refuse, naming `setting` (the key, or key and value, that chose it), a folder that cannot be
+    created or written: a file in its place or above it, or a nearest existing ancestor this process
+    may not write in. Creates nothing."""
+    for above in (folder, *folder.parents):  # the folder itself, or its nearest existing ancestor
+        if above.exists():
+            if not above.is_dir():
+                what = "is a file" if above == folder else f"is below {above}, a file"
+                raise ConfigError(f"{setting}: {folder} {what}; expected a folder")
+            if not os.access(above, os.W_OK | os.X_OK):
+                raise ConfigError(f"{setting}: {above} is not writable; expected a folder {folder} can be created in")
+            return
+
+
 def check_dump_folder(cfg: JobConfig) -> None:
     """Refuse a dump folder that cannot be created or written, or that already holds a run of
     another configuration."""
     dump = Path(cfg.job.dump_folder)
-    for above in (dump, *dump.parents):  # the folder itself, or its nearest existing ancestor
-        if above.exists():
-            if not above.is_dir():
-                what = "is a file" if above == dump else f"is below {above}, a file"
-                raise ConfigError(f"job.dump_folder: {dump} {what}; expected a folder")
-            if not os.access(above, os.W_OK | os.X_OK):
-                raise ConfigError(f"job.dump_folder: {above} is not writable")
-            break
+    check_creatable_folder(dump, "job.dump_folder")
     saved_path = dump / "config.toml"
     if not saved_path.is_file():
         return

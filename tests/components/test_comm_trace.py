@@ -89,7 +89,8 @@ def test_a_trace_folder_that_cannot_be_created_is_refused_before_writing(tmp_pat
     before = snapshot(tmp_path)
     outcome = run_in_process(train.main, ["--job.config_file", "debug_model", "--job.dump_folder", str(dump),
                                           "--comm.trace_buf_size", "100", "--comm.trace_folder", "traces/nccl"], capsys)
-    assert_clean_failure(outcome, f"comm.trace_folder = 'traces/nccl': {dump / 'traces'} is a file",
+    assert_clean_failure(outcome, f"comm.trace_folder = 'traces/nccl': {dump / 'traces/nccl'} is below "
+                                  f"{dump / 'traces'}, a file; expected a folder",
                          before=before, root=tmp_path)
 
 

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerAction
 
 from weft import train
 from weft.components import profiling
+from weft.components.config import dump_folder
 from weft.components.config.schema import Profiling
 from weft.components.metrics import MetricsLogger, StepStats
 from weft.components.profiling import (
@@ -251,8 +252,8 @@ def test_unwritable_folder_is_refused(tmp_path, capsys, monkeypatch):
     """A parent this process may not write in (os.access says no: as root every folder is writable,
     so the answer is stubbed for that one folder)."""
     (tmp_path / "out/locked").mkdir(parents=True)
-    real_access = profiling.os.access
-    monkeypatch.setattr(profiling.os, "access",
+    real_access = dump_folder.os.access
+    monkeypatch.setattr(dump_folder.os, "access",
                         lambda path, mode: Path(path) != tmp_path / "out/locked" and real_access(path, mode))
     argv = base(tmp_path) + ["--profiling.enable", "--profiling.folder", "locked/traces"]
     before = snapshot(tmp_path)
