@@ -26,6 +26,9 @@ from weft.components.distributed import is_fake_distributed
 # only the max, median and argmax of each figure, so metrics.jsonl and TensorBoard stay small.
 RANKS_LISTED_UP_TO = 64
 
+# torch 2.13 names all_gather_into_tensor all_gather_single (and deprecates the old name)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def gather_rank_times(step_seconds: float, data_wait_seconds: float, device: torch.device) -> torch.Tensor:
     """[world_size, 2] tensor of every rank's (step seconds, data wait seconds), in rank order, from
@@ -36,9 +39,9 @@ def gather_rank_times(step_seconds: float, data_wait_seconds: float, device: tor
         return mine.unsqueeze(0)
     if dist.get_backend() == "nccl":  # NCCL gathers only CUDA tensors; gloo (share_gpus too) CPU ones
         mine = mine.to(device)
-    gathered = mine.new_empty(dist.get_world_size(), 2)
-    dist.all_gather_into_tensor(gathered, mine)
-    return gathered.cpu()
+    gathered = mine.new_empty(dist.get_world_size() * 2)
+    _ALL_GATHER(gathered, mine)
+    return gathered.view(-1, 2).cpu()
 
 
 def slowest_rank(times: torch.Tensor) -> tuple[int, float]:
