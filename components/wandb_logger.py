@@ -2,11 +2,13 @@
 go to TensorBoard, at the same steps, with the run's config; a resumed run continues its wandb run.
 
 The package is optional (`pip install "weft[wandb]"`); `check_wandb` refuses a run that asks for
-it without it, at plan time. The wandb run id is kept in <dump_folder>/wandb_run_id, so every run
-in that folder (a resume, a restart) logs to the same wandb run (`resume="allow"`). wandb's own
-files go to $WANDB_DIR if set, else the dump folder (its `wandb/` subfolder). Records of steps a
-resume logs again (those after its checkpoint) are dropped by wandb, which keeps one value per
-step: the interrupted run's.
+it without it, at plan time; a wandb that cannot start its run (not logged in, no network without
+WANDB_MODE=offline) stops the run at its first log with one line. The wandb run id is kept in
+<dump_folder>/wandb_run_id, so every run in that folder (a resume, a restart) logs to the same
+wandb run (`resume="allow"`). wandb's own
+files go to $WANDB_DIR if set, else the dump folder (its `wandb/` subfolder). A resume logs the
+steps after its checkpoint again; wandb ignores a step below its run's latest, so on wandb those
+keep the interrupted run's values.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.components.config import ConfigError, JobConfig, to_dict
+from weft.components.errors import UserError
 
 WANDB_HINT = 'pip install "weft[wandb]"'
 RUN_ID_FILE = "wandb_run_id"
@@ -51,11 +54,17 @@ class WandbLogger:
         import wandb
 
         id_file = self.dump / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: wandb makes one
         self.dump.mkdir(parents=True, exist_ok=True)
-        id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=self.project, name=self.name, id=run_id, resume="allow", config=self.config,
-                              dir=os.environ.get("WANDB_DIR") or str(self.dump))
+        try:
+            self.run = wandb.init(project=self.project, name=self.name, id=run_id, resume="allow",
+                                  config=self.config, dir=os.environ.get("WANDB_DIR") or str(self.dump))
+        except Exception as error:  # not logged in, no network, a bad project: one line, not a traceback
+            first_line = (str(error).splitlines() or [type(error).__name__])[0]
+            raise UserError(f"metrics.enable_wandb = true: wandb could not start a run ({type(error).__name__}: "
+                            f"{first_line}); run `wandb login`, set WANDB_MODE=offline, or set "
+                            "metrics.enable_wandb = false") from None
+        id_file.write_text(self.run.id + "\n")
 
     def log(self, values: dict[str, float], step: int) -> None:
         if self.run is None:
