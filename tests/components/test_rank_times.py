@@ -3,17 +3,16 @@ one rank's data is made slow."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.slow_rank import slow_data
 from tests.support.dist_utils import run_distributed
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from weft import train
@@ -54,22 +53,9 @@ def run_args(dump: Path, *extra: str) -> list[str]:
             "--metrics.slow_rank_threshold", "1.1", "--no-metrics.enable_tensorboard", *extra]
 
 
-class SlowLoader:
-    """The loader, each batch DELAY_S late (a rank whose data is slow)."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def __next__(self):
-        time.sleep(DELAY_S)
-        return next(self.loader)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
 def slow_and_even_runs(root: str) -> str:
-    """Two runs in one 2-rank group, the first with rank 1's data slow; rank 0's log output."""
+    """Two runs in one 2-rank group, the first with rank 1's data slow (as benchmarks/slow_rank.py
+    makes it); rank 0's log output."""
     import torch.distributed as dist
 
     real_build = train.build_training
@@ -77,8 +63,7 @@ def slow_and_even_runs(root: str) -> str:
     try:
         for name, slow in (("slow", True), ("even", False)):
             if slow and dist.get_rank() == 1:
-                train.build_training = lambda plan: (lambda run: dataclasses.replace(run, loader=SlowLoader(run.loader)))(
-                    real_build(plan))
+                train.build_training = slow_data(real_build, DELAY_S)
             train.train(parse_args(run_args(Path(root) / name)))
             train.build_training = real_build
         return sys.stdout.getvalue()
