@@ -12,7 +12,7 @@ import pytest
 
 from weft import train
 from weft.components.checkpoint import Checkpointer
-from weft.components.metrics import TimeLeft, clock
+from weft.components.time_left import TimeLeft, clock
 
 STEP_S, SAVE_S, STEPS = 0.1, 0.2, 16
 
