@@ -23,7 +23,7 @@ class TimeLeft:
         self.marks.append((step, now))
         first_step, first_time = self.marks[0] if len(self.marks) > 1 else (self.start_step, self.start)
         per_step = (now - first_time) / max(step - first_step, 1)
-        return now - self.start, per_step * (self.last_step - step)
+        return now - self.start, per_step * max(self.last_step - step, 0)
 
 
 def clock(seconds: float) -> str:
