@@ -37,11 +37,16 @@ def gather_rank_times(step_seconds: float, data_wait_seconds: float, device: tor
     mine = torch.tensor([step_seconds, data_wait_seconds], dtype=torch.float64)
     if not dist.is_initialized() or is_fake_distributed() or dist.get_world_size() == 1:
         return mine.unsqueeze(0)
-    if dist.get_backend() == "nccl":  # NCCL gathers only CUDA tensors; gloo (share_gpus too) CPU ones
-        mine = mine.to(device)
+    mine = mine.to(gather_device(dist.get_backend(), device))
     gathered = mine.new_empty(dist.get_world_size() * 2)
     _ALL_GATHER(gathered, mine)
     return gathered.view(-1, 2).cpu()
+
+
+def gather_device(backend: str, device: torch.device) -> torch.device:
+    """Where the gathered tensor lives: the GPU under NCCL alone (it gathers only CUDA tensors);
+    the CPU under gloo (share_gpus too) and "cuda:nccl,cpu:gloo" (gloo takes CPU tensors)."""
+    return device if backend == "nccl" else torch.device("cpu")
 
 
 def slowest_rank(times: torch.Tensor) -> tuple[int, float]:

@@ -17,7 +17,7 @@ from tests.support.dist_utils import run_distributed
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from weft import train
 from weft.components.config import parse_args
-from weft.components.rank_times import rank_scalars, slow_rank_note, slowest_rank
+from weft.components.rank_times import gather_device, rank_scalars, slow_rank_note, slowest_rank
 
 DELAY_S = 0.3
 
@@ -45,6 +45,13 @@ def test_large_worlds_record_only_the_summary_of_each_figure():
     assert values["ranks/step_seconds/max"] == max(step) and values["ranks/slowest_rank"] == 613
     small = rank_scalars(torch.tensor([step[:3], wait[:3]], dtype=torch.float64).T)
     assert [small[f"ranks/step_seconds/{r}"] for r in range(3)] == step[:3]
+
+
+def test_the_gather_runs_on_the_device_its_backend_takes():
+    gpu, cpu = torch.device("cuda", 3), torch.device("cpu")
+    assert gather_device("nccl", gpu) == gpu
+    assert gather_device("gloo", gpu) == cpu and gather_device("cuda:nccl,cpu:gloo", gpu) == cpu
+    assert gather_device("gloo", cpu) == cpu
 
 
 def run_args(dump: Path, *extra: str) -> list[str]:
