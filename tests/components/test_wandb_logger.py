@@ -36,18 +36,20 @@ def tensorboard_scalars(folder: Path) -> dict[int, dict[str, float]]:
 @pytest.mark.slow
 def test_wandb_records_what_tensorboard_records_and_a_resume_continues_its_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from tests.support.wandb_records import history, run_info
+    from tests.support.wandb_records import finished_run_file, history, run_info
 
-    for variable in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+    for variable in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path / "wandb_home"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     dump = tmp_path / "run"
+    # each run's offline folder apart: wandb names them by the second they start, which two short runs can share
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "first"))
     assert train.main(run_args(dump, 2)) == 0
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "resumed"))
     assert train.main(run_args(dump, 3)) == 0  # resumes from the step-2 checkpoint
 
-    files = sorted((tmp_path / "wandb_home" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 2
+    files = [finished_run_file(tmp_path / run) for run in ("first", "resumed")]
     run_id = (dump / "wandb_run_id").read_text().strip()
     assert [run_info(f)[0] for f in files] == [run_id, run_id]
     config = {key: value for key, value in run_info(files[0])[1].items() if key != "_wandb"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32 * 1024
@@ -63,3 +64,23 @@ def run_info(path: Path) -> tuple[str, dict]:
     """(run id, config as {key: value}) from the file's run record."""
     run = next(r.run for r in records(path) if r.WhichOneof("record_type") == "run")
     return run.run_id, {item.key: json.loads(item.value_json) for item in run.config.update}
+
+
+def finished_run_file(folder: Path, timeout: float = 30.0) -> Path:
+    """The .wandb file of the one offline run under folder (its `wandb/offline-run-*/`), once it
+    holds the run's exit record: wandb's core process writes it after `finish()` returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+        if len(found) == 1 and any(r.WhichOneof("record_type") == "exit" for r in _complete_records(found[0])):
+            return found[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no finished wandb run under {folder} after {timeout:.0f} s (found {found})")
+        time.sleep(0.1)
+
+
+def _complete_records(path: Path) -> list:
+    try:
+        return records(path)
+    except Exception:  # a file still being written: a header or a chunk not there yet
+        return []
