@@ -63,7 +63,8 @@ def train(cfg: JobConfig) -> list[float]:
         checkpointer.save(0, model_only=True, blocking=True)
         return []
 
-    # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank.
+    # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank. The log
+    #    gathers every rank's step time and data wait (the time in next_batches) to name a slow rank.
     metrics = build_metrics(plan, model, run.device, rank, start_step)
     preemption = Preemption()
     nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
@@ -79,7 +80,7 @@ def train(cfg: JobConfig) -> list[float]:
     for step in range(start_step + 1, cfg.training.steps + 1):
         timeouts.at_step(step)
         with profiler.step(step):  # a profiled step is left out of the throughput
-            result = train_step(step_setup, [next(loader) for _ in range(cfg.training.gradient_accumulation_steps)],
+            result = train_step(step_setup, metrics.next_batches(loader, cfg.training.gradient_accumulation_steps),
                                 on_phase=on_phase,
                                 allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()

@@ -1,4 +1,5 @@
-"""Training metrics: FLOPs per token, MFU, throughput and memory, logged and written to TensorBoard."""
+"""Training metrics: FLOPs per token, MFU, throughput, memory, slow ranks and time left, logged and
+written to metrics.jsonl, TensorBoard and (optionally) Weights & Biases."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from weft.components.rank_times import gather_rank_times, rank_scalars, slow_rank_note
+from weft.components.time_left import TimeLeft, clock
 from weft.models import spec_for_args
 
 logger = logging.getLogger("weft")
@@ -114,7 +117,8 @@ class StepStats:
 
 
 class MetricsLogger:
-    """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl.
+    """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl
+    (and the same scalars to Weights & Biases when `wandb` is given).
 
     Throughput is measured over the steps since the previous log, less the time spent in
     `untimed()` blocks (validation, checkpoint saves) and the steps run in `untimed_step()` (profiled
@@ -125,23 +129,32 @@ class MetricsLogger:
     metrics.jsonl keeps only the records up to `start_step` (those after it were logged by the
     interrupted run, and are logged again), and TensorBoard purges its events after
     `start_step` too, so each step has exactly one record.
+
+    Every rank calls `log` at the same steps: it gathers each rank's step time and data wait (time
+    in `next_batches`) in one collective (components/rank_times.py) and names the slowest rank when
+    its ratio to the median exceeds `slow_rank_threshold` (0: never). `last_step` is the run's
+    final step, for the time left.
     """
 
     def __init__(self, *, device: torch.device, flops_per_token: float, tokens_per_step: int,
-                 world_size: int, tb_folder: Path | None, jsonl_path: Path | None, start_step: int = 0):
+                 world_size: int, tb_folder: Path | None, jsonl_path: Path | None, start_step: int = 0,
+                 last_step: int = 0, slow_rank_threshold: float = 0.0, wandb: Any = None):
         self.device = device
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step  # global
         self.world_size = world_size
         self.peak_flops = device_peak_flops(device)
         self.tb_folder, self.jsonl_path, self.start_step = tb_folder, jsonl_path, start_step
+        self.slow_rank_threshold, self.wandb = slow_rank_threshold, wandb
         self.writer = None
         self.jsonl = None
         self._opened = False
+        self.time_left = TimeLeft(start_step, last_step)
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._untimed_s = 0.0
         self._untimed_steps = 0
+        self._data_wait_s = 0.0
         reset_peak_memory(device)
 
     @contextlib.contextmanager
@@ -174,14 +187,28 @@ class MetricsLogger:
                 _keep_records_up_to(self.jsonl_path, self.start_step)
             self.jsonl = self.jsonl_path.open("a")
 
+    def next_batches(self, loader: Iterator, n: int) -> list:
+        """The next `n` micro-batches of `loader`, the time spent waiting for them counted as data wait."""
+        start = time.perf_counter()
+        try:
+            return [next(loader) for _ in range(n)]
+        finally:
+            self._data_wait_s += time.perf_counter() - start
+
     def step_done(self) -> None:
         self._window_steps += 1
 
     def log(self, stats: StepStats) -> dict[str, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the window's kernels are part of its steps' time
         elapsed = time.perf_counter() - self._window_start - self._untimed_s
         timed_steps = self._window_steps - self._untimed_steps
         tokens_per_second = (self.tokens_per_step * timed_steps / elapsed / self.world_size  # per device
                              if timed_steps else math.nan)
+        # Per step: the timed steps' time, and the data wait of every step of the window.
+        times = gather_rank_times(elapsed / timed_steps if timed_steps else math.nan,
+                                  self._data_wait_s / max(self._window_steps, 1), self.device)
+        run_seconds, remaining_seconds = self.time_left.at_log(stats.step)
         values = {
             "train/loss": stats.loss,
             "train/grad_norm": stats.grad_norm,
@@ -191,6 +218,9 @@ class MetricsLogger:
             "memory/peak_gib": peak_memory_gib(self.device),
             **{f"moe/imbalance/{layer}": value for layer, value in stats.moe_imbalance.items()},
             **{f"moe/ep_imbalance/{layer}": value for layer, value in stats.ep_imbalance.items()},
+            "time/elapsed_seconds": run_seconds,
+            "time/remaining_seconds": remaining_seconds,
+            **rank_scalars(times),
         }
         if not self._opened:
             self._open()
@@ -204,24 +234,28 @@ class MetricsLogger:
             + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
             + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
             + (f"  ep_imbalance {max(stats.ep_imbalance.values()):.2f}" if stats.ep_imbalance else "")
+            + slow_rank_note(times, self.slow_rank_threshold)
+            + f"  elapsed {clock(run_seconds)} eta {clock(remaining_seconds)}"
         )
-        if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, stats.step)
-            self.writer.flush()
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": stats.step, **values}) + "\n")
-            self.jsonl.flush()
+        self._write(values, stats.step)
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._untimed_s = 0.0
         self._untimed_steps = 0
+        self._data_wait_s = 0.0
         return values
 
     def log_validation(self, step: int, loss: float) -> dict[str, float]:
         """The validation loss and its perplexity: a log line, TensorBoard scalars, a JSON line."""
         values = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0))}
         logger.info(f"step {step:>6}  validation loss {loss:8.4f}  perplexity {values['validation/perplexity']:.2f}")
+        if not self._opened:
+            self._open()
+        self._write(values, step)
+        return values
+
+    def _write(self, values: dict[str, float], step: int) -> None:
+        """The same scalars at the same step to TensorBoard, metrics.jsonl and wandb (those this rank has)."""
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
@@ -229,13 +263,16 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self.jsonl.flush()
-        return values
+        if self.wandb is not None:
+            self.wandb.log(values, step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:

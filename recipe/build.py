@@ -42,6 +42,7 @@ from weft.components.fingerprint import FINGERPRINT_FILE
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.comm_trace import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
+from weft.components.wandb_logger import WandbLogger
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import quantize_lora_base
@@ -339,7 +340,7 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
 
 
 def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: int, start_step: int) -> MetricsLogger:
-    """The log line, TensorBoard and metrics.jsonl (written by rank 0 only, from the first log)."""
+    """The log line, TensorBoard, metrics.jsonl and wandb (written by rank 0 only, from the first log)."""
     cfg, dump = plan.cfg, Path(plan.cfg.job.dump_folder)
     return MetricsLogger(
         device=device,
@@ -350,4 +351,7 @@ def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: i
         tb_folder=dump / "tb" if rank == 0 and cfg.metrics.enable_tensorboard else None,
         jsonl_path=dump / "metrics.jsonl" if rank == 0 else None,
         start_step=start_step,
+        last_step=cfg.training.steps,
+        slow_rank_threshold=cfg.metrics.slow_rank_threshold,
+        wandb=WandbLogger(cfg) if rank == 0 and cfg.metrics.enable_wandb else None,
     )

@@ -24,6 +24,7 @@ from weft.components.distributed import collective_backend, launched_world_size,
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
+from weft.components.wandb_logger import check_wandb
 from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
@@ -92,6 +93,7 @@ class RunPlan:
                 data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
                 if resumes else None, cfg.data.allow_changed_data)
             notes = [note for note in (data_note, restart_warning()) if note]
+            check_wandb(cfg)  # the package, with metrics.enable_wandb
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)

@@ -194,6 +194,13 @@ class Validation:
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps", min=1)
     enable_tensorboard: bool = opt(True, "Write TensorBoard scalars under <dump_folder>/tb/")
+    slow_rank_threshold: float = opt(
+        1.2, "Name the slowest rank in the log line when its own step time (compute plus its data wait) "
+        "exceeds the median rank's by this ratio; 0: never",
+        check=(lambda v: v == 0 or v >= 1, "0 (off) or a ratio >= 1"))
+    enable_wandb: bool = opt(False, 'Send the TensorBoard scalars to Weights & Biases from rank 0 (pip install "weft[wandb]")')
+    wandb_project: str = opt("weft", "Weights & Biases project", check=_NOT_EMPTY)
+    wandb_run_name: str = opt("", "Weights & Biases run name; empty: the dump folder's name")
 
 
 @dataclass

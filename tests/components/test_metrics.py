@@ -73,10 +73,11 @@ def test_peak_memory_is_reset_after_start_up(monkeypatch):
 
 
 def test_throughput_window_leaves_out_validation_and_checkpoints(monkeypatch):
-    clock = iter([0.0, 10.0, 40.0, 50.0, 60.0]).__next__  # start, untimed 10..40, log at 50
+    # loop start (time left's), window start, untimed 10..40, log at 50 (throughput's, time left's), next window
+    clock = iter([0.0, 0.0, 10.0, 40.0, 50.0, 50.0, 60.0]).__next__
     monkeypatch.setattr(metrics_module.time, "perf_counter", clock)
     logger = MetricsLogger(device=torch.device("cpu"), flops_per_token=1.0, tokens_per_step=400, world_size=2,
-                           tb_folder=None, jsonl_path=None)
+                           tb_folder=None, jsonl_path=None, last_step=4)
     logger.step_done()
     with logger.untimed():
         pass
@@ -84,3 +85,5 @@ def test_throughput_window_leaves_out_validation_and_checkpoints(monkeypatch):
     values = logger.log(StepStats(2, 1.0, 1.0, 1e-3))
     # 2 steps x 400 tokens over 50 s, of which 30 s untimed: 800 / 20 s / 2 devices
     assert values["train/tokens_per_second"] == pytest.approx(20.0)
+    # the time left counts validation and checkpoints: 50 s for 2 steps, 2 steps to go
+    assert values["time/elapsed_seconds"] == 50.0 and values["time/remaining_seconds"] == 50.0
