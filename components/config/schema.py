@@ -131,7 +131,7 @@ class Parallelism:
     cp: int = opt(1, "Context-parallel degree", min=1)
     tp: int = opt(1, "Tensor-parallel degree", min=1)
     ep: int = opt(1, "Expert-parallel degree: ranks each MoE layer's experts are spread over, borrowed from "
-                  "dp_shard x cp (divides it and the experts)", min=1)
+                  "dp_shard x cp x tp (divides it and the experts, a multiple of tp)", min=1)
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(
