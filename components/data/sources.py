@@ -86,14 +86,21 @@ def open_decompressed(path: Path, offset: int = 0) -> Iterator[IO[bytes]]:
     with path.open("rb") as raw:
         if path.name.endswith(".gz"):
             stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb")
-            stream.seek(offset)
         else:
             zstandard = _module("zstandard", path, "data.dataset_path")
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            reader.seek(offset)
-            stream = io.BufferedReader(reader)
+            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
         with stream:
+            _skip(stream, offset)
             yield stream
+
+
+def _skip(stream: IO[bytes], size: int) -> None:
+    """Read and discard `size` bytes, a MiB at a time: a compressed stream cannot seek."""
+    while size > 0:
+        chunk = stream.read(min(size, 2**20))
+        if not chunk:
+            return
+        size -= len(chunk)
 
 
 def decompressed_head(path: Path, size: int) -> bytes:
