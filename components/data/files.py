@@ -247,7 +247,7 @@ def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
         text = raw.row.get(text_field)
         if not isinstance(text, str):
             raise DataError(f"{where(files, raw.start)}: expected a string in column '{text_field}', "
-                            f"got {type(text).__name__}")
+                            f"got {'null' if text is None else type(text).__name__}")
         return text
     if raw.line is None:
         path = files[raw.start.file_index]

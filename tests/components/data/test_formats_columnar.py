@@ -203,6 +203,13 @@ def test_a_bad_chat_row_is_named_by_file_and_row(tmp_path, chat_tokenizer):
         loader.check_records()
 
 
+def test_a_null_text_is_named_by_file_and_row(tmp_path, tokenizer):
+    path = write(tmp_path / "docs", [{"text": "a"}, {"text": "b"}, {"text": None}, {"text": "c"}], "parquet")
+    check_text_files([path])  # the schema is right; the row is found when the loader reaches it
+    with pytest.raises(DataError, match=rf"^{path} row 2: expected a string in column 'text', got null$"):
+        loader_batches(tmp_path, tokenizer, 4)
+
+
 def test_find_text_files_accepts_every_form(tmp_path):
     for name in ["a.txt", "b.jsonl", "c.jsonl.gz", "d.jsonl.zst", "e.parquet", "f.arrow", "g.gz", "h.json"]:
         (tmp_path / name).write_bytes(b"")
