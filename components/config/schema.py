@@ -162,8 +162,10 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them", check=_NOT_EMPTY)
-    text_field: str = opt("text", "Field of each JSONL record that holds the text", check=_NOT_EMPTY)
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow "
+                            "file, or a folder of them", check=_NOT_EMPTY)
+    text_field: str = opt("text", "Field of each JSONL record, or column of each Parquet/Arrow row, that holds the "
+                          "text", check=_NOT_EMPTY)
     format: str = opt(
         "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
         "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
@@ -182,7 +184,7 @@ class Data:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate the loss on a held-out dataset during training")
-    dataset_path: str = opt("", "A .txt or .jsonl file, or a folder of them, read in data.format unless "
+    dataset_path: str = opt("", "A data file (as data.dataset_path), or a folder of them, read in data.format unless "
                             "validation.format is set")
     format: str = opt("", "Format of the validation data; empty: data.format",
                       choices=("", "text", "chat", "prompt_completion"))

@@ -35,6 +35,7 @@ class Strategy(Protocol):
     """How a loader turns documents into batches (TextWindows, PackedSamples)."""
 
     tokenizer: Any
+    columns: tuple[str, ...]  # the columns of a Parquet/Arrow row a document is read from
     truncated: int  # samples cut to fit a window so far
     dropped: int  # samples skipped as too long so far
 
@@ -61,7 +62,7 @@ class Loader:
         # The ranks that count lengths together when iterated: every rank of the job (None: alone).
         self.exchange_group = exchange_group
         self.cursor = Cursor(self.files, functools.partial(strategy.build, self.files), strategy.length,
-                             strategy.batch_tokens(self.shape))
+                             strategy.batch_tokens(self.shape), strategy.columns)
 
     @property
     def tokenizer(self) -> Any:
