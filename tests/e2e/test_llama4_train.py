@@ -85,11 +85,6 @@ def first_half_under_ep2(dump: str) -> list[float]:
     return run(args(dump, *CHECKPOINTS, *EP2), stop_after=4)
 
 
-def ep2_straight_and_second_half(straight: str, resumed: str) -> tuple[list[float], list[float]]:
-    """Worker: 8 steps under ep 2 in `straight`; steps 5-8 under ep 2 of the run in `resumed`."""
-    return run(args(straight, *CHECKPOINTS, *EP2)), run(args(resumed, *CHECKPOINTS, *EP2))
-
-
 def second_half_under_ep4(dump: str) -> list[float]:
     """Worker: steps 5-8 of the run in `dump` with each of the 4 experts on its own rank (ep 4, fsdp 4)."""
     return run(args(dump, *CHECKPOINTS, "--parallelism.dp_shard", "4", "--parallelism.ep", "4",
@@ -97,28 +92,43 @@ def second_half_under_ep4(dump: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_an_ep2_checkpoint_resumes_exactly_under_ep2_and_in_one_process_and_under_ep4(tmp_path, straight):
+def test_an_ep2_checkpoint_resumes_in_one_process_and_under_ep4(tmp_path, straight):
     """DCP gathers the experts spread over the EP ranks (and FSDP-sharded) back into whole
     stacked weights, or respreads them one a rank: steps 5-8 in one process, and under ep 4,
-    repeat the straight run's within 1e-5; resumed under ep 2 they repeat an uninterrupted ep-2
-    run's exactly."""
+    repeat the straight run's within 1e-5 (exact resume in the same layout: ep 2 over fsdp 4 below)."""
     first = run_distributed(first_half_under_ep2, 2, str(tmp_path / "moved"), timeout=600)[0]
     shutil.copytree(tmp_path / "moved", tmp_path / "moved_ep4")
-    shutil.copytree(tmp_path / "moved", tmp_path / "moved_ep2")
     records = [json.loads(line) for line in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()]
     second = run(args(tmp_path / "moved", *CHECKPOINTS))
     assert first + second == pytest.approx(straight, rel=1e-5) and len(second) == 4
     under_ep4 = run_distributed(second_half_under_ep4, 4, str(tmp_path / "moved_ep4"), timeout=600)[0]
     assert under_ep4 == pytest.approx(straight[4:], rel=1e-5) and len(under_ep4) == 4
-    # Exact resume in the same layout: the resumed ep-2 run is the straight ep-2 run, bit for bit.
-    ep2, resumed = run_distributed(ep2_straight_and_second_half, 2, str(tmp_path / "ep2"),
-                                   str(tmp_path / "moved_ep2"), timeout=600)[0]
-    assert first + resumed == ep2 and len(resumed) == 4
     # Under ep the log carries each layer's EP imbalance: between 1 (even) and ep = 2.
     ranks = [{k: v for k, v in record.items() if k.startswith("moe/ep_imbalance/")} for record in records]
     assert len(ranks) == 4 and all(set(r) == {"moe/ep_imbalance/layers.1.feed_forward",
                                               "moe/ep_imbalance/layers.3.feed_forward"} for r in ranks)
     assert all(1 <= v <= 2 for r in ranks for v in r.values())
+
+
+EP2_FSDP4 = ("--parallelism.dp_shard", "4", "--parallelism.ep", "2", "--training.local_batch_size", "1")
+
+
+def ep2_over_fsdp4_straight_and_resumed(straight: str, resumed: str) -> tuple[list[float], list[float]]:
+    """Worker (4 ranks, experts over ep 2 and FSDP-sharded over the 2 ranks holding the same ones):
+    8 straight steps; and 4 steps, then a restart that resumes from the step-4 checkpoint."""
+    whole = run(args(straight, *CHECKPOINTS, *EP2_FSDP4))
+    first = run(args(resumed, *CHECKPOINTS, *EP2_FSDP4), stop_after=4)
+    return whole, first + run(args(resumed, *CHECKPOINTS, *EP2_FSDP4))
+
+
+@pytest.mark.slow
+def test_ep2_over_fsdp4_resumes_bit_for_bit(tmp_path, straight):
+    """ep 2 × fsdp 2 on 4 ranks: a run stopped after its step-4 checkpoint and resumed repeats the
+    uninterrupted run exactly; both follow the one-process run within 1e-5."""
+    whole, resumed = run_distributed(ep2_over_fsdp4_straight_and_resumed, 4, str(tmp_path / "straight"),
+                                     str(tmp_path / "resumed"), timeout=600)[0]
+    assert resumed == whole and len(whole) == 8
+    assert whole == pytest.approx(straight, rel=1e-5)
 
 
 def export_run(dump, *layout: str) -> None:
