@@ -186,3 +186,8 @@ def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
         path = files[raw.start.file_index]
         return decode_utf8(path.read_bytes(), str(path), final=True)
     return parse_jsonl_record(raw.line, text_field, where(files, raw.start))
+
+
+def file_documents(files: list[Path], file_index: int) -> Iterator[RawDoc]:
+    """The documents of one file, once (documents() loops over every file forever)."""
+    return _file_documents(files[file_index], DocStart(epoch=0, file_index=file_index))
