@@ -77,7 +77,9 @@ def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, te
             _start_worker(tokenizer_path, text_field)
             counts = [_write_shard(task) for task in tasks]
         else:
-            context = multiprocessing.get_context("spawn")
+            # forked where the system can (the workers run only the tokenizer and numpy), so a
+            # worker starts without importing weft again
+            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
             with context.Pool(min(workers, len(files)), _start_worker, (tokenizer_path, text_field)) as pool:
                 counts = pool.map(_write_shard, tasks, chunksize=1)
         manifest = _manifest(source, files, tokenizer_path, tokenizer, dtype, text_field, counts)

@@ -246,3 +246,23 @@ def test_a_shard_loader_never_tokenizes(corpus, monkeypatch):
     monkeypatch.setattr(shards.tokenizer, "encode", None)  # calling it would raise
     it = iter(shards)
     assert all(next(it).inputs.shape == (2, 64) for _ in range(20))
+
+
+def test_shards_in_a_record_format_are_refused(corpus, tmp_path, capsys):
+    line = refused(capsys, args(tmp_path / "dump", corpus[1], "--data.format", "prompt_completion"), tmp_path / "dump")
+    assert line == "weft: error: data.format = 'prompt_completion': token shards hold text windows; expected 'text'"
+
+
+def validation_losses(dump: Path) -> list[float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r["validation/loss"] for r in records if "validation/loss" in r]
+
+
+@pytest.mark.slow
+def test_validation_on_shards_equals_validation_on_text(corpus, tmp_path):
+    source, shards = corpus
+    for name, data in [("text", source), ("shards", shards)]:
+        run(args(tmp_path / name, source, "--validation.enable", "--validation.dataset_path", str(data),
+                 "--validation.freq", "2", "--validation.steps", "2"))
+    assert validation_losses(tmp_path / "shards") == validation_losses(tmp_path / "text")
+    assert len(validation_losses(tmp_path / "text")) == 2
