@@ -188,6 +188,6 @@ def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
     return parse_jsonl_record(raw.line, text_field, where(files, raw.start))
 
 
-def file_documents(files: list[Path], file_index: int) -> Iterator[RawDoc]:
-    """The documents of one file, once (documents() loops over every file forever)."""
-    return _file_documents(files[file_index], DocStart(epoch=0, file_index=file_index))
+def file_documents(files: list[Path], start: DocStart) -> Iterator[RawDoc]:
+    """The documents of one file from `start` to its end, once (documents() loops forever)."""
+    return _file_documents(files[start.file_index], start)

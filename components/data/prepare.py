@@ -1,12 +1,13 @@
 """Tokenize a corpus once into token shards (components/data/shards.py) that runs read memory-mapped:
 
     python -m weft.components.data.prepare --source <file or folder of .txt/.jsonl> \\
-        --tokenizer <path> --out <folder> [--workers N] [--text-field text]
+        --tokenizer <path> --out <folder> [--workers N] [--text-field text] [--shard-bytes N]
 
 Documents, their order and their BOS/EOS wrapping are exactly the text loader's
-(`data.format = "text"`: `TextWindows.build`). Each source file becomes one shard, tokenized by
-one of `--workers` processes; the shards and the manifest are the same bytes whatever the number
-of workers. Everything is written into a temporary folder beside `--out`, renamed to `--out` at
+(`data.format = "text"`: `TextWindows.build`). Each .txt file becomes one shard, each .jsonl file
+one shard per `--shard-bytes` of it (cut at line starts), in file order, each tokenized by one of
+`--workers` processes; the shards and the manifest are the same bytes whatever the number of
+workers. Everything is written into a temporary folder beside `--out`, renamed to `--out` at
 the end, so a failed prepare leaves nothing; an existing `--out` is refused. A bad input is one
 line `weft: error: ...` and exit status 2.
 """
@@ -25,7 +26,7 @@ import numpy as np
 
 from weft.components.config.dump_folder import check_creatable_folder
 from weft.components.data.errors import DataError
-from weft.components.data.files import check_text_files, file_documents, find_text_files
+from weft.components.data.files import DocStart, check_text_files, file_documents, find_text_files
 from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE, OFFSETS_SUFFIX, TOKENS_SUFFIX,
                                          shard_dtype, shard_name, tokenizer_identity)
 from weft.components.data.tokenizers import load_tokenizer
@@ -33,6 +34,7 @@ from weft.components.data.windows import TextWindows
 from weft.components.errors import UserError, report_user_error
 from weft.components.fingerprint import data_fingerprint
 
+SHARD_BYTES = 256 * 2**20  # of a .jsonl source per shard, so one large file is tokenized by many workers
 _windows: TextWindows | None = None  # each worker's tokenizer, loaded once
 
 
@@ -41,25 +43,53 @@ def _start_worker(tokenizer_path: str, text_field: str) -> None:
     _windows = TextWindows(load_tokenizer(tokenizer_path), text_field=text_field)
 
 
-def _write_shard(task: tuple[list[Path], int, Path, str]) -> tuple[int, int]:
-    """Tokenize every document of file `file_index` as the text loader does, and write its shard
-    (ids, boundaries) into `folder`; (tokens, documents)."""
-    files, file_index, folder, dtype = task
+def _pieces(files: list[Path], piece_bytes: int) -> list[tuple[DocStart, int]]:
+    """What each shard holds: (where it starts, the byte its source piece ends at). A .txt file is
+    one piece; a .jsonl file is cut at the first line start at or after every `piece_bytes`
+    bytes, its line numbers counted, so that the pieces depend on the files alone."""
+    pieces = []
+    for index, path in enumerate(files):
+        size = path.stat().st_size
+        if path.suffix == ".txt" or size <= piece_bytes:
+            pieces.append((DocStart(0, index), size))
+            continue
+        with path.open("rb") as f:
+            start, line = 0, 1
+            while start < size:
+                f.seek(start + piece_bytes - 1)
+                end = min(f.tell() + len(f.readline()), size)  # after the line holding byte start + piece_bytes - 1
+                pieces.append((DocStart(0, index, start, line), end))
+                f.seek(start)
+                line += f.read(end - start).count(b"\n")
+                start = end
+    return pieces
+
+
+def _write_shard(task: tuple[list[Path], int, DocStart, int, Path, str]) -> tuple[int, int]:
+    """Tokenize the documents of one piece of a source file (from `start` to byte `end`) as the
+    text loader does, and write them as shard `index` (ids, boundaries) into `folder`;
+    (tokens, documents)."""
+    files, index, start, end, folder, dtype = task
     ids: list[int] = []
     offsets = [0]
-    for raw in file_documents(files, file_index):
+    for raw in file_documents(files, start):
+        if raw.line is not None and raw.start.byte_offset >= end:  # a .jsonl line of the next piece
+            break
         ids += _windows.build(files, raw)
         offsets.append(len(ids))
-    name = folder / shard_name(file_index)
+    name = folder / shard_name(index)
     np.asarray(ids, dtype=dtype).tofile(name.with_suffix(TOKENS_SUFFIX))
     np.asarray(offsets, dtype=OFFSETS_DTYPE).tofile(name.with_suffix(OFFSETS_SUFFIX))
     return len(ids), len(offsets) - 1
 
 
-def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, text_field: str = "text") -> dict:
+def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, text_field: str = "text",
+            shard_bytes: int = SHARD_BYTES) -> dict:
     """Write the shards of `source` into `out` (which must not exist); the manifest."""
     if workers < 1:
         raise UserError(f"--workers = {workers}: expected at least 1")
+    if shard_bytes < 1:
+        raise UserError(f"--shard-bytes = {shard_bytes}: expected at least 1")
     if out.exists():
         raise UserError(f"--out = {out}: already exists; expected a new folder (shards are never overwritten)")
     check_creatable_folder(out, f"--out = {out}")
@@ -72,7 +102,8 @@ def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, te
     temporary = out.parent / f".{out.name}.partial-{os.getpid()}"
     temporary.mkdir(parents=True)
     try:
-        tasks = [(files, i, temporary, dtype.str) for i in range(len(files))]
+        pieces = _pieces(files, shard_bytes)
+        tasks = [(files, i, start, end, temporary, dtype.str) for i, (start, end) in enumerate(pieces)]
         if workers == 1:
             _start_worker(tokenizer_path, text_field)
             counts = [_write_shard(task) for task in tasks]
@@ -80,7 +111,7 @@ def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, te
             # forked where the system can (the workers run only the tokenizer and numpy), so a
             # worker starts without importing weft again
             context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-            with context.Pool(min(workers, len(files)), _start_worker, (tokenizer_path, text_field)) as pool:
+            with context.Pool(min(workers, len(tasks)), _start_worker, (tokenizer_path, text_field)) as pool:
                 counts = pool.map(_write_shard, tasks, chunksize=1)
         manifest = _manifest(source, files, tokenizer_path, tokenizer, dtype, text_field, counts)
         (temporary / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -110,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True, help="a .txt/.jsonl file, or a folder of them")
     parser.add_argument("--tokenizer", required=True, help="a SentencePiece model file or a Hugging Face folder")
     parser.add_argument("--out", required=True, help="the shard folder to create (must not exist)")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (one source file each)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (one shard at a time each)")
+    parser.add_argument("--shard-bytes", type=int, default=SHARD_BYTES,
+                        help="cut .jsonl files into shards of about this many source bytes, at line starts")
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl records")
     args = parser.parse_args(argv)
     try:
-        manifest = prepare(args.source, args.tokenizer, Path(args.out), workers=args.workers, text_field=args.text_field)
+        manifest = prepare(args.source, args.tokenizer, Path(args.out), workers=args.workers, text_field=args.text_field,
+                           shard_bytes=args.shard_bytes)
     except UserError as err:
         return report_user_error(err)
     print(f"weft: {manifest['total_tokens']:,} tokens of {manifest['total_documents']:,} documents in "

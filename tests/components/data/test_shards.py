@@ -79,13 +79,42 @@ def test_shards_hold_each_document_wrapped_in_bos_and_eos(corpus):
     assert manifest["sources"][0]["head_sha256"] == hashlib.sha256((source / "a.txt").read_bytes()).hexdigest()
 
 
-@pytest.mark.slow
+def same_bytes(one: Path, two: Path) -> bool:
+    names = sorted(p.name for p in one.iterdir())
+    return names == sorted(p.name for p in two.iterdir()) and \
+        all((one / n).read_bytes() == (two / n).read_bytes() for n in names)
+
+
 def test_two_workers_write_the_same_bytes(corpus, tmp_path):
     source, shards = corpus
     assert prepare(source, tmp_path / "two", "--workers", "2") == 0
-    names = sorted(p.name for p in shards.iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
-    assert all((shards / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in names)
+    assert same_bytes(shards, tmp_path / "two")
+    assert prepare(source, tmp_path / "cut1", "--shard-bytes", "700") == 0
+    assert prepare(source, tmp_path / "cut2", "--shard-bytes", "700", "--workers", "2") == 0
+    assert same_bytes(tmp_path / "cut1", tmp_path / "cut2")
+
+
+def test_a_jsonl_file_cut_into_shards_reads_the_same(corpus, tmp_path):
+    """b.jsonl (12 records of ~260 bytes) cut every 700 bytes: at the first line start after each."""
+    source, shards = corpus
+    assert prepare(source, tmp_path / "cut", "--shard-bytes", "700") == 0
+    manifest = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    lines = (source / "b.jsonl").read_bytes().splitlines(keepends=True)
+    ends, pieces, size, start = [], [], 0, 0
+    for line in lines:  # the plain reference: a piece ends with the line holding byte start + 699
+        size += len(line)
+        if size > start + 699 or size == len(b"".join(lines)):
+            ends.append(size)
+            start = size
+    assert len(ends) >= 4
+    assert [s["documents"] for s in manifest["shards"]][1:-1] == \
+        [sum(1 for line in b"".join(lines)[a:b].splitlines() if line.strip()) for a, b in zip([0, *ends], ends)]
+    text, _ = loaders(corpus, local_batch_size=2)
+    tok = load_tokenizer(TOKENIZER)
+    cut = build_loader("text", [tmp_path / "cut" / f"{s['name']}.tokens" for s in manifest["shards"]], tok,
+                       seq_len=64, local_batch_size=2, cooperate=False)
+    a, b = iter(text), iter(cut)
+    assert all(next(a).inputs.tolist() == next(b).inputs.tolist() for _ in range(30))
 
 
 def loaders(corpus, **kwargs):
@@ -239,6 +268,8 @@ def test_prepare_refuses_bad_input_and_leaves_nothing(corpus, tmp_path, capsys):
     late.write_text(('{"text": "' + "x" * 100 + '"}\n') * 700 + "not json\n")
     before = sorted(p.name for p in tmp_path.iterdir())
     assert refuse(out, "--source", str(late), *tok).startswith(f"weft: error: {late}:701: expected a line of JSON")
+    for cut in ("1000", "20000"):  # in a later piece of the file, the line number is still the file's
+        assert refuse(out, "--source", str(late), *tok, "--shard-bytes", cut).startswith(f"weft: error: {late}:701: ")
 
 
 def test_a_shard_loader_never_tokenizes(corpus, monkeypatch):
