@@ -19,7 +19,8 @@ the blocks, and each routed token's hidden state is kept twice (gathered in expe
 weighted by its score as the experts' input: 2 × T·k·h·e). Under expert parallelism the experts
 compute the tokens they receive: the routed part of f and the experts' input scale by the planned
 imbalance (`StepShape.ep_imbalance`, the busiest rank's tokens over the mean), and one MoE layer's
-tokens are in flight in the all-to-all (sent, received, sent back: T·k·h·e·(2 + imbalance)).
+tokens are in flight in the all-to-all (sent, received, sent back: T·k·h·e·(2 + imbalance));
+under tp each rank routes its T/tp tokens to whole experts.
 Debug MoE on CPU: 0.95× the measured peak in one process, 0.97× under ep 2 at 1.25 planned.
 
 Full AC keeps a block's input (T/tp·h·e) and recomputes one block at a time in backward;
@@ -203,7 +204,8 @@ def block_activation_bytes(s: StepShape) -> int:
     # the input that arrived).
     received = s.ep_imbalance if s.ep > 1 else 1.0
     feed_forward += int(t * (received - 1) * getattr(a, "routed_hidden_dim", 0) // tp * (3 * e + linear_in))
-    routed_copies = int(t * getattr(a, "routed_slots", 0) * h * e * (1 + received))
+    routed_tokens = t // tp if s.ep > 1 else t  # under ep each tp rank routes its own sequence shard
+    routed_copies = int(routed_tokens * getattr(a, "routed_slots", 0) * h * e * (1 + received))
     # LoRA: a frozen norm weight needs no normed output for its gradient; each of the 7 adapters
     # keeps A x (T x rank) for B's gradient (their input x is the base linear's, kept above).
     lora = 7 * t * s.lora_rank * e - 2 * (t // tp) * h * e if s.lora_rank else 0
@@ -350,8 +352,9 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     logits, loss_forward, loss_backward = loss_bytes(s)
     pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
     block = block_numel(s.args) // s.tp
-    if s.ep > 1:  # FSDP gathers only the experts this rank holds (over the ranks holding the same ones)
-        block -= routed_experts_per_block(model) * (s.ep - 1) // (s.ep * s.tp)
+    if s.ep > 1:  # FSDP gathers only the experts this rank holds, whole (under tp too: ep spans tp's ranks)
+        routed = routed_experts_per_block(model)
+        block = (block_numel(s.args) - routed) // s.tp + routed // s.ep
     ends = 1 if s.args.tie_embeddings else s.first_stage + s.last_stage  # embedding, output
     root = (s.args.vocab_size * s.args.dim * ends) // s.tp
     buffers: dict[str, int] = {}
@@ -363,7 +366,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
     exchange = 0
     if s.ep > 1:  # one MoE layer's tokens in flight: sent, received (at the planned imbalance), sent back
-        exchange = int(s.tokens * getattr(s.args, "top_k", 0) * s.args.dim * dtype_bytes(s.compute_dtype)
+        exchange = int(s.tokens // s.tp * getattr(s.args, "top_k", 0) * s.args.dim * dtype_bytes(s.compute_dtype)
                        * (2 + s.ep_imbalance))
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:

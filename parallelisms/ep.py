@@ -23,6 +23,8 @@ tokens alone. The experts' gradient is therefore scaled by 1/ep in backward: it 
 mean over the EP ranks, as data parallelism's average gives the others, and a data-parallel
 transform over the same ranks (FSDP over the ranks holding the same experts, or the caller's own
 average of the other gradients) makes every parameter's gradient the mean over the same tokens.
+When the EP mesh also holds tensor parallelism's ranks, each routing its own sequence shard of
+the same samples, those shards make one data-parallel rank's tokens: the scale is then tp/ep.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = ["apply_ep", "expert_modules", "expert_parameters"]
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1) -> nn.Module:
     """Spread the routed experts of every MoE layer over `ep_mesh` (each weight a Shard(0) DTensor:
     checkpoints and exports still see whole tensors) and exchange tokens by all-to-all.
 
@@ -56,9 +58,14 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
     shards each layer's experts over the ranks holding the same ones). Under a pipeline, apply it
     to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
-    schedule, so their all-to-alls pair up micro-batch by micro-batch). Not yet with tensor
-    parallelism, whose MoE plan splits the experts by hidden dimension, and not with compile
-    (the split sizes are read on the host).
+    schedule, so their all-to-alls pair up micro-batch by micro-batch). Before `apply_tp`, whose
+    MoE plan then keeps the spread experts whole and each tp rank's tokens its own
+    (parallelisms/moe_tp.py). Not with compile (the split sizes are read on the host).
+
+    sequence_shards: how many ranks of each ep group hold parts of the same samples (tensor
+    parallelism's sequence shards, when ep borrows tp's ranks: then each tp rank routes its own
+    shard's tokens). The experts' gradient is scaled by sequence_shards / ep, the mean over the
+    data-parallel ranks among them.
     """
     refuse_data_parallel_model(model, "apply_ep")
     ep = ep_mesh.size()
@@ -69,6 +76,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
         n_experts = module.w1.shape[0]
         if any(isinstance(getattr(module, w), DTensor) for w in EXPERT_WEIGHTS):
             raise TransformError("apply_ep", "model", f"{name} is already split (a DTensor); apply_ep comes first")
+        if ep % sequence_shards:
+            raise TransformError("apply_ep", "sequence_shards", f"sequence_shards {sequence_shards} does not divide "
+                                 f"ep_mesh size {ep}")
         if n_experts % ep:
             raise TransformError("apply_ep", "ep_mesh", f"ep_mesh size {ep} does not divide {name}'s {n_experts} "
                                  "experts; each rank must hold as many experts as the others")
@@ -78,7 +88,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
                                                                 requires_grad=weight.requires_grad))
         module.__class__ = _expert_parallel_class(type(module))
-        module.ep_mesh = ep_mesh
+        module.ep_mesh, module.grad_scale = ep_mesh, sequence_shards / ep
     logger.info(f"apply_ep: the experts of {len(experts)} MoE layers over ep_mesh size {ep} "
                 f"({experts[0][1].w1.shape[0] // ep} experts a rank), tokens exchanged by all-to-all")
     return model
@@ -116,7 +126,7 @@ def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> tor
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
                                       output_size=arrived.shape[0])
     order = ((segment % local) * ep + segment // local).argsort(stable=True)
-    weights = [_ScaleGradient.apply(getattr(self, w).to_local(), 1 / ep) for w in EXPERT_WEIGHTS]
+    weights = [_ScaleGradient.apply(getattr(self, w).to_local(), self.grad_scale) for w in EXPERT_WEIGHTS]
     computed = self.compute(arrived[order], received.sum(0), *weights)
     out = torch.empty_like(computed).index_copy(0, order, computed)  # back in arrival order
     # 4. the outputs home, in the order their tokens left

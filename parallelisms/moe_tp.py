@@ -17,6 +17,12 @@ In backward the gradient of the experts' input is a partial sum as well, and is 
 where the tokens enter the experts, before it reaches the router's scores. The score must
 therefore weigh the token before the experts (`score_before_experts`, Llama 4's placement):
 weighed after them, the gradient of the scores would be partial.
+
+Under expert parallelism (`apply_ep` first, over ranks that include the tp ranks) the experts stay
+whole instead, each rank holding its own, and the layer keeps its input's sequence sharding: each
+tp rank routes the tokens of its own shard (the router replicated, its gradient summed over the tp
+ranks) and sends them to the experts' ranks by all-to-all; only the shared expert all-gathers the
+tokens and splits by hidden dimension as above, reduce-scattering its output back to the shards.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
 )
 
 from weft.parallelisms.common import TransformError
@@ -40,6 +48,8 @@ EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
     """The plan entries for the `MoE` at `path`, whose input and output are sequence-sharded
     (Shard(1)) as the rest of a sequence-parallel block's are."""
+    if getattr(type(module.experts), "_expert_parallel", False):
+        return _tokens_sharded_plan(path, module)
     if not module.score_before_experts:
         raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
                              "(score_before_experts False) cannot split its experts by hidden dimension; "
@@ -55,6 +65,23 @@ def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
         plan[f"{path}.shared_expert.w1"] = ColwiseParallel()
         plan[f"{path}.shared_expert.w3"] = ColwiseParallel()
         plan[f"{path}.shared_expert.w2"] = RowwiseParallel(output_layouts=Partial())
+    return plan
+
+
+def _tokens_sharded_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
+    """The entries for an MoE whose experts `apply_ep` spread: its tokens stay this tp rank's own
+    sequence shard (flattened to [tokens, dim] inside the layer: Shard(0) there)."""
+    plan: dict[str, ParallelStyle] = {
+        path: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True),
+        f"{path}.router": SequenceParallel(sequence_dim=0, use_local_output=True),
+    }
+    if module.shared_expert is not None:
+        plan[f"{path}.shared_expert"] = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+        plan[f"{path}.shared_expert.w1"] = ColwiseParallel()
+        plan[f"{path}.shared_expert.w3"] = ColwiseParallel()
+        plan[f"{path}.shared_expert.w2"] = RowwiseParallel(output_layouts=Shard(0))
     return plan
 
 

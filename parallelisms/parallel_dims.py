@@ -11,10 +11,12 @@ stage):
     dp_shard_cp  = dp_shard × cp                  ranks that shard parameters (FSDP)
     dp_cp        = dp_replicate × dp_shard × cp   ranks whose losses are averaged
 
-Expert parallelism borrows its ranks from FSDP's: ep divides dp_shard × cp, whose ranks are
-regrouped as (dp_shard_mod_ep, ep). An MoE layer's experts are spread over `ep` (each rank
-E/ep of them) and FSDP-sharded over `dp_shard_mod_ep`, the ranks that hold the same experts;
-everything else is sharded over dp_shard × cp as without it. No rank is added.
+Expert parallelism borrows its ranks from FSDP's, and from tensor parallelism's: ep divides
+dp_shard × cp × tp (and is a multiple of tp), whose ranks are regrouped as (dp_shard_mod_ep, ep).
+An MoE layer's experts are spread over `ep` (each rank E/ep of them, whole) and FSDP-sharded over
+`dp_shard_mod_ep`, the ranks that hold the same experts; everything else is sharded over
+dp_shard × cp (and split over tp) as without it. Under tp each tp rank routes its own sequence
+shard's tokens to the experts. No rank is added.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Meshes:
     pp: DeviceMesh  # pipeline stages: the ranks that hold the same shard of different stages
     ep: DeviceMesh | None = None  # expert parallelism: ranks holding different experts (ep > 1)
     expert_fsdp: DeviceMesh | None = None  # FSDP of the experts: dp_shard_mod_ep, ranks with the same experts
+    routing: DeviceMesh | None = None  # ranks whose MoE routing counts are summed: dp_cp, × tp under ep with tp
 
 
 class LayoutError(UserError):
@@ -84,9 +87,10 @@ class ParallelDims:
             raise LayoutError(
                 f"{_product_text(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)} does not equal the world size {world_size}"
             )
-        if (dp_shard * cp) % ep:
-            raise LayoutError(f"parallelism.ep = {ep} must divide dp_shard·cp = {dp_shard}·{cp} = {dp_shard * cp}: "
-                              "expert parallelism borrows its ranks from FSDP's")
+        if ep > 1 and ((dp_shard * cp * tp) % ep or ep % tp):
+            raise LayoutError(f"parallelism.ep = {ep} must divide dp_shard·cp·tp = {dp_shard}·{cp}·{tp} = "
+                              f"{dp_shard * cp * tp} and be a multiple of tp = {tp}: expert parallelism borrows "
+                              "its ranks from FSDP's and tensor parallelism's")
         return cls(dp_replicate, dp_shard, cp, tp, world_size, pp, ep)
 
     def check_seq_len(self, seq_len: int) -> None:
@@ -134,9 +138,12 @@ class ParallelDims:
         dp_shard_cp = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
         # HSDP shards inside a replica and all-reduces across replicas: a 2-D (replicate, shard) mesh.
         hsdp = dp_cp._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
-        experts = None
-        if self.ep > 1:
-            experts = dp_shard_cp._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+        experts = routing = None
+        if self.ep > 1:  # the ranks of dp_shard × cp × tp (tp innermost), regrouped
+            borrowed = dp_shard_cp if self.tp == 1 else world[("dp_shard", "cp", "tp")]._flatten("dp_shard_cp_tp")
+            experts = borrowed._unflatten(0, (borrowed.size() // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+            if self.tp > 1:  # every tp rank routes its own tokens: the routing counts are summed over tp too
+                routing = world[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("dp_cp_tp")
         return Meshes(
             dims=self,
             world=world,
@@ -149,6 +156,7 @@ class ParallelDims:
             pp=world["pp"],
             ep=experts["ep"] if experts is not None else None,
             expert_fsdp=experts["dp_shard_mod_ep"] if experts is not None else None,
+            routing=routing if routing is not None else dp_cp,
         )
 
     def describe(self) -> str:

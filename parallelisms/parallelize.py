@@ -102,7 +102,7 @@ def parallelize(
     # swaps their forward for the all-to-all one, before anything wraps the blocks; FSDP then
     # shards the experts over the ranks that hold the same ones (dp_shard_mod_ep).
     if dims is not None and dims.ep > 1:
-        apply_ep(model, meshes.ep)
+        apply_ep(model, meshes.ep, sequence_shards=dims.tp)  # under tp, ep holds tp's ranks (parallel_dims)
     # Tensor parallelism next: it turns weights into DTensor shards, and everything after must
     # wrap the parallel modules, not the plain ones.
     if dims is not None and dims.tp > 1:

@@ -258,6 +258,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
         grad_ranks=dims.dp * dims.cp,
         cp_mesh=meshes.cp if dims.cp > 1 else None,
         ep_group=meshes.ep.get_group() if dims.ep > 1 else None,
+        routing_group=meshes.routing.get_group() if meshes else None,
         loss_context=loss_parallel if dims.tp > 1 and cfg.parallelism.loss_parallel else contextlib.nullcontext,
         forward_context=plan.precision.forward_context(),
         compiled_loss=cfg.compile.enable,

@@ -186,7 +186,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
     batches on the local batch with at most one stage per block. QLoRA runs without tp and pp; the
     model trains in the layout (`check_llama4_support`). A model with experts also gets each ep
-    that divides them and dp_shard × cp, where expert parallelism applies (`check_expert_parallel`)."""
+    that divides them and dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
+    (`check_expert_parallel`)."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
@@ -197,7 +198,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
                 continue
             for cp in _divisors(rest // pp // tp):
                 shard = rest // pp // tp // cp
-                for ep in (d for d in _divisors(shard * cp) if d == 1 or getattr(args, "n_experts", 0) % d == 0):
+                for ep in (d for d in _divisors(shard * cp * tp)
+                           if d == 1 or (d % tp == 0 and getattr(args, "n_experts", 0) % d == 0)):
                     dims = ParallelDims(replicate, shard, cp, tp, world_size, pp, ep)
                     try:
                         dims.check_seq_len(cfg.training.seq_len)

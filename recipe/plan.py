@@ -174,8 +174,8 @@ def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
 
 
 def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """Expert parallelism needs experts to spread, as many on each rank, and (so far) FSDP or CP
-    ranks alone to borrow: one line naming the key otherwise."""
+    """Expert parallelism needs experts to spread, as many on each rank, and (so far) no
+    dp_replicate: one line naming the key otherwise (the ranks it borrows: ParallelDims)."""
     if dims.ep == 1:
         return
     n_experts = getattr(args, "n_experts", 0)
@@ -184,10 +184,9 @@ def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if n_experts % dims.ep:
         raise ConfigError(f"parallelism.ep = {dims.ep} does not divide the {n_experts} experts of {model_source(cfg)}; "
                           "each rank holds as many experts as the others")
-    others = {"parallelism.tp": dims.tp, "parallelism.dp_replicate": dims.dp_replicate}
-    if bad := [f"{key} = {size}" for key, size in others.items() if size > 1]:
-        raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard, cp and pp so far, "
-                          f"not {', '.join(bad)}")
+    if dims.dp_replicate > 1:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard, cp, tp and pp so "
+                          f"far, not parallelism.dp_replicate = {dims.dp_replicate}")
     if cfg.compile.enable:
         raise ConfigError(f"parallelism.ep = {dims.ep}: the all-to-all's split sizes are read on the host, which "
                           "compile cannot trace; set compile.enable = false")
@@ -312,7 +311,7 @@ def data_and_validation_files(cfg: JobConfig, tokenizer) -> tuple[list[Path], li
 
 
 def dataset_files(cfg: JobConfig, dataset_path: str, key: str, tokenizer) -> list[Path]:
-    """The .txt/.jsonl files at `dataset_path`, or, for a folder of token shards (its manifest.json),
+    """The data files at `dataset_path` (find_text_files), or, for a folder of token shards (its manifest.json),
     the shards: checked from the manifest and the shards' sizes, made with the run's tokenizer."""
     if not is_shard_folder(dataset_path):
         return find_text_files(dataset_path, key=key)

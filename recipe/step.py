@@ -66,6 +66,7 @@ class StepSetup:
     pipeline_loss: PipelineLoss | None = None  # the schedule's loss_fn
     pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
     ep_group: torch.distributed.ProcessGroup | None = None  # under ep: the ranks holding different experts
+    routing_group: torch.distributed.ProcessGroup | None = None  # MoE routing counts summed: dp × cp (× tp under ep)
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -118,8 +119,8 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
         setup.scheduler.step()
         if setup.precompute_float8:
             precompute_float8_scales(setup.model)
-    ranks = ep_imbalance(setup.model, setup.ep_group, setup.loss_group) if setup.ep_group is not None else {}
-    imbalance = balance_experts(setup.model, setup.moe_bias_rate if updated else 0.0, setup.loss_group)
+    ranks = ep_imbalance(setup.model, setup.ep_group, setup.routing_group) if setup.ep_group is not None else {}
+    imbalance = balance_experts(setup.model, setup.moe_bias_rate if updated else 0.0, setup.routing_group)
     return StepResult(step_loss, grad_norm, lr, imbalance, ranks)
 
 

@@ -131,7 +131,7 @@ class Parallelism:
     cp: int = opt(1, "Context-parallel degree", min=1)
     tp: int = opt(1, "Tensor-parallel degree", min=1)
     ep: int = opt(1, "Expert-parallel degree: ranks each MoE layer's experts are spread over, borrowed from "
-                  "dp_shard x cp (divides it and the experts)", min=1)
+                  "dp_shard x cp x tp (divides it and the experts, a multiple of tp)", min=1)
     fsdp_reshard_after_forward: str = opt(
         "default", "When FSDP frees gathered parameters after forward", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(
@@ -162,9 +162,11 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file, or a folder of them, or a folder of "
-                            "token shards (its manifest.json; python -m weft.components.data.prepare)", check=_NOT_EMPTY)
-    text_field: str = opt("text", "Field of each JSONL record that holds the text", check=_NOT_EMPTY)
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow "
+                            "file, or a folder of them, or a folder of token shards (its manifest.json; "
+                            "python -m weft.components.data.prepare)", check=_NOT_EMPTY)
+    text_field: str = opt("text", "Field of each JSONL record, or column of each Parquet/Arrow row, that holds the "
+                          "text", check=_NOT_EMPTY)
     format: str = opt(
         "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
         "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
@@ -183,7 +185,7 @@ class Data:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate the loss on a held-out dataset during training")
-    dataset_path: str = opt("", "A .txt or .jsonl file, or a folder of them, read in data.format unless "
+    dataset_path: str = opt("", "A data file (as data.dataset_path), or a folder of them, read in data.format unless "
                             "validation.format is set; or a folder of token shards")
     format: str = opt("", "Format of the validation data; empty: data.format",
                       choices=("", "text", "chat", "prompt_completion"))

@@ -2,8 +2,10 @@
 
     tokenizers.py  `Tokenizer` (SentencePiece), `HFTokenizer` (a Hugging Face folder, chat
                    templates) and `load_tokenizer`, which picks one by its path
-    files.py       finding the .txt/.jsonl files, checking their start before a run, reading
+    files.py       finding the data files, checking their start before a run, reading
                    them as documents (`documents`, `DocStart`, `RawDoc`)
+    sources.py     what files.py reads besides .txt/.jsonl: .jsonl.gz/.jsonl.zst streams,
+                   Parquet and Arrow rows in batches (pyarrow, zstandard: weft[data])
     formats.py     chat and prompt/completion records and the `Sample`s they become
     cursor.py      the cooperative cursor: document lengths counted by the ranks together
     batch.py       the one `Batch`, `BatchShape` (this rank's block of a global micro-batch),

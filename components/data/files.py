@@ -1,23 +1,28 @@
 """The dataset's files: finding them, checking their start before a run, and reading them as
 documents.
 
-A document is a whole `.txt` file, or one non-blank line of a `.jsonl` file. `documents(files,
-start)` walks them in file order from any `DocStart`, epoch after epoch, reading `.jsonl` lines
-but parsing none: each is parsed by the one rank that tokenizes it (components/data/cursor.py).
+A document is a whole `.txt` file, one non-blank line of a `.jsonl` file (or of a `.jsonl.gz` or
+`.jsonl.zst` one, read through a decompressing stream), or one row of a `.parquet` or `.arrow`
+file (components/data/sources.py). `documents(files, start)` walks them in file order from any
+`DocStart`, epoch after epoch, reading JSONL lines but parsing none: each is parsed by the one
+rank that tokenizes it (components/data/cursor.py). A row is read as {column: value}.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from weft.components.data import sources
 from weft.components.data.errors import DataError
+from weft.components.data.sources import COLUMNAR_SUFFIXES, COMPRESSED_JSONL_SUFFIXES
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", *COMPRESSED_JSONL_SUFFIXES, *COLUMNAR_SUFFIXES)
+SUFFIX_NAMES = ", ".join(TEXT_SUFFIXES)
 
 # How much of each file check_text_files reads before training: all of a small file, the start
 # of a large one, so the check stays a few seconds even for a corpus of many gigabytes.
@@ -25,16 +30,19 @@ SCAN_BYTES = 64 * 2**10
 
 
 def find_text_files(dataset_path: str, key: str = "data.dataset_path") -> list[Path]:
-    """The .txt/.jsonl file at `dataset_path`, or all of them under that folder, sorted."""
+    """The data file (TEXT_SUFFIXES) at `dataset_path`, or all of them under that folder, sorted;
+    a DataError if one needs a reader that is not installed (pyarrow, zstandard)."""
     path = Path(dataset_path)
     if path.is_file():
-        files = [path] if path.suffix in TEXT_SUFFIXES else []
+        files = [path] if sources.suffix_of(path, TEXT_SUFFIXES) else []
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        files = sorted(p for p in path.rglob("*") if sources.suffix_of(p, TEXT_SUFFIXES) and p.is_file())
     else:
         raise DataError(f"{key}: no file or folder at '{dataset_path}'")
     if not files:
-        raise DataError(f"{key}: no .txt or .jsonl file at or under '{dataset_path}'")
+        raise DataError(f"{key}: no .txt or .jsonl file (nor {', '.join(TEXT_SUFFIXES[2:])}) at or under "
+                        f"'{dataset_path}'")
+    sources.check_readable(files, key)
     return files
 
 
@@ -72,9 +80,11 @@ def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
 
 
 def check_text_files(files: list[Path], text_field: str = "text") -> None:
-    """Check the first SCAN_BYTES of every file before anything is written, so that the common
-    mistakes (a binary file, another encoding, a broken or foreign JSONL record) stop the run
-    at once, naming file:line. Blank JSONL lines are skipped, as the loader skips them.
+    """Check the first SCAN_BYTES of every file (decompressed, for .jsonl.gz/.jsonl.zst) before
+    anything is written, so that the common mistakes (a binary file, another encoding, a broken
+    or foreign JSONL record, a corrupt stream) stop the run at once, naming file:line. Blank JSONL
+    lines are skipped, as the loader skips them. Of a Parquet/Arrow file only the schema is read:
+    `text_field` must be a string column.
 
     Raises DataError also when every file was read whole and no document holds any text (the
     model would learn only BOS and EOS). Problems beyond the scanned prefix are reported, with
@@ -82,9 +92,12 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
     """
     any_text, read_whole = False, True
     for path in files:
+        if sources.is_columnar(path):
+            sources.check_text_column(path, text_field)
+            read_whole = False  # only its schema is read
+            continue
         try:
-            with path.open("rb") as f:
-                data = f.read(SCAN_BYTES + 1)
+            data = _head(path, SCAN_BYTES + 1)
         except OSError as err:
             raise DataError(f"data.dataset_path: cannot read {path}: {err.strerror}") from None
         whole = len(data) <= SCAN_BYTES
@@ -104,24 +117,33 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
         raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
 
 
+def _head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of the file's text (decompressed, for .jsonl.gz/.jsonl.zst)."""
+    if sources.is_compressed_jsonl(path):
+        return sources.decompressed_head(path, size)
+    with path.open("rb") as f:
+        return f.read(size)
+
+
 def check_suffixes(files: list[Path], suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
-    """`files` as Paths, each a file a loader reads (.txt or .jsonl)."""
+    """`files` as Paths, each a file a loader reads (TEXT_SUFFIXES)."""
     if not files:
-        raise DataError("data.dataset_path: no .txt or .jsonl files to read")
+        raise DataError(f"data.dataset_path: no {SUFFIX_NAMES} files to read")
     for path in files:
-        if Path(path).suffix not in suffixes:
-            raise DataError(f"data.dataset_path: '{path}' is not a .txt or .jsonl file")
+        if not sources.suffix_of(Path(path), suffixes):
+            raise DataError(f"data.dataset_path: '{path}' is not a {SUFFIX_NAMES} file")
     return [Path(path) for path in files]
 
 
 @dataclass(frozen=True)
 class DocStart:
-    """Where a document starts: a whole .txt file, or one line of a .jsonl file."""
+    """Where a document starts: a whole .txt file, one line of a JSONL file, or one row of a
+    Parquet/Arrow file (its row index + 1 in `line_number`: the record's 1-based number)."""
 
     epoch: int
     file_index: int
-    byte_offset: int = 0  # of the document's line in a .jsonl file; 0 for a .txt file
-    line_number: int = 1  # 1-based, for error messages
+    byte_offset: int = 0  # of the line in a .jsonl file (in the decompressed bytes of a .jsonl.gz/.zst); else 0
+    line_number: int = 1  # 1-based, for error messages; row + 1 in a Parquet/Arrow file
 
 
 # A loader's state: where the document it stands in starts, and how many of its tokens were read.
@@ -136,22 +158,25 @@ def position_state(doc: DocStart, token_offset: int) -> dict[str, int]:
 
 class RawDoc(NamedTuple):
     """A document found but not yet read: its start, its size in bytes (what every rank knows of
-    it before anyone tokenizes it), and its line if it is one of a .jsonl file (None for a .txt
-    file, read by whichever rank tokenizes it)."""
+    it before anyone tokenizes it), and its line if it is one of a JSONL file (None for a .txt
+    file, read by whichever rank tokenizes it), or its row ({column: value}) if it is one of a
+    Parquet/Arrow file (its size: the characters of its strings)."""
 
     start: DocStart
     size: int
     line: bytes | None
+    row: dict[str, Any] | None = None
 
 
-def documents(files: list[Path], start: DocStart) -> Iterator[RawDoc]:
-    """Every document from `start` on, looping over the files forever."""
+def documents(files: list[Path], start: DocStart, columns: tuple[str, ...] | None = None) -> Iterator[RawDoc]:
+    """Every document from `start` on, looping over the files forever; of a Parquet/Arrow file's
+    rows, only `columns` are read (None: all)."""
     while True:
-        from_beginning = start.file_index == 0 and start.byte_offset == 0
+        from_beginning = start.file_index == 0 and start.byte_offset == 0 and start.line_number == 1
         found = False
         for file_index in range(start.file_index, len(files)):
             at = start if file_index == start.file_index else DocStart(start.epoch, file_index)
-            for doc in _file_documents(files[file_index], at):
+            for doc in _file_documents(files[file_index], at, columns):
                 found = True
                 yield doc
         if from_beginning and not found:
@@ -159,10 +184,16 @@ def documents(files: list[Path], start: DocStart) -> Iterator[RawDoc]:
         start = DocStart(start.epoch + 1, file_index=0)
 
 
-def _file_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
+def _file_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None = None) -> Iterator[RawDoc]:
     """The documents of one file, from `start` on."""
     if path.suffix == ".txt":
         yield RawDoc(start, path.stat().st_size, None)
+        return
+    if sources.is_compressed_jsonl(path):
+        yield from _compressed_documents(path, start)
+        return
+    if sources.is_columnar(path):
+        yield from _row_documents(path, start, columns)
         return
     offset, line_number = start.byte_offset, start.line_number
     with path.open("rb") as f:
@@ -174,20 +205,56 @@ def _file_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
                 yield RawDoc(doc, len(line), line)
 
 
+def _compressed_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
+    """The lines of a .jsonl.gz/.jsonl.zst file from `start` on, as `.jsonl` lines are read;
+    reaching `start.byte_offset` decompresses everything before it."""
+    offset, line_number = start.byte_offset, start.line_number
+    try:
+        with sources.open_decompressed(path, offset) as f:
+            for line in f:
+                doc = DocStart(start.epoch, start.file_index, offset, line_number)
+                offset, line_number = offset + len(line), line_number + 1
+                if line.strip():
+                    yield RawDoc(doc, len(line), line)
+    except sources.decompress_errors() as err:
+        raise DataError(f"{path}:{line_number}: cannot decompress ({err})") from None
+
+
+def _row_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None) -> Iterator[RawDoc]:
+    """The rows of a Parquet/Arrow file from row `start.line_number - 1` on, read in batches."""
+    for row, record in sources.rows(path, start.line_number - 1, columns):
+        yield RawDoc(DocStart(start.epoch, start.file_index, 0, row + 1), sources.record_size(record), None, record)
+
+
 def where(files: list[Path], doc: DocStart) -> str:
-    """The document's place for messages: file:line in a .jsonl file, the file for a .txt one."""
+    """The document's place for messages: file:line in a JSONL file, `file row N` (0-based) in a
+    Parquet/Arrow file, the file for a .txt one."""
     path = files[doc.file_index]
-    return f"{path}:{doc.line_number}" if path.suffix == ".jsonl" else str(path)
+    if sources.is_columnar(path):
+        return f"{path} row {doc.line_number - 1}"
+    return str(path) if path.suffix == ".txt" else f"{path}:{doc.line_number}"
+
+
+def record_of(files: list[Path], raw: RawDoc, parse: Callable[[bytes, str], Any]) -> Any:
+    """A record: its row, or its JSONL line parsed by `parse(line, where)`."""
+    return raw.row if raw.row is not None else parse(raw.line, where(files, raw.start))
 
 
 def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
-    """The document's text: a whole .txt file, or the `text_field` of a .jsonl line."""
+    """The document's text: a whole .txt file, the `text_field` of a JSONL line, or the
+    `text_field` column of a row."""
+    if raw.row is not None:
+        text = raw.row.get(text_field)
+        if not isinstance(text, str):
+            raise DataError(f"{where(files, raw.start)}: expected a string in column '{text_field}', "
+                            f"got {'null' if text is None else type(text).__name__}")
+        return text
     if raw.line is None:
         path = files[raw.start.file_index]
         return decode_utf8(path.read_bytes(), str(path), final=True)
     return parse_jsonl_record(raw.line, text_field, where(files, raw.start))
 
 
-def file_documents(files: list[Path], start: DocStart) -> Iterator[RawDoc]:
+def file_documents(files: list[Path], start: DocStart, columns: tuple[str, ...] | None = None) -> Iterator[RawDoc]:
     """The documents of one file from `start` to its end, once (documents() loops forever)."""
-    return _file_documents(files[start.file_index], start)
+    return _file_documents(files[start.file_index], start, columns)

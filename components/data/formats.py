@@ -112,9 +112,11 @@ class SampleFormat(NamedTuple):
 
     check: Callable[[Any, str], Any]  # (record, where) -> its parts, or a DataError
     sample: Callable[[Any, Any, str], Sample]  # (record, tokenizer, where) -> Sample
+    fields: tuple[str, ...]  # the record's keys: the columns read from a Parquet/Arrow row
 
 
 SAMPLE_FORMATS = {
-    "chat": SampleFormat(check_chat_record, chat_sample),
-    "prompt_completion": SampleFormat(check_prompt_completion_record, prompt_completion_sample),
+    "chat": SampleFormat(check_chat_record, chat_sample, ("messages",)),
+    "prompt_completion": SampleFormat(check_prompt_completion_record, prompt_completion_sample,
+                                      ("prompt", "completion", "instruction", "input", "output")),
 }

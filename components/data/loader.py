@@ -35,10 +35,11 @@ from weft.components.distributed import shared_gloo_group
 
 class Strategy(Protocol):
     """How a loader turns documents into batches (TextWindows, PackedSamples, ShardWindows). A
-    strategy with a `documents(files, start)` method lists the documents itself (ShardWindows);
+    strategy with a `documents(files, start, columns)` method lists the documents itself (ShardWindows);
     the others read them with files.documents."""
 
     tokenizer: Any
+    columns: tuple[str, ...]  # the columns of a Parquet/Arrow row a document is read from
     truncated: int  # samples cut to fit a window so far
     dropped: int  # samples skipped as too long so far
 
@@ -65,7 +66,8 @@ class Loader:
         # The ranks that count lengths together when iterated: every rank of the job (None: alone).
         self.exchange_group = exchange_group
         self.cursor = Cursor(self.files, functools.partial(strategy.build, self.files), strategy.length,
-                             strategy.batch_tokens(self.shape), getattr(strategy, "documents", documents))
+                             strategy.batch_tokens(self.shape), strategy.columns,
+                             getattr(strategy, "documents", documents))
 
     @property
     def tokenizer(self) -> Any:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, where
+from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, record_of, where
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
 from weft.components.loss import IGNORE_INDEX
 
@@ -43,6 +43,7 @@ class PackedSamples:
             raise ValueError(f"long_samples must be 'truncate' or 'drop', got {long_samples!r}")
         self.tokenizer, self.data_format, self.long_samples = tokenizer, data_format, long_samples
         self.format = SAMPLE_FORMATS[data_format]
+        self.columns = self.format.fields
         self.pad_id = getattr(tokenizer, "pad_id", None)
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_id
@@ -51,9 +52,9 @@ class PackedSamples:
 
     def check_files(self, files: list[Path]) -> None:
         for path in files:
-            if path.suffix != ".jsonl":
-                raise DataError(f"data.dataset_path: '{path}' is not a .jsonl file, which data.format = "
-                                f"'{self.data_format}' reads")
+            if path.suffix == ".txt":
+                raise DataError(f"data.dataset_path: '{path}' is not a JSONL, Parquet or Arrow file, which "
+                                f"data.format = '{self.data_format}' reads")
 
     def batch_tokens(self, shape: BatchShape) -> int:
         """Input slots in one global micro-batch."""
@@ -61,8 +62,7 @@ class PackedSamples:
 
     def build(self, files: list[Path], raw: RawDoc) -> Sample:
         """A record's sample."""
-        at = where(files, raw.start)
-        return self.format.sample(parse_record(raw.line, at), self.tokenizer, at)
+        return self.format.sample(record_of(files, raw, parse_record), self.tokenizer, where(files, raw.start))
 
     def length(self, sample: Sample) -> int:
         return len(sample.tokens)
@@ -95,13 +95,12 @@ class PackedSamples:
         file:line) rather than hours in; the first is also built, which checks the chat template.
         Returns the number of records."""
         count = 0
-        for raw in documents(files, DocStart(epoch=0, file_index=0)):
+        for raw in documents(files, DocStart(epoch=0, file_index=0), self.columns):
             if raw.start.epoch > 0:
                 break
             if count == 0:
                 self.build(files, raw)
-            at = where(files, raw.start)
-            self.format.check(parse_record(raw.line, at), at)
+            self.format.check(record_of(files, raw, parse_record), where(files, raw.start))
             count += 1
         return count
 
@@ -120,8 +119,8 @@ class PackedSamples:
             too_long = counted.length - 1 > seq_len  # a sample of n tokens fills n - 1 input slots
             if too_long and self.long_samples == "drop":
                 first_dropped = first_dropped or doc
-                if doc.epoch > first_dropped.epoch and (doc.file_index, doc.byte_offset) >= (
-                        first_dropped.file_index, first_dropped.byte_offset):
+                if doc.epoch > first_dropped.epoch and (doc.file_index, doc.byte_offset, doc.line_number) >= (
+                        first_dropped.file_index, first_dropped.byte_offset, first_dropped.line_number):
                     raise DataError(f"data.dataset_path: every sample is longer than training.seq_len + 1 = "
                                     f"{seq_len + 1} tokens; raise seq_len or set data.long_samples = 'truncate'")
                 self.dropped += 1

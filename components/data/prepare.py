@@ -43,15 +43,16 @@ def _start_worker(tokenizer_path: str, text_field: str) -> None:
     _windows = TextWindows(load_tokenizer(tokenizer_path), text_field=text_field)
 
 
-def _pieces(files: list[Path], piece_bytes: int) -> list[tuple[DocStart, int]]:
-    """What each shard holds: (where it starts, the byte its source piece ends at). A .txt file is
-    one piece; a .jsonl file is cut at the first line start at or after every `piece_bytes`
-    bytes, its line numbers counted, so that the pieces depend on the files alone."""
-    pieces = []
+def _pieces(files: list[Path], piece_bytes: int) -> list[tuple[DocStart, int | None]]:
+    """What each shard holds: (where it starts, the byte its source piece ends at; None: the file's
+    end). A plain .jsonl file is cut at the first line start at or after every `piece_bytes`
+    bytes, its line numbers counted, so that the pieces depend on the files alone; any other file
+    (a .txt, a compressed or columnar one) is one piece."""
+    pieces: list[tuple[DocStart, int | None]] = []
     for index, path in enumerate(files):
         size = path.stat().st_size
-        if path.suffix == ".txt" or size <= piece_bytes:
-            pieces.append((DocStart(0, index), size))
+        if not path.name.endswith(".jsonl") or size <= piece_bytes:
+            pieces.append((DocStart(0, index), None))
             continue
         with path.open("rb") as f:
             start, line = 0, 1
@@ -65,15 +66,15 @@ def _pieces(files: list[Path], piece_bytes: int) -> list[tuple[DocStart, int]]:
     return pieces
 
 
-def _write_shard(task: tuple[list[Path], int, DocStart, int, Path, str]) -> tuple[int, int]:
+def _write_shard(task: tuple[list[Path], int, DocStart, int | None, Path, str]) -> tuple[int, int]:
     """Tokenize the documents of one piece of a source file (from `start` to byte `end`) as the
     text loader does, and write them as shard `index` (ids, boundaries) into `folder`;
     (tokens, documents)."""
     files, index, start, end, folder, dtype = task
     ids: list[int] = []
     offsets = [0]
-    for raw in file_documents(files, start):
-        if raw.line is not None and raw.start.byte_offset >= end:  # a .jsonl line of the next piece
+    for raw in file_documents(files, start, _windows.columns):
+        if end is not None and raw.start.byte_offset >= end:  # a .jsonl line of the next piece
             break
         ids += _windows.build(files, raw)
         offsets.append(len(ids))

@@ -131,8 +131,9 @@ class ShardWindows(TextWindows):
         if files != self.manifest.token_files:
             raise DataError(f"data.dataset_path: expected the shards of {self.manifest.folder / MANIFEST}")
 
-    def documents(self, files: list[Path], start: DocStart) -> Iterator[RawDoc]:
-        """Every document from `start` on, shard after shard, epoch after epoch."""
+    def documents(self, files: list[Path], start: DocStart, columns: object = None) -> Iterator[RawDoc]:
+        """Every document from `start` on, shard after shard, epoch after epoch (`columns`: unused,
+        a shard has none)."""
         itemsize = self.manifest.dtype.itemsize
         while True:
             for file_index in range(start.file_index, len(files)):

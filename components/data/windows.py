@@ -31,13 +31,14 @@ class TextWindows:
 
     def __init__(self, tokenizer: Any, *, text_field: str = "text") -> None:
         self.tokenizer, self.text_field = tokenizer, text_field
+        self.columns = (text_field,)
         # The next token is token `_pos` of document `_current`; before the first document, an
         # empty placeholder at the stream's start (so the state points there).
         self._current = Counted(-1, RawDoc(DocStart(epoch=0, file_index=0), 0, None), 0)
         self._pos = 0
 
     def check_files(self, files: list[Path]) -> None:
-        """Any .txt or .jsonl file holds text documents."""
+        """Any data file holds text documents."""
 
     def check_records(self, files: list[Path]) -> int:
         raise TypeError("text windows are checked by components.data.check_text_files, not record by record")

@@ -34,6 +34,9 @@ LAYOUTS = {
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
     # The debug MoE, its experts spread over 2 ranks (ep 2 borrowed from fsdp 2).
     "ep2_moe": (2, ["--model.flavor", "debugmodel_moe", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    # ... and with tp 2 (the ep group spans tp's ranks: each routes its own sequence shard to whole experts).
+    "fsdp2_tp2_ep2_moe": (4, ["--model.flavor", "debugmodel_moe", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
+                              "--parallelism.ep", "2"]),
     "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
 

@@ -28,8 +28,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ep2_lora": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *LORA]),  # experts frozen, spread
     "ep2_accumulation": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "1",
                              "--training.gradient_accumulation_steps", "2"]),
+    "tp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),  # ep = tp's ranks
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+    "fsdp2_tp2_ep4": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--parallelism.ep", "4"]),
+    "fsdp2_tp2_ep2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
     # ep 2 borrowed from fsdp 4 (experts FSDP-sharded over the ranks holding the same ones):
     # tests/parallelisms/test_ep.py, through parallelize, with a lone expert per rank split by FSDP
 }

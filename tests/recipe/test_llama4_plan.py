@@ -13,12 +13,14 @@ from weft.recipe.plan import model_and_layout
      "lora.quantize_base = 'nf4': model flavor debugmodel_moe (Llama 4) keeps its routed experts as stacked 3-D "
      "weights, which torchao's NF4 cannot hold, so QLoRA would leave most of the model unquantized; use LoRA "
      "(lora.quantize_base = '')"),
-    (["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"], 2,
-     "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
+    (["--parallelism.dp_shard", "1", "--parallelism.tp", "4", "--parallelism.ep", "2"], 4,
+     "parallelism.ep = 2 must divide dp_shard·cp·tp = 1·1·4 = 4 and be a multiple of tp = 4: expert parallelism "
+     "borrows its ranks from FSDP's and tensor parallelism's"),
     (["--parallelism.dp_shard", "1", "--parallelism.dp_replicate", "2", "--parallelism.ep", "2"], 2,
-     "parallelism.ep = 2 must divide dp_shard·cp = 1·1 = 1: expert parallelism borrows its ranks from FSDP's"),
+     "parallelism.ep = 2 must divide dp_shard·cp·tp = 1·1·1 = 1 and be a multiple of tp = 1: expert parallelism "
+     "borrows its ranks from FSDP's and tensor parallelism's"),
     (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"], 4,
-     "parallelism.ep = 2: expert parallelism composes with dp_shard, cp and pp so far, not parallelism.dp_replicate = 2"),
+     "parallelism.ep = 2: expert parallelism composes with dp_shard, cp, tp and pp so far, not parallelism.dp_replicate = 2"),
     (["--parallelism.ep", "2", "--compile.enable"], 2,
      "parallelism.ep = 2: the all-to-all's split sizes are read on the host, which compile cannot trace; "
      "set compile.enable = false"),
@@ -54,16 +56,17 @@ def test_debug_moe_plans_with_fsdp_tp_cp_and_lora():
 
 def test_dry_run_table_lists_the_layouts_llama4_trains_in(capsys):
     """Every product of pp, dp_shard, cp and tp of 4 ranks that the debug MoE's 4 blocks and
-    128-token sequences allow (the table leaves out what the plan refuses), and without tp each ep
-    that divides dp_shard × cp (all divide its 4 experts); the printed table has an ep column."""
+    128-token sequences allow (the table leaves out what the plan refuses), and with each an ep
+    that divides dp_shard × cp × tp and is a multiple of tp (all divide its 4 experts); the printed
+    table has an ep column."""
     from weft import train
     from weft.recipe.dry_run import candidate_layouts
 
     cfg = parse_args(["--job.config_file", "debug_moe"])
     listed = [(d.pp, d.dp_shard, d.cp, d.tp, d.ep) for d in candidate_layouts(cfg, flavors()["debugmodel_moe"], 4)]
-    expected = [(pp, dp, cp, 4 // (pp * dp * cp), ep) for pp in (1, 2, 4) for dp in (1, 2, 4) for cp in (1, 2, 4)
-                for ep in (1, 2, 4) if 4 % (pp * dp * cp) == 0 and (ep == 1 or (pp * dp * cp == 4 and dp * cp % ep == 0))]
-    assert sorted(listed) == sorted(expected) and len(listed) == 18
+    expected = [(pp, dp, cp, tp, ep) for pp in (1, 2, 4) for dp in (1, 2, 4) for cp in (1, 2, 4) for tp in (1, 2, 4)
+                for ep in (1, 2, 4) if pp * dp * cp * tp == 4 and (ep == 1 or (dp * cp * tp % ep == 0 and ep % tp == 0))]
+    assert sorted(listed) == sorted(expected) and len(listed) == 24
     assert train.main(["--job.config_file", "debug_moe", "--job.dry_run", "--job.dry_run_world_size", "4"]) == 0
     table = capsys.readouterr().out.split("layouts of 4 ranks", 1)[1].splitlines()
-    assert table[1].split() == ["pp", "dp_shard", "cp", "tp", "ep", "peak", "MiB"] and "(6 more" in table[14]
+    assert table[1].split() == ["pp", "dp_shard", "cp", "tp", "ep", "peak", "MiB"] and "(12 more" in table[14]

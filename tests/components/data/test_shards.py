@@ -4,6 +4,7 @@ text loader on the same corpus (one process, fsdp 2, resumed), and every bad inp
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -92,6 +93,20 @@ def test_two_workers_write_the_same_bytes(corpus, tmp_path):
     assert prepare(source, tmp_path / "cut1", "--shard-bytes", "700") == 0
     assert prepare(source, tmp_path / "cut2", "--shard-bytes", "700", "--workers", "2") == 0
     assert same_bytes(tmp_path / "cut1", tmp_path / "cut2")
+
+
+def test_a_compressed_source_gives_the_same_shards(corpus, tmp_path):
+    source, shards = corpus
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for path in source.iterdir():
+        if path.suffix == ".jsonl":
+            (gz / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+        else:
+            (gz / path.name).write_bytes(path.read_bytes())
+    assert prepare(gz, tmp_path / "out") == 0
+    assert all((shards / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "out").glob("shard_*"))
+    assert len(list((tmp_path / "out").glob("shard_*"))) == 6
 
 
 def test_a_jsonl_file_cut_into_shards_reads_the_same(corpus, tmp_path):
