@@ -20,7 +20,8 @@ from weft.components.checkpoint import check_resume, resume_folder
 from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
-from weft.components.data.shards import TOKENS_SUFFIX, check_tokenizer, is_shard_folder, read_manifest, tokenizer_identity
+from weft.components.data.shards import (TOKENS_SUFFIX, check_tokenizer, is_shard_folder, read_manifest,
+                                         tokenizer_identity)
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run

@@ -15,6 +15,7 @@ line `weft: error: ...` and exit status 2.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import multiprocessing
 import os
@@ -60,10 +61,19 @@ def _pieces(files: list[Path], piece_bytes: int) -> list[tuple[DocStart, int | N
                 f.seek(start + piece_bytes - 1)
                 end = min(f.tell() + len(f.readline()), size)  # after the line holding byte start + piece_bytes - 1
                 pieces.append((DocStart(0, index, start, line), end))
-                f.seek(start)
-                line += f.read(end - start).count(b"\n")
+                line += _newlines(f, start, end)
                 start = end
     return pieces
+
+
+def _newlines(f, start: int, end: int, block: int = 2**24) -> int:
+    """Newlines in bytes [start, end) of open file `f`, read a block at a time."""
+    f.seek(start)
+    count = 0
+    while start < end:
+        data = f.read(min(block, end - start))
+        count, start = count + data.count(b"\n"), start + len(data)
+    return count
 
 
 def _write_shard(task: tuple[list[Path], int, DocStart, int | None, Path, str]) -> tuple[int, int]:
@@ -71,15 +81,15 @@ def _write_shard(task: tuple[list[Path], int, DocStart, int | None, Path, str]) 
     text loader does, and write them as shard `index` (ids, boundaries) into `folder`;
     (tokens, documents)."""
     files, index, start, end, folder, dtype = task
-    ids: list[int] = []
+    ids = array.array("H" if np.dtype(dtype).itemsize == 2 else "I")  # compact: a piece may hold 10^8 ids
     offsets = [0]
     for raw in file_documents(files, start, _windows.columns):
         if end is not None and raw.start.byte_offset >= end:  # a .jsonl line of the next piece
             break
-        ids += _windows.build(files, raw)
+        ids.extend(_windows.build(files, raw))
         offsets.append(len(ids))
     name = folder / shard_name(index)
-    np.asarray(ids, dtype=dtype).tofile(name.with_suffix(TOKENS_SUFFIX))
+    np.frombuffer(ids, dtype=ids.typecode).astype(dtype).tofile(name.with_suffix(TOKENS_SUFFIX))
     np.asarray(offsets, dtype=OFFSETS_DTYPE).tofile(name.with_suffix(OFFSETS_SUFFIX))
     return len(ids), len(offsets) - 1
 
@@ -111,7 +121,8 @@ def prepare(source: str, tokenizer_path: str, out: Path, *, workers: int = 1, te
         else:
             # forked where the system can (the workers run only the tokenizer and numpy), so a
             # worker starts without importing weft again
-            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+            forks = "fork" in multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if forks else "spawn")
             with context.Pool(min(workers, len(tasks)), _start_worker, (tokenizer_path, text_field)) as pool:
                 counts = pool.map(_write_shard, tasks, chunksize=1)
         manifest = _manifest(source, files, tokenizer_path, tokenizer, dtype, text_field, counts)
@@ -132,7 +143,8 @@ def _manifest(source, files, tokenizer_path, tokenizer, dtype, text_field, count
         "text_field": text_field,
         "total_tokens": sum(tokens for tokens, _ in counts),
         "total_documents": sum(docs for _, docs in counts),
-        "shards": [{"name": shard_name(i), "tokens": tokens, "documents": docs} for i, (tokens, docs) in enumerate(counts)],
+        "shards": [{"name": shard_name(i), "tokens": tokens, "documents": docs}
+                   for i, (tokens, docs) in enumerate(counts)],
         "sources": [{"name": name, **facts} for name, facts in fingerprint.items()],
     }
 
@@ -148,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl records")
     args = parser.parse_args(argv)
     try:
-        manifest = prepare(args.source, args.tokenizer, Path(args.out), workers=args.workers, text_field=args.text_field,
-                           shard_bytes=args.shard_bytes)
+        manifest = prepare(args.source, args.tokenizer, Path(args.out), workers=args.workers,
+                           text_field=args.text_field, shard_bytes=args.shard_bytes)
     except UserError as err:
         return report_user_error(err)
     print(f"weft: {manifest['total_tokens']:,} tokens of {manifest['total_documents']:,} documents in "

@@ -111,10 +111,10 @@ def check_tokenizer(manifest: Manifest, identity: dict[str, Any], tokenizer_path
     """The run's tokenizer must be the one the shards were made with."""
     made = manifest.tokenizer
     if made.get("sha256") != identity["sha256"] or made.get("vocab_size") != identity["vocab_size"]:
-        raise DataError(
-            f"model.tokenizer_path = '{tokenizer_path}': the shards in {manifest.folder} were made with another "
-            f"tokenizer ('{made.get('name')}', vocabulary {made.get('vocab_size')}, sha256 {str(made.get('sha256'))[:12]}) "
-            f"than this one ('{identity['name']}', vocabulary {identity['vocab_size']}, sha256 {identity['sha256'][:12]})")
+        def named(t: dict[str, Any]) -> str:
+            return f"'{t.get('name')}', vocabulary {t.get('vocab_size')}, sha256 {str(t.get('sha256'))[:12]}"
+        raise DataError(f"model.tokenizer_path = '{tokenizer_path}': the shards in {manifest.folder} were made with "
+                        f"another tokenizer ({named(made)}) than this one ({named(identity)})")
 
 
 class ShardWindows(TextWindows):
@@ -173,7 +173,8 @@ class ShardWindows(TextWindows):
             path = self.manifest.token_files[file_index].with_suffix(OFFSETS_SUFFIX)
             offsets = np.fromfile(path, dtype=OFFSETS_DTYPE)
             tokens = int(self.manifest.shards[file_index]["tokens"])
-            if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != tokens or np.any(np.diff(offsets.astype(np.int64)) < 0):
+            rising = len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == tokens
+            if not rising or np.any(np.diff(offsets.astype(np.int64)) < 0):
                 raise DataError(f"{path}: document boundaries do not rise from 0 to the shard's {tokens:,} tokens; "
                                 "the shard is corrupt")
             self._offsets[file_index] = offsets

@@ -15,6 +15,7 @@ import pytest
 from weft import train
 from weft.components.data import build_loader, load_tokenizer
 from weft.components.data.prepare import main as prepare_main
+from weft.components.data.shards import read_manifest, shard_dtype
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run
 
@@ -312,3 +313,19 @@ def test_validation_on_shards_equals_validation_on_text(corpus, tmp_path):
                  "--validation.freq", "2", "--validation.steps", "2"))
     assert validation_losses(tmp_path / "shards") == validation_losses(tmp_path / "text")
     assert len(validation_losses(tmp_path / "text")) == 2
+
+
+def test_uint32_shards_read_the_same_ids(corpus, tmp_path):
+    """A vocabulary over 65,536 ids is kept as uint32: the same shards widened read the same batches."""
+    assert (shard_dtype(2**16), shard_dtype(2**16 + 1)) == (np.dtype("<u2"), np.dtype("<u4"))
+    wide = copy_shards(corpus[1], tmp_path / "wide")
+    manifest = json.loads((wide / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        path = wide / f"{shard['name']}.tokens"
+        np.fromfile(path, dtype="<u2").astype("<u4").tofile(path)
+    (wide / "manifest.json").write_text(json.dumps({**manifest, "dtype": "uint32"}))
+    _, narrow = loaders(corpus, local_batch_size=2)
+    widened = build_loader("text", read_manifest(wide).token_files, load_tokenizer(TOKENIZER), seq_len=64,
+                           local_batch_size=2, cooperate=False)
+    a, b = iter(narrow), iter(widened)
+    assert all(next(a).inputs.tolist() == next(b).inputs.tolist() for _ in range(20))
