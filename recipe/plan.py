@@ -20,6 +20,8 @@ from weft.components.checkpoint import check_resume, resume_folder
 from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
+from weft.components.data.shards import (TOKENS_SUFFIX, check_tokenizer, is_shard_folder, read_manifest,
+                                         tokenizer_identity)
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
@@ -78,7 +80,7 @@ class RunPlan:
             if tokenizer.vocab_size > model_args.vocab_size:
                 raise DataError(f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is "
                                 f"larger than the vocabulary of {model_source(cfg)} ({model_args.vocab_size})")
-            data_files, validation_files = data_and_validation_files(cfg)
+            data_files, validation_files = data_and_validation_files(cfg, tokenizer)
             check_formats(cfg, tokenizer, data_files, validation_files)
             resumes = cfg.checkpoint.enable and writes_dump_folder
             if writes_dump_folder:
@@ -299,14 +301,24 @@ def tokenizer_path(cfg: JobConfig) -> str:
     return str(SHIPPED_TOKENIZER)
 
 
-def data_and_validation_files(cfg: JobConfig) -> tuple[list[Path], list[Path]]:
+def data_and_validation_files(cfg: JobConfig, tokenizer) -> tuple[list[Path], list[Path]]:
     """The training files, and the validation files when validation is enabled."""
-    data_files = find_text_files(cfg.data.dataset_path)
+    data_files = dataset_files(cfg, cfg.data.dataset_path, "data.dataset_path", tokenizer)
     if not cfg.validation.enable:
         return data_files, []
     if not cfg.validation.dataset_path:
         raise ConfigError("validation.dataset_path: required when validation.enable is set")
-    return data_files, find_text_files(cfg.validation.dataset_path, key="validation.dataset_path")
+    return data_files, dataset_files(cfg, cfg.validation.dataset_path, "validation.dataset_path", tokenizer)
+
+
+def dataset_files(cfg: JobConfig, dataset_path: str, key: str, tokenizer) -> list[Path]:
+    """The data files at `dataset_path` (find_text_files), or, for a folder of token shards (its manifest.json),
+    the shards: checked from the manifest and the shards' sizes, made with the run's tokenizer."""
+    if not is_shard_folder(dataset_path):
+        return find_text_files(dataset_path, key=key)
+    manifest = read_manifest(dataset_path, key=key)
+    check_tokenizer(manifest, tokenizer_identity(tokenizer_path(cfg), tokenizer), tokenizer_path(cfg))
+    return manifest.token_files
 
 
 def check_formats(cfg: JobConfig, tokenizer, data_files: list[Path], validation_files: list[Path]) -> None:
@@ -318,7 +330,10 @@ def check_formats(cfg: JobConfig, tokenizer, data_files: list[Path], validation_
         raise DataError(f"model.tokenizer_path: '{tokenizer_path(cfg)}' has no chat template, which "
                         "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
     for data_format, files in [(cfg.data.format, data_files), (validation_format, validation_files)]:
-        if files and data_format == "text":
+        if files and files[0].suffix == TOKENS_SUFFIX:  # shards: read_manifest checked them
+            if data_format != "text":
+                raise ConfigError(f"data.format = '{data_format}': token shards hold text windows; expected 'text'")
+        elif files and data_format == "text":
             check_text_files(files, cfg.data.text_field)
         elif files:
             build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,

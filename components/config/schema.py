@@ -163,7 +163,8 @@ class LRScheduler:
 @dataclass
 class Data:
     dataset_path: str = opt("assets/data/shakespeare", "A .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow "
-                            "file, or a folder of them", check=_NOT_EMPTY)
+                            "file, or a folder of them, or a folder of token shards (its manifest.json; "
+                            "python -m weft.components.data.prepare)", check=_NOT_EMPTY)
     text_field: str = opt("text", "Field of each JSONL record, or column of each Parquet/Arrow row, that holds the "
                           "text", check=_NOT_EMPTY)
     format: str = opt(
@@ -185,7 +186,7 @@ class Data:
 class Validation:
     enable: bool = opt(False, "Evaluate the loss on a held-out dataset during training")
     dataset_path: str = opt("", "A data file (as data.dataset_path), or a folder of them, read in data.format unless "
-                            "validation.format is set")
+                            "validation.format is set; or a folder of token shards")
     format: str = opt("", "Format of the validation data; empty: data.format",
                       choices=("", "text", "chat", "prompt_completion"))
     freq: int = opt(100, "Evaluate every N steps (and after the last step)", min=1)

@@ -15,6 +15,9 @@
     loader.py      `Loader`, the one loader class, which a strategy above fills; `build_loader`,
                    the one factory; `batches`
     prefetch.py    `Prefetcher` / `prefetch`: batches built ahead in a background thread
+    shards.py      token shards: the manifest, its checks, `ShardWindows` (text windows over
+                   memory-mapped token ids, no tokenizing at run time)
+    prepare.py     `python -m weft.components.data.prepare`: a corpus tokenized into shards
     errors.py      `DataError`, every data mistake a user can fix
 
 A new data format is a strategy (an object with the methods of `loader.Strategy`) and a branch of

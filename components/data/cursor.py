@@ -47,19 +47,21 @@ class Cursor:
 
     `build(raw)` reads and tokenizes a document into its unit, `length(unit)` is its token count;
     `batch_tokens` is the tokens of one global micro-batch, which shares the counting out;
-    `columns`, those of a Parquet/Arrow row that a document's unit is built from (None: all).
+    `columns`, those of a Parquet/Arrow row that a document's unit is built from (None: all);
+    `source(files, start, columns)` lists the documents from a start on (by default `files.documents`).
     """
 
     def __init__(self, files: list[Path], build: Callable[[RawDoc], Any], length: Callable[[Any], int],
-                 batch_tokens: int, columns: tuple[str, ...] | None = None) -> None:
+                 batch_tokens: int, columns: tuple[str, ...] | None = None,
+                 source: Callable[..., Iterator[RawDoc]] = documents) -> None:
         self.files, self.build, self.length, self.batch_tokens = files, build, length, batch_tokens
-        self.columns = columns
+        self.columns, self.source = columns, source
         self.seek(DocStart(epoch=0, file_index=0))
 
     def seek(self, start: DocStart, opened: tuple[RawDoc, Any, Iterator[RawDoc]] | None = None) -> None:
         """Forget everything read; the next document is the first one from `start` on, or, with
         `opened` (from `open(start)`), the one after it, `opened` itself counted as document 0."""
-        self._raw = documents(self.files, start, self.columns)  # documents not counted yet
+        self._raw = self.source(self.files, start, self.columns)  # documents not counted yet
         self._raw_next: RawDoc | None = None  # the first of them, once peeked at
         self.counted: deque[Counted] = deque()  # counted, not yet taken by the strategy
         # What reading the document after the counted ones raised: raised when the stream gets there.
@@ -76,7 +78,7 @@ class Cursor:
     def open(self, start: DocStart) -> tuple[RawDoc, Any, Iterator[RawDoc]]:
         """Read and build the document at `start` (no exchange: every rank does it), without
         moving: what `seek(start, opened)` continues from."""
-        docs = documents(self.files, start, self.columns)
+        docs = self.source(self.files, start, self.columns)
         raw = next(docs)
         return raw, self.build(raw), docs
 

@@ -253,3 +253,8 @@ def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
         path = files[raw.start.file_index]
         return decode_utf8(path.read_bytes(), str(path), final=True)
     return parse_jsonl_record(raw.line, text_field, where(files, raw.start))
+
+
+def file_documents(files: list[Path], start: DocStart, columns: tuple[str, ...] | None = None) -> Iterator[RawDoc]:
+    """The documents of one file from `start` to its end, once (documents() loops forever)."""
+    return _file_documents(files[start.file_index], start, columns)

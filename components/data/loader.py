@@ -25,14 +25,18 @@ import torch.distributed as dist
 
 from weft.components.data.batch import Batch, BatchShape, document_layout
 from weft.components.data.cursor import Cursor
-from weft.components.data.files import RawDoc, check_suffixes
+from weft.components.data.files import RawDoc, check_suffixes, documents
 from weft.components.data.packing import PackedSamples
+from weft.components.data.errors import DataError
+from weft.components.data.shards import TOKENS_SUFFIX, ShardWindows, read_manifest
 from weft.components.data.windows import TextWindows
 from weft.components.distributed import shared_gloo_group
 
 
 class Strategy(Protocol):
-    """How a loader turns documents into batches (TextWindows, PackedSamples)."""
+    """How a loader turns documents into batches (TextWindows, PackedSamples, ShardWindows). A
+    strategy with a `documents(files, start, columns)` method lists the documents itself (ShardWindows);
+    the others read them with files.documents."""
 
     tokenizer: Any
     columns: tuple[str, ...]  # the columns of a Parquet/Arrow row a document is read from
@@ -56,13 +60,14 @@ class Loader:
     def __init__(self, files: list[Path], strategy: Strategy, *, seq_len: int, local_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, exchange_group: dist.ProcessGroup | None = None) -> None:
         self.shape = BatchShape(seq_len, local_batch_size, dp_rank, dp_world_size)
-        self.files = check_suffixes(files)
+        self.files = [Path(path) for path in files] if isinstance(strategy, ShardWindows) else check_suffixes(files)
         strategy.check_files(self.files)
         self.strategy = strategy
         # The ranks that count lengths together when iterated: every rank of the job (None: alone).
         self.exchange_group = exchange_group
         self.cursor = Cursor(self.files, functools.partial(strategy.build, self.files), strategy.length,
-                             strategy.batch_tokens(self.shape), strategy.columns)
+                             strategy.batch_tokens(self.shape), strategy.columns,
+                             getattr(strategy, "documents", documents))
 
     @property
     def tokenizer(self) -> Any:
@@ -123,9 +128,14 @@ def build_loader(
 ) -> Loader:
     """The loader of `files` in `data_format`: text windows for 'text', else packed samples of chat
     or prompt/completion records. With `cooperate` (and a process group of more than one rank) it
-    counts document lengths with every rank of the job."""
-    if data_format == "text":
-        strategy: Strategy = TextWindows(tokenizer, text_field=text_field)
+    counts document lengths with every rank of the job. `files` that are the `.tokens` shards of a
+    shard folder (components/data/shards.py) are read as text windows over their token ids."""
+    if files and all(Path(path).suffix == TOKENS_SUFFIX for path in files):
+        if data_format != "text":
+            raise DataError(f"data.format = '{data_format}': token shards hold text windows; expected 'text'")
+        strategy: Strategy = ShardWindows(tokenizer, read_manifest(Path(files[0]).parent))
+    elif data_format == "text":
+        strategy = TextWindows(tokenizer, text_field=text_field)
     else:
         strategy = PackedSamples(tokenizer, data_format=data_format, long_samples=long_samples)
     return Loader(files, strategy, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,

@@ -1,0 +1,110 @@
+"""How fast does the loader deliver tokens from token shards, from text files, and how fast does a
+training step consume them? Prints tokens per second of each and their ratios.
+
+The shipped Shakespeare corpus is prepared into shards (components/data/prepare.py, timed with one
+worker and with two) in a temporary folder. Then, alternating so that drift in the machine's speed
+hits both alike, a fresh loader reads `--epochs` passes over the corpus in one process
+(`build_loader`, no prefetch thread), once from the text files (tokenizing) and once from the
+shards (memory-mapped). Last, train.py's plan, model, optimizer and step (recipe/plan.py,
+build.py, step.py) for the same batch shape run `--steps` timed steps of train_step: the tokens a
+step consumes per second. A loader keeps a step fed when its ratio to the step is well over 1 (the
+prefetcher builds batches in a thread beside the step).
+
+    OMP_NUM_THREADS=2 python benchmarks/data_loader.py               # debug model on CPU
+    python benchmarks/data_loader.py --flavor llama3_1b --seq-len 2048 --batch 1   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from weft.components.config import parse_args
+from weft.components.data import Batch, build_loader, find_text_files, load_tokenizer
+from weft.components.data.prepare import prepare
+from weft.components.data.shards import read_manifest
+from weft.models.llama import LLAMA_FLAVORS
+from weft.recipe.build import build_trainer
+from weft.recipe.plan import RunPlan
+from weft.recipe.step import train_step
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "assets/data/shakespeare"
+TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
+
+
+def loader_tokens_per_second(files: list[Path], seq_len: int, batch: int, tokens: int) -> float:
+    """Input tokens per second a fresh loader of `files` delivers, over about `tokens` tokens."""
+    loader = build_loader("text", files, load_tokenizer(TOKENIZER), seq_len=seq_len, local_batch_size=batch,
+                          cooperate=False)
+    batches = iter(loader)
+    count = max(1, tokens // (batch * seq_len))
+    start = time.perf_counter()
+    for _ in range(count):
+        next(batches)
+    return count * batch * seq_len / (time.perf_counter() - start)
+
+
+def step_tokens_per_second(flavor: str, seq_len: int, batch: int, steps: int) -> float:
+    """Tokens per second train_step consumes, train.py's plan and build for this shape."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
+                      "--training.local_batch_size", str(batch)])
+    plan = RunPlan.from_config(cfg, 1, device_type=device.type, writes_dump_folder=False)  # measures, writes nothing
+    setup = build_trainer(plan, None, device)[-1]
+    tokens = torch.randint(0, plan.model_args.vocab_size, (batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    data = Batch(tokens[:, :-1], tokens[:, 1:]).to(device)
+    for _ in range(3):  # optimizer state, allocator and caches settle
+        train_step(setup, [data])
+    start = time.perf_counter()
+    for _ in range(steps):
+        result = train_step(setup, [data])
+    result.loss.item()  # the last step's kernels done
+    return steps * batch * seq_len / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--epochs", type=float, default=0.5, help="passes over the corpus per loader measurement")
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    text_files = find_text_files(str(CORPUS))
+    text_s, shard_s, prepare_s = [], [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        for workers in (1, 2):
+            start = time.perf_counter()
+            manifest = prepare(str(CORPUS), str(TOKENIZER), Path(folder) / f"w{workers}", workers=workers)
+            prepare_s[workers] = time.perf_counter() - start
+        shard_files = read_manifest(Path(folder) / "w1").token_files
+        tokens = int(args.epochs * manifest["total_tokens"])
+        for _ in range(args.repeats):
+            text_s.append(loader_tokens_per_second(text_files, args.seq_len, args.batch, tokens))
+            shard_s.append(loader_tokens_per_second(shard_files, args.seq_len, args.batch, tokens))
+    step = step_tokens_per_second(args.flavor, args.seq_len, args.batch, args.steps)
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    text, shards = statistics.median(text_s), statistics.median(shard_s)
+    print(f"device: {device}; corpus {CORPUS.relative_to(REPO)}: {manifest['total_tokens']:,} tokens, "
+          f"{manifest['total_documents']} documents; batch {args.batch} x seq {args.seq_len}; loaders read "
+          f"{tokens:,} tokens, {args.repeats} repeats each")
+    print(f"prepare: {prepare_s[1]:.2f} s with 1 worker, {prepare_s[2]:.2f} s with 2 (process start-up included)")
+    print(f"loader from text   tokens/s: {', '.join(f'{x:,.0f}' for x in text_s)}  (median {text:,.0f})")
+    print(f"loader from shards tokens/s: {', '.join(f'{x:,.0f}' for x in shard_s)}  (median {shards:,.0f})")
+    print(f"train_step ({args.flavor}) consumes tokens/s: {step:,.0f} over {args.steps} steps")
+    print(f"ratio shards / text loader: {shards / text:.2f}")
+    print(f"ratio text loader / step: {text / step:.1f}; shards loader / step: {shards / step:.1f}")
+
+
+if __name__ == "__main__":
+    main()
