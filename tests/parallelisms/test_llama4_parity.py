@@ -1,4 +1,4 @@
-"""Loss parity for Llama 4: train.py trains the debug MoE under tensor and context parallelism, and
+"""Loss parity for Llama 4: train.py trains the debug MoE under HSDP, tensor and context parallelism, and
 under expert parallelism (alone, with cp and with gradient accumulation), and fine-tunes it with
 LoRA under fsdp, tp and ep, as one process does (fp32, CPU, gloo, 10 steps, the
 routing bias moving after every step, so that a token routed differently anywhere would part the
@@ -31,6 +31,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),  # ep = tp's ranks
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+    "hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),  # experts sharded, replicated
     "fsdp2_tp2_ep4": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--parallelism.ep", "4"]),
     "fsdp2_tp2_ep2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
     # ep 2 borrowed from fsdp 4 (experts FSDP-sharded over the ranks holding the same ones):
