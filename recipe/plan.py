@@ -20,8 +20,8 @@ from weft.components.checkpoint import check_resume, resume_folder
 from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
-from weft.components.data.shards import (TOKENS_SUFFIX, check_tokenizer, is_shard_folder, read_manifest,
-                                         tokenizer_identity)
+from weft.components.data.shards import (are_shards, check_shard_format, check_tokenizer, is_shard_folder,
+                                         read_manifest, tokenizer_identity)
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
@@ -330,9 +330,8 @@ def check_formats(cfg: JobConfig, tokenizer, data_files: list[Path], validation_
         raise DataError(f"model.tokenizer_path: '{tokenizer_path(cfg)}' has no chat template, which "
                         "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
     for data_format, files in [(cfg.data.format, data_files), (validation_format, validation_files)]:
-        if files and files[0].suffix == TOKENS_SUFFIX:  # shards: read_manifest checked them
-            if data_format != "text":
-                raise ConfigError(f"data.format = '{data_format}': token shards hold text windows; expected 'text'")
+        if are_shards(files):  # read_manifest checked them
+            check_shard_format(data_format)
         elif files and data_format == "text":
             check_text_files(files, cfg.data.text_field)
         elif files:

@@ -25,18 +25,15 @@ import torch.distributed as dist
 
 from weft.components.data.batch import Batch, BatchShape, document_layout
 from weft.components.data.cursor import Cursor
-from weft.components.data.files import RawDoc, check_suffixes, documents
+from weft.components.data.files import DocStart, RawDoc
 from weft.components.data.packing import PackedSamples
-from weft.components.data.errors import DataError
-from weft.components.data.shards import TOKENS_SUFFIX, ShardWindows, read_manifest
+from weft.components.data.shards import ShardWindows, are_shards, check_shard_format, read_manifest
 from weft.components.data.windows import TextWindows
 from weft.components.distributed import shared_gloo_group
 
 
 class Strategy(Protocol):
-    """How a loader turns documents into batches (TextWindows, PackedSamples, ShardWindows). A
-    strategy with a `documents(files, start, columns)` method lists the documents itself (ShardWindows);
-    the others read them with files.documents."""
+    """How a loader turns documents into batches (TextWindows, PackedSamples, ShardWindows)."""
 
     tokenizer: Any
     columns: tuple[str, ...]  # the columns of a Parquet/Arrow row a document is read from
@@ -44,6 +41,7 @@ class Strategy(Protocol):
     dropped: int  # samples skipped as too long so far
 
     def check_files(self, files: list[Path]) -> None: ...  # DataError for a file it cannot read
+    def documents(self, files: list[Path], start: DocStart, columns: tuple[str, ...] | None) -> Iterator[RawDoc]: ...
     def check_records(self, files: list[Path]) -> int: ...  # every record checked; their number
     def batch_tokens(self, shape: BatchShape) -> int: ...  # stream tokens in one global micro-batch
     def build(self, files: list[Path], raw: RawDoc) -> Any: ...  # a document's unit (tokens, Sample)
@@ -60,14 +58,13 @@ class Loader:
     def __init__(self, files: list[Path], strategy: Strategy, *, seq_len: int, local_batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, exchange_group: dist.ProcessGroup | None = None) -> None:
         self.shape = BatchShape(seq_len, local_batch_size, dp_rank, dp_world_size)
-        self.files = [Path(path) for path in files] if isinstance(strategy, ShardWindows) else check_suffixes(files)
+        self.files = [Path(path) for path in files]
         strategy.check_files(self.files)
         self.strategy = strategy
         # The ranks that count lengths together when iterated: every rank of the job (None: alone).
         self.exchange_group = exchange_group
         self.cursor = Cursor(self.files, functools.partial(strategy.build, self.files), strategy.length,
-                             strategy.batch_tokens(self.shape), strategy.columns,
-                             getattr(strategy, "documents", documents))
+                             strategy.batch_tokens(self.shape), strategy.columns, strategy.documents)
 
     @property
     def tokenizer(self) -> Any:
@@ -130,9 +127,8 @@ def build_loader(
     or prompt/completion records. With `cooperate` (and a process group of more than one rank) it
     counts document lengths with every rank of the job. `files` that are the `.tokens` shards of a
     shard folder (components/data/shards.py) are read as text windows over their token ids."""
-    if files and all(Path(path).suffix == TOKENS_SUFFIX for path in files):
-        if data_format != "text":
-            raise DataError(f"data.format = '{data_format}': token shards hold text windows; expected 'text'")
+    if are_shards(files):
+        check_shard_format(data_format)
         strategy: Strategy = ShardWindows(tokenizer, read_manifest(Path(files[0]).parent))
     elif data_format == "text":
         strategy = TextWindows(tokenizer, text_field=text_field)

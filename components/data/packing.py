@@ -25,7 +25,8 @@ import torch.distributed as dist
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, documents, position_state, record_of, where
+from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, position_state,
+                                          record_of, where)
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
 from weft.components.loss import IGNORE_INDEX
 
@@ -50,7 +51,10 @@ class PackedSamples:
         self.truncated = 0  # samples cut to fit a window, since this strategy was built
         self.dropped = 0  # samples skipped as too long
 
+    documents = staticmethod(documents)  # the files' documents (components/data/files.py)
+
     def check_files(self, files: list[Path]) -> None:
+        check_suffixes(files)
         for path in files:
             if path.suffix == ".txt":
                 raise DataError(f"data.dataset_path: '{path}' is not a JSONL, Parquet or Arrow file, which "

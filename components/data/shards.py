@@ -62,6 +62,17 @@ def is_shard_folder(dataset_path: str | Path) -> bool:
     return (Path(dataset_path) / MANIFEST).is_file()
 
 
+def are_shards(files: list[Path]) -> bool:
+    """`files` are the `.tokens` shards of a shard folder (what the plan found there)."""
+    return bool(files) and all(Path(path).suffix == TOKENS_SUFFIX for path in files)
+
+
+def check_shard_format(data_format: str) -> None:
+    """Shards hold text windows: a record format cannot read them."""
+    if data_format != "text":
+        raise DataError(f"data.format = '{data_format}': token shards hold text windows; expected 'text'")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A checked manifest: its folder, dtype, tokenizer identity and shards (name, tokens, documents)."""

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import STATE_KEYS, DocStart, RawDoc, position_state, read_text, where
+from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, position_state,
+                                          read_text, where)
 
 
 class TextWindows:
@@ -37,8 +38,11 @@ class TextWindows:
         self._current = Counted(-1, RawDoc(DocStart(epoch=0, file_index=0), 0, None), 0)
         self._pos = 0
 
+    documents = staticmethod(documents)  # the files' documents (components/data/files.py)
+
     def check_files(self, files: list[Path]) -> None:
         """Any data file holds text documents."""
+        check_suffixes(files)
 
     def check_records(self, files: list[Path]) -> int:
         raise TypeError("text windows are checked by components.data.check_text_files, not record by record")
