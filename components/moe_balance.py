@@ -32,8 +32,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Read and reset every MoE layer's token counts, summed over `group` (the data- and context-
-    parallel ranks: None, one process); nudge each layer's bias by `rate` towards equal load
+    """Read and reset every MoE layer's token counts, summed over `group` (the ranks that route
+    other tokens: data- and context-parallel, and tensor-parallel under ep with tp; None, one process); nudge each layer's bias by `rate` towards equal load
     (rate 0: no balancing); return each layer's load imbalance. One all-reduce for all layers."""
     layers = moe_layers(model)
     if not layers:
@@ -54,8 +54,8 @@ def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | No
 def ep_imbalance(model: nn.Module, ep_group: dist.ProcessGroup, group: dist.ProcessGroup) -> dict[str, float]:
     """Each MoE layer's EP imbalance this step (see the module), read before `balance_experts`
     resets the counts: the counts summed over `ep_group` (the expert-parallel ranks, of which rank
-    r holds experts r·E/ep … (r+1)·E/ep − 1), then the worst over `group` (every data- and
-    context-parallel rank, so that all log the same). Two all-reduces of [layers, experts]."""
+    r holds experts r·E/ep … (r+1)·E/ep − 1), then the worst over `group` (the ranks whose routing
+    counts balance_experts sums, so that all log the same). Two all-reduces of [layers, experts]."""
     layers = moe_layers(model)
     if not layers:
         return {}
