@@ -2,7 +2,9 @@
 # The runbook's GPU checks (benchmarks/results/README.md), grouped so that one group fits one
 # 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
-#   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe
+#   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
+#                                             observe
+# BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
 # Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +15,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || exit  # weft's 
 group=$1
 LOG=$OUT/$group.log
 
+BUDGET=${BUDGET:-100000}
 step() {  # step SECONDS COMMAND...: run it under a time limit, log its command and exit code
     local limit=$1; shift
+    if (( SECONDS + 20 > BUDGET )); then echo "### skipped (budget): $*" >>"$LOG"; return; fi
+    (( SECONDS + limit > BUDGET )) && limit=$(( BUDGET - SECONDS ))
     { echo; echo "### $(date -u +%FT%TZ) \$ $*"; } >>"$LOG"
     timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
     echo "### exit $?" >>"$LOG"
@@ -106,6 +111,40 @@ share)  # which layouts two ranks sharing one GPU (gloo on CUDA tensors) can run
             --parallelism.share_gpus --training.steps 5 --metrics.log_freq 1 --job.dump_folder /tmp/share $layout
         rm -rf /tmp/share
     done
+    ;;
+observe)  # issues 29 and 30 on one GPU: CUDA tests, memory snapshots, CUDA traces, loader vs step
+    step 120 python3 -m pytest -q -rs tests/models/test_llama4.py tests/models/test_llama.py -k "cuda"
+    S=/tmp/snap
+    step 90 python3 train.py --job.config_file llama8b --model.flavor llama3_1b --job.dump_folder $S \
+        --training.steps 4 --metrics.log_freq 1 --activation_checkpoint.mode full --checkpoint.enable false \
+        --profiling.enable_memory_snapshot --profiling.memory_snapshot_freq 2 --no-compile.enable
+    ls -la $S/memory_snapshot/* >>"$LOG" 2>&1
+    step 60 python3 -m torch.cuda._memory_viz stats $S/memory_snapshot/step-2/rank-0.pickle
+    step 90 python3 train.py --job.config_file llama8b --model.flavor llama3_1b --job.dump_folder $S \
+        --training.steps 4 --metrics.log_freq 1 --activation_checkpoint.mode none --checkpoint.enable false \
+        --training.local_batch_size 64 --profiling.enable_memory_snapshot --profiling.memory_snapshot_freq 2 --no-compile.enable
+    ls -la $S/memory_snapshot/step-1-oom >>"$LOG" 2>&1
+    step 90 python3 train.py --job.config_file llama8b --model.flavor llama3_1b --job.dump_folder /tmp/oom \
+        --training.steps 4 --activation_checkpoint.mode none --checkpoint.enable false \
+        --training.local_batch_size 64 --no-compile.enable  # expect exit 1 (was 134: the data thread)
+    P=/tmp/prof
+    step 90 python3 train.py --job.config_file debug_model --job.dump_folder $P --training.steps 10 \
+        --metrics.log_freq 1 --checkpoint.enable false --profiling.enable --profiling.freq 10 \
+        --profiling.warmup 3 --profiling.active 1
+    step 30 python3 -c "import gzip, json, collections, glob; f = sorted(glob.glob('$P/profile_traces/*/*.json.gz')); print(f)
+e = json.load(gzip.open(f[-1]))['traceEvents']; print(collections.Counter(x.get('cat') for x in e))
+print(sorted({x['name'] for x in e if x['name'] in ('forward', 'backward', 'optimizer')}))"
+    step 60 python3 -m weft.components.data.prepare --source assets/data/shakespeare \
+        --tokenizer assets/tokenizer/shakespeare.model --out /tmp/shards --workers 8
+    for d in /tmp/shards assets/data/shakespeare; do
+        step 60 python3 train.py --job.config_file debug_model --training.steps 20 --metrics.log_freq 5 \
+            --checkpoint.enable false --data.dataset_path $d --job.dump_folder /tmp/data$RANDOM
+    done
+    step 120 python3 benchmarks/data_loader.py --flavor llama3_1b --seq-len 2048 --batch 1 --repeats 2
+    step 120 python3 benchmarks/profiling.py --flavor llama3_1b --seq-len 2048 --batch 1 --steps 20 --repeats 2
+    step 90 python3 train.py --job.config_file debug_moe --training.steps 20 --metrics.log_freq 5 \
+        --training.mixed_precision_param bfloat16 --float8.enable --float8.min_dim 16 \
+        --checkpoint.enable false --job.dump_folder /tmp/moe_f8
     ;;
 *) echo "unknown group $group" >&2; exit 2 ;;
 esac

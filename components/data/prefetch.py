@@ -19,10 +19,14 @@ builds a batch whenever the queue has room and stops only once the queue is full
 thread makes the same exchanges whatever the timing, and `close()` never leaves one rank waiting
 for another.
 An exception in the thread (a DataError from a bad record) is raised by `next()` as itself.
+If the caller never closes it (the loop raised), the thread is stopped at interpreter exit, before
+the interpreter finalizes: a daemon thread cut inside a torch call there aborts the process
+("terminate called without an active exception", exit 134) in place of the caller's error.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any
@@ -39,6 +43,9 @@ __all__ = ["Prefetcher", "prefetch"]
 # How long the thread waits on a full queue before it checks whether it was closed, and the main
 # thread on an empty one before it checks that the thread is still alive.
 _POLL_S = 0.05
+# How long the interpreter's exit waits for a thread the caller did not close (a rank that is gone
+# can hold its peers' threads in an exchange; past this the exit goes on).
+_EXIT_JOIN_S = 10.0
 
 
 class Prefetcher:
@@ -89,6 +96,12 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._produce, args=(self._queue,), name="weft-data-prefetch",
                                         daemon=True)  # never keeps the process alive at exit
         self._thread.start()
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        """The caller did not close it: stop the thread before the interpreter finalizes."""
+        self._closing.set()
+        self._thread.join(timeout=_EXIT_JOIN_S)
 
     def _get(self) -> tuple[str, Any]:
         while True:
@@ -153,6 +166,7 @@ class Prefetcher:
         self._closed = True
         if self._thread is None:
             return
+        atexit.unregister(self._stop_at_exit)
         self._closing.set()
         self._thread.join()
         self._thread, self._queue = None, None

@@ -5,6 +5,8 @@ for CUDA, and a thread that stops."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -161,3 +163,37 @@ def test_thread_and_main_thread_count_together_apart(tmp_path, tokenizer):
         assert run["state"] == want_state
         for got in run["validation"]:
             assert got == [[rows[rank : rank + 1] for rows in batch] for batch in want_validation]
+
+
+UNCLOSED = """
+import torch
+from weft.components.data.prefetch import Prefetcher
+
+class SlowLoader:  # every batch is long GIL-free torch work, as tokenizing and pinning are
+    exchange_group, truncated, dropped = None, 0, 0
+    def state_dict(self):
+        return {}
+    def stream(self, group, document_masking=False):
+        while True:
+            a = torch.randn(400, 400)
+            for _ in range(40):
+                a = torch.tanh(a @ a)
+            yield a
+
+torch.set_num_threads(1)
+batches = Prefetcher(SlowLoader(), exchange_group=None)
+next(batches)
+raise RuntimeError("the step failed")
+"""
+
+
+def test_an_unclosed_prefetcher_lets_the_error_exit_as_itself(tmp_path):
+    """A loop that raises never closes the prefetcher. The thread, cut inside a torch call while the
+    interpreter finalizes, used to abort the process (exit 134, 'terminate called without an active
+    exception'; seen on an H100 after an out-of-memory error): now the error exits as itself, exit 1."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith("RuntimeError: the step failed")
+    assert "terminate called" not in done.stderr
