@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from weft.components.config import JobConfig, parse_args, to_toml
+from weft.components.data.mixture import source_tokens
 from weft.components.distributed import Preemption, all_reduce_mean
 from weft.components.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
@@ -90,17 +91,18 @@ def train(cfg: JobConfig) -> list[float]:
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
                               result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
-                              ep_imbalance=result.ep_imbalance)
+                              ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()))
             metrics.log(stats)
             history.append(stats.loss)
             report_long_samples(loader)
 
         # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
-        if plan.validation_files and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
+        if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
             batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            with metrics.untimed(), timeouts.long("validation"):
-                loss = evaluate(step_setup, run.validation_loader(), batches, document_masking=cfg.data.document_masking)
-            metrics.log_validation(step, loss)
+            with metrics.untimed(), timeouts.long("validation"):  # one loss per source of a mixture
+                losses = {name: evaluate(step_setup, make_loader(), batches, document_masking=cfg.data.document_masking)
+                          for name, make_loader in run.validation_loaders.items()}
+            metrics.log_validation(step, losses)
 
         saved = checkpointer.should_save(step, cfg.training.steps)
         with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer

@@ -50,14 +50,14 @@ def difference(saved: dict[str, dict[str, object]], current: dict[str, dict[str,
     return f"file {added[0]} is new" if added else None
 
 
-def check_resumed_data(files: list[Path], dataset_path: str | Path, resume_folder: Path | None,
+def check_resumed_data(current: dict[str, dict[str, object]], described: str, resume_folder: Path | None,
                        allow_changed: bool) -> tuple[str, str | None]:
-    """(the fingerprint as JSON text, to save with each checkpoint; a note to log, or None).
+    """(the fingerprint `current` as JSON text, to save with each checkpoint; a note to log, or None).
 
-    Compares the data with the fingerprint saved in `resume_folder` (the checkpoint the run will
-    resume from; None or a checkpoint without a fingerprint: nothing to compare). A difference
-    raises DataChangedError naming the file, or with `allow_changed` becomes the note."""
-    current = data_fingerprint(files, dataset_path)
+    Compares `current` (data_fingerprint's, of the data `described`, e.g. "data.dataset_path = 'x'")
+    with the fingerprint saved in `resume_folder` (the checkpoint the run will resume from; None or
+    a checkpoint without a fingerprint: nothing to compare). A difference raises DataChangedError
+    naming the file, or with `allow_changed` becomes the note."""
     text = json.dumps(current, indent=1, sort_keys=True) + "\n"
     saved_file = resume_folder / FINGERPRINT_FILE if resume_folder is not None else None
     if saved_file is None or not saved_file.is_file():
@@ -69,7 +69,7 @@ def check_resumed_data(files: list[Path], dataset_path: str | Path, resume_folde
     changed = difference(saved, current)
     if changed is None:
         return text, None
-    where = f"data.dataset_path = {str(dataset_path)!r}: {changed} since checkpoint {resume_folder} was saved"
+    where = f"{described}: {changed} since checkpoint {resume_folder} was saved"
     if not allow_changed:
         raise DataChangedError(f"{where}; the resumed run would read other samples than the interrupted one; restore "
                                "the data, or set data.allow_changed_data = true to resume anyway")

@@ -114,6 +114,7 @@ class StepStats:
     skipped_steps: int = 0  # optimizer steps skipped so far for a non-finite loss or gradient norm
     moe_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> busiest expert's load / mean
     ep_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> tokens of the busiest ep rank / mean
+    source_tokens: dict[str, int] = field(default_factory=dict)  # data.mixture source -> tokens drawn so far
 
 
 class MetricsLogger:
@@ -218,6 +219,7 @@ class MetricsLogger:
             "memory/peak_gib": peak_memory_gib(self.device),
             **{f"moe/imbalance/{layer}": value for layer, value in stats.moe_imbalance.items()},
             **{f"moe/ep_imbalance/{layer}": value for layer, value in stats.ep_imbalance.items()},
+            **{f"data/tokens/{name}": tokens for name, tokens in stats.source_tokens.items()},
             "time/elapsed_seconds": run_seconds,
             "time/remaining_seconds": remaining_seconds,
             **rank_scalars(times),
@@ -234,6 +236,7 @@ class MetricsLogger:
             + (f"  skipped_steps {stats.skipped_steps}" if stats.skipped_steps else "")
             + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
             + (f"  ep_imbalance {max(stats.ep_imbalance.values()):.2f}" if stats.ep_imbalance else "")
+            + source_note(stats.source_tokens)
             + slow_rank_note(times, self.slow_rank_threshold)
             + f"  elapsed {clock(run_seconds)} eta {clock(remaining_seconds)}"
         )
@@ -245,10 +248,16 @@ class MetricsLogger:
         self._data_wait_s = 0.0
         return values
 
-    def log_validation(self, step: int, loss: float) -> dict[str, float]:
-        """The validation loss and its perplexity: a log line, TensorBoard scalars, a JSON line."""
-        values = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0))}
-        logger.info(f"step {step:>6}  validation loss {loss:8.4f}  perplexity {values['validation/perplexity']:.2f}")
+    def log_validation(self, step: int, losses: dict[str, float]) -> dict[str, float]:
+        """Validation losses by source ('': validation.dataset_path's one loss) and their perplexities:
+        a log line, TensorBoard scalars, a JSON line."""
+        values, parts = {}, []
+        for name, loss in losses.items():
+            suffix = f"/{name}" if name else ""
+            values[f"validation/loss{suffix}"] = loss
+            values[f"validation/perplexity{suffix}"] = perplexity = math.exp(min(loss, 80.0))
+            parts.append(f"{name + ' ' if name else ''}{loss:8.4f}  perplexity {perplexity:.2f}")
+        logger.info(f"step {step:>6}  validation loss " + "  ".join(parts))
         if not self._opened:
             self._open()
         self._write(values, step)
@@ -273,6 +282,22 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.close()
+
+
+def source_note(tokens: dict[str, int]) -> str:
+    """The log line's tokens drawn from each source of a data.mixture, with its share ('' without one)."""
+    total = sum(tokens.values())
+    if not total:
+        return ""
+    return "  source_tokens " + " ".join(f"{name} {_count(n)} ({100 * n / total:.1f}%)" for name, n in tokens.items())
+
+
+def _count(n: int) -> str:
+    """1234 -> '1.2k', 5600000 -> '5.6M' (for the log line; metrics.jsonl holds the exact counts)."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from weft.components.checkpoint import Checkpointer, CheckpointError, load_model_weights
 from weft.components.data import build_loader, prefetch
+from weft.components.data.mixture import Mixture
 from weft.components.distributed import (
     gpu_binding_line,
     init_distributed,
@@ -65,7 +66,9 @@ class Training:
     meshes: Meshes | None
     rank: int
     loader: object  # yields Batch; close() stops its background thread
-    validation_loader: Callable[[], object]  # a fresh validation loader per evaluation
+    # A fresh validation loader per evaluation, by source name ('' for validation.dataset_path):
+    # one loss each. Empty: no validation.
+    validation_loaders: dict[str, Callable[[], object]]
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -75,9 +78,9 @@ class Training:
 def build_training(plan: RunPlan) -> Training:
     """Start the processes, then build data, model, optimizer and step from the plan, in that order."""
     device, meshes, rank = start_processes(plan)
-    loader, validation_loader = build_data(plan, meshes, device)
+    loader, validation_loaders = build_data(plan, meshes, device)
     model, optimizer, scheduler, step = build_trainer(plan, meshes, device)
-    return Training(device, meshes, rank, loader, validation_loader, model, optimizer, scheduler, step)
+    return Training(device, meshes, rank, loader, validation_loaders, model, optimizer, scheduler, step)
 
 
 def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device):
@@ -205,13 +208,14 @@ def load_lora_base(plan: RunPlan, model: nn.Module) -> nn.Module:
 
 
 def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
-    """The training loader (prepared ahead in a background thread, pinned on CUDA) and a factory
-    of validation loaders (each evaluation reads the first batches of a fresh one).
+    """The training loader (prepared ahead in a background thread, pinned on CUDA) and factories
+    of validation loaders, by source (each evaluation reads the first batches of a fresh one).
 
     Every rank of one data-parallel replica (its TP and CP ranks) reads the same batches. Chat and
     prompt/completion samples are packed whole, each with its own positions and document id and
     labels only where the loss applies; the ranks count document lengths together, so each
-    tokenizes little more than its own share."""
+    tokenizes little more than its own share. A data.mixture is one loader of one window per rank
+    per source, drawn from by weight (components/data/mixture.py)."""
     cfg = plan.cfg
     make_loader = functools.partial(
         build_loader,
@@ -223,10 +227,19 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
         text_field=cfg.data.text_field,
         long_samples=cfg.data.long_samples,
     )
-    loader = prefetch(make_loader(cfg.data.format, plan.data_files), document_masking=cfg.data.document_masking,
-                      device=device)
+    sources = plan.data_sources
+    if sources:
+        loader = Mixture([s.name for s in sources], [make_loader(cfg.data.format, s.files, local_batch_size=1)
+                                                     for s in sources],
+                         [s.weight for s in sources], local_batch_size=cfg.training.local_batch_size)
+    else:
+        loader = make_loader(cfg.data.format, plan.data_files)
     validation_format = cfg.validation.format or cfg.data.format
-    return loader, functools.partial(make_loader, validation_format, plan.validation_files)
+    per_source = {s.name: functools.partial(make_loader, validation_format, s.validation_files)
+                  for s in sources if s.validation_files}
+    validation_loaders = per_source or (
+        {"": functools.partial(make_loader, validation_format, plan.validation_files)} if plan.validation_files else {})
+    return prefetch(loader, document_masking=cfg.data.document_masking, device=device), validation_loaders
 
 
 def build_optimizer_and_schedule(plan: RunPlan, model: nn.Module):

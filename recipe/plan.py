@@ -19,11 +19,8 @@ import torch
 from weft.components.checkpoint import check_resume, resume_folder
 from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
-from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files, load_tokenizer
-from weft.components.data.shards import (are_shards, check_shard_format, check_tokenizer, is_shard_folder,
-                                         read_manifest, tokenizer_identity)
+from weft.components.data import DataError, load_tokenizer
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
-from weft.components.fingerprint import check_resumed_data
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
 from weft.components.wandb_logger import check_wandb
@@ -33,6 +30,7 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
+from weft.recipe.data_plan import DataSource, plan_data
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
 
@@ -59,6 +57,7 @@ class RunPlan:
     transforms: dict[str, Setting] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
+    data_sources: list[DataSource] = field(default_factory=list)  # data.mixture's (recipe/data_plan.py)
     pipeline: PipelineLayout | None = None  # with parallelism.pp > 1
 
     @classmethod
@@ -73,15 +72,13 @@ class RunPlan:
         folders, the checkpoint to resume and its data fingerprint."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size)
-        tokenizer, data_files, validation_files = None, [], []
+        tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
             tokenizer = load_tokenizer(tokenizer_path(cfg))
             if tokenizer.vocab_size > model_args.vocab_size:
                 raise DataError(f"model.tokenizer_path: the tokenizer's vocabulary ({tokenizer.vocab_size}) is "
                                 f"larger than the vocabulary of {model_source(cfg)} ({model_args.vocab_size})")
-            data_files, validation_files = data_and_validation_files(cfg, tokenizer)
-            check_formats(cfg, tokenizer, data_files, validation_files)
             resumes = cfg.checkpoint.enable and writes_dump_folder
             if writes_dump_folder:
                 check_dump_folder(cfg)  # resuming is fine; reusing another experiment's folder is not
@@ -90,11 +87,12 @@ class RunPlan:
                     check_export_folder(Path(cfg.job.dump_folder), cfg.export.hf_folder)
             if resumes:
                 check_resume(cfg.checkpoint, Path(cfg.job.dump_folder), cfg.training.steps)
-            # the data against the fingerprint of the checkpoint this run resumes from
-            fingerprint, data_note = check_resumed_data(
-                data_files, cfg.data.dataset_path, resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder))
-                if resumes else None, cfg.data.allow_changed_data)
-            notes = [note for note in (data_note, restart_warning()) if note]
+            # the data files, checked, against the fingerprint of the checkpoint this run resumes from
+            data = plan_data(cfg, tokenizer, tokenizer_path(cfg),
+                             resume_folder(cfg.checkpoint, Path(cfg.job.dump_folder)) if resumes else None)
+            data_files, validation_files, data_sources = data.files, data.validation_files, data.sources
+            fingerprint = data.fingerprint
+            notes = [note for note in (data.note, restart_warning()) if note]
             check_wandb(cfg)  # the package, with metrics.enable_wandb
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
@@ -113,7 +111,8 @@ class RunPlan:
                    transforms=transform_settings(cfg, dims, device_type),
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
-                   data_fingerprint=fingerprint, pipeline=pipeline_layout(cfg, model_args, dims))
+                   data_fingerprint=fingerprint, data_sources=data_sources,
+                   pipeline=pipeline_layout(cfg, model_args, dims))
         check_lora(plan)
         return plan
 
@@ -299,44 +298,6 @@ def tokenizer_path(cfg: JobConfig) -> str:
     if initial is not None and (initial / "tokenizer.json").is_file():
         return str(initial)
     return str(SHIPPED_TOKENIZER)
-
-
-def data_and_validation_files(cfg: JobConfig, tokenizer) -> tuple[list[Path], list[Path]]:
-    """The training files, and the validation files when validation is enabled."""
-    data_files = dataset_files(cfg, cfg.data.dataset_path, "data.dataset_path", tokenizer)
-    if not cfg.validation.enable:
-        return data_files, []
-    if not cfg.validation.dataset_path:
-        raise ConfigError("validation.dataset_path: required when validation.enable is set")
-    return data_files, dataset_files(cfg, cfg.validation.dataset_path, "validation.dataset_path", tokenizer)
-
-
-def dataset_files(cfg: JobConfig, dataset_path: str, key: str, tokenizer) -> list[Path]:
-    """The data files at `dataset_path` (find_text_files), or, for a folder of token shards (its manifest.json),
-    the shards: checked from the manifest and the shards' sizes, made with the run's tokenizer."""
-    if not is_shard_folder(dataset_path):
-        return find_text_files(dataset_path, key=key)
-    manifest = read_manifest(dataset_path, key=key)
-    check_tokenizer(manifest, tokenizer_identity(tokenizer_path(cfg), tokenizer), tokenizer_path(cfg))
-    return manifest.token_files
-
-
-def check_formats(cfg: JobConfig, tokenizer, data_files: list[Path], validation_files: list[Path]) -> None:
-    """Every file readable in its format: the start of each text file (seconds even for a big
-    corpus), every record of a JSONL chat or prompt/completion file, before anything is written."""
-    validation_format = cfg.validation.format or cfg.data.format
-    formats = {cfg.data.format, validation_format} if validation_files else {cfg.data.format}
-    if "chat" in formats and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
-        raise DataError(f"model.tokenizer_path: '{tokenizer_path(cfg)}' has no chat template, which "
-                        "data.format = 'chat' needs (a Hugging Face folder whose tokenizer_config.json has one)")
-    for data_format, files in [(cfg.data.format, data_files), (validation_format, validation_files)]:
-        if are_shards(files):  # read_manifest checked them
-            check_shard_format(data_format)
-        elif files and data_format == "text":
-            check_text_files(files, cfg.data.text_field)
-        elif files:
-            build_loader(data_format, files, tokenizer, seq_len=cfg.training.seq_len, local_batch_size=1,
-                         dp_rank=0, dp_world_size=1).check_records()
 
 
 def float8_warnings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:

@@ -180,6 +180,9 @@ class Data:
     allow_changed_data: bool = opt(
         False, "Resume even if a data file changed since the checkpoint was saved (logged); by default that "
         "stops the run, naming the file")
+    mixture: list[str] = opt(
+        [], "Weighted sources, each 'PATH:WEIGHT' (PATH as data.dataset_path, which it replaces; WEIGHT > 0): each "
+        "window comes from the source furthest below its share of the tokens")
 
 
 @dataclass
@@ -189,6 +192,9 @@ class Validation:
                             "validation.format is set; or a folder of token shards")
     format: str = opt("", "Format of the validation data; empty: data.format",
                       choices=("", "text", "chat", "prompt_completion"))
+    mixture: list[str] = opt(
+        [], "With data.mixture: one validation path per source, in data.mixture's order; one loss per source "
+        "(in place of validation.dataset_path)")
     freq: int = opt(100, "Evaluate every N steps (and after the last step)", min=1)
     steps: int = opt(10, "Global batches (as in training, accumulation included) evaluated each time: always the first ones of the dataset", min=1)
 

@@ -46,11 +46,16 @@ def test_each_change_is_named(corpus, change, said):
 def test_resume_check_stops_or_notes(corpus, tmp_path):
     step = tmp_path / "step-2"
     step.mkdir()
-    text, note = check_resumed_data(files(corpus), corpus, step, allow_changed=False)  # no fingerprint saved yet
+
+    def check(allow_changed: bool):
+        described = f"data.dataset_path = {str(corpus)!r}"
+        return check_resumed_data(data_fingerprint(files(corpus), corpus), described, step, allow_changed=allow_changed)
+
+    text, note = check(False)  # no fingerprint saved yet
     assert note is None
     (step / "data_fingerprint.json").write_text(text)
     (corpus / "a.txt").write_bytes(b"y")
     with pytest.raises(DataChangedError, match=r"file a.txt changed .* since checkpoint .*step-2 was saved"):
-        check_resumed_data(files(corpus), corpus, step, allow_changed=False)
-    _, note = check_resumed_data(files(corpus), corpus, step, allow_changed=True)
+        check(False)
+    _, note = check(True)
     assert "resuming anyway (data.allow_changed_data = true)" in note

@@ -1,0 +1,162 @@
+"""Weighted mixtures: several sources, each a loader of its own, drawn from in proportion to weights.
+
+`data.mixture = ["data/web:3", "data/code:1"]` names each source by a path (anything
+`data.dataset_path` takes: a file, a folder of text/JSONL/Parquet/Arrow files, a folder of token
+shards) and a weight. Each source is a `Loader` (components/data/loader.py) of one window per
+rank: a *draw* gives every data-parallel rank the next window of one source, `dp * seq_len`
+tokens in all. A rank's micro-batch of `local_batch_size` rows is that many consecutive draws,
+row j of every rank from draw j.
+
+Which source each draw takes is decided by the tokens drawn so far, the same on every rank: the
+source furthest below its share of the total after this draw (weight / sum of weights), the
+first one on a tie. So at every draw each source's tokens are within one draw (one window per
+rank) of its share, over the whole run and over any stretch of it.
+
+The state is every source's loader state and its tokens drawn, all global: a resume continues
+each source exactly where it stood, and a resume under another data-parallel degree reshards
+each source as a plain loader does, the shares still counted in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weft.components.data.batch import Batch
+from weft.components.data.errors import DataError
+from weft.components.data.files import TEXT_SUFFIXES
+
+# Characters kept in a source's name (its path's last part): the name appears in metric names.
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    """One `data.mixture` entry: a source's path, weight and the name its metrics go by."""
+
+    name: str
+    path: str
+    weight: float
+
+
+def parse_mixture(entries: list[str], key: str = "data.mixture") -> list[MixtureEntry]:
+    """`PATH:WEIGHT` entries as MixtureEntry's; a DataError naming the entry for a bad weight, a
+    missing `:WEIGHT` or two sources with one name. Whether each path exists is the caller's check."""
+    parsed = []
+    for entry in entries:
+        path, colon, weight_text = entry.rpartition(":")
+        if not colon or not path:
+            raise DataError(f"{key}: entry {entry!r}: expected PATH:WEIGHT (a data path and a weight > 0)")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise DataError(f"{key}: entry {entry!r}: weight {weight_text!r} is not a number; "
+                            "expected PATH:WEIGHT with a weight > 0") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"{key}: entry {entry!r}: weight {weight_text}; expected a finite number > 0")
+        parsed.append(MixtureEntry(source_name(path), path, weight))
+    names = [e.name for e in parsed]
+    for name in names:
+        if names.count(name) > 1:
+            same = [e.path for e in parsed if e.name == name]
+            raise DataError(f"{key}: sources {same[0]!r} and {same[1]!r} have one name, {name!r} (their paths' "
+                            "last parts); rename one, since metrics and checkpoints tell sources apart by name")
+    return parsed
+
+
+def source_name(path: str) -> str:
+    """A source's name: its path's last part without a data suffix, other characters as '_'."""
+    last = Path(path.rstrip("/\\")).name
+    stem = next((last[: -len(s)] for s in TEXT_SUFFIXES if last.endswith(s)), last)
+    return _NAME_CHARS.sub("_", stem) or "source"
+
+
+class Mixture:
+    """This rank's micro-batches of `local_batch_size` rows, each row one draw from the source
+    whose turn it is (module docstring). `loaders`: one per source, each built with one window
+    per rank (local_batch_size 1) for the same seq_len and data-parallel rank and degree."""
+
+    def __init__(self, names: list[str], loaders: list[Any], weights: list[float], *, local_batch_size: int) -> None:
+        if not (len(names) == len(loaders) == len(weights) > 0):
+            raise ValueError("a mixture needs one name, loader and weight per source")
+        shapes = {(loader.shape.seq_len, loader.shape.local_batch_size, loader.shape.dp_world_size) for loader in loaders}
+        if len(shapes) != 1 or next(iter(shapes))[1] != 1:
+            raise ValueError(f"a mixture's loaders draw one window per rank, of one seq_len and dp: {shapes}")
+        self.names, self.loaders, self.local_batch_size = list(names), list(loaders), local_batch_size
+        self.shares = [w / sum(weights) for w in weights]
+        seq_len, _, dp = next(iter(shapes))
+        self.draw_tokens = seq_len * dp  # tokens one draw gives the step, over every rank
+        self.tokens = [0] * len(names)  # tokens drawn from each source so far
+
+    @property
+    def exchange_group(self) -> dist.ProcessGroup | None:
+        return self.loaders[0].exchange_group
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaders[0].tokenizer
+
+    @property
+    def truncated(self) -> int:
+        return sum(loader.truncated for loader in self.loaders)
+
+    @property
+    def dropped(self) -> int:
+        return sum(loader.dropped for loader in self.loaders)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.stream(self.exchange_group)
+
+    def next_source(self) -> int:
+        """The source of the next draw: the furthest below its share once this draw is counted."""
+        after = sum(self.tokens) + self.draw_tokens
+        behind = [share * after - tokens for share, tokens in zip(self.shares, self.tokens)]
+        return behind.index(max(behind))
+
+    def stream(self, exchange_group: dist.ProcessGroup | None, *, document_masking: bool = False) -> Iterator[Batch]:
+        """The micro-batches from the current state on, forever (as `Loader.stream`)."""
+        streams = [loader.stream(exchange_group, document_masking=document_masking) for loader in self.loaders]
+        while True:
+            rows = []
+            for _ in range(self.local_batch_size):
+                source = self.next_source()
+                rows.append(next(streams[source]))
+                self.tokens[source] += self.draw_tokens
+            yield _stack(rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every source's loader state and tokens drawn, by name."""
+        return {"mixture": {name: {"tokens": tokens, **loader.state_dict()}
+                            for name, loader, tokens in zip(self.names, self.loaders, self.tokens)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("mixture") if isinstance(state, dict) else None
+        if not isinstance(saved, dict) or set(saved) != set(self.names):
+            had = sorted(saved) if isinstance(saved, dict) else "no mixture"
+            raise DataError(f"data loader state: the checkpoint's sources are {had}, this run's "
+                            f"data.mixture has {sorted(self.names)}")
+        for i, (name, loader) in enumerate(zip(self.names, self.loaders)):
+            cursor = dict(saved[name])
+            tokens = cursor.pop("tokens", None)
+            if type(tokens) is not int or tokens < 0:
+                raise DataError(f"data loader state: source {name!r}: expected a token count, got {tokens!r}")
+            loader.load_state_dict(cursor)
+            self.tokens[i] = tokens
+
+
+def _stack(rows: list[Batch]) -> Batch:
+    """One micro-batch of these one-row-per-rank batches, in order."""
+    return Batch(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*rows)))
+
+
+def source_tokens(state: dict) -> dict[str, int]:
+    """Tokens drawn from each source, from a loader's state (a mixture's; else empty)."""
+    mixture = state.get("mixture") if isinstance(state, dict) else None
+    return {name: cursor["tokens"] for name, cursor in mixture.items()} if isinstance(mixture, dict) else {}
