@@ -1,6 +1,7 @@
 """The recipe layer: what train.py, the dry run, generate.py and the benchmarks share.
 
     plan.py   RunPlan.from_config(cfg, world_size): everything the config decides, checked, nothing built
+    data_plan.py  the data files of data.dataset_path or of each data.mixture source, checked, fingerprinted
     build.py  processes and meshes, model, data, optimizer, the step's setup, from a plan
     step.py   train_step and evaluate
     dry_run.py  --job.dry_run: the plan and the model built on meta, a memory estimate, nothing written

@@ -86,7 +86,7 @@ class Mixture:
     def __init__(self, names: list[str], loaders: list[Any], weights: list[float], *, local_batch_size: int) -> None:
         if not (len(names) == len(loaders) == len(weights) > 0):
             raise ValueError("a mixture needs one name, loader and weight per source")
-        shapes = {(loader.shape.seq_len, loader.shape.local_batch_size, loader.shape.dp_world_size) for loader in loaders}
+        shapes = {(one.shape.seq_len, one.shape.local_batch_size, one.shape.dp_world_size) for one in loaders}
         if len(shapes) != 1 or next(iter(shapes))[1] != 1:
             raise ValueError(f"a mixture's loaders draw one window per rank, of one seq_len and dp: {shapes}")
         self.names, self.loaders, self.local_batch_size = list(names), list(loaders), local_batch_size

@@ -25,7 +25,8 @@ def corpus(tmp_path_factory) -> Path:
     """Two sources: comedies as text files, tragedies as token shards (made by prepare)."""
     root = tmp_path_factory.mktemp("mixture")
     plays = REPO / "assets/data/shakespeare"
-    for kind, names in {"comedies": ["as-you-like-it", "twelfth-night"], "tragedies_text": ["hamlet", "macbeth"]}.items():
+    plays_of = {"comedies": ["as-you-like-it", "twelfth-night"], "tragedies_text": ["hamlet", "macbeth"]}
+    for kind, names in plays_of.items():
         (root / kind).mkdir()
         for name in names:
             shutil.copy(plays / f"{name}.txt", root / kind)

@@ -90,4 +90,5 @@ def test_validation_mixture_without_a_data_mixture_is_refused(corpus, capsys):
     outcome = run_in_process(train.main, ["--job.config_file", "debug_model", "--job.dump_folder", str(corpus / "out"),
                                           "--validation.enable", "--validation.mixture", str(corpus / "web_val")],
                              capsys)
-    assert_clean_failure(outcome, "validation.mixture: one validation path per source of data.mixture, which is not set")
+    assert_clean_failure(outcome, "validation.mixture: one validation path per source of data.mixture, which is "
+                                  "not set")
