@@ -48,8 +48,8 @@ class MixtureEntry:
 
 def parse_mixture(entries: list[str], key: str = "data.mixture") -> list[MixtureEntry]:
     """`PATH:WEIGHT` entries as MixtureEntry's; a DataError naming the entry for a bad weight, a
-    missing `:WEIGHT` or two sources with one name. Whether each path exists is the caller's check."""
-    parsed = []
+    missing `:WEIGHT` or one path given twice. Whether each path exists is the caller's check."""
+    paths, weights = [], []
     for entry in entries:
         path, colon, weight_text = entry.rpartition(":")
         if not colon or not path:
@@ -61,21 +61,29 @@ def parse_mixture(entries: list[str], key: str = "data.mixture") -> list[Mixture
                             "expected PATH:WEIGHT with a weight > 0") from None
         if not math.isfinite(weight) or weight <= 0:
             raise DataError(f"{key}: entry {entry!r}: weight {weight_text}; expected a finite number > 0")
-        parsed.append(MixtureEntry(source_name(path), path, weight))
-    names = [e.name for e in parsed]
-    for name in names:
-        if names.count(name) > 1:
-            same = [e.path for e in parsed if e.name == name]
-            raise DataError(f"{key}: sources {same[0]!r} and {same[1]!r} have one name, {name!r} (their paths' "
-                            "last parts); rename one, since metrics and checkpoints tell sources apart by name")
-    return parsed
+        paths.append(path)
+        weights.append(weight)
+    return [MixtureEntry(name, path, weight) for name, path, weight in zip(source_names(paths, key), paths, weights)]
 
 
-def source_name(path: str) -> str:
-    """A source's name: its path's last part without a data suffix, other characters as '_'."""
-    last = Path(path.rstrip("/\\")).name
-    stem = next((last[: -len(s)] for s in TEXT_SUFFIXES if last.endswith(s)), last)
-    return _NAME_CHARS.sub("_", stem) or "source"
+def source_names(paths: list[str], key: str = "data.mixture") -> list[str]:
+    """Each source's name: its path's last part without a data suffix ('data/web' -> 'web'), or,
+    where two share it, as many more of the path's parts as tell them apart ('a/train' ->
+    'a_train'); characters other than letters, digits, '_' and '-' become '_'."""
+    parts = [[part for part in Path(path).parts if part.strip("/\\")] or ["source"] for path in paths]
+    for each in parts:
+        each[-1] = next((each[-1][: -len(s)] for s in TEXT_SUFFIXES if each[-1].endswith(s)), each[-1])
+    depth = [1] * len(paths)
+    while True:
+        names = [_NAME_CHARS.sub("_", "_".join(p[-d:])) for p, d in zip(parts, depth)]
+        clashes = [i for i, name in enumerate(names) if names.count(name) > 1]
+        if not clashes:
+            return names
+        if any(depth[i] >= len(parts[i]) for i in clashes):
+            same = [paths[i] for i in clashes]
+            raise DataError(f"{key}: sources {same[0]!r} and {same[1]!r} are one source (give each path once)")
+        for i in clashes:
+            depth[i] += 1
 
 
 class Mixture:
