@@ -179,6 +179,20 @@ def model_tensor_metadata(
     return {name: saved[name] for name in shapes}
 
 
+def check_loader_state(folder: Path, expected: dict[str, Any]) -> None:
+    """The checkpoint's data position has the entries of `expected` (the live loader's): a
+    position in one dataset (data.dataset_path) and a mixture's (data.mixture) are not
+    interchangeable, and DCP would only name a missing key."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    saved = {key.removeprefix("dataloader.") for key in metadata.state_dict_metadata if key.startswith("dataloader.")}
+    if saved != set(expected):
+        def kind(keys) -> str:
+            mixture = any(key.split(".")[0] == "mixture" for key in keys)
+            return "a data.mixture's" if mixture else "one dataset's (data.dataset_path)"
+        raise CheckpointError(f"checkpoint {folder}: its data position is {kind(saved)} and this run's data is "
+                              f"{kind(expected)}; a run resumes only from a checkpoint of the same kind of data")
+
+
 def check_resume(cfg: Checkpoint, dump_folder: Path, last_step: int) -> None:
     """Refuse checkpoint states a run would otherwise misread, before anything is loaded or written:
 
@@ -409,6 +423,7 @@ class Checkpointer:
         else:
             self._check_lora_base(folder)
         state = self._state(step=0)
+        check_loader_state(folder, state["dataloader"])
         dcp_call("load", state, folder)
         load_model_state(self.model, state["model"], strict=self.base_identity is None)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])

@@ -19,6 +19,7 @@ each source as a plain loader does, the shares still counted in tokens.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -139,17 +140,18 @@ class Mixture:
                 self.tokens[source] += self.draw_tokens
             yield _stack(rows)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every source's loader state and tokens drawn, by name."""
-        return {"mixture": {name: {"tokens": tokens, **loader.state_dict()}
-                            for name, loader, tokens in zip(self.names, self.loaders, self.tokens)}}
+    def state_dict(self) -> dict[str, str]:
+        """Every source's loader state and tokens drawn, by name, as JSON text: one checkpoint entry
+        whatever the sources, so a checkpoint of other sources is refused here, naming them."""
+        return {"mixture": json.dumps({name: {"tokens": tokens, **loader.state_dict()}
+                                       for name, loader, tokens in zip(self.names, self.loaders, self.tokens)})}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state.get("mixture") if isinstance(state, dict) else None
-        if not isinstance(saved, dict) or set(saved) != set(self.names):
-            had = sorted(saved) if isinstance(saved, dict) else "no mixture"
-            raise DataError(f"data loader state: the checkpoint's sources are {had}, this run's "
-                            f"data.mixture has {sorted(self.names)}")
+        saved = mixture_state(state)
+        if saved is None or set(saved) != set(self.names):
+            had = sorted(saved) if saved is not None else "not a mixture's"
+            raise DataError(f"data loader state: the checkpoint's sources are {had}, this run's data.mixture has "
+                            f"{sorted(self.names)}; a mixture resumes with its sources as saved (weights may change)")
         for i, (name, loader) in enumerate(zip(self.names, self.loaders)):
             cursor = dict(saved[name])
             tokens = cursor.pop("tokens", None)
@@ -164,7 +166,16 @@ def _stack(rows: list[Batch]) -> Batch:
     return Batch(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*rows)))
 
 
+def mixture_state(state: Any) -> dict[str, dict] | None:
+    """A mixture's saved state by source name, or None if `state` is not a mixture's."""
+    text = state.get("mixture") if isinstance(state, dict) else None
+    try:
+        saved = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return saved if isinstance(saved, dict) and all(isinstance(v, dict) for v in saved.values()) else None
+
+
 def source_tokens(state: dict) -> dict[str, int]:
     """Tokens drawn from each source, from a loader's state (a mixture's; else empty)."""
-    mixture = state.get("mixture") if isinstance(state, dict) else None
-    return {name: cursor["tokens"] for name, cursor in mixture.items()} if isinstance(mixture, dict) else {}
+    return {name: cursor["tokens"] for name, cursor in (mixture_state(state) or {}).items()}

@@ -258,3 +258,24 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     last_logged = max(logged_losses(tmp_path))
     assert steps[-1] == last_logged < STEPS  # it stopped early, with a checkpoint of its last step
     assert (tmp_path / "checkpoint" / f"step-{last_logged}" / COMPLETE).is_file()
+
+
+def test_a_data_position_of_another_kind_is_refused_in_one_line(tmp_path):
+    """A checkpoint of one dataset's position cannot resume a mixture run, nor the reverse: the
+    refusal says which is which (DCP alone would name a missing key)."""
+    import torch.distributed.checkpoint as dcp
+
+    from weft.components.checkpoint import check_loader_state
+
+    single = {"epoch": 0, "file_index": 1, "byte_offset": 0, "line_number": 0, "token_offset": 5}
+    mixture = {"mixture": json.dumps({"web": {"tokens": 64, **single}})}
+    for name, state in (("single", single), ("mixture", mixture)):
+        dcp.save({"dataloader": state}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    check_loader_state(tmp_path / "single", single)
+    check_loader_state(tmp_path / "mixture", mixture)
+    with pytest.raises(CheckpointError, match="its data position is one dataset's .* this run's data is a "
+                                              "data.mixture's"):
+        check_loader_state(tmp_path / "single", mixture)
+    with pytest.raises(CheckpointError, match="its data position is a data.mixture's and this run's data is one "
+                                              "dataset's"):
+        check_loader_state(tmp_path / "mixture", single)

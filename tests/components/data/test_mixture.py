@@ -142,7 +142,7 @@ def test_a_state_of_other_sources_is_refused(sources, tokenizer):
     with pytest.raises(DataError, match=r"checkpoint's sources are \['code', 'web'\], this run's data.mixture "
                                         r"has \['books', 'web'\]"):
         mixture(sources, tokenizer, {"web": 1.0, "books": 1.0}).load_state_dict(state)
-    with pytest.raises(DataError, match="no mixture"):
+    with pytest.raises(DataError, match="the checkpoint's sources are not a mixture's"):
         mixture(sources, tokenizer, {"web": 1.0}).load_state_dict(source_loader(sources["web"], tokenizer).state_dict())
 
 
