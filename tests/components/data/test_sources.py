@@ -60,8 +60,8 @@ def files_holding(files: list[Path], tokens_of, needed: int) -> int:
 @pytest.mark.parametrize("data_format", ["text", "prompt_completion"])
 def test_start_up_reads_the_data_of_only_the_files_the_first_batches_take(folder, data_format):
     """Plan (every start-up check), loader, 3 batches: the files whose data pages were read are
-    the first ones, as many as the batches' tokens span (at most one more, counted ahead); of
-    the others only the footer was read. Before the footer-only checks, chat and
+    the first ones, as many as the batches' tokens span and at most two more (whose lengths the
+    cursor counted ahead); of the others only the footer was read. Before the footer-only checks, chat and
     prompt/completion read all 2,000 files at start-up."""
     with parquet_data_reads() as reads:
         plan = RunPlan.from_config(parse_args(args(folder, data_format)), 1, device_type="cpu",
@@ -94,7 +94,7 @@ def test_start_up_reads_the_data_of_only_the_files_the_first_batches_take(folder
         assert at_plan == {str(files[0])}  # the first record, built to check the format at start-up
     read = {Path(name) for name in reads}
     assert needed < 20
-    assert read in ({*files[:needed]}, {*files[: needed + 1]}), sorted(read)
+    assert any(read == {*files[:n]} for n in range(needed, needed + 3)), sorted(read)
 
 
 def symlinked_folder(tmp_path: Path, folder: Path, bad: int) -> Path:
