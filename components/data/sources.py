@@ -9,7 +9,9 @@ decompresses (and discards) everything before it.
 row, read with pyarrow in batches of at most ROWS_PER_BATCH rows, only the columns a record
 uses, so memory stays bounded by a row group whatever the file's size. Row r is found without
 reading earlier rows' data: Parquet's row-group metadata (and an Arrow file's batch lengths) say
-which group holds it, and reading starts there.
+which group holds it, and reading starts there. The start-up checks read a file's footer only
+(`read_footer`: its schema, a Parquet file's row count; a record format's check also builds the
+very first record); the loader reads rows when it reaches them, and names a bad one `file row N`.
 
 pyarrow and zstandard are optional (`pip install "weft[data]"`): `check_readable` names the
 missing one, before any run starts.
