@@ -1,11 +1,16 @@
 """A fingerprint of the training data, kept with each checkpoint, so a resume notices changed data.
 
 The fingerprint names every data file (relative to data.dataset_path), its size and the SHA-256
-of its first 64 KiB: enough to notice a file edited, appended to, replaced, added or removed,
-at the cost of reading one block per file. (An edit past the first 64 KiB that keeps the size is
-not noticed.) The data cursor a checkpoint holds counts samples of this exact stream, so
-resuming over different data silently trains on other samples than the interrupted run would
-have; that stops the run unless `data.allow_changed_data` says to go on.
+of its first 64 KiB, or of a Parquet file its footer (the metadata start-up reads anyway: every row
+group's rows, each column chunk's size and statistics), so that a folder of small Parquet files is
+fingerprinted without reading their data pages: enough to notice a file edited, appended to,
+replaced, added or removed, at the cost of reading one block per file. (An edit past the first
+64 KiB that keeps the size, or of Parquet rows that keeps every column chunk's size and
+statistics, is not noticed. A checkpoint saved before footer hashes holds a Parquet file's head
+hash: against it only the size is compared.) The data cursor a
+checkpoint holds counts samples of this exact stream, so resuming over different data silently
+trains on other samples than the interrupted run would have; that stops the run unless
+`data.allow_changed_data` says to go on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from weft.components.errors import UserError
 
 FINGERPRINT_FILE = "data_fingerprint.json"
 HEAD_BYTES = 64 * 1024
+HASHED_PARTS = {"head_sha256": f"its first {HEAD_BYTES // 1024} KiB differ", "footer_sha256": "its Parquet footer differs"}
 
 
 class DataChangedError(UserError):
@@ -25,15 +31,32 @@ class DataChangedError(UserError):
 
 
 def data_fingerprint(files: list[Path], dataset_path: str | Path) -> dict[str, dict[str, object]]:
-    """{name: {"size": bytes, "head_sha256": hex}} of each file, named relative to dataset_path."""
+    """{name: {"size": bytes, "head_sha256" or "footer_sha256": hex}} of each file, named relative
+    to dataset_path."""
     root = Path(dataset_path)
     fingerprint = {}
     for path in files:
         name = str(path.relative_to(root)) if root.is_dir() and path.is_relative_to(root) else path.name
-        with path.open("rb") as f:
-            head = f.read(HEAD_BYTES)
-        fingerprint[name] = {"size": path.stat().st_size, "head_sha256": hashlib.sha256(head).hexdigest()}
+        key, part = hashed_part(path)
+        fingerprint[name] = {"size": path.stat().st_size, key: hashlib.sha256(part).hexdigest()}
     return fingerprint
+
+
+def hashed_part(path: Path) -> tuple[str, bytes]:
+    """("footer_sha256", a Parquet file's footer: its metadata, their length and the magic 'PAR1'),
+    read from the end of the file; else (any other file, or a Parquet file whose end is no
+    footer) ("head_sha256", its first HEAD_BYTES)."""
+    with path.open("rb") as f:
+        size = f.seek(0, 2)
+        if path.name.endswith(".parquet") and size >= 12:
+            f.seek(size - 8)
+            tail = f.read(8)
+            length = int.from_bytes(tail[:4], "little")
+            if tail[4:] == b"PAR1" and length <= size - 12:
+                f.seek(size - 8 - length)
+                return "footer_sha256", f.read(length) + tail
+        f.seek(0)
+        return "head_sha256", f.read(HEAD_BYTES)
 
 
 def difference(saved: dict[str, dict[str, object]], current: dict[str, dict[str, object]]) -> str | None:
@@ -44,8 +67,9 @@ def difference(saved: dict[str, dict[str, object]], current: dict[str, dict[str,
             return f"file {name} is gone"
         if now["size"] != then["size"]:
             return f"file {name} changed ({then['size']:,} bytes then, {now['size']:,} now)"
-        if now["head_sha256"] != then["head_sha256"]:
-            return f"file {name} changed (same size, its first {HEAD_BYTES // 1024} KiB differ)"
+        for key, part in HASHED_PARTS.items():  # those both hold (a checkpoint may predate footer hashes)
+            if key in now and key in then and now[key] != then[key]:
+                return f"file {name} changed (same size, {part})"
     added = sorted(set(current) - set(saved))
     return f"file {added[0]} is new" if added else None
 

@@ -107,9 +107,10 @@ def dataset_files(cfg: JobConfig, dataset_path: str, key: str, tokenizer, tokeni
 
 
 def check_formats(cfg: JobConfig, tokenizer, tokenizer_path: str, groups: list[tuple[str, list[Path]]]) -> None:
-    """Every file of each (format, files) group readable in its format: the start of each text
-    file (seconds even for a big corpus), every record of a JSONL chat or prompt/completion file,
-    before anything is written."""
+    """Every file of each (format, files) group readable in its format, before anything is
+    written: the start of each text file (seconds even for a big corpus), every record of a JSONL
+    chat or prompt/completion file, and of a Parquet/Arrow file its footer only (its columns;
+    never its data pages)."""
     if any(fmt == "chat" and files for fmt, files in groups) and (
             not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
         raise DataError(f"model.tokenizer_path: '{tokenizer_path}' has no chat template, which "

@@ -83,18 +83,20 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
     """Check the first SCAN_BYTES of every file (decompressed, for .jsonl.gz/.jsonl.zst) before
     anything is written, so that the common mistakes (a binary file, another encoding, a broken
     or foreign JSONL record, a corrupt stream) stop the run at once, naming file:line. Blank JSONL
-    lines are skipped, as the loader skips them. Of a Parquet/Arrow file only the schema is read:
-    `text_field` must be a string column.
+    lines are skipped, as the loader skips them. Of a Parquet/Arrow file only the footer is read,
+    never a row, so a folder of thousands of files starts without reading their data pages:
+    `text_field` must be a string column (a corrupt footer is an error too); a bad row (a null
+    text) is named `file row N` when the loader reaches it.
 
-    Raises DataError also when every file was read whole and no document holds any text (the
-    model would learn only BOS and EOS). Problems beyond the scanned prefix are reported, with
-    file:line, when the loader reaches them.
+    Raises DataError also when every file was read whole (or is a Parquet file of no rows) and no
+    document holds any text (the model would learn only BOS and EOS). Problems beyond the scanned
+    prefix are reported, with file:line, when the loader reaches them.
     """
     any_text, read_whole = False, True
     for path in files:
         if sources.is_columnar(path):
-            sources.check_text_column(path, text_field)
-            read_whole = False  # only its schema is read
+            rows = sources.check_text_column(path, text_field)
+            read_whole = read_whole and rows == 0  # its rows are not read: only none tells they are empty
             continue
         try:
             data = _head(path, SCAN_BYTES + 1)

@@ -5,8 +5,10 @@ tokenizer's chat template; the assistant turns (content and end-of-turn token) a
 `"prompt_completion"`: `{"prompt", "completion"}` or Alpaca's `{"instruction", "input", "output"}`,
 as [BOS] prompt completion [EOS]; the completion and EOS are supervised. A record becomes a
 `Sample`: its token ids and, per token, whether the model is trained to predict it. Each format
-has a check of the record alone (run over the whole file before training) and a builder of its
-sample (run by the rank that tokenizes the record).
+has a check of the record alone (run before training over every line of a JSONL file), a check
+of a Parquet/Arrow file's schema (run before training instead of reading its rows: the columns
+the records need, of the right types), and a builder of its sample (run by the rank that
+tokenizes the record, which checks the record too: a bad row is named `file row N` there).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from weft.components.data.errors import DataError
+from weft.components.data.sources import describe_columns, is_string, struct_list_fields
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 
@@ -107,16 +110,50 @@ def check_prompt_completion_record(record: Any, where: str) -> tuple[str, str]:
     return prompt, completion
 
 
+def check_chat_columns(schema: Any, where: str) -> None:
+    """A Parquet/Arrow schema that can hold chat records: a column 'messages', a list of structs
+    with string fields 'role' and 'content' (more fields are fine). What only the rows can tell
+    (known roles, an assistant turn, no nulls) is checked as the loader reads each row."""
+    if "messages" not in schema.names:
+        raise DataError(f"data.format = 'chat': {where} has no column 'messages' (its columns: "
+                        f"{describe_columns(schema)})")
+    kind = schema.field("messages").type
+    fields = struct_list_fields(kind) or {}
+    if not all(name in fields and is_string(fields[name]) for name in ("role", "content")):
+        raise DataError(f"data.format = 'chat': column 'messages' of {where} holds {kind}, expected a list of "
+                        "structs with string fields 'role' and 'content'")
+
+
+def check_prompt_completion_columns(schema: Any, where: str) -> None:
+    """A Parquet/Arrow schema that can hold prompt/completion records: string columns 'prompt'
+    and 'completion', or 'instruction' and 'output' (with 'input', if there, of strings or only
+    nulls). Which of them a row fills is checked as the loader reads it."""
+    kinds = {field.name: field.type for field in schema}
+
+    def strings(*names: str) -> bool:
+        return all(name in kinds and is_string(kinds[name]) for name in names)
+
+    if strings("prompt", "completion"):
+        return
+    if strings("instruction", "output") and ("input" not in kinds or strings("input") or str(kinds["input"]) == "null"):
+        return
+    raise DataError(f"data.format = 'prompt_completion': {where} needs string columns 'prompt' and 'completion' "
+                    f"(or 'instruction', 'output' and an optional 'input'); its columns: {describe_columns(schema)}")
+
+
 class SampleFormat(NamedTuple):
-    """A supervised format: the check of a record alone, and the builder of its `Sample`."""
+    """A supervised format: the check of a record alone, the check of a Parquet/Arrow file's
+    schema, and the builder of its `Sample`."""
 
     check: Callable[[Any, str], Any]  # (record, where) -> its parts, or a DataError
     sample: Callable[[Any, Any, str], Sample]  # (record, tokenizer, where) -> Sample
     fields: tuple[str, ...]  # the record's keys: the columns read from a Parquet/Arrow row
+    check_columns: Callable[[Any, str], None]  # (Arrow schema, file) -> None, or a DataError
 
 
 SAMPLE_FORMATS = {
-    "chat": SampleFormat(check_chat_record, chat_sample, ("messages",)),
+    "chat": SampleFormat(check_chat_record, chat_sample, ("messages",), check_chat_columns),
     "prompt_completion": SampleFormat(check_prompt_completion_record, prompt_completion_sample,
-                                      ("prompt", "completion", "instruction", "input", "output")),
+                                      ("prompt", "completion", "instruction", "input", "output"),
+                                      check_prompt_completion_columns),
 }

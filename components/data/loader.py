@@ -42,7 +42,7 @@ class Strategy(Protocol):
 
     def check_files(self, files: list[Path]) -> None: ...  # DataError for a file it cannot read
     def documents(self, files: list[Path], start: DocStart, columns: tuple[str, ...] | None) -> Iterator[RawDoc]: ...
-    def check_records(self, files: list[Path]) -> int: ...  # every record checked; their number
+    def check_records(self, files: list[Path]) -> int: ...  # the records checked at start-up; their number
     def batch_tokens(self, shape: BatchShape) -> int: ...  # stream tokens in one global micro-batch
     def build(self, files: list[Path], raw: RawDoc) -> Any: ...  # a document's unit (tokens, Sample)
     def length(self, unit: Any) -> int: ...
@@ -99,8 +99,9 @@ class Loader:
         self.strategy.load_state_dict(self.cursor, state)
 
     def check_records(self) -> int:
-        """Read every record once (chat, prompt/completion; text is checked by `check_text_files`),
-        so a bad one stops the run at start-up naming its file:line; the number of records."""
+        """Check the records (chat, prompt/completion; text is checked by `check_text_files`) so a
+        bad one stops the run at start-up naming its file:line: every JSONL line, a Parquet/Arrow
+        file's columns from its footer (PackedSamples.check_records); the number of records."""
         return self.strategy.check_records(self.files)
 
 

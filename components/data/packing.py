@@ -22,11 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weft.components.data import sources
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, position_state,
-                                          record_of, where)
+from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, file_documents,
+                                          position_state, record_of, where)
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
 from weft.components.loss import IGNORE_INDEX
 
@@ -95,17 +96,24 @@ class PackedSamples:
         cursor.seek(DocStart(state["epoch"], state["file_index"], state["byte_offset"], state["line_number"]))
 
     def check_records(self, files: list[Path]) -> int:
-        """Read every record once before training, so a bad one fails at start-up (naming its
-        file:line) rather than hours in; the first is also built, which checks the chat template.
-        Returns the number of records."""
+        """Check what start-up can afford to read, so a bad record fails before training (naming
+        file:line) rather than hours in: every line of a JSONL file, but of a Parquet/Arrow file
+        only its footer: the columns the format reads, of the right types (`SampleFormat.check_columns`),
+        so a folder of thousands of files starts without reading their data pages; a bad value in
+        a row is named `file row N` when the loader reaches it. The first record is also built
+        (which checks the chat template); no record at all is an error. Returns the records
+        counted: JSONL lines and Parquet rows (an Arrow file's are not in its footer)."""
         count = 0
-        for raw in documents(files, DocStart(epoch=0, file_index=0), self.columns):
-            if raw.start.epoch > 0:
-                break
-            if count == 0:
-                self.build(files, raw)
-            self.format.check(record_of(files, raw, parse_record), where(files, raw.start))
-            count += 1
+        for index, path in enumerate(files):
+            if sources.is_columnar(path):
+                schema, rows = sources.read_footer(path)
+                self.format.check_columns(schema, str(path))
+                count += rows or 0
+                continue
+            for raw in file_documents(files, DocStart(epoch=0, file_index=index), self.columns):
+                self.format.check(record_of(files, raw, parse_record), where(files, raw.start))
+                count += 1
+        self.build(files, next(documents(files, DocStart(epoch=0, file_index=0), self.columns)))
         return count
 
     def _plan_window(self, cursor: Cursor, shape: BatchShape, offset: int,

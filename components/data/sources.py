@@ -9,7 +9,9 @@ decompresses (and discards) everything before it.
 row, read with pyarrow in batches of at most ROWS_PER_BATCH rows, only the columns a record
 uses, so memory stays bounded by a row group whatever the file's size. Row r is found without
 reading earlier rows' data: Parquet's row-group metadata (and an Arrow file's batch lengths) say
-which group holds it, and reading starts there.
+which group holds it, and reading starts there. The start-up checks read a file's footer only
+(`read_footer`: its schema, a Parquet file's row count; a record format's check also builds the
+very first record); the loader reads rows when it reaches them, and names a bad one `file row N`.
 
 pyarrow and zstandard are optional (`pip install "weft[data]"`): `check_readable` names the
 missing one, before any run starts.
@@ -24,7 +26,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from weft.components.data.errors import DataError
 
@@ -126,29 +128,73 @@ def _open_arrow(path: Path) -> Any:
         return pa.ipc.open_stream(source)
 
 
-def read_schema(path: Path) -> Any:
-    """The file's schema, from its metadata alone, or a DataError if it is no Parquet/Arrow file."""
+class Footer(NamedTuple):
+    """What a Parquet/Arrow file says of itself without its data: its schema, and its row count
+    (from a Parquet footer; None for an Arrow file, whose batch lengths lie throughout the file)."""
+
+    schema: Any
+    rows: int | None
+
+
+def read_footer(path: Path) -> Footer:
+    """The file's schema and row count, from its metadata alone (a Parquet footer; an Arrow file's
+    schema message), or a DataError if it is no Parquet/Arrow file or its metadata is corrupt."""
     pa = _module("pyarrow", path, "data.dataset_path")
     try:
         if path.name.endswith(".parquet"):
-            return _module("pyarrow.parquet", path, "data.dataset_path").read_schema(path)
-        return _open_arrow(path).schema
+            metadata = _module("pyarrow.parquet", path, "data.dataset_path").read_metadata(path)
+            return Footer(metadata.schema.to_arrow_schema(), metadata.num_rows)
+        return Footer(_open_arrow(path).schema, None)
     except (pa.ArrowException, OSError) as err:
-        kind = _KINDS[suffix_of(path, COLUMNAR_SUFFIXES)]
-        raise DataError(f"{path}: cannot read it as {kind} ({err})") from None
+        raise _unreadable(path, err) from None
 
 
-def check_text_column(path: Path, column: str) -> None:
-    """The file has a string column `column` (read from its schema only), else a DataError."""
-    pa = _module("pyarrow", path, "data.dataset_path")
-    schema = read_schema(path)
+def _unreadable(path: Path, err: Exception) -> DataError:
+    """The one-line error for a file pyarrow cannot open (its message may span lines)."""
+    kind = _KINDS[suffix_of(path, COLUMNAR_SUFFIXES)]
+    return DataError(f"{path}: cannot read it as {kind} ({' '.join(str(err).split())})")
+
+
+def read_schema(path: Path) -> Any:
+    """The file's schema, from its metadata alone, or a DataError (read_footer)."""
+    return read_footer(path).schema
+
+
+def is_string(kind: Any) -> bool:
+    """An Arrow type whose values are Python strings (string, large_string, string_view)."""
+    pa = importlib.import_module("pyarrow")
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind))
+
+
+def struct_list_fields(kind: Any) -> dict[str, Any] | None:
+    """{name: type} of the struct fields of a list-of-structs type; None if `kind` is none."""
+    pa = importlib.import_module("pyarrow")
+    lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind) \
+        or getattr(pa.types, "is_list_view", lambda _: False)(kind) \
+        or getattr(pa.types, "is_large_list_view", lambda _: False)(kind)
+    if not lists or not pa.types.is_struct(kind.value_type):
+        return None
+    struct = kind.value_type
+    return {struct.field(i).name: struct.field(i).type for i in range(struct.num_fields)}
+
+
+def describe_columns(schema: Any) -> str:
+    """`name: type, ...` of a schema's columns, for messages ('none' if it has none)."""
+    return ", ".join(f"{field.name}: {field.type}" for field in schema) or "none"
+
+
+def check_text_column(path: Path, column: str) -> int | None:
+    """The file has a string column `column` (read from its footer only), else a DataError;
+    returns its row count (None: an Arrow file, whose count its footer does not hold)."""
+    schema, rows = read_footer(path)
     if column not in schema.names:
         raise DataError(f"data.text_field = {column!r}: {path} has no column '{column}' "
                         f"(its columns: {', '.join(schema.names) or 'none'})")
     kind = schema.field(column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+    if not is_string(kind):
         raise DataError(f"data.text_field = {column!r}: column '{column}' of {path} holds {kind}, expected strings")
+    return rows
 
 
 def _batches(path: Path, first_row: int, columns: tuple[str, ...] | None) -> Iterator[tuple[int, Any]]:

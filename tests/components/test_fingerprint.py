@@ -59,3 +59,57 @@ def test_resume_check_stops_or_notes(corpus, tmp_path):
         check(False)
     _, note = check(True)
     assert "resuming anyway (data.allow_changed_data = true)" in note
+
+
+def parquet(path, texts):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), path)
+    return path
+
+
+def test_a_parquet_file_is_fingerprinted_by_its_footer_alone(tmp_path, monkeypatch):
+    """The hash is of the footer pyarrow reads (its serialized metadata, their length, 'PAR1'),
+    and every byte the fingerprint reads lies in that footer: no data page is read."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = parquet(tmp_path / "data" / "a.parquet", [f"row {i} " * 50 for i in range(200)])
+    data = path.read_bytes()
+    footer = pq.read_metadata(path).serialized_size + 8
+    assert footer < len(data) // 4  # the data pages are most of the file
+    read_ranges = []
+    opened = type(path).open
+
+    def recording_open(self, *args, **kwargs):
+        f = opened(self, *args, **kwargs)
+        read = f.read
+
+        def recorded(n=-1):
+            start = f.tell()
+            chunk = read(n)
+            read_ranges.append((start, start + len(chunk)))
+            return chunk
+        monkeypatch.setattr(f, "read", recorded, raising=False)
+        return f
+    monkeypatch.setattr(type(path), "open", recording_open)
+    fingerprint = data_fingerprint([path], tmp_path / "data")
+    assert fingerprint == {"a.parquet": {"size": len(data), "footer_sha256": hashlib.sha256(data[-footer:]).hexdigest()}}
+    assert read_ranges and all(len(data) - footer <= start <= end <= len(data) for start, end in read_ranges)
+
+
+def test_a_changed_parquet_row_changes_its_footer(tmp_path):
+    root = tmp_path / "data"
+    path = parquet(root / "a.parquet", ["alpha", "bravo"])
+    saved = data_fingerprint([path], root)
+    parquet(path, ["alpha", "brave"])  # same size, another maximum in the column's statistics
+    assert difference(saved, data_fingerprint([path], root)) == "file a.parquet changed (same size, its Parquet footer differs)"
+
+
+def test_a_checkpoint_with_the_head_hash_of_a_parquet_file_compares_its_size(tmp_path):
+    """A checkpoint saved before footer hashes: the file is the same if its size is."""
+    root = tmp_path / "data"
+    path = parquet(root / "a.parquet", ["alpha", "bravo"])
+    old = {"a.parquet": {"size": path.stat().st_size, "head_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+    assert difference(old, data_fingerprint([path], root)) is None
+    parquet(path, ["alpha", "bravo", "charlie"])
+    assert difference(old, data_fingerprint([path], root)).startswith("file a.parquet changed (")

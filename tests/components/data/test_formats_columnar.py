@@ -17,6 +17,7 @@ import torch
 from weft import train
 from weft.components.data import DataError, Tokenizer, build_loader, check_text_files, find_text_files
 from weft.components.data import sources
+from weft.components.data.formats import check_chat_columns, check_prompt_completion_columns
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.train_runs import run
@@ -199,8 +200,9 @@ def test_a_bad_chat_row_is_named_by_file_and_row(tmp_path, chat_tokenizer):
     records[4] = {"messages": [{"role": "user", "content": "no answer"}]}
     path = write(tmp_path / "chats", records, "parquet")
     loader = build_loader("chat", [path], chat_tokenizer, seq_len=64, local_batch_size=1, cooperate=False)
+    assert loader.check_records() == 12  # the schema is right, the rows are not read: the footer counts them
     with pytest.raises(DataError, match=rf"^{path} row 4: the conversation has no assistant turn"):
-        loader.check_records()
+        loader_batches(tmp_path, chat_tokenizer, 12, "chat", seq_len=64)
 
 
 def test_a_null_text_is_named_by_file_and_row(tmp_path, tokenizer):
@@ -292,3 +294,68 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, make, expected):
     outcome = run_in_process(train.main, train_args(tmp_path / "run", tmp_path / "data"), capsys)
     assert_clean_failure(outcome, expected.format(data=tmp_path / "data"), before=before, root=tmp_path)
     assert not (tmp_path / "run").exists()
+
+
+TURN = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+
+@pytest.mark.parametrize("schema", [
+    pa.schema([("messages", pa.list_(TURN))]),
+    pa.schema([("messages", pa.large_list(pa.struct([("content", pa.large_string()), ("role", pa.string()),
+                                                       ("name", pa.string())]))), ("id", pa.int64())]),
+], ids=["list", "large-list-more-fields"])
+def test_chat_columns_that_can_hold_records_pass(schema):
+    check_chat_columns(schema, "f.parquet")
+
+
+@pytest.mark.parametrize("schema, expected", [
+    (pa.schema([("conversation", pa.list_(TURN))]),
+     "data.format = 'chat': f.parquet has no column 'messages' (its columns: conversation: list<item: struct<role: "
+     "string, content: string>>)"),
+    (pa.schema([("messages", pa.list_(pa.string()))]),
+     "data.format = 'chat': column 'messages' of f.parquet holds list<item: string>, expected a list of structs "
+     "with string fields 'role' and 'content'"),
+    (pa.schema([("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.int32())])))]),
+     "data.format = 'chat': column 'messages' of f.parquet holds list<item: struct<role: string, content: int32>>, "
+     "expected a list of structs with string fields 'role' and 'content'"),
+], ids=["no-column", "list-of-strings", "int-content"])
+def test_chat_columns_that_cannot_hold_records_are_named(schema, expected):
+    with pytest.raises(DataError) as err:
+        check_chat_columns(schema, "f.parquet")
+    assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("columns", [
+    {"prompt": pa.string(), "completion": pa.large_string()},
+    {"instruction": pa.string(), "output": pa.string()},
+    {"instruction": pa.string(), "input": pa.null(), "output": pa.string()},  # an input column of nulls only
+    {"prompt": pa.string(), "completion": pa.string(), "input": pa.int64()},  # input is Alpaca's, unused here
+], ids=["prompt", "alpaca", "alpaca-null-input", "prompt-int-input"])
+def test_prompt_completion_columns_that_can_hold_records_pass(columns):
+    check_prompt_completion_columns(pa.schema(list(columns.items())), "f.parquet")
+
+
+@pytest.mark.parametrize("columns, listed", [
+    ({"prompt": pa.string()}, "prompt: string"),
+    ({"prompt": pa.string(), "completion": pa.int64()}, "prompt: string, completion: int64"),
+    ({"instruction": pa.string(), "input": pa.int64(), "output": pa.string()},
+     "instruction: string, input: int64, output: string"),
+], ids=["no-completion", "int-completion", "int-input"])
+def test_prompt_completion_columns_that_cannot_hold_records_are_named(columns, listed):
+    with pytest.raises(DataError) as err:
+        check_prompt_completion_columns(pa.schema(list(columns.items())), "f.parquet")
+    assert str(err.value) == ("data.format = 'prompt_completion': f.parquet needs string columns 'prompt' and "
+                              f"'completion' (or 'instruction', 'output' and an optional 'input'); its columns: {listed}")
+
+
+def test_parquet_files_of_no_rows_are_refused_at_start_up(tmp_path, tokenizer):
+    """Their footers say they hold no rows: the text check and the record check refuse them
+    before training, as they refuse empty JSONL files."""
+    text = [bad_parquet(tmp_path, "text", pa.array([], pa.string()))]
+    with pytest.raises(DataError, match=r"^data.dataset_path: every document in 1 file\(s\) is empty"):
+        check_text_files(text)
+    records = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "completion": pa.array([], pa.string())}), records)
+    loader = build_loader("prompt_completion", [records], tokenizer, seq_len=32, local_batch_size=1, cooperate=False)
+    with pytest.raises(DataError, match=r"^data.dataset_path: no documents in 1 file\(s\)$"):
+        loader.check_records()
