@@ -4,9 +4,10 @@ training step consume them? Prints tokens per second of each and their ratios.
 The shipped Shakespeare corpus is prepared into shards (components/data/prepare.py, timed with one
 worker and with two) in a temporary folder. Then, alternating so that drift in the machine's speed
 hits both alike, a fresh loader reads `--epochs` passes over the corpus in one process
-(`build_loader`, no prefetch thread), once from the text files (tokenizing) and once from the
-shards (memory-mapped). Last, train.py's plan, model, optimizer and step (recipe/plan.py,
-build.py, step.py) for the same batch shape run `--steps` timed steps of train_step: the tokens a
+(`build_loader`, no prefetch thread), once from the text files (tokenizing), once from the
+shards (memory-mapped) and once from a data.mixture of two shard folders weighted 3:1 (a loader
+per source, drawing a window at a time). Last, train.py's plan, model, optimizer and step
+(recipe/plan.py, build.py, step.py) for the same batch shape run `--steps` timed steps of train_step: the tokens a
 step consumes per second. A loader keeps a step fed when its ratio to the step is well over 1 (the
 prefetcher builds batches in a thread beside the step).
 
@@ -37,6 +38,7 @@ import torch
 
 from weft.components.config import parse_args
 from weft.components.data import Batch, build_loader, find_text_files, load_tokenizer
+from weft.components.data.mixture import Mixture
 from weft.components.data.prepare import prepare
 from weft.components.data.shards import read_manifest
 from weft.models.llama import LLAMA_FLAVORS
@@ -122,10 +124,17 @@ def startup(folder: Path, data_format: str, seq_len: int, batch: int) -> tuple[f
         return time.perf_counter() - start, at_plan, len(reads)
 
 
-def loader_tokens_per_second(files: list[Path], seq_len: int, batch: int, tokens: int) -> float:
-    """Input tokens per second a fresh loader of `files` delivers, over about `tokens` tokens."""
-    loader = build_loader("text", files, load_tokenizer(TOKENIZER), seq_len=seq_len, local_batch_size=batch,
-                          cooperate=False)
+def loader_tokens_per_second(files: list[Path] | list[list[Path]], seq_len: int, batch: int, tokens: int) -> float:
+    """Input tokens per second a fresh loader of `files` delivers, over about `tokens` tokens; for
+    a list of file lists, a data.mixture of them weighted 3:1:...:1 (components/data/mixture.py)."""
+    tokenizer = load_tokenizer(TOKENIZER)
+    if isinstance(files[0], list):
+        sources = [build_loader("text", f, tokenizer, seq_len=seq_len, local_batch_size=1, cooperate=False)
+                   for f in files]
+        loader = Mixture([f"source{i}" for i in range(len(files))], sources, [3.0] + [1.0] * (len(files) - 1),
+                         local_batch_size=batch)
+    else:
+        loader = build_loader("text", files, tokenizer, seq_len=seq_len, local_batch_size=batch, cooperate=False)
     batches = iter(loader)
     count = max(1, tokens // (batch * seq_len))
     start = time.perf_counter()
@@ -161,21 +170,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=0.5, help="passes over the corpus per loader measurement")
     parser.add_argument("--steps", type=int, default=20, help="timed training steps")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--startup-files", type=int, default=2000, help="small Parquet files of the start-up measurement")
+    parser.add_argument("--startup-files", type=int, default=2000,
+                        help="small Parquet files of the start-up measurement")
     args = parser.parse_args()
 
     text_files = find_text_files(str(CORPUS))
-    text_s, shard_s, prepare_s = [], [], {}
+    text_s, shard_s, mixture_s, prepare_s = [], [], [], {}
     with tempfile.TemporaryDirectory() as folder:
         for workers in (1, 2):
             start = time.perf_counter()
             manifest = prepare(str(CORPUS), str(TOKENIZER), Path(folder) / f"w{workers}", workers=workers)
             prepare_s[workers] = time.perf_counter() - start
         shard_files = read_manifest(Path(folder) / "w1").token_files
+        mixed = [shard_files, read_manifest(Path(folder) / "w2").token_files]  # two shard folders, 3:1
         tokens = int(args.epochs * manifest["total_tokens"])
         for _ in range(args.repeats):
             text_s.append(loader_tokens_per_second(text_files, args.seq_len, args.batch, tokens))
             shard_s.append(loader_tokens_per_second(shard_files, args.seq_len, args.batch, tokens))
+            mixture_s.append(loader_tokens_per_second(mixed, args.seq_len, args.batch, tokens))
         start = time.perf_counter()
         write_parquet_folder(Path(folder) / "parquet", args.startup_files, rows=3)
         write_s = time.perf_counter() - start
@@ -184,16 +196,19 @@ def main() -> None:
     step = step_tokens_per_second(args.flavor, args.seq_len, args.batch, args.steps)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    text, shards = statistics.median(text_s), statistics.median(shard_s)
+    text, shards, mixture = statistics.median(text_s), statistics.median(shard_s), statistics.median(mixture_s)
     print(f"device: {device}; corpus {CORPUS.relative_to(REPO)}: {manifest['total_tokens']:,} tokens, "
           f"{manifest['total_documents']} documents; batch {args.batch} x seq {args.seq_len}; loaders read "
           f"{tokens:,} tokens, {args.repeats} repeats each")
     print(f"prepare: {prepare_s[1]:.2f} s with 1 worker, {prepare_s[2]:.2f} s with 2 (process start-up included)")
     print(f"loader from text   tokens/s: {', '.join(f'{x:,.0f}' for x in text_s)}  (median {text:,.0f})")
     print(f"loader from shards tokens/s: {', '.join(f'{x:,.0f}' for x in shard_s)}  (median {shards:,.0f})")
+    print(f"loader from a 3:1 mixture of two shard folders tokens/s: {', '.join(f'{x:,.0f}' for x in mixture_s)}  "
+          f"(median {mixture:,.0f})")
     print(f"train_step ({args.flavor}) consumes tokens/s: {step:,.0f} over {args.steps} steps")
     print(f"ratio shards / text loader: {shards / text:.2f}")
-    print(f"ratio text loader / step: {text / step:.1f}; shards loader / step: {shards / step:.1f}")
+    print(f"ratio text loader / step: {text / step:.1f}; shards loader / step: {shards / step:.1f}; "
+          f"mixture / step: {mixture / step:.1f}")
     print(f"start-up over {args.startup_files:,} Parquet files of 3 rows (written in {write_s:.2f} s):")
     for fmt, runs in startups.items():
         seconds = statistics.median(s for s, _, _ in runs)

@@ -3,7 +3,7 @@
 # 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
 #   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
-#                                             observe
+#                                             observe, data
 # BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
 # Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
 set -uo pipefail
@@ -145,6 +145,14 @@ print(sorted({x['name'] for x in e if x['name'] in ('forward', 'backward', 'opti
     step 90 python3 train.py --job.config_file debug_moe --training.steps 20 --metrics.log_freq 5 \
         --training.mixed_precision_param bfloat16 --float8.enable --float8.min_dim 16 \
         --checkpoint.enable false --job.dump_folder /tmp/moe_f8
+    ;;
+data)  # issue 30 on one GPU: the loaders (shards, a mixture, Parquet start-up) against a 1B step; a mixture trains
+    step 150 python3 benchmarks/data_loader.py --flavor llama3_1b --seq-len 2048 --batch 1 --repeats 2
+    step 60 python3 -m weft.components.data.prepare --source assets/data/shakespeare \
+        --tokenizer assets/tokenizer/shakespeare.model --out /tmp/web --workers 8
+    step 90 python3 train.py --job.config_file debug_model --training.steps 20 --metrics.log_freq 5 \
+        --training.mixed_precision_param bfloat16 --checkpoint.enable false --job.dump_folder /tmp/mixture \
+        --data.mixture /tmp/web:3,assets/data/shakespeare:1
     ;;
 *) echo "unknown group $group" >&2; exit 2 ;;
 esac
