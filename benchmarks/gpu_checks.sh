@@ -3,7 +3,7 @@
 # 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
 #   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
-#                                             observe, data
+#                                             observe, data, simulated
 # BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
 # Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
 set -uo pipefail
@@ -153,6 +153,14 @@ data)  # issue 30 on one GPU: the loaders (shards, a mixture, Parquet start-up) 
     step 90 python3 train.py --job.config_file debug_model --training.steps 20 --metrics.log_freq 5 \
         --training.mixed_precision_param bfloat16 --checkpoint.enable false --job.dump_folder /tmp/mixture \
         --data.mixture /tmp/web:3,assets/data/shakespeare:1
+    ;;
+simulated)  # issue 22's one-GPU checks of two-rank layouts (a fake process group: job.simulate_world_size)
+    R="python3 train.py --job.config_file debug_model --job.simulate_world_size 2 --training.steps 5 \
+       --metrics.log_freq 1 --checkpoint.enable false --training.mixed_precision_param bfloat16"
+    eval step 90 $R --parallelism.fsdp_cpu_offload --job.dump_folder /tmp/sim/offload
+    eval step 90 $R --parallelism.dp_shard 1 --parallelism.tp 2 --float8.enable --float8.min_dim 16 \
+        --float8.filter_fqns output,layers.1.feed_forward.w2 --job.dump_folder /tmp/sim/float8_tp
+    eval step 120 $R --parallelism.dp_shard 1 --parallelism.tp 2 --compile.enable --job.dump_folder /tmp/sim/compile_tp
     ;;
 *) echo "unknown group $group" >&2; exit 2 ;;
 esac
