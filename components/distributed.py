@@ -121,7 +121,8 @@ def shared_gloo_group(name: str) -> dist.ProcessGroup | None:
 def simulation_warning(world_size: int) -> str:
     """What a run under `init_fake_distributed` measures, in one log line."""
     return (f"simulating rank 0 of {world_size} ranks in one process (fake process group): collectives move "
-            "nothing, so losses and gradient norms are meaningless; memory and compute time are one rank's")
+            "nothing, so losses and gradient norms are meaningless (a NaN neither stops nor skips a step); memory "
+            "and compute time are one rank's")
 
 
 def is_fake_distributed() -> bool:

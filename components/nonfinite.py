@@ -27,15 +27,16 @@ class NonFinitePolicy:
     """`stop`: raise NonFiniteError at the first non-finite step, before its update or any save.
     `skip`: leave out that step's update (the caller does not step the optimizer, the LR schedule
     or anything else that follows the update) and count it; raise after `max_skipped_steps`
-    consecutive skips."""
+    consecutive skips. `ignore` (not a config choice: a simulated rank, whose fake collectives
+    leave its values meaningless): every update goes ahead, nothing is read back."""
 
     def __init__(self, on_nonfinite: str, max_skipped_steps: int, *, on_first: Callable[[int], None] | None = None,
                  before_stop: Callable[[], None] | None = None) -> None:
         """on_first(step): called at the first non-finite step (the checkpointer protects the last
         good checkpoint); before_stop(): called before raising (a background save of an earlier,
         finite step finishes)."""
-        if on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite: expected stop or skip, got {on_nonfinite!r}")
+        if on_nonfinite not in ("stop", "skip", "ignore"):
+            raise ValueError(f"on_nonfinite: expected stop, skip or ignore, got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.max_skipped_steps = max_skipped_steps
         self.skipped = 0  # in the whole run
@@ -46,8 +47,12 @@ class NonFinitePolicy:
     def allows_update(self, step: int, grad_norm: float | torch.Tensor, loss: float | torch.Tensor) -> bool:
         """Whether step `step` may update the weights; raises NonFiniteError to stop the run.
         Tensors are read back together (one device sync a step)."""
+        if self.on_nonfinite == "ignore":
+            return True
         if isinstance(grad_norm, torch.Tensor) or isinstance(loss, torch.Tensor):
-            grad_norm, loss = torch.stack([torch.as_tensor(grad_norm).float(), torch.as_tensor(loss).float()]).tolist()
+            norm, loss_ = torch.as_tensor(grad_norm).float(), torch.as_tensor(loss).float()
+            # on the loss's device: with FSDP's CPU offload the norm of the CPU gradients is on the CPU
+            grad_norm, loss = torch.stack([norm.to(loss_.device), loss_]).tolist()
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.consecutive = 0
             return True

@@ -293,7 +293,10 @@ def build_fault_guards(plan: RunPlan, checkpointer: Checkpointer) -> tuple[NonFi
     and is never saved) and the collective time limits (the long one until the first step is done
     and around saves and validation; a rank silent for longer is named in one line)."""
     t, comm = plan.cfg.training, plan.cfg.comm
-    nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps, on_first=checkpointer.protect_before,
+    # A simulated rank's fake collectives leave garbage (NaN too) where a real one has data: only
+    # its memory and time mean something, and a NaN must not end the measurement.
+    policy = "ignore" if plan.cfg.job.simulate_world_size else t.on_nonfinite
+    nonfinite = NonFinitePolicy(policy, t.max_skipped_steps, on_first=checkpointer.protect_before,
                                 before_stop=lambda: checkpointer.finish_pending(True))
     return nonfinite, CommTimeouts(comm.init_timeout_seconds, comm.train_timeout_seconds,
                                    phases=PhaseRecord.for_job(), trace_note=trace_files_note(plan.cfg))

@@ -31,3 +31,10 @@ def test_stop_raises_at_the_first_non_finite_step():
     with pytest.raises(NonFiniteError, match=r"^step 2: loss nan \(this rank\), gradient norm 0.5: not finite; stopped"):
         policy.allows_update(2, 0.5, math.nan)
     assert events == [2, "stop"]
+
+
+def test_ignore_lets_every_update_through():
+    """A simulated rank's policy: NaN and inf go ahead, uncounted, nothing raised."""
+    policy = NonFinitePolicy("ignore", 1)
+    assert policy.allows_update(1, torch.tensor(float("nan")), torch.tensor(float("inf")))
+    assert policy.skipped == 0 and policy.first_nonfinite_step is None

@@ -92,3 +92,26 @@ def test_simulation_refuses_torchrun(monkeypatch):
     cfg = parse_args(["--job.config_file", "debug_model", "--job.simulate_world_size", "8"])
     with pytest.raises(ConfigError, match="run it as python train.py, not 2 processes"):
         check_launch(cfg)
+
+
+def test_a_nan_neither_stops_nor_skips_a_simulated_step(tmp_path, monkeypatch):
+    """Fake collectives leave garbage where a real rank has data (on an H100, TP's made step 1's
+    loss NaN): a simulated run measures memory and time, so it trains on instead of stopping."""
+    import json
+
+    real_build_step = build_module.build_step
+
+    def build_step(*args, **kwargs):  # every loss NaN, as garbage from a fake all-gather would make it
+        setup = real_build_step(*args, **kwargs)
+        real_loss = setup.loss_fn
+        setup.loss_fn = lambda *a, **k: real_loss(*a, **k) * float("nan")
+        return setup
+
+    monkeypatch.setattr(build_module, "build_step", build_step)
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
+            "--training.steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
+            "--job.simulate_world_size", "2"]
+    assert train.main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["train/skipped_steps"] == 0 for r in records)
+    assert all(r["train/loss"] != r["train/loss"] for r in records)  # NaN, logged as it was
