@@ -229,16 +229,17 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
     )
     sources = plan.data_sources
     if sources:
-        loader = Mixture([s.name for s in sources], [make_loader(cfg.data.format, s.files, local_batch_size=1)
-                                                     for s in sources],
+        loader = Mixture([s.name for s in sources],
+                         [make_loader(cfg.data.format, s.files, local_batch_size=1) for s in sources],
                          [s.weight for s in sources], local_batch_size=cfg.training.local_batch_size)
     else:
         loader = make_loader(cfg.data.format, plan.data_files)
+    validation = {s.name: s.validation_files for s in sources if s.validation_files}  # validation.mixture
+    if not validation and plan.validation_files:
+        validation = {"": plan.validation_files}  # validation.dataset_path: one loss
     validation_format = cfg.validation.format or cfg.data.format
-    per_source = {s.name: functools.partial(make_loader, validation_format, s.validation_files)
-                  for s in sources if s.validation_files}
-    validation_loaders = per_source or (
-        {"": functools.partial(make_loader, validation_format, plan.validation_files)} if plan.validation_files else {})
+    validation_loaders = {name: functools.partial(make_loader, validation_format, files)
+                          for name, files in validation.items()}
     return prefetch(loader, document_masking=cfg.data.document_masking, device=device), validation_loaders
 
 

@@ -116,3 +116,26 @@ def test_two_ranks_checkpoint_resumes_in_one_process_with_the_saved_tokens(corpu
     for step, record in enumerate(after[4:], start=5):  # then every step draws 4 windows of one process
         assert sum(tokens(record).values()) == sum(saved.values()) + (step - 4) * 2 * BATCH * SEQ
         assert within_one_window_per_rank(record, 1), record
+
+
+@pytest.mark.slow
+def test_validation_mixture_gives_each_source_the_loss_of_validating_on_it_alone(corpus, tmp_path):
+    """validation.mixture's loss of a source equals validation.dataset_path's loss on that source,
+    in the same run otherwise (the same mixture trains the same model)."""
+    from weft import train
+
+    def validation(dump: Path, *extra: str) -> dict:
+        argv = train_args(corpus, dump, "--training.steps", "2", "--no-checkpoint.enable", "--validation.enable",
+                          "--validation.freq", "2", "--validation.steps", "1", *extra)[1:]
+        assert train.main(argv) == 0
+        lines = (dump / "metrics.jsonl").read_text().splitlines()
+        return next(json.loads(line) for line in lines if "validation/" in line)
+
+    both = validation(tmp_path / "both", "--validation.mixture", f"{corpus / 'comedies'},{corpus / 'tragedies_text'}")
+    alone = {name: validation(tmp_path / name, "--validation.dataset_path", str(corpus / folder))
+             for name, folder in (("comedies", "comedies"), ("tragedies", "tragedies_text"))}
+    assert sorted(both) == ["step", "validation/loss/comedies", "validation/loss/tragedies",
+                            "validation/perplexity/comedies", "validation/perplexity/tragedies"]
+    assert both["validation/loss/comedies"] != both["validation/loss/tragedies"]  # a swap would show
+    for name, record in alone.items():
+        assert both[f"validation/loss/{name}"] == record["validation/loss"]
