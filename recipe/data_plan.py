@@ -14,7 +14,7 @@ from pathlib import Path
 
 from weft.components.config import ConfigError, JobConfig
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files
-from weft.components.data.mixture import parse_mixture
+from weft.components.data.mixture import MixtureEntry, parse_mixture
 from weft.components.data.shards import (are_shards, check_shard_format, check_tokenizer, is_shard_folder,
                                          read_manifest, tokenizer_identity)
 from weft.components.fingerprint import check_resumed_data, data_fingerprint
@@ -72,21 +72,7 @@ def plan_data(cfg: JobConfig, tokenizer, tokenizer_path: str, resume_folder: Pat
 def mixture_sources(cfg: JobConfig, tokenizer, tokenizer_path: str) -> list[DataSource]:
     """data.mixture's sources with their files and, with validation.mixture, their validation
     files; a UserError naming the entry for a bad weight, path or count."""
-    if not cfg.data.mixture:
-        if cfg.validation.mixture:
-            raise ConfigError("validation.mixture: one validation path per source of data.mixture, which is not set "
-                              "(use validation.dataset_path)")
-        return []
-    entries = parse_mixture(cfg.data.mixture)
-    validation_paths: list[str | None] = [None] * len(entries)
-    if cfg.validation.enable and cfg.validation.mixture:
-        if len(cfg.validation.mixture) != len(entries):
-            raise ConfigError(f"validation.mixture: {len(cfg.validation.mixture)} paths for the {len(entries)} "
-                              "sources of data.mixture; expected one per source, in data.mixture's order")
-        if cfg.validation.dataset_path:
-            raise ConfigError("validation.dataset_path and validation.mixture: set one (validation.mixture gives "
-                              "one loss per source)")
-        validation_paths = list(cfg.validation.mixture)
+    entries, validation_paths = mixture_entries(cfg)
     sources = []
     for text, entry, validation_path in zip(cfg.data.mixture, entries, validation_paths):
         files = dataset_files(cfg, entry.path, f"data.mixture entry {text!r}", tokenizer, tokenizer_path)
@@ -94,6 +80,26 @@ def mixture_sources(cfg: JobConfig, tokenizer, tokenizer_path: str) -> list[Data
             cfg, validation_path, f"validation.mixture entry {validation_path!r}", tokenizer, tokenizer_path)
         sources.append(DataSource(entry.name, entry.path, entry.weight, files, validation))
     return sources
+
+
+def mixture_entries(cfg: JobConfig) -> tuple[list[MixtureEntry], list[str | None]]:
+    """data.mixture's entries and each one's validation path (None: none), checked as written,
+    without reading any file (the dry run checks this much); a UserError naming the key."""
+    if not cfg.data.mixture:
+        if cfg.validation.mixture:
+            raise ConfigError("validation.mixture: one validation path per source of data.mixture, which is not set "
+                              "(use validation.dataset_path)")
+        return [], []
+    entries = parse_mixture(cfg.data.mixture)
+    if not (cfg.validation.enable and cfg.validation.mixture):
+        return entries, [None] * len(entries)
+    if len(cfg.validation.mixture) != len(entries):
+        raise ConfigError(f"validation.mixture: {len(cfg.validation.mixture)} paths for the {len(entries)} "
+                          "sources of data.mixture; expected one per source, in data.mixture's order")
+    if cfg.validation.dataset_path:
+        raise ConfigError("validation.dataset_path and validation.mixture: set one (validation.mixture gives "
+                          "one loss per source)")
+    return entries, list(cfg.validation.mixture)
 
 
 def dataset_files(cfg: JobConfig, dataset_path: str, key: str, tokenizer, tokenizer_path: str) -> list[Path]:

@@ -30,7 +30,7 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
-from weft.recipe.data_plan import DataSource, plan_data
+from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
 
@@ -94,6 +94,8 @@ class RunPlan:
             fingerprint = data.fingerprint
             notes = [note for note in (data.note, restart_warning()) if note]
             check_wandb(cfg)  # the package, with metrics.enable_wandb
+        else:
+            mixture_entries(cfg)  # data.mixture as written (its paths are the real start's to find)
         t = cfg.training
         precision = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                                      device_type=device_type)

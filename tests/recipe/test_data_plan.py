@@ -92,3 +92,20 @@ def test_validation_mixture_without_a_data_mixture_is_refused(corpus, capsys):
                              capsys)
     assert_clean_failure(outcome, "validation.mixture: one validation path per source of data.mixture, which is "
                                   "not set")
+
+
+def test_the_dry_run_checks_the_entries_as_written_without_their_files():
+    """A plan without the environment (the dry run's) refuses a bad weight or count, but not a path
+    that exists only on the cluster."""
+    from weft.components.data import DataError
+    from weft.recipe.plan import RunPlan
+
+    def plan(*overrides: str) -> RunPlan:
+        cfg = parse_args(["--job.config_file", "debug_model", *overrides])
+        return RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)
+
+    assert plan("--data.mixture", "/cluster/web:3,/cluster/code:1").data_sources == []
+    with pytest.raises(DataError, match="entry '/cluster/code:-2': weight -2"):
+        plan("--data.mixture", "/cluster/web:3,/cluster/code:-2")
+    with pytest.raises(Exception, match="validation.mixture: 1 paths for the 2 sources"):
+        plan("--data.mixture", "/cluster/web:3,/cluster/code:1", "--validation.enable", "--validation.mixture", "/v")
