@@ -9,8 +9,8 @@ row j of every rank from draw j.
 
 Which source each draw takes is decided by the tokens drawn so far, the same on every rank: the
 source furthest below its share of the total after this draw (weight / sum of weights), the
-first one on a tie. So at every draw each source's tokens are within one draw (one window per
-rank) of its share, over the whole run and over any stretch of it.
+first one on a tie. So after every draw each source's total is within one draw (one window per
+rank) of its share of all tokens drawn, and over any stretch of the run within two.
 
 The state is every source's loader state and its tokens drawn, all global: a resume continues
 each source exactly where it stood, and a resume under another data-parallel degree reshards
