@@ -181,8 +181,8 @@ class Data:
         False, "Resume even if a data file changed since the checkpoint was saved (logged); by default that "
         "stops the run, naming the file")
     mixture: list[str] = opt(
-        [], "Weighted sources, each 'PATH:WEIGHT' (PATH as data.dataset_path, which it replaces; WEIGHT > 0): each "
-        "window comes from the source furthest below its share of the tokens")
+        [], "Weighted sources, each 'PATH:WEIGHT' (PATH as data.dataset_path, which it replaces; WEIGHT > 0): "
+        "windows drawn from each in proportion to its weight, within one window per rank at every step")
 
 
 @dataclass

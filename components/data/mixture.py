@@ -7,10 +7,13 @@ rank: a *draw* gives every data-parallel rank the next window of one source, `dp
 tokens in all. A rank's micro-batch of `local_batch_size` rows is that many consecutive draws,
 row j of every rank from draw j.
 
-Which source each draw takes is decided by the tokens drawn so far, the same on every rank: the
-source furthest below its share of the total after this draw (weight / sum of weights), the
-first one on a tie. So after every draw each source's total is within one draw (one window per
-rank) of its share of all tokens drawn, and over any stretch of the run within two.
+Which source each draw takes is decided by the tokens drawn so far, the same on every rank, by
+Tijdeman's rule for the chairman assignment problem (R. Tijdeman, 1980): with n sources, of those
+at least 1/(2n - 2) draws behind their share (weight / sum of weights) once this draw is counted,
+the one that would first fall 1 - 1/(2n - 2) behind (the first on a tie). So after every draw
+each source's total is within 1 - 1/(2n - 2) draws (under one window per rank; half a window for
+two sources) of its share of all tokens drawn, the best bound any order can keep, and over any
+stretch of the run within two.
 
 The state is every source's loader state and its tokens drawn, all global: a resume continues
 each source exactly where it stood, and a resume under another data-parallel degree reshards
@@ -124,10 +127,17 @@ class Mixture:
         return self.stream(self.exchange_group)
 
     def next_source(self) -> int:
-        """The source of the next draw: the furthest below its share once this draw is counted."""
-        after = sum(self.tokens) + self.draw_tokens
-        behind = [share * after - tokens for share, tokens in zip(self.shares, self.tokens)]
-        return behind.index(max(behind))
+        """The source of the next draw, by Tijdeman's rule (module docstring), in units of draws."""
+        n = len(self.shares)
+        if n == 1:
+            return 0
+        slack = 1 / (2 * n - 2)
+        drawn = (sum(self.tokens) + self.draw_tokens) / self.draw_tokens  # draws, this one included
+        ahead = [share * drawn - tokens / self.draw_tokens for share, tokens in zip(self.shares, self.tokens)]
+        due = [i for i in range(n) if ahead[i] >= slack - 1e-9]
+        if not due:  # only after a resume under another dp degree (other draws): the furthest behind
+            return ahead.index(max(ahead))
+        return min(due, key=lambda i: ((1 - slack - ahead[i]) / self.shares[i], i))
 
     def stream(self, exchange_group: dist.ProcessGroup | None, *, document_masking: bool = False) -> Iterator[Batch]:
         """The micro-batches from the current state on, forever (as `Loader.stream`)."""
