@@ -133,11 +133,11 @@ class Mixture:
             return 0
         slack = 1 / (2 * n - 2)
         drawn = (sum(self.tokens) + self.draw_tokens) / self.draw_tokens  # draws, this one included
-        ahead = [share * drawn - tokens / self.draw_tokens for share, tokens in zip(self.shares, self.tokens)]
-        due = [i for i in range(n) if ahead[i] >= slack - 1e-9]
-        if not due:  # only after a resume under another dp degree (other draws): the furthest behind
-            return ahead.index(max(ahead))
-        return min(due, key=lambda i: ((1 - slack - ahead[i]) / self.shares[i], i))
+        # How far each source is behind its share; these sum to this one draw, so the largest is at
+        # least 1/n >= slack and some source is always due.
+        behind = [share * drawn - tokens / self.draw_tokens for share, tokens in zip(self.shares, self.tokens)]
+        due = [i for i in range(n) if behind[i] >= slack - 1e-9]
+        return min(due, key=lambda i: ((1 - slack - behind[i]) / self.shares[i], i))
 
     def stream(self, exchange_group: dist.ProcessGroup | None, *, document_masking: bool = False) -> Iterator[Batch]:
         """The micro-batches from the current state on, forever (as `Loader.stream`)."""
