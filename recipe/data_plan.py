@@ -1,10 +1,11 @@
 """The data part of the plan: which files a run reads, checked before any process group exists.
 
-`plan_data(cfg, tokenizer, resume_folder)` finds the training files of `data.dataset_path`, or of
-every source of `data.mixture` (components/data/mixture.py), and the validation files; checks that
-each file is readable in its format (the start of each text file, every record of a JSONL chat
-or prompt/completion file, a shard folder's manifest and sizes); and compares them with the
-fingerprint of the checkpoint the run resumes from (components/fingerprint.py).
+`plan_data(cfg, tokenizer, tokenizer_path, resume_folder)` finds the training files of
+`data.dataset_path`, or of every source of `data.mixture` (components/data/mixture.py), and the
+validation files; checks that each file is readable in its format (the start of each text file,
+every record of a JSONL chat or prompt/completion file, a Parquet/Arrow file's footer, a shard
+folder's manifest and sizes); and compares them with the fingerprint of the checkpoint the run
+resumes from (components/fingerprint.py).
 """
 
 from __future__ import annotations
