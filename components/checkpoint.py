@@ -153,11 +153,7 @@ def model_tensor_metadata(
     `expected_by` names the shape's source in errors, e.g. "flavor llama3_8b".
     """
     folder = Path(checkpoint_dir)
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata, in one line
-        raise CheckpointError(f"checkpoint {folder}: cannot read its DCP metadata "
-                              f"({type(e).__name__}: {one_line(e)})") from None
+    metadata = read_dcp_metadata(folder)
     saved = {
         key.removeprefix("model."): meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -179,16 +175,27 @@ def model_tensor_metadata(
     return {name: saved[name] for name in shapes}
 
 
+def read_dcp_metadata(folder: Path) -> Any:
+    """The checkpoint's DCP metadata (names, shapes, dtypes; no tensor data), or a one-line CheckpointError."""
+    try:
+        return dcp.FileSystemReader(str(folder)).read_metadata()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata, in one line
+        raise CheckpointError(f"checkpoint {folder}: cannot read its DCP metadata "
+                              f"({type(e).__name__}: {one_line(e)})") from None
+
+
 def check_loader_state(folder: Path, expected: dict[str, Any]) -> None:
-    """The checkpoint's data position has the entries of `expected` (the live loader's): a
-    position in one dataset (data.dataset_path) and a mixture's (data.mixture) are not
-    interchangeable, and DCP would only name a missing key."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    """The checkpoint's data position is of the kind of `expected` (the live loader's): a position
+    in one dataset (data.dataset_path) and a mixture's (data.mixture) are not interchangeable, and
+    DCP would only name a missing key."""
+    metadata = read_dcp_metadata(folder)
     saved = {key.removeprefix("dataloader.") for key in metadata.state_dict_metadata if key.startswith("dataloader.")}
-    if saved != set(expected):
-        def kind(keys) -> str:
-            mixture = any(key.split(".")[0] == "mixture" for key in keys)
-            return "a data.mixture's" if mixture else "one dataset's (data.dataset_path)"
+
+    def kind(keys) -> str:
+        mixture = any(key.split(".")[0] == "mixture" for key in keys)
+        return "a data.mixture's" if mixture else "one dataset's (data.dataset_path)"
+
+    if kind(saved) != kind(expected):
         raise CheckpointError(f"checkpoint {folder}: its data position is {kind(saved)} and this run's data is "
                               f"{kind(expected)}; a run resumes only from a checkpoint of the same kind of data")
 
