@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from weft.components.config import parse_args
-from weft.components.data import Batch, build_loader, find_text_files, load_tokenizer
+from weft.components.data import Batch, Loader, build_loader, find_text_files, load_tokenizer
 from weft.components.data.mixture import Mixture
 from weft.components.data.prepare import prepare
 from weft.components.data.shards import read_manifest
@@ -124,17 +124,21 @@ def startup(folder: Path, data_format: str, seq_len: int, batch: int) -> tuple[f
         return time.perf_counter() - start, at_plan, len(reads)
 
 
-def loader_tokens_per_second(files: list[Path] | list[list[Path]], seq_len: int, batch: int, tokens: int) -> float:
-    """Input tokens per second a fresh loader of `files` delivers, over about `tokens` tokens; for
-    a list of file lists, a data.mixture of them weighted 3:1:...:1 (components/data/mixture.py)."""
-    tokenizer = load_tokenizer(TOKENIZER)
-    if isinstance(files[0], list):
-        sources = [build_loader("text", f, tokenizer, seq_len=seq_len, local_batch_size=1, cooperate=False)
-                   for f in files]
-        loader = Mixture([f"source{i}" for i in range(len(files))], sources, [3.0] + [1.0] * (len(files) - 1),
-                         local_batch_size=batch)
-    else:
-        loader = build_loader("text", files, tokenizer, seq_len=seq_len, local_batch_size=batch, cooperate=False)
+def text_loader(files: list[Path], seq_len: int, batch: int) -> Loader:
+    """A fresh one-process loader of `files` (text or shards) in data.format text."""
+    return build_loader("text", files, load_tokenizer(TOKENIZER), seq_len=seq_len, local_batch_size=batch,
+                        cooperate=False)
+
+
+def mixture_loader(file_lists: list[list[Path]], seq_len: int, batch: int) -> Mixture:
+    """A fresh data.mixture of these sources weighted 3:1:...:1 (components/data/mixture.py)."""
+    return Mixture([f"source{i}" for i in range(len(file_lists))],
+                   [text_loader(files, seq_len, 1) for files in file_lists],
+                   [3.0] + [1.0] * (len(file_lists) - 1), local_batch_size=batch)
+
+
+def loader_tokens_per_second(loader: Loader | Mixture, seq_len: int, batch: int, tokens: int) -> float:
+    """Input tokens per second a fresh `loader` delivers, over about `tokens` tokens."""
     batches = iter(loader)
     count = max(1, tokens // (batch * seq_len))
     start = time.perf_counter()
@@ -185,9 +189,10 @@ def main() -> None:
         mixed = [shard_files, read_manifest(Path(folder) / "w2").token_files]  # two shard folders, 3:1
         tokens = int(args.epochs * manifest["total_tokens"])
         for _ in range(args.repeats):
-            text_s.append(loader_tokens_per_second(text_files, args.seq_len, args.batch, tokens))
-            shard_s.append(loader_tokens_per_second(shard_files, args.seq_len, args.batch, tokens))
-            mixture_s.append(loader_tokens_per_second(mixed, args.seq_len, args.batch, tokens))
+            for rates, loader in ((text_s, text_loader(text_files, args.seq_len, args.batch)),
+                                  (shard_s, text_loader(shard_files, args.seq_len, args.batch)),
+                                  (mixture_s, mixture_loader(mixed, args.seq_len, args.batch))):
+                rates.append(loader_tokens_per_second(loader, args.seq_len, args.batch, tokens))
         start = time.perf_counter()
         write_parquet_folder(Path(folder) / "parquet", args.startup_files, rows=3)
         write_s = time.perf_counter() - start
