@@ -3,12 +3,13 @@ units, Hugging Face mapping, FLOPs per token."""
 
 from __future__ import annotations
 
-from weft.models.llama import hf_mapping
+from weft.models.common.hf_config import hf_mapping
+from weft.models.common.pipeline import decoder_units
+from weft.models.common.tp_plan import dense_tp_plan
+from weft.models.llama import hf_mapping as llama_hf
 from weft.models.llama.args import LLAMA_FLAVORS, ModelArgs
 from weft.models.llama.model import Transformer
-from weft.models.llama.pipeline import llama_units
-from weft.models.llama.tp_plan import tp_plan
-from weft.models.spec import HFMapping, ModelSpec
+from weft.models.spec import ModelSpec
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -34,16 +35,7 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return rank * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + f))
 
 
-LLAMA_HF = HFMapping(
-    model_types=("llama",),
-    hf_config=hf_mapping.hf_config,
-    args_from_hf_config=hf_mapping.model_args_from_hf_config,
-    architecture_fields=hf_mapping.architecture_fields,
-    weft_to_hf_name=hf_mapping.weft_to_hf_name,
-    hf_to_weft_name=hf_mapping.hf_to_weft_name,
-    to_hf_tensor=hf_mapping.to_hf_tensor,
-    from_hf_tensor=hf_mapping.from_hf_tensor,
-)
+LLAMA_HF = hf_mapping(llama_hf, ["llama"])
 
 LLAMA_SPEC = ModelSpec(
     name="Llama",
@@ -51,8 +43,8 @@ LLAMA_SPEC = ModelSpec(
     args_type=ModelArgs,
     model_type=Transformer,
     build=Transformer,
-    tp_plan=tp_plan,
-    pipeline_units=llama_units,
+    tp_plan=dense_tp_plan,
+    pipeline_units=decoder_units,
     hf=LLAMA_HF,
     flops_per_token=flops_per_token,
     block_numel=block_numel,

@@ -1,16 +1,17 @@
 """weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, pipeline units
-(Llama's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
+(the decoder's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
 experts' joined gate_up_proj and Meta's `language_model.` prefix), tensor-parallel plan, FLOPs per
 token, LoRA adapters per block."""
 
 from __future__ import annotations
 
-from weft.models.llama.pipeline import llama_units
-from weft.models.llama4 import hf_mapping
+from weft.models.common.hf_config import hf_mapping
+from weft.models.common.pipeline import decoder_units
+from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.spec import HFMapping, ModelSpec
+from weft.models.spec import ModelSpec
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -45,20 +46,8 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return rank * ((h + q) * 2 + (h + kv) * 2) + rank * feed_forward // args.n_layers
 
 
-LLAMA4_HF = HFMapping(
-    model_types=("llama4_text", "llama4"),
-    hf_config=hf_mapping.hf_config,
-    args_from_hf_config=hf_mapping.model_args_from_hf_config,
-    architecture_fields=hf_mapping.architecture_fields,
-    weft_to_hf_name=hf_mapping.weft_to_hf_name,
-    hf_to_weft_name=hf_mapping.hf_to_weft_name,
-    to_hf_tensor=lambda name, tensor, args: hf_mapping.to_hf_tensor([name], [tensor]),
-    from_hf_tensor=lambda name, tensor, args: hf_mapping.from_hf_tensor(name, tensor),
-    hf_groups=hf_mapping.hf_groups,
-    join=lambda names, tensors, args: hf_mapping.to_hf_tensor(names, tensors),
-    hf_shape=hf_mapping.hf_shape,
-    weight_prefix=hf_mapping.weight_prefix,
-)
+LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
+                       hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix)
 
 LLAMA4_SPEC = ModelSpec(
     name="Llama 4",
@@ -67,7 +56,7 @@ LLAMA4_SPEC = ModelSpec(
     model_type=Transformer,
     build=Transformer,
     tp_plan=tp_plan,
-    pipeline_units=llama_units,
+    pipeline_units=decoder_units,
     hf=LLAMA4_HF,
     flops_per_token=flops_per_token,
     block_numel=block_numel,
