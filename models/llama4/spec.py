@@ -5,6 +5,7 @@ token, LoRA adapters per block."""
 
 from __future__ import annotations
 
+from weft.models.common.counts import attention_lora_numel, attention_numel, decoder_flops_per_token
 from weft.models.common.hf_config import hf_mapping
 from weft.models.common.pipeline import decoder_units
 from weft.models.llama4 import hf_mapping as llama4_hf
@@ -22,14 +23,13 @@ def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     attention's score and value products, H heads of size Q, each layer l over its context T_l:
     the sequence, or a rotary layer's chunk where that is shorter.
     """
-    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
     context = sum(args.attended_context(layer, seq_len) for layer in range(args.n_layers))
-    return 6 * (n_params - embedding) + 12 * args.n_heads * args.head_dim * context
+    return decoder_flops_per_token(args, n_params, seq_len, context)
 
 
 def block_numel(args: ModelArgs) -> int:
     """Parameters of one block, averaged over the MoE and dense blocks."""
-    attention = args.dim * (2 * args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim) + 2 * args.dim
+    attention = attention_numel(args) + 2 * args.dim
     moe = 3 * args.dim * args.expert_hidden_dim * (args.n_experts + 1) + args.dim * args.n_experts
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     dense = 3 * args.dim * args.dense_hidden_dim
@@ -40,10 +40,9 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     """Adapter parameters of one block, averaged over the MoE and dense blocks, with LoRA on the
     default targets: attention's 4 linears and the feed-forward's 3 (the shared expert's in an MoE
     block; not the router, not the stacked routed experts), rank x (in + out) each."""
-    q, kv, h = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim
-    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    h, n_moe = args.dim, sum(args.is_moe_layer(i) for i in range(args.n_layers))
     feed_forward = 3 * (n_moe * (h + args.expert_hidden_dim) + (args.n_layers - n_moe) * (h + args.dense_hidden_dim))
-    return rank * ((h + q) * 2 + (h + kv) * 2) + rank * feed_forward // args.n_layers
+    return attention_lora_numel(args, rank) + rank * feed_forward // args.n_layers
 
 
 LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
