@@ -3,14 +3,12 @@ units, Hugging Face mapping, FLOPs per token."""
 
 from __future__ import annotations
 
-from weft.models.common.counts import attention_lora_numel, attention_numel, decoder_flops_per_token
+from weft.models.common.counts import attention_lora_numel, attention_numel
+from weft.models.common.decoder_spec import decoder_spec
 from weft.models.common.hf_config import hf_mapping
-from weft.models.common.pipeline import decoder_units
-from weft.models.common.tp_plan import dense_tp_plan
 from weft.models.llama import hf_mapping as llama_hf
 from weft.models.llama.args import LLAMA_FLAVORS, ModelArgs
 from weft.models.llama.model import Transformer
-from weft.models.spec import ModelSpec
 
 
 def block_numel(args: ModelArgs) -> int:
@@ -25,16 +23,5 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
 
 LLAMA_HF = hf_mapping(llama_hf, ["llama"])
 
-LLAMA_SPEC = ModelSpec(
-    name="Llama",
-    flavors=LLAMA_FLAVORS,
-    args_type=ModelArgs,
-    model_type=Transformer,
-    build=Transformer,
-    tp_plan=dense_tp_plan,
-    pipeline_units=decoder_units,
-    hf=LLAMA_HF,
-    flops_per_token=decoder_flops_per_token,
-    block_numel=block_numel,
-    lora_block_numel=lora_block_numel,
-)
+LLAMA_SPEC = decoder_spec("Llama", LLAMA_FLAVORS, ModelArgs, Transformer, LLAMA_HF, block_numel=block_numel,
+                          lora_block_numel=lora_block_numel)

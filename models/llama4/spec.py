@@ -6,13 +6,12 @@ token, LoRA adapters per block."""
 from __future__ import annotations
 
 from weft.models.common.counts import attention_lora_numel, attention_numel, decoder_flops_per_token
+from weft.models.common.decoder_spec import decoder_spec
 from weft.models.common.hf_config import hf_mapping
-from weft.models.common.pipeline import decoder_units
 from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.spec import ModelSpec
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -48,16 +47,5 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
 LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
                        hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix)
 
-LLAMA4_SPEC = ModelSpec(
-    name="Llama 4",
-    flavors=LLAMA4_FLAVORS,
-    args_type=ModelArgs,
-    model_type=Transformer,
-    build=Transformer,
-    tp_plan=tp_plan,
-    pipeline_units=decoder_units,
-    hf=LLAMA4_HF,
-    flops_per_token=flops_per_token,
-    block_numel=block_numel,
-    lora_block_numel=lora_block_numel,
-)
+LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
+                           flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel)
