@@ -2,7 +2,7 @@
 a Qwen3-shaped model assembled from them alone (grouped-query attention with the per-head q/k
 RMSNorm before rotary, the decoder frame, a name table whose rotary rows include the q/k norm
 weights) gives transformers' Qwen3 logits; the name table names a Qwen3-MoE folder's per-expert
-tensors exactly as transformers writes them."""
+tensors exactly as transformers writes them; no family folder imports another's."""
 
 from dataclasses import dataclass
 
@@ -17,6 +17,7 @@ from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, HFNames, decoder_table, swiglu
 from weft.models.common.norms import RMSNorm
+from tests.models.test_spec import ROOT, import_graph
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,13 @@ def test_per_expert_tensors_are_named_as_transformers_writes_them_and_stack_into
     assert w1.shape == (experts, hidden, 32) and w2.shape == (experts, 32, hidden)  # weft's GroupedExperts layout
     torch.testing.assert_close(w1, block.gate_up_proj[:, :hidden].detach(), rtol=0, atol=0)
     torch.testing.assert_close(w2, block.down_proj.detach(), rtol=0, atol=0)
+
+
+def test_no_family_folder_imports_another():
+    families = sorted(path.parent.name for path in (ROOT / "models").glob("*/spec.py"))
+    assert {"llama", "llama4"} <= set(families) and "common" not in families
+    offenders = [f"{name} imports {target}" for name, targets in import_graph().items()
+                 for target in targets for family in families for other in families
+                 if other != family and name.startswith(f"weft.models.{family}.")
+                 and (target == f"weft.models.{other}" or target.startswith(f"weft.models.{other}."))]
+    assert not offenders, "\n".join(offenders)
