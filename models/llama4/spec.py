@@ -10,7 +10,7 @@ from weft.models.llama4 import hf_mapping
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.spec import HFMapping, ModelSpec
+from weft.models.spec import Experts, HFMapping, ModelSpec
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -45,6 +45,10 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return rank * ((h + q) * 2 + (h + kv) * 2) + rank * feed_forward // args.n_layers
 
 
+def experts(args: ModelArgs) -> Experts:
+    return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots)
+
+
 LLAMA4_HF = HFMapping(
     model_types=("llama4_text", "llama4"),
     hf_config=hf_mapping.hf_config,
@@ -72,4 +76,8 @@ LLAMA4_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     block_numel=block_numel,
     lora_block_numel=lora_block_numel,
+    experts=experts,
+    active_parameters=Transformer.active_parameters,
+    nf4_refusal="keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA "
+                "would leave most of the model unquantized",
 )
