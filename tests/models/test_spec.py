@@ -222,3 +222,30 @@ def test_llama_flops_per_token_is_six_per_matmul_parameter_plus_attention():
     assert spec.flops_per_token(args, n_params, seq_len) == expected
     blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     assert spec.block_numel(args) * args.n_layers == blocks
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
+    """experts(), active_parameters and nf4_refusal against the built model: its MoE layers (router
+    width, top_k, expert widths), its parameters (the active ones: all but the routed experts' share
+    a token skips) and whether a weight is not 2-D (torchao's NF4 holds 2-D weights only)."""
+    from weft.components.metrics import active_parameters
+    from weft.models.moe import MoE
+
+    spec = spec_for_flavor(flavor)
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build(args)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    experts = spec.experts(args)
+    total = sum(p.numel() for p in model.parameters())
+    if not moes:
+        assert experts is None and active_parameters(model) == total
+    else:
+        assert {(m.router.out_features, m.top_k) for m in moes} == {(experts.n_experts, experts.top_k)}
+        assert experts.routed_slots == len(moes) * experts.top_k / args.n_layers
+        widths = {m.experts.w1.shape[1] for m in moes}  # [experts, hidden, dim]
+        assert experts.routed_hidden_dim == len(moes) * experts.top_k * widths.pop() // args.n_layers
+        routed = sum(p.numel() for m in moes for p in m.experts.parameters())
+        assert active_parameters(model) == total - routed + routed * experts.top_k // experts.n_experts
+    assert (spec.nf4_refusal is not None) == any(p.dim() > 2 for p in model.parameters())
