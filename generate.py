@@ -3,11 +3,12 @@
     python generate.py --checkpoint outputs/checkpoint/step-1000 --prompt "ROMEO:"
     python generate.py --checkpoint outputs/debug_moe/checkpoint/step-100 --flavor debugmodel_moe --prompt "ROMEO:"
     python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
-
-The model is any registered family's (weft.models): a --hf folder's config.json names it; a
---checkpoint's is --flavor, by default the model its run recorded (<dump_folder>/hf_files/config.json,
-as the export command reads it), else debugmodel.
     python generate.py --hf Llama-3.1-8B-Instruct --chat --prompt "Who wrote Hamlet?"
+
+The model is any registered family's (weft.models), built by its spec: a --hf folder's
+config.json names it (LlamaForCausalLM, Llama4ForCausalLM, ...); a --checkpoint's is --flavor, by
+default the model its run recorded (<dump_folder>/hf_files/config.json, as the export command
+reads it), else debugmodel.
 
 With --chat the prompt is a user message: the tokenizer's chat template renders it (after an
 optional --system message) with the assistant's header, and generation stops at the end of the
