@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from weft.models.common.hf_names import HFNames
+
 
 class HFConfigError(ValueError):
     """A config.json a weft model cannot represent; the message names the field and its value."""
@@ -21,34 +23,48 @@ class HFConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HFMapping:
-    """How a weft model and its Hugging Face checkpoint translate into each other."""
+    """How a weft model and its Hugging Face checkpoint translate into each other: names and the
+    rotary row order from the family's name table (`HFNames`, models/common/hf_names.py), config.json
+    from its functions, and where its tensors are laid out otherwise (Llama 4's experts) its own
+    join and split. A family builds it with `models.common.hf_config.hf_mapping`."""
 
     model_types: tuple[str, ...]  # config.json model_type values this model reads
+    names: HFNames  # weft <-> HF names, which weft parameters make each HF tensor, rotary rows
     hf_config: Callable[[Any, torch.dtype], dict[str, Any]]  # args, dtype -> config.json
     args_from_hf_config: Callable[[dict[str, Any]], Any]  # config.json -> args (HFConfigError if not)
     architecture_fields: Callable[[dict[str, Any]], dict[str, Any]]  # the config.json fields deciding the function
-    weft_to_hf_name: Callable[[str], str]  # weft parameter name -> HF tensor name
-    hf_to_weft_name: Callable[[str], str]  # HF tensor name -> weft parameter name
-    to_hf_tensor: Callable[[str, torch.Tensor, Any], torch.Tensor]  # weft name, weft tensor, args -> HF tensor
-    from_hf_tensor: Callable[[str, torch.Tensor, Any], torch.Tensor]  # weft name, HF tensor, args -> weft tensor
-    # Where one HF tensor holds several weft parameters (Llama 4's experts.gate_up_proj: w1 and w3):
-    # weft names -> {HF name: its weft parameters, in `join`'s order}, and their join. None: one each.
-    hf_groups: Callable[[Iterable[str]], dict[str, list[str]]] | None = None
+    # weft names of a group (`groups`), their tensors (rotary rows already in HF's order), args -> the
+    # HF tensor (Llama 4: experts transposed, w1 and w3 joined). None: the group's one tensor as it is.
     join: Callable[[list[str], list[torch.Tensor], Any], torch.Tensor] | None = None
+    # weft name, the HF tensor, args -> the weft parameter's part of it, before the rotary rows. None: all of it.
+    split: Callable[[str, torch.Tensor, Any], torch.Tensor] | None = None
     hf_shape: Callable[[str, torch.Size], list[int]] | None = None  # weft name, its shape -> the HF tensor's
     weight_prefix: Callable[[dict[str, Any]], str] | None = None  # config.json -> what precedes tensor names
 
+    def weft_to_hf_name(self, name: str) -> str:
+        """A weft parameter's Hugging Face tensor name (ValueError for one it has no place for)."""
+        return self.names.to_hf(name)
+
+    def hf_to_weft_name(self, name: str) -> str:
+        """A Hugging Face tensor's weft parameter name (ValueError for one weft has no place for)."""
+        return self.names.to_weft(name)
+
     def groups(self, weft_names: Iterable[str]) -> dict[str, list[str]]:
         """Each HF tensor's name -> the weft parameters it is made of."""
-        if self.hf_groups is not None:
-            return self.hf_groups(weft_names)
-        return {self.weft_to_hf_name(name): [name] for name in weft_names}
+        return self.names.groups(weft_names)
 
     def to_hf(self, weft_names: list[str], tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
         """The HF tensor made of these weft parameters (a group of `groups`)."""
-        if len(weft_names) == 1:
-            return self.to_hf_tensor(weft_names[0], tensors[0], args)
-        return self.join(weft_names, tensors, args)
+        tensors = [self.names.to_hf_tensor(name, tensor, args) for name, tensor in zip(weft_names, tensors)]
+        if self.join is not None:
+            return self.join(weft_names, tensors, args)
+        (tensor,) = tensors
+        return tensor
+
+    def from_hf_tensor(self, weft_name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
+        """The weft parameter `weft_name` out of its HF tensor."""
+        tensor = tensor if self.split is None else self.split(weft_name, tensor, args)
+        return self.names.from_hf_tensor(weft_name, tensor, args)
 
     def shape(self, weft_name: str, shape: torch.Size) -> list[int]:
         """The shape of the HF tensor a weft parameter of `shape` is read from."""

@@ -10,9 +10,9 @@ Modules: `safetensors_io` (files, shards, index; writing into a folder renamed i
 writer: a full model, LoRA merged, or a PEFT adapter folder, from a live model in any layout or a
 stream of tensors), `export` (a DCP checkpoint -> a folder; `export.hf_folder` at the end of a run),
 `model_files` (config.json, tokenizer and generation_config.json, recorded by a run in
-<dump_folder>/hf_files), `cli`. What is a model's own (names, Llama's rotary permutation,
-config.json) lives with the model (`models/llama/hf_mapping.py`); these modules reach it through
-the model's spec (`ModelSpec.hf`, models/spec.py).
+<dump_folder>/hf_files), `cli`. What is a model's own (its name table, the rotary row order,
+config.json) lives with the model (`models/<family>/hf_mapping.py`, on `models/common/`); these
+modules reach it through the model's spec (`ModelSpec.hf`, models/spec.py).
 """
 
 from weft.components.hf.cli import main

@@ -1,2 +1,5 @@
-"""Layers every model imports: RMSNorm, rotary embeddings, the attention core and its masks,
-SwiGLU, order-independent initialisation. A model folder holds only what is its own."""
+"""What every decoder family shares: RMSNorm, rotary embeddings, the attention core and its masks,
+grouped-query attention, SwiGLU, the decoder frame with its initialisation and pipeline-stage
+forward, the dense TP plan and pipeline units, the Hugging Face name table and config.json helpers,
+FLOPs and parameter counts, and `decoder_spec`. A family folder holds only what is its own, and
+never imports another family's folder."""

@@ -6,93 +6,48 @@ and whose weights carry the prefix `language_model.`).
 Unlike Llama 3's mapping, query and key rows keep their order: transformers' Llama 4 rotates
 adjacent channel pairs as complex numbers, as weft does. The one tensor that is not one weft
 parameter is the experts' `gate_up_proj` [experts, dim, 2·hidden], the gate (weft's w1) and up
-(w3) projections side by side, gate first; `hf_groups` says which weft parameters make each
-Hugging Face tensor, `to_hf_tensor` joins them, `from_hf_tensor` takes one back out.
+(w3) projections side by side, gate first: the name table (`NAMES`) says which weft parameters
+make each Hugging Face tensor, `to_hf_tensor` joins them (the spec's `join`), `from_hf_tensor`
+takes one back out (its `split`).
 
-Nothing here reads or writes files; components/hf does, through these functions.
+Nothing here reads or writes files; components/hf does, through the family's `HFMapping`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 
-from weft.models.llama.hf_mapping import _rope_scaling
+from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, rope_scaling
+from weft.models.common.hf_names import DECODER_BLOCK, HFNames, decoder_table, swiglu
 from weft.models.llama4.args import ModelArgs
 from weft.models.spec import HFConfigError
 
 # Rotary table length when config.json asks for more: Scout's 10M positions would be a 5 GiB table.
 MAX_ROTARY_POSITIONS = 131072
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_IN_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    # dense layers
-    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
-    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
-    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
-    # MoE layers
-    "feed_forward.router.weight": "feed_forward.router.weight",
-    "feed_forward.shared_expert.w1.weight": "feed_forward.shared_expert.gate_proj.weight",
-    "feed_forward.shared_expert.w2.weight": "feed_forward.shared_expert.down_proj.weight",
-    "feed_forward.shared_expert.w3.weight": "feed_forward.shared_expert.up_proj.weight",
-    "feed_forward.experts.w1": "feed_forward.experts.gate_up_proj",
-    "feed_forward.experts.w3": "feed_forward.experts.gate_up_proj",
-    "feed_forward.experts.w2": "feed_forward.experts.down_proj",
-}
-_WEFT_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
+NAMES = HFNames(
+    decoder_table(
+        DECODER_BLOCK
+        | swiglu("feed_forward", "feed_forward")  # dense layers
+        | swiglu("feed_forward.shared_expert", "feed_forward.shared_expert")  # MoE layers
+        | {
+            "feed_forward.router.weight": "feed_forward.router.weight",
+            "feed_forward.experts.w1": "feed_forward.experts.gate_up_proj",  # gate first, then up
+            "feed_forward.experts.w3": "feed_forward.experts.gate_up_proj",
+            "feed_forward.experts.w2": "feed_forward.experts.down_proj",
+        }
+    ),
+    weft_only=["layers.{layer}.feed_forward.expert_bias"],  # weft's balancing state; transformers has none
+)
+weft_to_hf_name = NAMES.to_hf  # `layers.3.feed_forward.experts.w1` → `model.layers.3.feed_forward.experts.gate_up_proj`
+hf_to_weft_name = NAMES.to_weft  # gate_up_proj: its w1
+hf_groups = NAMES.groups  # gate_up_proj: [w1, w3]; the balancing bias left out
 
 
-def weft_to_hf_name(name: str) -> str:
-    """`layers.3.feed_forward.experts.w1` → `model.layers.3.feed_forward.experts.gate_up_proj`."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = _WEFT_BLOCK.match(name)
-    if match and match.group(2) in _IN_BLOCK:
-        return f"model.layers.{match.group(1)}.{_IN_BLOCK[match.group(2)]}"
-    raise ValueError(f"no Hugging Face name for weft parameter {name!r}")
-
-
-_TOP_LEVEL_BACK = {hf: weft for weft, hf in _TOP_LEVEL.items()}
-_IN_BLOCK_BACK = {hf: weft for weft, hf in reversed(_IN_BLOCK.items())}  # gate_up_proj -> experts.w1
-_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def hf_to_weft_name(name: str) -> str:
-    """`model.layers.3.self_attn.q_proj.weight` → `layers.3.attention.wq.weight` (gate_up_proj: its w1)."""
-    if name in _TOP_LEVEL_BACK:
-        return _TOP_LEVEL_BACK[name]
-    match = _HF_BLOCK.match(name)
-    if match and match.group(2) in _IN_BLOCK_BACK:
-        return f"layers.{match.group(1)}.{_IN_BLOCK_BACK[match.group(2)]}"
-    raise ValueError(f"no weft name for Hugging Face tensor {name!r}")
-
-
-def hf_groups(weft_names) -> dict[str, list[str]]:
-    """Each Hugging Face tensor's name → the weft parameters it is made of, in the order
-    `to_hf_tensor` takes them (the experts' w1 before w3), in the order of `weft_names`; the MoE
-    layers' `expert_bias` buffers are weft's alone and left out."""
-    groups: dict[str, list[str]] = {}
-    for name in weft_names:
-        if name.endswith("feed_forward.expert_bias"):  # weft's balancing state; transformers has none
-            continue
-        groups.setdefault(weft_to_hf_name(name), []).append(name)
-    return {hf: sorted(names, key=lambda n: n.endswith("experts.w3")) for hf, names in groups.items()}
-
-
-def to_hf_tensor(weft_names: list[str], weights: list[torch.Tensor]) -> torch.Tensor:
+def to_hf_tensor(weft_names: list[str], weights: list[torch.Tensor], args: ModelArgs | None = None) -> torch.Tensor:
     """The Hugging Face tensor made of these weft parameters (one, or an expert's w1 and w3).
 
     weft holds an expert projection as [experts, out, in] (a Linear's layout, stacked);
@@ -103,7 +58,7 @@ def to_hf_tensor(weft_names: list[str], weights: list[torch.Tensor]) -> torch.Te
     return weight
 
 
-def from_hf_tensor(weft_name: str, hf_tensor: torch.Tensor) -> torch.Tensor:
+def from_hf_tensor(weft_name: str, hf_tensor: torch.Tensor, args: ModelArgs | None = None) -> torch.Tensor:
     """The part of a Hugging Face tensor that is the weft parameter `weft_name`."""
     if weft_name.endswith(("experts.w1", "experts.w3")):
         gate, up = hf_tensor.chunk(2, dim=-1)
@@ -130,22 +85,9 @@ def hf_shape(weft_name: str, shape: torch.Size) -> list[int]:
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The `config.json` of a `Llama4ForCausalLM` computing what a weft Llama 4 of `args` computes."""
     never = args.n_layers + 1  # an interval no layer reaches
-    config: dict[str, Any] = {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "hidden_size": args.dim,
+    return {"rope_scaling": None} | decoder_hf_config(args, dtype, "Llama4ForCausalLM", "llama4_text") | {
         "intermediate_size": args.expert_hidden_dim,
         "intermediate_size_mlp": args.dense_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
         "num_local_experts": args.n_experts,
         "num_experts_per_tok": args.top_k,
         "interleave_moe_layer_step": args.moe_every,
@@ -157,20 +99,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
         "attn_temperature_tuning": args.temperature_tuning,
         "floor_scale": args.floor_scale,
         "attn_scale": args.attn_scale,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-        }
-    return config
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -219,9 +148,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """The ModelArgs of a Llama 4 `config.json` (as a dict). Raises HFConfigError naming the field
     and its value for what weft's Llama 4 does not implement."""
     text = text_config(config)
-    for key, supported in _FIXED:
-        if text.get(key, supported) not in (supported,):
-            raise HFConfigError(f"{key} is {text[key]}; weft's Llama 4 supports only {supported}")
+    refuse_unsupported(text, _FIXED, "Llama 4")
     try:
         n_layers = int(text["num_hidden_layers"])
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
@@ -236,7 +163,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
                           for i in range(n_layers)]
         if text.get("layer_types") not in (None, expected_types):
             raise HFConfigError(f"layer_types is {text['layer_types']}; weft's Llama 4 expects {expected_types}")
-        scaling, rope = _rope_scaling(text)
+        scaling, rope = rope_scaling(text, "Llama 4")
         experts, top_k = int(text.get("num_local_experts", 16)), int(text.get("num_experts_per_tok", 1))
         if not 1 <= top_k <= experts:
             raise HFConfigError(f"num_experts_per_tok is {top_k}; expected 1 to num_local_experts ({experts})")

@@ -1,16 +1,18 @@
 """weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, pipeline units
-(Llama's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
+(the decoder's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
 experts' joined gate_up_proj and Meta's `language_model.` prefix), tensor-parallel plan, FLOPs per
 token, LoRA adapters per block."""
 
 from __future__ import annotations
 
-from weft.models.llama.pipeline import llama_units
-from weft.models.llama4 import hf_mapping
+from weft.models.common.counts import attention_lora_numel, attention_numel, decoder_flops_per_token
+from weft.models.common.decoder_spec import decoder_spec
+from weft.models.common.hf_config import hf_mapping
+from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.spec import Experts, HFMapping, ModelSpec
+from weft.models.spec import Experts
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -21,14 +23,13 @@ def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     attention's score and value products, H heads of size Q, each layer l over its context T_l:
     the sequence, or a rotary layer's chunk where that is shorter.
     """
-    embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
     context = sum(args.attended_context(layer, seq_len) for layer in range(args.n_layers))
-    return 6 * (n_params - embedding) + 12 * args.n_heads * args.head_dim * context
+    return decoder_flops_per_token(args, n_params, seq_len, context)
 
 
 def block_numel(args: ModelArgs) -> int:
     """Parameters of one block, averaged over the MoE and dense blocks."""
-    attention = args.dim * (2 * args.n_heads * args.head_dim + 2 * args.kv_heads * args.head_dim) + 2 * args.dim
+    attention = attention_numel(args) + 2 * args.dim
     moe = 3 * args.dim * args.expert_hidden_dim * (args.n_experts + 1) + args.dim * args.n_experts
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     dense = 3 * args.dim * args.dense_hidden_dim
@@ -39,45 +40,20 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     """Adapter parameters of one block, averaged over the MoE and dense blocks, with LoRA on the
     default targets: attention's 4 linears and the feed-forward's 3 (the shared expert's in an MoE
     block; not the router, not the stacked routed experts), rank x (in + out) each."""
-    q, kv, h = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.dim
-    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    h, n_moe = args.dim, sum(args.is_moe_layer(i) for i in range(args.n_layers))
     feed_forward = 3 * (n_moe * (h + args.expert_hidden_dim) + (args.n_layers - n_moe) * (h + args.dense_hidden_dim))
-    return rank * ((h + q) * 2 + (h + kv) * 2) + rank * feed_forward // args.n_layers
+    return attention_lora_numel(args, rank) + rank * feed_forward // args.n_layers
 
 
 def experts(args: ModelArgs) -> Experts:
     return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots)
 
 
-LLAMA4_HF = HFMapping(
-    model_types=("llama4_text", "llama4"),
-    hf_config=hf_mapping.hf_config,
-    args_from_hf_config=hf_mapping.model_args_from_hf_config,
-    architecture_fields=hf_mapping.architecture_fields,
-    weft_to_hf_name=hf_mapping.weft_to_hf_name,
-    hf_to_weft_name=hf_mapping.hf_to_weft_name,
-    to_hf_tensor=lambda name, tensor, args: hf_mapping.to_hf_tensor([name], [tensor]),
-    from_hf_tensor=lambda name, tensor, args: hf_mapping.from_hf_tensor(name, tensor),
-    hf_groups=hf_mapping.hf_groups,
-    join=lambda names, tensors, args: hf_mapping.to_hf_tensor(names, tensors),
-    hf_shape=hf_mapping.hf_shape,
-    weight_prefix=hf_mapping.weight_prefix,
-)
+LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
+                       hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix)
 
-LLAMA4_SPEC = ModelSpec(
-    name="Llama 4",
-    flavors=LLAMA4_FLAVORS,
-    args_type=ModelArgs,
-    model_type=Transformer,
-    build=Transformer,
-    tp_plan=tp_plan,
-    pipeline_units=llama_units,
-    hf=LLAMA4_HF,
-    flops_per_token=flops_per_token,
-    block_numel=block_numel,
-    lora_block_numel=lora_block_numel,
-    experts=experts,
-    active_parameters=Transformer.active_parameters,
-    nf4_refusal="keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA "
-                "would leave most of the model unquantized",
-)
+LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
+                           flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel,
+                           experts=experts, active_parameters=Transformer.active_parameters,
+                           nf4_refusal="keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot "
+                                       "hold, so QLoRA would leave most of the model unquantized")

@@ -1,5 +1,6 @@
-"""How tensor parallelism splits weft's Llama: the plan its `ModelSpec` hands `apply_tp`
-(models/llama/spec.py). The model file knows nothing of it."""
+"""How tensor parallelism splits a decoder's attention and dense SwiGLU feed-forwards: the plan a
+dense family's `ModelSpec` hands `apply_tp` as it is (Llama), and an MoE family's starts from
+(Llama 4 replaces its MoE feed-forwards' entries). The model files know nothing of it."""
 
 from __future__ import annotations
 
@@ -18,17 +19,17 @@ from torch.distributed.tensor.parallel import (
 Plan = dict[str, ParallelStyle]
 
 
-def tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_linears: Collection[str] = (),
-            float8_styles: dict[str, type[ParallelStyle]] | None = None) -> Plan:
-    """`llama_tp_plan` for `model`: one pattern for every block, or (with float8 layers, which may
+def dense_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_linears: Collection[str] = (),
+                  float8_styles: dict[str, type[ParallelStyle]] | None = None) -> Plan:
+    """`decoder_tp_plan` for `model`: one pattern for every block, or (with float8 layers, which may
     differ between blocks) an entry per block."""
     if not float8_linears:
-        return llama_tp_plan(loss_parallel=loss_parallel)
-    return llama_tp_plan(loss_parallel=loss_parallel, float8_linears=float8_linears, float8_styles=float8_styles,
-                         blocks=[f"layers.{name}" for name in model.layers])
+        return decoder_tp_plan(loss_parallel=loss_parallel)
+    return decoder_tp_plan(loss_parallel=loss_parallel, float8_linears=float8_linears, float8_styles=float8_styles,
+                           blocks=[f"layers.{name}" for name in model.layers])
 
 
-# How each block linear of weft's Llama is split, and which linears read each block input.
+# How each block linear of a decoder is split, and which linears read each block input.
 _BLOCK_SPLITS = {
     "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
     "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
@@ -36,12 +37,12 @@ _BLOCK_SPLITS = {
 _BLOCK_INPUT_READERS = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
 
 
-def llama_tp_plan(
+def decoder_tp_plan(
     *, loss_parallel: bool = False, float8_linears: Collection[str] = (),
     float8_styles: dict[str, type[ParallelStyle]] | None = None, blocks: Iterable[str] = ("layers.*",),
     attention_inputs: int = 2,
 ) -> Plan:
-    """weft's Llama: each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
+    """Each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
     heads, so grouped-query attention stays local), wo and w2 by input features.
 
     Between the splits the activations are sequence-parallel: the residual stream and the norms

@@ -1,0 +1,92 @@
+"""The frame every decoder family shares: token embedding → blocks → RMSNorm → output projection,
+the rotary table beside them, the forward's walk through whatever modules a pipeline stage holds,
+and order-independent weight initialisation. A family's `Transformer` subclasses `Decoder`, gives
+it its block, and writes its own `forward` (what each block is handed) around `run_blocks`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+
+import torch
+from torch import nn
+
+from weft.models.common.init import param_seed, trunc_normal
+from weft.models.common.norms import RMSNorm
+from weft.models.common.rotary import rope_rotations
+from weft.models.moe import MoE
+
+# Parameters that write into the residual stream (attention's output, the feed-forwards' down
+# projections, routed experts' included): initialised with std scaled by 1/√(2·n_layers).
+RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
+
+
+class Decoder(nn.Module):
+    """Token embedding → n_layers blocks (`block(i)` makes block i) → RMSNorm → output projection to
+    logits. `args` is any family's hyper-parameters with vocab_size, dim, n_layers, norm_eps,
+    tie_embeddings and what `rope_rotations` reads."""
+
+    def __init__(self, args, block: Callable[[int], nn.Module]):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keeps parameter names ("layers.3.attention.wq.weight") stable if blocks are removed.
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Complex: `model.to(dtype)` would keep only its real part; cast parameters, not the model.
+        rotations = rope_rotations(args, device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_rotations", rotations, persistent=False)
+
+    def attention_core(self) -> nn.Module:
+        """The first block's attention core (context parallelism may have swapped it): the one that
+        builds the masks every block then uses."""
+        return next(iter(self.layers.values())).attention.core
+
+    def run_blocks(self, tokens: torch.Tensor, *block_inputs, **block_kwargs) -> torch.Tensor:
+        """Embedding, every block (each given the hidden state, then `block_inputs` and
+        `block_kwargs`), norm and output: logits, or what a pipeline stage passes on.
+
+        A pipeline stage (parallelisms/pipeline.py) lacks the modules other stages own (None):
+        without the embedding its input is the previous stage's hidden state, and without the
+        output it returns its own."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, *block_inputs, **block_kwargs)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, names: Collection[str] | None = None) -> None:
+        """Fill every parameter (or those of `names`) and buffer on the device it lives on.
+
+        Each weight is drawn whole from its own generator, seeded by (seed, parameter name), so
+        its values depend on nothing else: not on the order of initialisation, and not on how the
+        parameter is later split across devices (a split parameter is filled with its slice of the
+        full draw). Linear weights: truncated normal, std 0.02, with the residual projections
+        (wo, w2, the experts' down projection) scaled by 1/√(2·n_layers) (GPT-2); embeddings: std 1
+        (1/√dim when tied); output: std 1/√dim; norms 1. MoE layers' balancing state: zero.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if names is not None and name not in names:
+                continue
+            if name.endswith("norm.weight"):
+                param.copy_(torch.ones(param.shape, dtype=param.dtype, device=param.device))
+                continue
+            if name == "tok_embeddings.weight":
+                std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+            elif name == "output.weight":
+                std = self.args.dim**-0.5
+            elif name.endswith(RESIDUAL_PROJECTIONS):
+                std = residual_std
+            else:
+                std = 0.02
+            param.copy_(trunc_normal(param.shape, std, param.dtype, param.device, param_seed(seed, name)))
+        self.rope_rotations.copy_(rope_rotations(self.args, device=self.rope_rotations.device))
+        for module in self.modules():
+            if isinstance(module, MoE):  # balancing state: no bias, nothing counted
+                module.expert_bias.zero_()
+                module.tokens_per_expert.zero_()

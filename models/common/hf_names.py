@@ -1,0 +1,151 @@
+"""weft parameter names ↔ Hugging Face tensor names, both ways from one table of patterns, and the
+row order Hugging Face's rotary needs.
+
+A pattern's `{field}` stands for an integer: `{layer}` in block names, and on the Hugging Face side
+alone `{expert}` where one weft parameter (the stacked routed experts, [experts, out, in]) is held
+as one tensor per expert (Qwen3-MoE's `mlp.experts.{expert}.gate_proj.weight`); `hf_parts` names
+them in stacking order. Several weft patterns naming one Hugging Face pattern make that one
+tensor together, in table order (Llama 4's gate_up_proj of w1 and w3); `groups` says so.
+
+Rotary rows: weft (like Meta's reference code) rotates adjacent channels (x[2i], x[2i+1]) of each
+head; transformers' `rotate_half` rotates channel i with channel i + head_dim/2. Attention agrees
+when the rows of wq and wk (and of per-head q/k norm weights, a single "head") are reordered
+within each head, evens first then odds (`permute_for_hf`), and back on import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+# Outside the blocks, the same in every decoder family.
+DECODER_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# A block's attention and its two norms, the same in every decoder family.
+DECODER_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Rows to reorder for `rotate_half`: weft name suffix -> the ModelArgs field giving its heads.
+ROTARY_ROWS = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}
+
+
+def swiglu(weft: str, hf: str) -> dict[str, str]:
+    """A SwiGLU's three projections under the prefixes `weft` and `hf` (w1 gate, w2 down, w3 up)."""
+    return {f"{weft}.w1.weight": f"{hf}.gate_proj.weight", f"{weft}.w2.weight": f"{hf}.down_proj.weight",
+            f"{weft}.w3.weight": f"{hf}.up_proj.weight"}
+
+
+def decoder_table(block: Mapping[str, str]) -> dict[str, str]:
+    """The full table of a decoder: `DECODER_TOP_LEVEL`, then `block` (names inside a block, as
+    `DECODER_BLOCK` and the family's feed-forward) under `layers.{layer}.` / `model.layers.{layer}.`."""
+    return DECODER_TOP_LEVEL | {f"layers.{{layer}}.{weft}": f"model.layers.{{layer}}.{hf}" for weft, hf in block.items()}
+
+
+def _regex(pattern: str) -> re.Pattern:
+    pieces = _FIELD.split(pattern)  # literal, field, literal, field, ...
+    return re.compile("".join(re.escape(p) if i % 2 == 0 else rf"(?P<{p}>\d+)" for i, p in enumerate(pieces)))
+
+
+class HFNames:
+    """Both translators of one table (weft pattern -> Hugging Face pattern, see the module's
+    docstring), with the rotary row order of `rotary_rows` (weft name suffix -> the ModelArgs
+    field, or the number, of heads its rows hold). `weft_only`: patterns of weft tensors Hugging
+    Face has no place for (an MoE layer's balancing bias), which `groups` leaves out."""
+
+    def __init__(self, table: Mapping[str, str], *, rotary_rows: Mapping[str, str | int] | None = None,
+                 weft_only: Iterable[str] = ()):
+        self.table = dict(table)
+        self.rotary_rows = dict(rotary_rows or {})
+        self._entries = [(_regex(weft), _regex(hf), hf, set(_FIELD.findall(hf)) - set(_FIELD.findall(weft)))
+                         for weft, hf in self.table.items()]
+        self._weft_only = [_regex(pattern) for pattern in weft_only]
+
+    def _entry(self, name: str):
+        for index, (weft, _, hf, stacked_by) in enumerate(self._entries):
+            match = weft.fullmatch(name)
+            if match:
+                return index, match.groupdict(), hf, stacked_by
+        raise ValueError(f"no Hugging Face name for weft parameter {name!r}")
+
+    def to_hf(self, name: str) -> str:
+        """`layers.3.attention.wq.weight` → `model.layers.3.self_attn.q_proj.weight`."""
+        _, fields, hf, stacked_by = self._entry(name)
+        if stacked_by:
+            raise ValueError(f"weft parameter {name!r} is held by several Hugging Face tensors ({hf}): see hf_parts")
+        return hf.format(**fields)
+
+    def to_weft(self, hf_name: str) -> str:
+        """`model.layers.3.self_attn.q_proj.weight` → `layers.3.attention.wq.weight`; a tensor that is
+        part of a weft parameter gives that parameter (gate_up_proj: its w1, an expert's: the stack)."""
+        for (_, hf, _, _), weft in zip(self._entries, self.table):
+            match = hf.fullmatch(hf_name)
+            if match:
+                return weft.format(**match.groupdict())
+        raise ValueError(f"no weft name for Hugging Face tensor {hf_name!r}")
+
+    def hf_parts(self, name: str, count: int) -> list[str]:
+        """The Hugging Face tensors that hold the weft parameter `name`, stacked along its first
+        dimension of size `count` in this order (one per expert); [to_hf(name)] where it is one."""
+        _, fields, hf, stacked_by = self._entry(name)
+        if not stacked_by:
+            return [hf.format(**fields)]
+        (field,) = stacked_by
+        return [hf.format(**fields, **{field: i}) for i in range(count)]
+
+    def groups(self, weft_names: Iterable[str]) -> dict[str, list[str]]:
+        """Each Hugging Face tensor's name → the weft parameters it is made of, in table order, the
+        tensors in the order of `weft_names`; `weft_only` tensors left out."""
+        groups: dict[str, list[tuple[int, str]]] = {}
+        for name in weft_names:
+            if any(pattern.fullmatch(name) for pattern in self._weft_only):
+                continue
+            index = self._entry(name)[0]
+            groups.setdefault(self.to_hf(name), []).append((index, name))
+        return {hf: [name for _, name in sorted(members)] for hf, members in groups.items()}
+
+    def rotary_heads(self, name: str, args) -> int | None:
+        """How many heads the rows of `name` hold, where they are reordered for `rotate_half`."""
+        for suffix, heads in self.rotary_rows.items():
+            if name.endswith(suffix):
+                return getattr(args, heads) if isinstance(heads, str) else heads
+        return None
+
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        """A weft parameter's values in its Hugging Face row order."""
+        heads = self.rotary_heads(name, args)
+        return tensor if heads is None else permute_for_hf(tensor, heads)
+
+    def from_hf_tensor(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        """A Hugging Face tensor's values in the row order of the weft parameter `name`."""
+        heads = self.rotary_heads(name, args)
+        return tensor if heads is None else unpermute_from_hf(tensor, heads)
+
+
+def permute_for_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the output rows of a weft wq/wk ([n_heads·head_dim, dim]; or a [head_dim] norm weight,
+    one head) for `rotate_half`.
+
+    Within each head, weft row 2i + c (pair i, c = 0 or 1) becomes row c·head_dim/2 + i: the
+    even rows first, then the odd ones, so that HF's pair (i, i + head_dim/2) is weft's pair
+    (2i, 2i + 1), rotated by the same frequency.
+    """
+    head_dim = weight.shape[0] // n_heads
+    return weight.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `permute_for_hf`: HF q_proj/k_proj rows back to weft's adjacent-pair order."""
+    head_dim = weight.shape[0] // n_heads
+    return weight.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)

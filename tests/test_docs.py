@@ -1,0 +1,108 @@
+"""The documentation holds together: every relative link of README.md, docs/*.md and
+benchmarks/results/README.md points at a file that exists (and, with a #anchor, at a heading of
+it, slugged as GitHub slugs headings), the README stays short, and it links every docs page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+README_LIMIT = 25_600  # bytes: a README read in one sitting; the rest lives in docs/
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", flags=re.M | re.S)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", flags=re.M)
+
+
+def documentation() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks/results/README.md"]
+
+
+def prose(text: str) -> str:
+    """The text a reader sees as markdown: fenced blocks removed (a `# comment` there is no heading)."""
+    return FENCE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's anchor, the second of two equal ones suffixed -1 (and so on), as GitHub does."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, heading in HEADING.findall(prose(path.read_text())):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    """The targets of the inline links of a markdown file, outside code blocks and code spans."""
+    text = prose(path.read_text())
+    # a code span inside a link's text stays a link: only spans outside [...] hide brackets
+    return LINK.findall(CODE_SPAN.sub(lambda m: m.group(0).replace("[", "").replace("]", "").replace("(", ""), text))
+
+
+def broken_links(path: Path, root: Path = REPO) -> list[str]:
+    """Each relative link of `path` that does not resolve, as 'file: target (why)', paths from `root`."""
+    problems = []
+    for target in links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not this repository's
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        name = f"{path.relative_to(root)}: {target}"
+        if not dest.exists():
+            problems.append(f"{name} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            problems.append(f"{name} (no heading with that anchor in {dest.relative_to(root)})")
+    return problems
+
+
+def test_slugs_follow_githubs_rule():
+    # anchors the README used before the split, as GitHub rendered them
+    assert slug("Slow ranks, time left, Weights & Biases") == "slow-ranks-time-left-weights--biases"
+    assert slug("Mixtures of sources") == "mixtures-of-sources"
+    assert slug("Fine-tune with LoRA / QLoRA") == "fine-tune-with-lora--qlora"
+    assert slug("Use weft's transforms on your own model") == "use-wefts-transforms-on-your-own-model"
+    assert slug("First run on GPUs (issue 22)") == "first-run-on-gpus-issue-22"
+
+
+def test_the_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# A\n\n## Real part\n\n```\n# not a heading\n```\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#real-part) [`code` ok](a.md) [gone](c.md) [bad](a.md#not-a-heading) "
+                    "[web](https://example.com/x) `[not](a link)` [self](#b)\n\n# B\n"
+                    "```\n[in a block](nowhere.md)\n```\n")
+    assert broken_links(page, root=tmp_path) == ["b.md: c.md (no such file)",
+                                  "b.md: a.md#not-a-heading (no heading with that anchor in a.md)"]
+
+
+@pytest.mark.parametrize("page", documentation(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    assert page.is_file()
+    assert broken_links(page) == []
+
+
+def test_the_readme_is_short():
+    size = (REPO / "README.md").stat().st_size
+    assert size < README_LIMIT, f"README.md is {size:,} bytes; move detail into a docs/ page"
+
+
+def test_the_readme_links_every_docs_page():
+    readme = REPO / "README.md"
+    linked = {(readme.parent / t.partition("#")[0]).resolve() for t in links(readme) if not t.startswith("#")}
+    pages = sorted((REPO / "docs").glob("*.md"))
+    assert pages, "docs/ holds the topic pages"
+    assert [p.name for p in pages if p.resolve() not in linked] == []
