@@ -1,8 +1,14 @@
 """Sample text from a trained weft model: a DCP checkpoint step folder or a Hugging Face folder.
 
-    python generate.py --checkpoint outputs/checkpoint/step-1000 --flavor debugmodel --prompt "ROMEO:"
+    python generate.py --checkpoint outputs/checkpoint/step-1000 --prompt "ROMEO:"
+    python generate.py --checkpoint outputs/debug_moe/checkpoint/step-100 --flavor debugmodel_moe --prompt "ROMEO:"
     python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
     python generate.py --hf Llama-3.1-8B-Instruct --chat --prompt "Who wrote Hamlet?"
+
+The model is any registered family's (weft.models), built by its spec: a --hf folder's
+config.json names it (LlamaForCausalLM, Llama4ForCausalLM, ...); a --checkpoint's is --flavor, by
+default the model its run recorded (<dump_folder>/hf_files/config.json, as the export command
+reads it), else debugmodel.
 
 With --chat the prompt is a user message: the tokenizer's chat template renders it (after an
 optional --system message) with the assistant's header, and generation stops at the end of the
@@ -24,16 +30,18 @@ import math
 import sys
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from weft.components.adapters import load_peft_adapter
 from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.models.common.rotary import rope_rotations
+from weft.components.hf.export import run_hf_files
+from weft.models import flavors, spec_for_args
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.plan import SHIPPED_TOKENIZER
 
@@ -51,7 +59,7 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen
 
 @torch.inference_mode()
 def sample(
-    model: Transformer,
+    model: nn.Module,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -98,9 +106,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _OneLineParser(prog="generate.py", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="DCP checkpoint step folder, e.g. outputs/checkpoint/step-1000")
-    source.add_argument("--hf", help="Hugging Face LlamaForCausalLM folder (config.json + safetensors)")
-    parser.add_argument("--flavor", default="debugmodel", choices=list(LLAMA_FLAVORS),
-                        help="model flavor of --checkpoint (a --hf folder brings its own config)")
+    source.add_argument("--hf", help="Hugging Face folder (config.json + safetensors) of a model weft builds, "
+                                     "e.g. LlamaForCausalLM, Llama4ForCausalLM")
+    parser.add_argument("--flavor", default=None, choices=list(flavors()),
+                        help="model flavor of --checkpoint (default: the model its run recorded, else debugmodel; "
+                             "a --hf folder brings its own config)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model file or Hugging Face tokenizer folder (default: the --hf folder "
                              "if it has a tokenizer.json, else assets/tokenizer/shakespeare.model)")
@@ -138,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
                             "(a Hugging Face folder whose tokenizer_config.json has one)")
         if opts.hf is not None:
-            args: ModelArgs = model_args_from_hf_folder(opts.hf)
+            args = model_args_from_hf_folder(opts.hf)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
-            args = LLAMA_FLAVORS[opts.flavor]
+            args, source = checkpoint_model(opts.checkpoint, opts.flavor)
             with torch.device("meta"):
-                shapes = Transformer(args)
-            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, f"--flavor {opts.flavor}")
+                shapes = spec_for_args(args).build(args)
+            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, source)
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")
@@ -172,17 +182,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_model(args: ModelArgs, *, hf: str | None, checkpoint: str | None, device: torch.device,
-               dtype: torch.dtype) -> Transformer:
-    """The model with the weights of a Hugging Face folder (`hf`) or a DCP step folder, read on the
-    CPU, cast to `dtype`, then moved to `device`. Only parameters are cast: the rotary table is
-    complex, and stays so."""
+def checkpoint_model(checkpoint: str, flavor: str | None) -> tuple[Any, str]:
+    """(the hyper-parameters of the model in a DCP step folder, their source for messages): those
+    of `flavor` if given, else of the config.json its run recorded, else debugmodel's."""
+    recorded = run_hf_files(checkpoint) if flavor is None else None
+    if recorded is not None:
+        return model_args_from_hf_folder(recorded), f"the model its run recorded in {recorded / 'config.json'}"
+    flavor = flavor or "debugmodel"
+    return flavors()[flavor], f"--flavor {flavor}"
+
+
+def load_model(args: Any, *, hf: str | None, checkpoint: str | None, device: torch.device,
+               dtype: torch.dtype) -> nn.Module:
+    """The model of its family's spec with the weights of a Hugging Face folder (`hf`) or a DCP
+    step folder, read on the CPU, cast to `dtype`, then moved to `device`. Only parameters are cast:
+    the rotary table is complex, and stays so."""
     with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
-        model = Transformer(args)
+        model = spec_for_args(args).build(args)
     model.to_empty(device="cpu")
     if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
         model.output.weight = model.tok_embeddings.weight
-    model.rope_rotations.copy_(rope_rotations(args))
+    # Buffers only (names=()): the rotary table, and an MoE's balancing state, which a Hugging Face
+    # folder does not hold (a checkpoint's is read below).
+    model.init_weights(names=())
     if hf is not None:
         load_hf_into_model(model, hf)
     else:

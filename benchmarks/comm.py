@@ -25,6 +25,7 @@ import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,13 +35,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from weft.components.config import Optimizer, parse_args
 from weft.components.distributed import all_reduce_mean
 from weft.components.data import Batch
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs
+from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import train_step
 from weft.components.testing import run_distributed
 
-ARGS = LLAMA_FLAVORS["debugmodel"]
+ARGS = flavors()["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank
 SEQ = 32
 MAX_NORM = 1.0  # train.py's default gradient clipping
@@ -173,7 +174,7 @@ class CollectiveCounter(TorchDispatchMode):
         return self.group_labels.get(name, f"group {name}")
 
 
-def layout_plan(layout: Layout, args: ModelArgs, world_size: int) -> RunPlan:
+def layout_plan(layout: Layout, args: Any, world_size: int) -> RunPlan:
     """train.py's plan for this layout: the debug config at BATCH x SEQ, fp32 everywhere,
     activation checkpointing and compile off (as by default: they add no collective of their own)."""
     cfg = parse_args([
@@ -187,7 +188,7 @@ def layout_plan(layout: Layout, args: ModelArgs, world_size: int) -> RunPlan:
     return replace(plan, model_args=args)
 
 
-def measure(layout: Layout, args: ModelArgs = ARGS) -> dict[Key, Traffic]:
+def measure(layout: Layout, args: Any = ARGS) -> dict[Key, Traffic]:
     """Worker: one step of train.py's own `train_step` and the logged-loss average; the collectives
     this rank issued."""
     # DTensor warns that the grad-norm all-reduces over (dp, tp) run one per mesh dim; the theory
@@ -237,7 +238,7 @@ class Expected:
 Weight = tuple[tuple[int, ...], int | None]  # (global shape, dim tensor parallelism splits or None)
 
 
-def block_weights(a: ModelArgs) -> list[Weight]:
+def block_weights(a: Any) -> list[Weight]:
     """The weights of one transformer block, placed as parallelisms/tp.py places them."""
     q, kv, hidden, d = a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden_dim, a.dim
     return [
@@ -248,7 +249,7 @@ def block_weights(a: ModelArgs) -> list[Weight]:
     ]
 
 
-def root_weights(a: ModelArgs) -> list[Weight]:
+def root_weights(a: Any) -> list[Weight]:
     """The weights outside the blocks: FSDP's root unit."""
     weights: list[Weight] = [((a.vocab_size, a.dim), 0), ((a.dim,), None)]  # tok_embeddings (by vocab), norm
     if not a.tie_embeddings:
@@ -273,7 +274,7 @@ def fsdp_unit_bytes(weights: list[Weight], tp: int, fsdp: int) -> int:
     return numel * FP32
 
 
-def theory(layout: Layout, args: ModelArgs = ARGS, batch: int = BATCH, seq: int = SEQ,
+def theory(layout: Layout, args: Any = ARGS, batch: int = BATCH, seq: int = SEQ,
            optimizer_implementation: str = OPTIMIZER.implementation) -> list[Expected]:
     """The collectives of one training step of `layout`, per rank."""
     fsdp, tp, n_layers = layout.dp_shard, layout.tp, args.n_layers

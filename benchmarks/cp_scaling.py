@@ -26,14 +26,15 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.models import spec_for_flavor
 from weft.parallelisms.cp import apply_cp, shard_sequence
 from weft.components.testing import run_distributed
 
 SEQ_LEN = 1024
 BATCH = 1
 CP_DEGREES = (1, 2, 4)
-ARGS = replace(LLAMA_FLAVORS["debugmodel"], n_layers=2)
+LLAMA = spec_for_flavor("debugmodel")
+ARGS = replace(LLAMA.flavors["debugmodel"], n_layers=2)
 MiB = 2**20
 
 # CommDebugMode tracks modules with full backward hooks, which warn when the inputs need no grad.
@@ -67,7 +68,7 @@ class CommBytesMode(CommDebugMode):
 
 def measure_step(cp_mesh: DeviceMesh | None) -> dict[str, int]:
     """One forward + backward of the model (context-parallel over cp_mesh if given): bytes on this rank."""
-    model = Transformer(ARGS)
+    model = LLAMA.build(ARGS)
     model.init_weights(seed=0)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ_LEN), generator=generator)

@@ -41,7 +41,7 @@ from weft.components.data import Batch, Loader, build_loader, find_text_files, l
 from weft.components.data.mixture import Mixture
 from weft.components.data.prepare import prepare
 from weft.components.data.shards import read_manifest
-from weft.models.llama import LLAMA_FLAVORS
+from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import train_step
@@ -168,7 +168,7 @@ def step_tokens_per_second(flavor: str, seq_len: int, batch: int, steps: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--flavor", default="debugmodel", choices=sorted(flavors()))
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--epochs", type=float, default=0.5, help="passes over the corpus per loader measurement")

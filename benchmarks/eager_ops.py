@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from weft.components.config import parse_args
 from weft.components.data import Batch
-from weft.models.llama import LLAMA_FLAVORS
+from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import StepSetup, train_step
@@ -52,7 +52,7 @@ def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--flavor", default="debugmodel", choices=sorted(flavors()))
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--optimizer", default="auto", choices=("auto", "foreach", "fused", "for-loop"),

@@ -55,6 +55,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "3")  # the profiler (SDPA backend probe) prints stage lines otherwise
 
@@ -64,19 +65,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.components.config import Optimizer
-from weft.models.llama.hf_mapping import hf_config
 from weft.components.loss import token_loss
 from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
 from weft.components.optim import build_optimizer
 from weft.components.data import Batch
 from weft.float8 import DEFAULT_MIN_DIM, check_float8_support
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
+from weft.models import spec_for_flavor
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
 
 REPO = Path(__file__).resolve().parent.parent
+# The dense Llama, compared with transformers' LlamaForCausalLM of the same shape.
+LLAMA = spec_for_flavor("llama3_8b")
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
 CONFIGS = tuple(f"{kind}_{mode}" for kind in KINDS for mode in ("eager", "compile"))
 # The rows of a full run; bf16_compile twice, first and last, to show the run-to-run noise.
@@ -127,7 +129,7 @@ class Row:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --dry-run changes the defaults to tiny CPU settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flavor", default="llama3_8b", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--flavor", default="llama3_8b", choices=sorted(LLAMA.flavors))
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks (default: as many as fit in free GPU memory, see default_layers)")
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -160,12 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_shape(opts: argparse.Namespace, layers: int) -> ModelArgs:
-    flavor = LLAMA_FLAVORS[opts.flavor]
+def model_shape(opts: argparse.Namespace, layers: int) -> Any:
+    flavor = LLAMA.flavors[opts.flavor]
     return replace(flavor, n_layers=layers, max_seq_len=max(opts.seq_len, flavor.max_seq_len))
 
 
-def default_layers(model_args: ModelArgs, seq_len: int, batch_size: int, free_bytes: int,
+def default_layers(model_args: Any, seq_len: int, batch_size: int, free_bytes: int,
                    headroom: float = 0.85) -> int:
     """How many blocks of this shape fit in `free_bytes` with this benchmark's recipe (at least 1).
 
@@ -188,10 +190,10 @@ def default_layers(model_args: ModelArgs, seq_len: int, batch_size: int, free_by
     return max(1, int((headroom * free_bytes - fixed) // per_block))
 
 
-def block_and_other_parameters(model_args: ModelArgs) -> tuple[int, int]:
+def block_and_other_parameters(model_args: Any) -> tuple[int, int]:
     """Parameters of one transformer block, and of everything else (embedding, final norm, output)."""
     with torch.device("meta"):
-        model = Transformer(replace(model_args, n_layers=1))
+        model = LLAMA.build(replace(model_args, n_layers=1))
     block = count_parameters(model.layers["0"])
     return block, count_parameters(model) - block
 
@@ -201,20 +203,20 @@ def block_and_other_parameters(model_args: ModelArgs) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_weft_model(model_args: ModelArgs, device: torch.device, *, meshes: Meshes | None, compile: bool,
+def build_weft_model(model_args: Any, device: torch.device, *, meshes: Meshes | None, compile: bool,
                      float8_recipe: str | None, float8_min_dim: int) -> nn.Module:
     """The weft model as train.py builds it, through the same `parallelize`: float8, compile and,
     given a one-rank mesh, FSDP (for its bf16 mixed precision) on the meta device, then weights
     on `device`. meshes None: the plain single-device model (the autocast rows)."""
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = LLAMA.build(model_args)
     parallelize(model, meshes, float8_recipe=float8_recipe, float8_filter_fqns=("output",),
                 float8_min_dim=float8_min_dim, compile=compile, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     materialize(model, device, seed=0)
     return model
 
 
-def build_hf_model(model_args: ModelArgs, device: torch.device, *, seq_len: int, compile: bool,
+def build_hf_model(model_args: Any, device: torch.device, *, seq_len: int, compile: bool,
                    fullgraph: bool = True) -> nn.Module:
     """transformers' LlamaForCausalLM of the same shape (checked by its parameter count): fp32
     weights, sdpa attention, each decoder layer compiled on its own when `compile` (in one graph,
@@ -222,12 +224,12 @@ def build_hf_model(model_args: ModelArgs, device: torch.device, *, seq_len: int,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # The config weft exports for this shape (rotary settings included), sized for seq_len.
-    config = LlamaConfig(**{**hf_config(model_args), "max_position_embeddings": max(seq_len, model_args.max_seq_len),
+    config = LlamaConfig(**{**LLAMA.hf.hf_config(model_args, torch.float32), "max_position_embeddings": max(seq_len, model_args.max_seq_len),
                             "attn_implementation": "sdpa", "use_cache": False})
     with torch.device(device):
         model = LlamaForCausalLM(config)
     with torch.device("meta"):
-        n_params = count_parameters(Transformer(model_args))
+        n_params = count_parameters(LLAMA.build(model_args))
     hf_params = count_parameters(model)
     if hf_params != n_params:
         raise RuntimeError(f"the transformers model has {hf_params:,} parameters, weft's {n_params:,}")
@@ -263,7 +265,7 @@ def transformers_loss(logits: torch.Tensor, labels: torch.Tensor, count, grad_ra
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * grad_ranks / count
 
 
-def build_config(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
+def build_config(config: str, model_args: Any, device: torch.device, meshes: Meshes | None,
                  opts: argparse.Namespace) -> StepSetup:
     """The model of one configuration in train.py's step (recipe/step.py): its forward (tokens ->
     logits; under bf16 autocast for the autocast_* and hf_* rows), its loss (weft's rows: train.py's
@@ -287,7 +289,7 @@ def build_config(config: str, model_args: ModelArgs, device: torch.device, meshe
     )
 
 
-def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Meshes | None,
+def measure(config: str, model_args: Any, device: torch.device, meshes: Meshes | None,
             opts: argparse.Namespace, run_id: str) -> Row:
     """Build one configuration, train it, and measure it."""
     setup = build_config(config, model_args, device, meshes, opts)
@@ -317,7 +319,7 @@ def measure(config: str, model_args: ModelArgs, device: torch.device, meshes: Me
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:
         with torch.device("meta"):
-            n_params = count_parameters(Transformer(model_args))
+            n_params = count_parameters(LLAMA.build(model_args))
         row.mfu_percent = 100 * row.tokens_per_s * flops_per_token(model_args, n_params, opts.seq_len) / peak_flops
     return row
 
@@ -442,7 +444,7 @@ def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
             for base in ("bf16_compile", "hf_compile") if base in first}
 
 
-def mfu_formula(model_args: ModelArgs, n_params: int, seq_len: int) -> str:
+def mfu_formula(model_args: Any, n_params: int, seq_len: int) -> str:
     """The MFU formula with this model's numbers in it."""
     a = model_args
     in_matmuls = n_params - (0 if a.tie_embeddings else a.vocab_size * a.dim)
@@ -524,11 +526,11 @@ def main(argv: list[str] | None = None) -> None:
         free = device["free"]
         if free is None:
             raise SystemExit("--layers is needed on CPU (no free GPU memory to size the model by)")
-        layers = default_layers(LLAMA_FLAVORS[opts.flavor], opts.seq_len, opts.batch_size, free)
+        layers = default_layers(LLAMA.flavors[opts.flavor], opts.seq_len, opts.batch_size, free)
         print(f"--layers {layers}: what fits in {free / 2**30:.1f} GiB free (see default_layers)")
     model_args = model_shape(opts, layers)
     with torch.device("meta"):
-        n_params = count_parameters(Transformer(model_args))
+        n_params = count_parameters(LLAMA.build(model_args))
     print(f"{device['name']}: {opts.flavor} with {layers} layers ({n_params:,} parameters), batch {opts.batch_size} "
           f"x seq {opts.seq_len}, {opts.warmup} warm-up + {opts.steps} timed steps; run {run_id}, rows -> {opts.out}")
     print(mfu_formula(model_args, n_params, opts.seq_len))

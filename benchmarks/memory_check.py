@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,16 @@ import torch.distributed as dist
 from weft import train
 from weft.components.config import parse_args
 from weft.components.memory import GIB
-from weft.models.llama import LLAMA_FLAVORS
+from weft import models
 from weft.recipe.dry_run import dry_run
+
+
+def with_layers(flavor: str, layers: int) -> tuple[models.ModelSpec, ...]:
+    """The registry's specs with `flavor` cut to its first `layers` blocks: copies, the registered
+    flavors (and every other user of them) stay as they are."""
+    spec = models.spec_for_flavor(flavor)
+    cut = replace(spec, flavors={**spec.flavors, flavor: replace(spec.flavors[flavor], n_layers=layers)})
+    return tuple(cut if s is spec else s for s in models.MODEL_SPECS)
 
 
 def main() -> None:
@@ -41,16 +49,12 @@ def main() -> None:
     opts = parser.parse_args()
     argv = [a for a in opts.train_args if a != "--"]
     cfg = parse_args(argv + ["--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"])
-    if opts.layers:
-        flavor = cfg.model.flavor
-        LLAMA_FLAVORS[flavor] = replace(LLAMA_FLAVORS[flavor], n_layers=opts.layers)
-
-    plan = parse_args(argv + ["--job.dry_run"])
-    estimate = dry_run(plan)
-    if dist.is_initialized():
-        dist.destroy_process_group()  # the dry run's fake group; the real run makes its own
-
-    train.train(cfg)
+    specs = with_layers(cfg.model.flavor, opts.layers) if opts.layers else models.MODEL_SPECS
+    with mock.patch.object(models, "MODEL_SPECS", specs):  # the dry run and the run build the cut model
+        estimate = dry_run(parse_args(argv + ["--job.dry_run"]))
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the dry run's fake group; the real run makes its own
+        train.train(cfg)
     command = " ".join(["python benchmarks/memory_check.py"] + sys.argv[1:])
     if not torch.cuda.is_available():
         print(f"estimate {estimate.peak / GIB:.2f} GiB ({estimate.peak_phase}); no GPU, nothing measured: {command}")

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from weft import train
 from weft.components.config import parse_args
 from weft.components.data import Tokenizer, build_loader, find_text_files
-from weft.models.llama import LLAMA_FLAVORS, Transformer
+from weft.models import flavors, spec_for_flavor
 
 
 def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: int, steps: int) -> float:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(LLAMA_FLAVORS[flavor])
+        model = spec_for_flavor(flavor).build(flavors()[flavor])
     model.to_empty(device=device)
     model.init_weights(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)

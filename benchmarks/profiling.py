@@ -30,7 +30,7 @@ from weft.components.config import Profiling, parse_args
 from weft.components.data import Batch
 from weft.components.metrics import MetricsLogger
 from weft.components.profiling import StepProfiler, schedule_args
-from weft.models.llama import LLAMA_FLAVORS
+from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import StepSetup, train_step
@@ -62,7 +62,7 @@ def timed_pass(setup: StepSetup, batch: Batch, cfg: Profiling, steps: int, dump:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA_FLAVORS))
+    parser.add_argument("--flavor", default="debugmodel", choices=sorted(flavors()))
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30, help="steps per pass")

@@ -203,9 +203,11 @@ def block_activation_bytes(s: StepShape) -> int:
     # token: gathered in expert order, and weighted by its score as the experts' input (under ep,
     # the input that arrived).
     received = s.ep_imbalance if s.ep > 1 else 1.0
-    feed_forward += int(t * (received - 1) * getattr(a, "routed_hidden_dim", 0) // tp * (3 * e + linear_in))
+    experts = spec_for_args(a).experts(a)
+    routed_hidden, routed_slots = (experts.routed_hidden_dim, experts.routed_slots) if experts else (0, 0.0)
+    feed_forward += int(t * (received - 1) * routed_hidden // tp * (3 * e + linear_in))
     routed_tokens = t // tp if s.ep > 1 else t  # under ep each tp rank routes its own sequence shard
-    routed_copies = int(routed_tokens * getattr(a, "routed_slots", 0) * h * e * (1 + received))
+    routed_copies = int(routed_tokens * routed_slots * h * e * (1 + received))
     # LoRA: a frozen norm weight needs no normed output for its gradient; each of the 7 adapters
     # keeps A x (T x rank) for B's gradient (their input x is the base linear's, kept above).
     lora = 7 * t * s.lora_rank * e - 2 * (t // tp) * h * e if s.lora_rank else 0
@@ -366,8 +368,9 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
     exchange = 0
     if s.ep > 1:  # one MoE layer's tokens in flight: sent, received (at the planned imbalance), sent back
-        exchange = int(s.tokens // s.tp * getattr(s.args, "top_k", 0) * s.args.dim * dtype_bytes(s.compute_dtype)
-                       * (2 + s.ep_imbalance))
+        experts = spec_for_args(s.args).experts(s.args)  # the plan refuses ep > 1 on a dense model
+        top_k = experts.top_k if experts else 0
+        exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:
         buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters

@@ -20,7 +20,7 @@ import torch
 
 from weft.components.rank_times import gather_rank_times, rank_scalars, slow_rank_note
 from weft.components.time_left import TimeLeft, clock
-from weft.models import spec_for_args
+from weft.models import spec_for_args, spec_for_model
 
 logger = logging.getLogger("weft")
 
@@ -72,8 +72,11 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def active_parameters(model: torch.nn.Module) -> int:
     """Parameters one token uses: all of a dense model's; a Mixture of Experts' less the routed
-    experts a token is not sent to (its `active_parameters()`)."""
-    return model.active_parameters() if hasattr(model, "active_parameters") else count_parameters(model)
+    experts a token is not sent to (its spec's `active_parameters`)."""
+    spec = spec_for_model(model)
+    if spec is None or spec.active_parameters is None:
+        return count_parameters(model)
+    return spec.active_parameters(model)
 
 
 def flops_per_token(args: Any, n_params: int, seq_len: int) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 from weft.models.llama.spec import LLAMA_SPEC
 from weft.models.llama4.spec import LLAMA4_SPEC
 from weft.models.qwen3.spec import QWEN3_SPEC
-from weft.models.spec import HFConfigError, HFMapping, ModelSpec
+from weft.models.spec import Experts, HFConfigError, HFMapping, ModelSpec
 
 MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC)
 
@@ -47,5 +47,5 @@ def spec_for_hf_config(config: dict[str, Any]) -> ModelSpec:
     return next((spec for spec in MODEL_SPECS if config.get("model_type") in spec.hf.model_types), LLAMA_SPEC)
 
 
-__all__ = ["MODEL_SPECS", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "spec_for_args", "spec_for_flavor",
+__all__ = ["MODEL_SPECS", "Experts", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "spec_for_args", "spec_for_flavor",
            "spec_for_hf_config", "spec_for_model"]

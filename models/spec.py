@@ -98,6 +98,21 @@ class HFMapping:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's routing, as the plan, the dry run and the memory estimate read it."""
+
+    n_experts: int  # routed experts of each MoE layer
+    top_k: int  # experts each token is sent to
+    routed_hidden_dim: int  # the routed experts' part of args.ffn_hidden_dim (follows the routing, not the token)
+    routed_slots: float  # expert slots one token fills in a block, averaged over the layers
+
+
+def dense(args: Any) -> Experts | None:
+    """`ModelSpec.experts` of a family without experts."""
+    return None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model family: its flavors, how to build it, and how each transform reads it."""
 
@@ -113,3 +128,12 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int, int], float]  # args, parameters in use, seq_len -> training FLOPs
     block_numel: Callable[[Any], int]  # args -> parameters of one block (memory estimates)
     lora_block_numel: Callable[[Any, int], int]  # args, LoRA rank -> adapter parameters of one block
+    experts: Callable[[Any], Experts | None] = dense  # args -> its experts and routing; None: a dense model
+    active_parameters: Callable[[nn.Module], int] | None = None  # model -> parameters one token uses; None: all
+    # why QLoRA cannot hold this family's frozen base in NF4 (or args -> why, where it depends on the
+    # model: Qwen3-MoE's experts, not dense Qwen3); None: it can
+    nf4_refusal: str | Callable[[Any], str | None] | None = None
+
+    def nf4_refusal_for(self, args: Any) -> str | None:
+        """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""
+        return self.nf4_refusal(args) if callable(self.nf4_refusal) else self.nf4_refusal

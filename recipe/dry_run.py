@@ -34,7 +34,7 @@ from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
 from weft.recipe.build import build_model
-from weft.recipe.plan import RunPlan, check_expert_parallel, check_llama4_support, pipeline_layout
+from weft.recipe.plan import RunPlan, check_expert_parallel, check_model_support, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -185,9 +185,9 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
     batches on the local batch with at most one stage per block. QLoRA runs without tp and pp; the
-    model trains in the layout (`check_llama4_support`). A model with experts also gets each ep
-    that divides them and dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
-    (`check_expert_parallel`)."""
+    model trains in the layout (`check_model_support`). A model with experts also gets each ep
+    that divides dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
+    (`check_expert_parallel`: it divides the experts)."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
@@ -198,12 +198,11 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
                 continue
             for cp in _divisors(rest // pp // tp):
                 shard = rest // pp // tp // cp
-                for ep in (d for d in _divisors(shard * cp * tp)
-                           if d == 1 or (d % tp == 0 and getattr(args, "n_experts", 0) % d == 0)):
+                for ep in (d for d in _divisors(shard * cp * tp) if d == 1 or d % tp == 0):
                     dims = ParallelDims(replicate, shard, cp, tp, world_size, pp, ep)
                     try:
                         dims.check_seq_len(cfg.training.seq_len)
-                        check_llama4_support(cfg, args, dims)
+                        check_model_support(cfg, args, dims)
                         check_expert_parallel(cfg, args, dims)
                         pipeline_layout(cfg, args, dims)
                     except (LayoutError, ConfigError):

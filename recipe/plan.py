@@ -159,20 +159,20 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims
     dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size, ep=p.ep)
     dims.check_seq_len(cfg.training.seq_len)
-    check_llama4_support(cfg, args, dims)
+    check_model_support(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)
     return args, dims
 
 
-def check_llama4_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """Refuse, in one line, what weft cannot train Llama 4 in: QLoRA (torchao's NF4 holds 2-D
-    weights only, so the stacked routed experts, most of the model, would stay unquantized)."""
-    if spec_for_args(args).name != "Llama 4":
-        return
-    if cfg.lora.enable and cfg.lora.quantize_base:
-        raise ConfigError(f"lora.quantize_base = {cfg.lora.quantize_base!r}: {model_source(cfg)} (Llama 4) keeps its "
-                          "routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA would "
-                          "leave most of the model unquantized; use LoRA (lora.quantize_base = '')")
+def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """Refuse, in one line, what the model's family cannot be trained in: QLoRA where its spec says
+    NF4 cannot hold its base (Llama 4: torchao's NF4 holds 2-D weights only, so the stacked routed
+    experts, most of the model, would stay unquantized)."""
+    spec = spec_for_args(args)
+    refusal = spec.nf4_refusal_for(args)
+    if cfg.lora.enable and cfg.lora.quantize_base and refusal is not None:
+        raise ConfigError(f"lora.quantize_base = {cfg.lora.quantize_base!r}: {model_source(cfg)} ({spec.name}) "
+                          f"{refusal}; use LoRA (lora.quantize_base = '')")
 
 
 def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
@@ -180,11 +180,11 @@ def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
     dp_replicate: one line naming the key otherwise (the ranks it borrows: ParallelDims)."""
     if dims.ep == 1:
         return
-    n_experts = getattr(args, "n_experts", 0)
-    if not n_experts:
+    experts = spec_for_args(args).experts(args)
+    if experts is None:
         raise ConfigError(f"parallelism.ep = {dims.ep}: {model_source(cfg)} has no experts to spread; set parallelism.ep = 1")
-    if n_experts % dims.ep:
-        raise ConfigError(f"parallelism.ep = {dims.ep} does not divide the {n_experts} experts of {model_source(cfg)}; "
+    if experts.n_experts % dims.ep:
+        raise ConfigError(f"parallelism.ep = {dims.ep} does not divide the {experts.n_experts} experts of {model_source(cfg)}; "
                           "each rank holds as many experts as the others")
     if dims.dp_replicate > 1:
         raise ConfigError(f"parallelism.ep = {dims.ep}: expert parallelism composes with dp_shard, cp, tp and pp so "

@@ -12,6 +12,7 @@ from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
+from weft.models.spec import Experts
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -44,8 +45,15 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return attention_lora_numel(args, rank) + rank * feed_forward // args.n_layers
 
 
+def experts(args: ModelArgs) -> Experts:
+    return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots)
+
+
 LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
                        hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix)
 
 LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
-                           flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel)
+                           flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel,
+                           experts=experts, active_parameters=Transformer.active_parameters,
+                           nf4_refusal="keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot "
+                                       "hold, so QLoRA would leave most of the model unquantized")

@@ -1,6 +1,7 @@
 """weft's Qwen3 and Qwen3-MoE as the rest of weft sees it (models/spec.py), one spec for both:
 flavors, build, pipeline units (the decoder's), Hugging Face mapping (per-head q/k norm rows,
-per-expert tensors), tensor-parallel plan, FLOPs per token, LoRA adapters per block."""
+per-expert tensors), tensor-parallel plan, FLOPs per token, LoRA adapters per block, and what
+differs between its dense and MoE models: experts and routing, active parameters, NF4."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from weft.models.qwen3 import hf_mapping as qwen3_hf
 from weft.models.qwen3.args import QWEN3_FLAVORS, ModelArgs
 from weft.models.qwen3.model import Transformer
 from weft.models.qwen3.tp_plan import tp_plan
+from weft.models.spec import Experts
 
 
 def block_numel(args: ModelArgs) -> int:
@@ -31,7 +33,21 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return attention_lora_numel(args, rank) + rank * dense // args.n_layers
 
 
+def experts(args: ModelArgs) -> Experts | None:
+    """Qwen3-MoE's routing; None for a dense Qwen3."""
+    return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots) if args.n_experts else None
+
+
+def nf4_refusal(args: ModelArgs) -> str | None:
+    """Dense Qwen3 QLoRA-ready; Qwen3-MoE not: its experts are stacked 3-D weights."""
+    if not args.n_experts:
+        return None
+    return ("keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA would "
+            "leave most of the model unquantized")
+
+
 QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
-                          block_numel=block_numel, lora_block_numel=lora_block_numel)
+                          block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
+                          active_parameters=Transformer.active_parameters, nf4_refusal=nf4_refusal)

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from weft.components.checkpoint import load_model_weights
 from weft.components.data import Tokenizer
-from weft.components.hf import export_to_hf, load_hf_into_model
+from weft.components.hf import export_to_hf, load_hf_into_model, model_args_from_hf_folder
 from weft.generate import main, sample
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
@@ -201,3 +201,71 @@ def test_load_model_keeps_tied_embeddings_tied(tmp_path):
     assert model.output.weight is model.tok_embeddings.weight
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor([PROMPT])), original(torch.tensor([PROMPT])), rtol=0, atol=0)
+
+
+def test_greedy_decoding_of_a_llama4_folder_equals_transformers(tmp_path, capsys):
+    """--hf with a Llama4ForCausalLM folder builds weft's Llama 4 (by its spec) and decodes greedily
+    the tokens transformers' generate(do_sample=False) gives: 48 tokens across 6 attention chunks,
+    through NoPE layers, QK norm and two routed experts per token."""
+    from tests.support.hf_folders import tiny_llama4_hf_folder
+
+    from weft.generate import load_model
+    from weft.models import spec_for_model
+
+    reference = tiny_llama4_hf_folder(tmp_path / "hf")
+    tokenizer = Tokenizer(TOKENIZER)
+    prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                 eos_token_id=tokenizer.eos_id, pad_token_id=0)
+    theirs = out[0, len(prompt):].tolist()
+    assert len(theirs) == 48 and len(set(theirs)) > 10  # no early EOS, not one repeated token
+
+    model = load_model(model_args_from_hf_folder(tmp_path / "hf"), hf=str(tmp_path / "hf"), checkpoint=None,
+                       device=torch.device("cpu"), dtype=torch.float32)
+    assert spec_for_model(model).name == "Llama 4"
+    assert sample(model, prompt, 48, eos_id=tokenizer.eos_id) == theirs
+    assert main(["--hf", str(tmp_path / "hf"), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "48", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(prompt + theirs) + "\n"
+
+
+@pytest.fixture(scope="module")
+def debug_moe_checkpoint(tmp_path_factory) -> Path:
+    """The dump folder of 4 steps of train_configs/debug_moe.toml, checkpointed at step 4 (no routing
+    bias: transformers' Llama 4 has none, so the exported folder routes as the checkpoint does)."""
+    from tests.support.train_runs import run
+
+    dump = tmp_path_factory.mktemp("debug_moe")
+    run(["--job.config_file", "debug_moe", "--job.dump_folder", str(dump), "--training.steps", "4",
+         "--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.enable",
+         "--checkpoint.interval", "4", "--no-metrics.enable_tensorboard"])
+    return dump
+
+
+@pytest.mark.slow
+def test_sampling_from_a_debug_moe_checkpoint(tmp_path, debug_moe_checkpoint, capsys):
+    """A debug_moe.toml checkpoint samples without --flavor (the model its run recorded) as with
+    --flavor debugmodel_moe; greedy, it gives transformers' greedy tokens on the exported folder;
+    sampling is reproducible by seed."""
+    from transformers import Llama4ForCausalLM
+
+    step = debug_moe_checkpoint / "checkpoint" / "step-4"
+    tokenizer = Tokenizer(TOKENIZER)
+    prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
+    export_to_hf(step, tmp_path / "hf", flavor="debugmodel_moe")
+    reference = Llama4ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                 eos_token_id=tokenizer.eos_id, pad_token_id=0)
+    greedy = tokenizer.decode(out[0].tolist()) + "\n"
+
+    common = ["--checkpoint", str(step), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:", "--max-new-tokens", "12"]
+    for flavor in ([], ["--flavor", "debugmodel_moe"]):
+        assert main(common + flavor + ["--temperature", "0"]) == 0
+        assert capsys.readouterr().out == greedy
+    sampled = ["--temperature", "0.8", "--top-k", "50", "--seed", "3"]
+    assert main(common + sampled) == 0
+    text = capsys.readouterr().out
+    assert main(common + sampled) == 0
+    assert capsys.readouterr().out == text and text.startswith("ROMEO:") and text != greedy

@@ -5,6 +5,7 @@ folder and no module of theirs imports itself back."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,18 +24,30 @@ from weft.parallelisms.plans import path_matches
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root is the package `weft`
 PACKAGES = ("models", "parallelisms", "float8", "components", "recipe")
-NO_MODEL_FOLDERS = ("parallelisms", "components", "float8")
+
+
+def module_name(path: Path) -> str:
+    """The weft module of a file of the checkout: models/llama/spec.py -> weft.models.llama.spec."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("weft", *parts))
 
 
 def module_files() -> dict[str, Path]:
     """weft module name -> file, for every module of PACKAGES."""
-    files = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            parts = parts[:-1] if parts[-1] == "__init__" else parts
-            files[".".join(("weft", *parts))] = path
-    return files
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def outside_models() -> dict[str, Path]:
+    """weft module name -> file, for every module outside models/ and tests/: the packages, the
+    entry points (train.py, generate.py), benchmarks/, assets/, and any folder added later."""
+    files = (path for path in sorted(ROOT.rglob("*.py")) if not any(part.startswith(".") for part in path.parts))
+    return {module_name(path): path for path in files if path.relative_to(ROOT).parts[0] not in ("models", "tests")}
+
+
+def family_folders() -> set[str]:
+    """The folder (package) of each registered family: where its spec's model class is defined."""
+    return {spec.model_type.__module__.rpartition(".")[0] for spec in MODEL_SPECS}
 
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
@@ -91,12 +104,55 @@ def test_graph_reader_sees_lazy_imports_and_cycles():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_transform_packages_import_no_model_folder():
-    offenders = [f"{name} imports {target}" for name, targets in import_graph().items()
-                 for target in targets if name.split(".")[1] in NO_MODEL_FOLDERS
-                 and any(target == f"weft.models.{spec.name.lower()}" or target.startswith(f"weft.models.{spec.name.lower()}.")
-                         for spec in MODEL_SPECS)]
-    assert not offenders, "\n".join(offenders)
+def family_imports(files: dict[str, Path]) -> list[str]:
+    """'module imports weft.models.<family>...' for each import of a family folder by these files."""
+    known, families = set(module_files()), family_folders()
+    return [f"{name} imports {target}" for name, path in files.items()
+            for target in sorted(imported_modules(name, path, known))
+            if any(target == family or target.startswith(f"{family}.") for family in families)]
+
+
+def family_questions(files: dict[str, Path]) -> list[str]:
+    """'module:line ...' for each comparison with a family's name (`spec.name == "Llama 4"`) and each
+    getattr/hasattr probe of an attribute some family's ModelArgs has and another's lacks
+    (`getattr(args, "n_experts", 0)`) in these files: questions for the spec's fields."""
+    names = {spec.name for spec in MODEL_SPECS}
+    attributes = [{a for a in dir(spec.args_type) if not a.startswith("_")}
+                  | {f.name for f in dataclasses.fields(spec.args_type)} for spec in MODEL_SPECS]
+    family_only = set.union(*attributes) - set.intersection(*attributes)
+    found = []
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno} compares with a family's name")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in family_only):
+                found.append(f"{name}:{node.lineno} probes {node.args[1].value!r}")
+    return found
+
+
+def test_nothing_outside_models_reaches_a_family_but_through_its_spec():
+    """Every module outside models/ (and tests/) finds a model in the spec registry: it imports no
+    family folder, and asks the spec what differs between families."""
+    assert family_folders() == {"weft.models.llama", "weft.models.llama4"}
+    assert {"weft.train", "weft.generate", "weft.recipe.plan", "weft.benchmarks.memory_check",
+            "weft.assets.make_corpus"} <= set(outside_models())
+    assert not family_imports(outside_models()), "\n".join(family_imports(outside_models()))
+    assert not family_questions(outside_models()), "\n".join(family_questions(outside_models()))
+
+
+def test_the_guard_finds_a_family_import_a_name_check_and_a_probe(tmp_path):
+    source = tmp_path / "bad.py"
+    source.write_text("from weft.models.llama4.args import ModelArgs\n"
+                      "from weft.models import llama\n"
+                      "dense = spec.name != 'Llama 4'\n"
+                      "experts = getattr(args, 'n_experts', 0) + getattr(args, 'dim', 0)\n")
+    assert family_imports({"weft.bad": source}) == ["weft.bad imports weft.models.llama",
+                                                    "weft.bad imports weft.models.llama4.args"]
+    assert family_questions({"weft.bad": source}) == ["weft.bad:3 compares with a family's name",
+                                                      "weft.bad:4 probes 'n_experts'"]
 
 
 def test_no_import_cycle_among_the_packages():
@@ -166,3 +222,30 @@ def test_llama_flops_per_token_is_six_per_matmul_parameter_plus_attention():
     assert spec.flops_per_token(args, n_params, seq_len) == expected
     blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     assert spec.block_numel(args) * args.n_layers == blocks
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
+    """experts(), active_parameters and nf4_refusal against the built model: its MoE layers (router
+    width, top_k, expert widths), its parameters (the active ones: all but the routed experts' share
+    a token skips) and whether a weight is not 2-D (torchao's NF4 holds 2-D weights only)."""
+    from weft.components.metrics import active_parameters
+    from weft.models.moe import MoE
+
+    spec = spec_for_flavor(flavor)
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build(args)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    experts = spec.experts(args)
+    total = sum(p.numel() for p in model.parameters())
+    if not moes:
+        assert experts is None and active_parameters(model) == total
+    else:
+        assert {(m.router.out_features, m.top_k) for m in moes} == {(experts.n_experts, experts.top_k)}
+        assert experts.routed_slots == len(moes) * experts.top_k / args.n_layers
+        widths = {m.experts.w1.shape[1] for m in moes}  # [experts, hidden, dim]
+        assert experts.routed_hidden_dim == len(moes) * experts.top_k * widths.pop() // args.n_layers
+        routed = sum(p.numel() for m in moes for p in m.experts.parameters())
+        assert active_parameters(model) == total - routed + routed * experts.top_k // experts.n_experts
+    assert (spec.nf4_refusal is not None) == any(p.dim() > 2 for p in model.parameters())

@@ -25,6 +25,35 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
     return folder
 
 
+# Every Llama 4 feature a decode crosses: 4 experts (top 2) with a shared expert in layers 1 and 3,
+# NoPE layers 1 and 3 with temperature tuning that changes every 4 positions, rotary layers 0 and 2
+# with QK norm and chunks of 8 positions, llama3 rotary scaling; the Shakespeare tokenizer's vocabulary.
+TINY_LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+                   vocab_size=2048, intermediate_size=32, intermediate_size_mlp=48, num_local_experts=4,
+                   num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                   attention_chunk_size=8, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4,
+                   attn_scale=0.5, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 16})
+
+
+def tiny_llama4_hf_folder(folder: Path, seed: int = 0):
+    """A randomly initialised transformers Llama4ForCausalLM (TINY_LLAMA4) saved in `folder`; returns
+    the model. Its weights are spread (std 0.1, routers 1) so that logits and routing are far from ties."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(seed)
+    config = transformers.Llama4TextConfig(**TINY_LLAMA4, attn_implementation="eager")
+    model = transformers.Llama4ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 1.0 if "router" in name else 0.1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
 # Qwen3 dense: tied embeddings, head_dim 32 where hidden / heads is 16, 2 query heads per key/value
 # head, the Shakespeare tokenizer's vocabulary.
 TINY_QWEN3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
