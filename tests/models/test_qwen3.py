@@ -188,3 +188,59 @@ def test_unrepresentable_config_is_refused_in_one_line_naming_the_field(tmp_path
     with pytest.raises(ConversionError) as caught:
         model_args_from_hf_folder(folder)
     assert str(caught.value) == f"HF folder {folder}: {message}"
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_generate_decodes_a_folder_greedily_as_transformers_does(tmp_path, moe, capsys):
+    """`generate.py --hf <folder> --temperature 0` builds weft's Qwen3 by its spec and prints the
+    tokens transformers' generate(do_sample=False) gives: 40 tokens, routed where the folder is MoE."""
+    from weft.components.data import Tokenizer
+    from weft.generate import load_model, main, sample
+    from weft.models import spec_for_model
+    from tests.support import REPO
+
+    tokenizer_path = REPO / "assets" / "tokenizer" / "shakespeare.model"
+    reference = tiny_qwen3_hf_folder(tmp_path / "hf", moe=moe)
+    tokenizer = Tokenizer(tokenizer_path)
+    prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40,
+                                 eos_token_id=tokenizer.eos_id, pad_token_id=0)
+    theirs = out[0, len(prompt):].tolist()
+    assert len(theirs) == 40 and len(set(theirs)) >= 5  # no early EOS, not one repeated token
+
+    model = load_model(model_args_from_hf_folder(tmp_path / "hf"), hf=str(tmp_path / "hf"), checkpoint=None,
+                       device=torch.device("cpu"), dtype=torch.float32)
+    assert spec_for_model(model).name == "Qwen3"
+    assert sample(model, prompt, 40, eos_id=tokenizer.eos_id) == theirs
+    assert main(["--hf", str(tmp_path / "hf"), "--tokenizer", str(tokenizer_path), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "40", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(prompt + theirs) + "\n"
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel_qwen3", "debugmodel_qwen3_moe"])
+def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
+    """experts(), active_parameters and the NF4 refusal against the built model: its MoE layers, the
+    routed experts' share a token skips, and whether a weight is not 2-D (torchao's NF4 holds 2-D
+    weights only): dense Qwen3 can be QLoRA's base, Qwen3-MoE cannot."""
+    from weft.components.metrics import active_parameters
+    from weft.models.moe import MoE
+
+    spec = spec_for_flavor(flavor)
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build(args)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    experts, total = spec.experts(args), sum(p.numel() for p in model.parameters())
+    if not moes:
+        assert experts is None and active_parameters(model) == total
+    else:
+        assert {(m.router.out_features, m.top_k, m.score_func, m.score_before_experts, m.shared_expert)
+                for m in moes} == {(experts.n_experts, experts.top_k, "softmax", False, None)}
+        assert experts.routed_slots == len(moes) * experts.top_k / args.n_layers
+        assert experts.routed_hidden_dim == len(moes) * experts.top_k * args.moe_hidden_dim // args.n_layers
+        routed = sum(p.numel() for m in moes for p in m.experts.parameters())
+        assert active_parameters(model) == total - routed + routed * experts.top_k // experts.n_experts
+    assert (spec.nf4_refusal_for(args) is not None) == any(p.dim() > 2 for p in model.parameters())
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    assert spec.block_numel(args) * args.n_layers == pytest.approx(blocks, rel=1e-3)
