@@ -65,7 +65,7 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     """Copy the weights of a Hugging Face Llama, Llama 4 or Qwen3 folder into `model`, in any parallel layout
     (`names`: only these parameters, the others may still be on the meta device).
 
-    The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
+    The folder's config.json must describe a model of the same family and shape (and rotary,
     norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
     only parameters are written, so the rotary buffers must already be filled (as by
     `init_weights` or by building the model on a real device).
@@ -74,7 +74,9 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
     rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
     every full tensor from disk (safetensors maps the file, so ranks of one node share the page
-    cache), and memory grows only by the largest tensor, never by the model.
+    cache), and memory grows only by the largest tensor, never by the model. Experts stored one
+    tensor per expert (Qwen3-MoE) are the exception: a rank reads only the experts its part of the
+    stacked parameter holds (under expert parallelism or FSDP), and stacks them.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
