@@ -116,12 +116,16 @@ def build_wheel(source: Path, dist: Path) -> Path:
     return wheel
 
 
+def files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
 def run_losses(dump: Path) -> list[float]:
     return [json.loads(line)["train/loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_weft_trains_a_shipped_config_from_any_folder_as_the_checkout_does(install, tmp_path):
+def test_weft_trains_samples_and_exports_from_any_folder_as_the_checkout_does(install, tmp_path):
     elsewhere = tmp_path / "elsewhere"  # no assets/, no train_configs/: only the install has them
     elsewhere.mkdir()
     steps = ["--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "3"]
@@ -151,6 +155,29 @@ def test_weft_trains_a_shipped_config_from_any_folder_as_the_checkout_does(insta
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert expected.returncode == 0, expected.stderr[-3000:]
     assert sampled.stdout == expected.stdout and sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > 8
+
+    step = ["--checkpoint", str(dump / "checkpoint" / "step-3")]
+    exported = subprocess.run([str(install.weft), "export", *step, "--out", "hf"], cwd=elsewhere, env=install.env(),
+                              capture_output=True, text=True, timeout=600)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    reference = subprocess.run([sys.executable, "-m", "weft.components.hf", "export", *step, "--out",
+                                str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert files(elsewhere / "hf") == files(tmp_path / "hf") and "model.safetensors" in files(tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_weft_prepare_tokenizes_shipped_assets_from_any_folder_as_the_checkout_does(install, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = ["--source", "assets/data/shakespeare/hamlet.txt", "--tokenizer", "assets/tokenizer/shakespeare.model"]
+    run = subprocess.run([str(install.weft), "prepare", *argv, "--out", "shards"], cwd=elsewhere, env=install.env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = subprocess.run([sys.executable, "-m", "weft.components.data.prepare", *argv, "--out",
+                                str(tmp_path / "shards")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert files(elsewhere / "shards") == files(tmp_path / "shards") and len(files(tmp_path / "shards")) == 3
 
 
 @pytest.mark.slow
