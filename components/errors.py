@@ -1,14 +1,16 @@
 """How weft's commands report a user's mistake: one line `weft: error: ...` on stderr, exit 2.
 
-Every mistake a user can fix derives from `UserError`: each entry point (train.py, generate.py,
-`python -m weft.components.hf export`) catches that one class and ends through `report_user_error`,
-so a user (and a script) sees the same shape whatever command failed, and never a traceback.
+Every mistake a user can fix derives from `UserError`: each entry point (the `weft` command's
+train, generate, export, export-lora and prepare) catches that one class and ends through
+`report_user_error`, so a user (and a script) sees the same shape whatever command failed, and
+never a traceback. A command-line mistake ends the same way, through `OneLineParser`.
 The subclasses stay where their checks live (ConfigError in components/config, DataError in
 the data package, LayoutError beside the mesh, ...).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -21,6 +23,13 @@ EXIT_USER_ERROR = 2
 class UserError(ValueError):
     """A mistake the user can fix (a config value, a data file, a checkpoint, a layout); its
     message is one line naming the key or file, the value and what was expected."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line `weft: error: ...`, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"{PREFIX}{one_line(message)}\n")
 
 
 def one_line(message: object) -> str:

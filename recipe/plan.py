@@ -23,6 +23,7 @@ from weft.components.data import DataError, load_tokenizer
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
+from weft.components.shipped import SHIPPED_TOKENIZER
 from weft.components.wandb_logger import check_wandb
 from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
@@ -32,7 +33,6 @@ from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
-SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
 
 
 @dataclass(frozen=True)
