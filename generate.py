@@ -30,7 +30,7 @@ import torch
 from weft.components.adapters import load_peft_adapter
 from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
-from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from weft.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from weft.models.common.rotary import rope_rotations

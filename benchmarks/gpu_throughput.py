@@ -69,7 +69,7 @@ from weft.components.loss import token_loss
 from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
 from weft.components.optim import build_optimizer
 from weft.components.data import Batch
-from weft.float8 import DEFAULT_MIN_DIM, check_float8_support
+from weft.parallelisms.float8 import DEFAULT_MIN_DIM, check_float8_support
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims

@@ -89,7 +89,7 @@ def parallelize(
     # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if float8_recipe is not None:
-        from weft.float8 import DEFAULT_MIN_DIM, apply_float8
+        from weft.parallelisms.float8 import DEFAULT_MIN_DIM, apply_float8
 
         apply_float8(
             model,

@@ -21,9 +21,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from weft.models import spec_for_model
+from weft.models.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.parallelisms.float8 import converted_modules, float8_tp_styles
 from weft.parallelisms.lora import lora_tp_plan
-from weft.parallelisms.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.parallelisms.plans import Plan, path_matches
 
 logger = logging.getLogger("weft")
@@ -84,8 +85,6 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
     if (spec := spec_for_model(model)) is not None:
         if not float8_all_gather:
             return spec.tp_plan(model, loss_parallel=loss_parallel)
-        from weft.float8 import converted_modules, float8_tp_styles
-
         return spec.tp_plan(model, loss_parallel=loss_parallel, float8_linears=converted_modules(model),
                             float8_styles=float8_tp_styles())
     if float8_all_gather:

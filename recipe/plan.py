@@ -24,7 +24,7 @@ from weft.components.distributed import collective_backend, launched_world_size,
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
 from weft.components.wandb_logger import check_wandb
-from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
+from weft.parallelisms.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.parallel_dims import ParallelDims

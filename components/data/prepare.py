@@ -32,7 +32,7 @@ from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE
                                          shard_dtype, shard_name, tokenizer_identity)
 from weft.components.data.tokenizers import load_tokenizer
 from weft.components.data.windows import TextWindows
-from weft.components.errors import UserError, report_user_error
+from weft.errors import UserError, report_user_error
 from weft.components.fingerprint import data_fingerprint
 
 SHARD_BYTES = 256 * 2**20  # of a .jsonl source per shard, so one large file is tokenized by many workers

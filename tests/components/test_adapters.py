@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from weft.components.adapters import load_peft_adapter
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.models.llama.hf_mapping import hf_config
 from weft.models.llama import ModelArgs, Transformer

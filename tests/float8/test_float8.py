@@ -35,7 +35,7 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
 )
 
 from weft.components.data import Tokenizer, build_loader, find_text_files
-from weft.float8 import (
+from weft.parallelisms.float8 import (
     apply_float8,
     check_float8_compute,
     check_float8_support,
@@ -44,7 +44,7 @@ from weft.float8 import (
     float8_tp_styles,
     precompute_float8_scales,
 )
-from weft.float8 import float8 as float8_module
+from weft.parallelisms import float8 as float8_module
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.materialize import materialize

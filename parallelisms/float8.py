@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.models.moe import ROUTER
 from weft.parallelisms.common import refuse_data_parallel_model
 

@@ -23,6 +23,19 @@ class UserError(ValueError):
     message is one line naming the key or file, the value and what was expected."""
 
 
+class TransformError(UserError):
+    """A transform cannot apply to this model with these arguments.
+
+    `function` and `argument` name what the caller passed (`apply_tp`, `tp_mesh`), so a caller
+    that built those arguments from its own settings can say which setting is at fault.
+    """
+
+    def __init__(self, function: str, argument: str, message: str):
+        super().__init__(f"{function}: {message}")
+        self.function = function
+        self.argument = argument
+
+
 def one_line(message: object) -> str:
     """`message` as a single line: embedded newlines (from a wrapped library message) become ' | '."""
     return " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
