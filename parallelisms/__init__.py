@@ -10,7 +10,7 @@ from weft.parallelisms.ep import apply_ep
 from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import LayoutError, Meshes, ParallelDims
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, split_model
 from weft.parallelisms.tp import apply_tp, hf_tp_plan
 
@@ -18,6 +18,7 @@ __all__ = [
     "LayoutError",
     "Meshes",
     "ParallelDims",
+    "ParallelizeOptions",
     "PipelineStages",
     "TransformError",
     "apply_ac",
