@@ -34,8 +34,8 @@ from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lor
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
-from weft.parallelisms.tp import TPOptions
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
+from weft.parallelisms.tp import TPOptions
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
