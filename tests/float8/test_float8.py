@@ -265,9 +265,9 @@ def build(float8: str | None, meshes=None) -> Transformer:
     """The training model, built as train.py builds it: meta device, transforms, then weights;
     float8 matmuls emulated (see the module's docstring)."""
     model = meta_model(TRAIN_ARGS)
+    options = Float8Options(float8, filter_fqns=("output",), min_dim=16) if float8 else None
     with emulated_float8_matmuls():
-        parallelize(model, meshes, ParallelizeOptions(float8=Float8Options(float8, filter_fqns=("output",), min_dim=16),
-                                                      fsdp=FSDPOptions(param_dtype=torch.float32)))
+        parallelize(model, meshes, ParallelizeOptions(float8=options, fsdp=FSDPOptions(param_dtype=torch.float32)))
     assert all(m.config.emulate for m in model.modules() if isinstance(m, Float8Linear))
     materialize(model, "cpu", seed=0)
     return model

@@ -27,8 +27,8 @@ def build(float8: str | None, monkeypatch) -> Transformer:
     monkeypatch.setattr(float8_module, "_float8_config", lambda *a: replace(real(*a), emulate=True))
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize(model, None, ParallelizeOptions(float8=Float8Options(float8, filter_fqns=("output",), min_dim=16),
-                                                fsdp=FSDPOptions(param_dtype=torch.float32)))
+    options = Float8Options(float8, filter_fqns=("output",), min_dim=16) if float8 else None
+    parallelize(model, None, ParallelizeOptions(float8=options, fsdp=FSDPOptions(param_dtype=torch.float32)))
     materialize(model, "cpu", seed=0)
     return model
 
