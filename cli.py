@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from weft.components.errors import OneLineParser
+from weft.errors import OneLineParser
 
 COMMANDS = ("train", "generate", "export", "export-lora", "prepare")
 

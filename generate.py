@@ -38,7 +38,7 @@ from torch import nn
 from weft.components.adapters import load_peft_adapter
 from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
-from weft.components.errors import OneLineParser, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.export import run_hf_files
 from weft.components.shipped import SHIPPED_TOKENIZER, shipped_path

@@ -8,25 +8,12 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from weft.components.errors import UserError
+from weft.errors import TransformError
 
 # Where common model families keep their repeated blocks, as attribute paths from the root:
 # weft's Llama and most hand-written models, transformers' *ForCausalLM (the base model sits in
 # `.model`), and GPT-2 / nanoGPT.
 BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h")
-
-
-class TransformError(UserError):
-    """A transform cannot apply to this model with these arguments.
-
-    `function` and `argument` name what the caller passed (`apply_tp`, `tp_mesh`), so a caller
-    that built those arguments from its own settings can say which setting is at fault.
-    """
-
-    def __init__(self, function: str, argument: str, message: str):
-        super().__init__(f"{function}: {message}")
-        self.function = function
-        self.argument = argument
 
 
 def transformer_blocks(model: nn.Module, function: str, blocks: Iterable[nn.Module] | None = None) -> list[nn.Module]:

@@ -60,7 +60,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
     schedule, so their all-to-alls pair up micro-batch by micro-batch). Before `apply_tp`, whose
     MoE plan then keeps the spread experts whole and each tp rank's tokens its own
-    (parallelisms/moe_tp.py). Not with compile (the split sizes are read on the host).
+    (models/moe_tp.py). Not with compile (the split sizes are read on the host).
 
     sequence_shards: how many ranks of each ep group hold parts of the same samples (tensor
     parallelism's sequence shards, when ep borrows tp's ranks: then each tp rank routes its own

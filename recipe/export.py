@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from weft.components.config import JobConfig, parse_args
-from weft.components.errors import OneLineParser, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import export_at_end
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.model_files import HF_FILES

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.components.config.schema import MAX_MICRO_BATCH_TOKENS, JobConfig
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.components.shipped import TRAIN_CONFIGS, shipped_path
 
 if sys.version_info >= (3, 11):

@@ -31,7 +31,7 @@ from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE
                                          shard_dtype, shard_name, tokenizer_identity)
 from weft.components.data.tokenizers import load_tokenizer
 from weft.components.data.windows import TextWindows
-from weft.components.errors import OneLineParser, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.fingerprint import data_fingerprint
 from weft.components.shipped import shipped_path
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 
-from weft.components.errors import OneLineParser, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf.export import export_to_hf, run_hf_files
 from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from weft.float8 import apply_float8
+from weft.parallelisms.float8 import apply_float8
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms import TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
 from tests.support.own_models import NanoGPT, hf_llama
@@ -69,15 +69,17 @@ def _tp_compiled_losses() -> dict[bool, list[float]]:
 
     from weft.parallelisms.materialize import materialize
     from weft.parallelisms.parallel_dims import ParallelDims
-    from weft.parallelisms.parallelize import parallelize
+    from weft.parallelisms.compile import CompileOptions
+    from weft.parallelisms.fsdp import FSDPOptions
+    from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
     losses = {}
     for compile in (False, True):
         meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
-        parallelize(model, meshes, loss_parallel=False, compile=compile, compile_backend="aot_eager",
-                    param_dtype=torch.float32)
+        parallelize(model, meshes, ParallelizeOptions(compile=CompileOptions("aot_eager") if compile else None,
+                                                      fsdp=FSDPOptions(param_dtype=torch.float32)))
         materialize(model, "cpu", seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator, losses[compile] = torch.Generator().manual_seed(0), []

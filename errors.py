@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 PREFIX = "weft: error: "
 EXIT_USER_ERROR = 2
@@ -30,6 +31,37 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USER_ERROR, f"{PREFIX}{one_line(message)}\n")
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The other transform's argument behind a refusal to compose: `label` names what it turned on
+    (QLoRA), `argument` None the transform as a whole."""
+
+    label: str
+    function: str
+    argument: str | None = None
+    value: object = None
+
+    def __str__(self) -> str:
+        return self.function if self.argument is None else f"{self.function}'s {self.argument} = {self.value!r}"
+
+
+class TransformError(UserError):
+    """A transform cannot apply to this model with these arguments.
+
+    `function` and `argument` name what the caller passed (`apply_tp`, `tp_mesh`; argument None:
+    the transform as a whole), so a caller that built those arguments from its own settings can say
+    which setting is at fault. `conflict`: the other transform this one cannot compose with.
+    """
+
+    def __init__(self, function: str, argument: str | None, message: str, conflict: Conflict | None = None):
+        super().__init__(f"{function}: {message}" if conflict is None else
+                         f"{function}: {conflict.label} ({conflict}) {message}")
+        self.function = function
+        self.argument = argument
+        self.reason = message
+        self.conflict = conflict
 
 
 def one_line(message: object) -> str:
