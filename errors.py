@@ -17,6 +17,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
 PREFIX = "weft: error: "
 EXIT_USER_ERROR = 2
 
@@ -95,3 +98,20 @@ def _record_for_torchrun(line: str) -> None:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the line is on stderr already; the report is a nicety
+
+
+def refuse_data_parallel_model(model: nn.Module, function: str) -> None:
+    """Raise if FSDP or DDP (`fully_shard` / `replicate`) already wrapped any part of the model.
+
+    Data parallelism must come last: it shards or replicates the parameters that exist when it
+    runs, so a transform that swaps modules or parameters afterwards would escape it.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):  # fully_shard, and replicate (a subclass)
+            where = f" ({name})" if name else ""
+            raise TransformError(
+                function,
+                "model",
+                f"the model is already wrapped by FSDP/DDP{where}; apply {function} before apply_fsdp / "
+                "apply_ddp (order: float8, tp, cp, ac, compile, fsdp/ddp)",
+            )

@@ -71,7 +71,7 @@ from weft.components.optim import build_optimizer
 from weft.components.data import Batch
 from weft.models import spec_for_flavor
 from weft.parallelisms.compile import CompileOptions
-from weft.parallelisms.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
+from weft.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims

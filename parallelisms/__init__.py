@@ -7,7 +7,7 @@ from weft.parallelisms.common import TransformError, transformer_blocks
 from weft.parallelisms.compile import CompileOptions, apply_compile
 from weft.parallelisms.cp import apply_cp, shard_sequence
 from weft.parallelisms.ep import apply_ep
-from weft.parallelisms.float8 import Float8Options, apply_float8
+from weft.float8 import Float8Options, apply_float8
 from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.lora import LoRAOptions, apply_lora
 from weft.parallelisms.materialize import materialize

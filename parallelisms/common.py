@@ -38,23 +38,6 @@ def transformer_blocks(model: nn.Module, function: str, blocks: Iterable[nn.Modu
     )
 
 
-def refuse_data_parallel_model(model: nn.Module, function: str) -> None:
-    """Raise if FSDP or DDP (`fully_shard` / `replicate`) already wrapped any part of the model.
-
-    Data parallelism must come last: it shards or replicates the parameters that exist when it
-    runs, so a transform that swaps modules or parameters afterwards would escape it.
-    """
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):  # fully_shard, and replicate (a subclass)
-            where = f" ({name})" if name else ""
-            raise TransformError(
-                function,
-                "model",
-                f"the model is already wrapped by FSDP/DDP{where}; apply {function} before apply_fsdp / "
-                "apply_ddp (order: float8, tp, cp, ac, compile, fsdp/ddp)",
-            )
-
-
 def _attribute(model: nn.Module, path: str):
     obj = model
     for part in path.split("."):

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.errors import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.models.moe import ROUTER
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.errors import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
 logger = logging.getLogger("weft")

@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import (
 from weft.models import spec_for_model
 from weft.models.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.errors import Conflict
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
-from weft.parallelisms.float8 import converted_modules, float8_tp_styles
+from weft.errors import TransformError, refuse_data_parallel_model
+from weft.float8 import converted_modules, float8_tp_styles
 from weft.parallelisms.lora import lora_modules, lora_tp_plan
 from weft.parallelisms.plans import Plan, path_matches
 

@@ -29,7 +29,7 @@ from weft.models import spec_for_args
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
-from weft.parallelisms.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
+from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules
 from weft.parallelisms.parallel_dims import ParallelDims

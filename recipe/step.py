@@ -21,7 +21,7 @@ from weft.components.data import Batch, batches
 from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from weft.components.moe_balance import balance_experts, ep_imbalance
 from weft.components.optim import clip_grad_norm_
-from weft.parallelisms.float8 import precompute_float8_scales
+from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
 
 

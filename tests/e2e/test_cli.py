@@ -10,7 +10,7 @@ import pytest
 
 from weft.cli import main
 from weft.components.config import help_text
-from weft.components.errors import PREFIX
+from weft.errors import PREFIX
 from tests.support import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchao", reason="float8 needs torchao")
 
-from weft.parallelisms.float8 import Float8Options, converted_modules  # noqa: E402
-from weft.parallelisms import float8 as float8_module  # noqa: E402
+from weft.float8 import Float8Options, converted_modules  # noqa: E402
+from weft.float8 import float8 as float8_module  # noqa: E402
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer  # noqa: E402
 from weft.parallelisms import ParallelizeOptions, parallelize  # noqa: E402
 from weft.parallelisms.fsdp import FSDPOptions  # noqa: E402
@@ -69,7 +69,7 @@ def test_float8_debug_moe_trains_like_fp32(monkeypatch):
 
 def test_a_router_stays_in_high_precision_whatever_its_size():
     """16 experts: the router (256 → 16) passes the size rules at min_dim 16 and is still kept."""
-    from weft.parallelisms.float8 import apply_float8
+    from weft.float8 import apply_float8
 
     with torch.device("meta"):
         model = Transformer(replace(ARGS, n_experts=16))

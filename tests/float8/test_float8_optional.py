@@ -44,7 +44,7 @@ def train_code(dump: Path, *args: str) -> str:
 
 
 def test_modules_import_without_torchao(tmp_path):
-    code = ("import sys, weft.train, weft.parallelisms.float8, weft.parallelisms.tp, benchmarks.gpu_throughput\n"
+    code = ("import sys, weft.train, weft.float8, weft.parallelisms.tp, benchmarks.gpu_throughput\n"
             "assert not any(m.startswith('torchao') and sys.modules[m] for m in sys.modules)\n")
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -16,7 +16,7 @@ from tests.support.slow_scaled_mm import emulated_scaled_mm
 def scaled_mm_calls(ac_mode: str, monkeypatch) -> int:
     """torch._scaled_mm calls (torchao's float8 matmuls) of one float8 forward + backward of a 2-block model."""
     pytest.importorskip("torchao")
-    from weft.parallelisms.float8 import apply_float8
+    from weft.float8 import apply_float8
 
     model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
     model.init_weights(seed=0)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from weft.parallelisms.float8 import apply_float8
+from weft.float8 import apply_float8
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms import TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
 from tests.support.own_models import NanoGPT, hf_llama

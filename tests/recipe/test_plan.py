@@ -10,7 +10,7 @@ from weft.models.llama import LLAMA_FLAVORS
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.compile import CompileOptions
-from weft.parallelisms.float8 import Float8Options
+from weft.float8 import Float8Options
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.pipeline import PipelineOptions

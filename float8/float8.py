@@ -55,9 +55,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.errors import UserError
 from weft.models.moe import ROUTER
-from weft.errors import Conflict, TransformError
-from weft.parallelisms.common import refuse_data_parallel_model
-from weft.parallelisms.lora import lora_modules
+from weft.errors import Conflict, TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
@@ -152,7 +150,7 @@ def apply_float8(
     Apply first, before tensor parallelism and FSDP/DDP.
     """
     refuse_data_parallel_model(model, "apply_float8")
-    check_float8_composes(bool(lora_modules(model)))
+    check_float8_composes(any(hasattr(module, "lora_A") for module in model.modules()))  # weft's or PEFT's LoRA layers
     config = _float8_config(recipe, enable_fsdp_float8_all_gather)
     already = converted_modules(model)
     if already:
