@@ -38,12 +38,12 @@ from torch import nn
 from weft.components.adapters import load_peft_adapter
 from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
-from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.export import run_hf_files
+from weft.components.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.precision import DTYPES
-from weft.recipe.plan import SHIPPED_TOKENIZER
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
@@ -95,15 +95,8 @@ def sample(
     return ids[len(prompt_ids):]
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake in one line, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(prog="generate.py", description=__doc__.split("\n\n")[0])
+def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    parser = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="DCP checkpoint step folder, e.g. outputs/checkpoint/step-1000")
     source.add_argument("--hf", help="Hugging Face folder (config.json + safetensors) of a model weft builds, "
@@ -138,9 +131,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return opts
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry point; prints the prompt and its continuation."""
-    opts = _parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
+    """Command line entry point (`weft generate`); prints the prompt and its continuation."""
+    opts = _parse_args(argv, prog)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         tokenizer = load_tokenizer(_tokenizer_path(opts))
@@ -217,7 +210,7 @@ def load_model(args: Any, *, hf: str | None, checkpoint: str | None, device: tor
 def _tokenizer_path(opts: argparse.Namespace) -> str:
     """--tokenizer, else the --hf folder's own tokenizer, else the shipped Shakespeare model."""
     if opts.tokenizer:
-        return opts.tokenizer
+        return shipped_path(opts.tokenizer)
     if opts.hf is not None and (Path(opts.hf) / "tokenizer.json").is_file():
         return opts.hf
     return str(SHIPPED_TOKENIZER)

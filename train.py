@@ -18,7 +18,7 @@ import torch
 from weft.components.config import JobConfig, parse_args, to_toml
 from weft.components.data.mixture import source_tokens
 from weft.components.distributed import Preemption, all_reduce_mean
-from weft.components.errors import UserError, report_user_error
+from weft.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
 from weft.components.metrics import StepStats
 from weft.components.profiling import StepProfiler

@@ -69,11 +69,13 @@ from weft.components.loss import token_loss
 from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
 from weft.components.optim import build_optimizer
 from weft.components.data import Batch
-from weft.float8 import DEFAULT_MIN_DIM, check_float8_support
 from weft.models import spec_for_flavor
+from weft.parallelisms.compile import CompileOptions
+from weft.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
+from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,8 +212,9 @@ def build_weft_model(model_args: Any, device: torch.device, *, meshes: Meshes | 
     on `device`. meshes None: the plain single-device model (the autocast rows)."""
     with torch.device("meta"):
         model = LLAMA.build(model_args)
-    parallelize(model, meshes, float8_recipe=float8_recipe, float8_filter_fqns=("output",),
-                float8_min_dim=float8_min_dim, compile=compile, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    float8 = Float8Options(float8_recipe, filter_fqns=("output",), min_dim=float8_min_dim) if float8_recipe else None
+    parallelize(model, meshes, ParallelizeOptions(float8=float8, compile=CompileOptions() if compile else None,
+                                                  fsdp=FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)))
     materialize(model, device, seed=0)
     return model
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 
 FINGERPRINT_FILE = "data_fingerprint.json"
 HEAD_BYTES = 64 * 1024

@@ -53,7 +53,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from weft.components.loss import CHUNK_BYTES
+from weft.components.model_state import whole_model
 from weft.models import spec_for_args
+from weft.parallelisms.common import transformer_blocks
+from weft.parallelisms.fsdp import fsdp_shard_dim
+from weft.parallelisms.lora import NF4_BLOCK, lora_modules, nf4_scaler_block
 
 GIB = 1024**3
 
@@ -129,16 +133,12 @@ def state_bytes(model: nn.Module) -> tuple[int, int, int]:
 
 def nf4_planned_weights(model: nn.Module) -> set[int]:
     """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4."""
-    from weft.parallelisms.lora import lora_modules
-
     return {id(m.weight) for _, m in lora_modules(model) if m.quantize_base == "nf4"}
 
 
 def nf4_bytes(numel: int) -> int:
     """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per group of
     scales (up to 256, parallelisms.lora.nf4_scaler_block)."""
-    from weft.parallelisms.lora import NF4_BLOCK, nf4_scaler_block
-
     return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * nf4_scaler_block(numel)))
 
 
@@ -310,8 +310,6 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     ceil; stacked experts on more ranks than experts: their largest dim, `fsdp_shard_dim`). Checked against the real transforms in tests/components/test_memory.py. With LoRA (apply_lora on
     the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
     whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
-    from weft.parallelisms.fsdp import fsdp_shard_dim  # parallelisms import components: not at the top
-
     params = grads = 0
     nf4 = nf4_planned_weights(model)
     for name, p in model.named_parameters():
@@ -332,9 +330,6 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
 def routed_experts_per_block(model: nn.Module) -> int:
     """Parameters of the stacked routed experts, averaged over the blocks of the whole model (a
     pipeline rank's stages: of the model they were split from; 0 without experts)."""
-    from weft.components.model_state import whole_model
-    from weft.parallelisms.common import transformer_blocks
-
     blocks = transformer_blocks(whole_model(model), "estimate_memory")
     routed = sum(p.numel() for block in blocks for m in block.modules()
                  for name, p in m.named_parameters(recurse=False) if p.ndim == 3 and name in ("w1", "w2", "w3"))

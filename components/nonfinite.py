@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 
 logger = logging.getLogger("weft")
 

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from weft.components.errors import UserError, one_line
+from weft.errors import UserError, one_line
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from weft.components.comm_trace import PhaseRecord, last_phases
-from weft.components.errors import UserError, one_line
+from weft.errors import UserError, one_line
 
 # What gloo and the c10d store say when a peer never answered, or went away.
 _TIMEOUT_WORDS = ("timed out", "timeout")

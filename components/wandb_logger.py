@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.components.config import ConfigError, JobConfig, to_dict
-from weft.components.errors import UserError
+from weft.errors import UserError
 
 WANDB_HINT = 'pip install "weft[wandb]"'
 RUN_ID_FILE = "wandb_run_id"

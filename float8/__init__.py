@@ -6,8 +6,10 @@ Importing this package does not import torchao; the functions that need it do (f
 from weft.float8.float8 import (
     DEFAULT_MIN_DIM,
     RECIPES,
+    Float8Options,
     Float8Unavailable,
     apply_float8,
+    check_float8_composes,
     check_float8_compute,
     check_float8_support,
     converted_modules,
@@ -19,8 +21,10 @@ from weft.float8.float8 import (
 __all__ = [
     "DEFAULT_MIN_DIM",
     "RECIPES",
+    "Float8Options",
     "Float8Unavailable",
     "apply_float8",
+    "check_float8_composes",
     "check_float8_compute",
     "check_float8_support",
     "converted_modules",

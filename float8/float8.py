@@ -45,6 +45,7 @@ import functools
 import logging
 import re
 import sys
+from dataclasses import dataclass
 from collections.abc import Iterable
 from types import SimpleNamespace
 
@@ -52,9 +53,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.models.moe import ROUTER
-from weft.parallelisms.common import refuse_data_parallel_model
+from weft.errors import Conflict, TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
@@ -111,6 +112,24 @@ MIN_CUDA_CAPABILITY = (8, 9)
 _DIM_MULTIPLE = 16
 
 
+@dataclass(frozen=True)
+class Float8Options:
+    """`apply_float8`'s arguments, for `parallelize`."""
+
+    recipe: str = "tensorwise"
+    filter_fqns: tuple[str, ...] = ()
+    enable_fsdp_float8_all_gather: bool = False
+    min_dim: int = DEFAULT_MIN_DIM
+
+
+def check_float8_composes(lora: bool) -> None:
+    """Float8 cannot train LoRA: it would swap each adapted layer's frozen base for a Float8Linear."""
+    if lora:
+        raise TransformError("apply_float8", None, "and float8 together are not supported: float8 would swap the "
+                             "frozen base of each adapted layer for a Float8Linear; turn one of them off",
+                             Conflict("LoRA", "apply_lora"))
+
+
 def apply_float8(
     model: nn.Module,
     *,
@@ -131,6 +150,7 @@ def apply_float8(
     Apply first, before tensor parallelism and FSDP/DDP.
     """
     refuse_data_parallel_model(model, "apply_float8")
+    check_float8_composes(any(hasattr(module, "lora_A") for module in model.modules()))  # weft's or PEFT's LoRA layers
     config = _float8_config(recipe, enable_fsdp_float8_all_gather)
     already = converted_modules(model)
     if already:

@@ -81,7 +81,7 @@ class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts, stacked: expert e computes w2[e](silu(w1[e] x) ⊙ w3[e] x).
 
     `compute` takes the weights as arguments, so that a parallel transform can run it on its
-    rank's part of them (parallelisms/moe_tp.py: a hidden-dimension slice of every expert)."""
+    rank's part of them (models/moe_tp.py: a hidden-dimension slice of every expert)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()

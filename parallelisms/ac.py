@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import functools
 import logging
 from collections.abc import Iterable
@@ -59,6 +60,14 @@ def _checkpoint_forward(block: nn.Module, op_level: bool) -> None:
         )
 
     block.forward = checkpointed_forward
+
+
+@dataclass(frozen=True)
+class ACOptions:
+    """`apply_ac`'s arguments, for `parallelize`."""
+
+    mode: str = "none"
+    selective_option: str = "op"
 
 
 def apply_ac(

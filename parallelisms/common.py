@@ -8,25 +8,12 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from weft.components.errors import UserError
+from weft.errors import TransformError
 
 # Where common model families keep their repeated blocks, as attribute paths from the root:
 # weft's Llama and most hand-written models, transformers' *ForCausalLM (the base model sits in
 # `.model`), and GPT-2 / nanoGPT.
 BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h")
-
-
-class TransformError(UserError):
-    """A transform cannot apply to this model with these arguments.
-
-    `function` and `argument` name what the caller passed (`apply_tp`, `tp_mesh`), so a caller
-    that built those arguments from its own settings can say which setting is at fault.
-    """
-
-    def __init__(self, function: str, argument: str, message: str):
-        super().__init__(f"{function}: {message}")
-        self.function = function
-        self.argument = argument
 
 
 def transformer_blocks(model: nn.Module, function: str, blocks: Iterable[nn.Module] | None = None) -> list[nn.Module]:
@@ -49,23 +36,6 @@ def transformer_blocks(model: nn.Module, function: str, blocks: Iterable[nn.Modu
         f"found no transformer blocks in {type(model).__name__} (looked for "
         f"{', '.join('model.' + p for p in BLOCK_CONTAINERS)}); pass blocks=[...] explicitly",
     )
-
-
-def refuse_data_parallel_model(model: nn.Module, function: str) -> None:
-    """Raise if FSDP or DDP (`fully_shard` / `replicate`) already wrapped any part of the model.
-
-    Data parallelism must come last: it shards or replicates the parameters that exist when it
-    runs, so a transform that swaps modules or parameters afterwards would escape it.
-    """
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):  # fully_shard, and replicate (a subclass)
-            where = f" ({name})" if name else ""
-            raise TransformError(
-                function,
-                "model",
-                f"the model is already wrapped by FSDP/DDP{where}; apply {function} before apply_fsdp / "
-                "apply_ddp (order: float8, tp, cp, ac, compile, fsdp/ddp)",
-            )
 
 
 def _attribute(model: nn.Module, path: str):

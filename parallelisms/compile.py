@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import functools
 import logging
 from collections.abc import Iterable
@@ -12,6 +13,13 @@ from torch import nn
 from weft.parallelisms.common import TransformError, transformer_blocks
 
 logger = logging.getLogger("weft")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """`apply_compile`'s arguments, for `parallelize` (which adds copy_input under tensor parallelism)."""
+
+    backend: str = "inductor"
 
 
 def apply_compile(

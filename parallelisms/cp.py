@@ -70,7 +70,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from weft.models.common.attention import CausalAttention, document_mask, masked_attention, use_flex_attention
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.errors import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 

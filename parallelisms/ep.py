@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.errors import TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
@@ -60,7 +60,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
     schedule, so their all-to-alls pair up micro-batch by micro-batch). Before `apply_tp`, whose
     MoE plan then keeps the spread experts whole and each tp rank's tokens its own
-    (parallelisms/moe_tp.py). Not with compile (the split sizes are read on the host).
+    (models/moe_tp.py). Not with compile (the split sizes are read on the host).
 
     sequence_shards: how many ranks of each ep group hold parts of the same samples (tensor
     parallelism's sequence shards, when ep borrows tp's ranks: then each tp rank routes its own

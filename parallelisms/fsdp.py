@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import logging
 from collections.abc import Iterable
 
@@ -28,6 +29,16 @@ def fsdp_shard_dim(shape: torch.Size | list[int], ranks: int) -> int:
     if len(shape) < 2 or shape[0] >= ranks:
         return 0
     return max(range(len(shape)), key=lambda dim: shape[dim])
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """`apply_fsdp`'s arguments, for `parallelize` (which gives the meshes and blocks)."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: str = "default"
+    cpu_offload: bool = False
 
 
 def apply_fsdp(

@@ -14,6 +14,7 @@ shards them like any parameter (frozen and trainable parameters share a unit), a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import fnmatch
 import logging
 import math
@@ -27,7 +28,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.models.moe import ROUTER
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
+from weft.errors import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
 logger = logging.getLogger("weft")
@@ -66,6 +67,19 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", rank={self.rank}, scaling={self.scaling:g}" + (
             f", base={self.quantize_base}" if self.quantize_base else "")
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """`apply_lora`'s arguments, for `parallelize`."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    use_rslora: bool = False
+    quantize_base: str | None = None
+    base_dtype: torch.dtype | None = None
 
 
 def apply_lora(
@@ -338,9 +352,6 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
         if module.weight.is_meta:
             raise TransformError("quantize_lora_base", "model", f"{name}.weight is on the meta device; quantize "
                                  "real weights, after materialize or loading the base model")
-        if isinstance(module.weight, DTensor):
-            raise TransformError("quantize_lora_base", "model", f"{name}.weight is split by tensor parallelism; "
-                                 "QLoRA supports one device, FSDP, HSDP and context parallelism, not tensor parallelism")
         check_nf4_shape(name, module.weight.shape, shards, "quantize_lora_base")
     for name, module in todo:
         weight = module.weight.detach()

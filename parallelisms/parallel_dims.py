@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from weft.errors import Conflict, TransformError
 from weft.models import spec_for_model
 from weft.parallelisms.hf_stages import HFCausalLMStage, hf_causal_lm_units
 from weft.parallelisms.parallel_dims import LayoutError
@@ -39,6 +40,22 @@ logger = logging.getLogger("weft")
 V_SCHEDULES = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
 # Schedules that split each backward into an input-gradient and a later weight-gradient part.
 SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """For `parallelize`: the model is one pipeline stage, run by this torch schedule."""
+
+    schedule: str
+
+
+def check_stage_composes(quantize_base: str | None) -> None:
+    """A pipeline stage cannot hold an NF4 base: QLoRA quantizes the whole model's real weights one
+    unit at a time before FSDP, which stages built apart do not do, so their base would stay unquantized."""
+    if quantize_base:
+        raise TransformError("parallelize", "pipeline", "does not support pipeline parallelism; use FSDP, HSDP, "
+                             "context parallelism or one device, or LoRA without quantize_base",
+                             Conflict("QLoRA", "apply_lora", "quantize_base", quantize_base))
 
 
 def schedule_class(schedule: str) -> type:

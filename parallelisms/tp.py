@@ -9,6 +9,7 @@ their config declares; any other model passes `plan=`.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,12 +22,31 @@ from torch.distributed.tensor.parallel import (
 )
 
 from weft.models import spec_for_model
-from weft.parallelisms.common import TransformError, refuse_data_parallel_model
-from weft.parallelisms.lora import lora_tp_plan
-from weft.parallelisms.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
+from weft.models.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
+from weft.errors import Conflict
+from weft.errors import TransformError, refuse_data_parallel_model
+from weft.float8 import converted_modules, float8_tp_styles
+from weft.parallelisms.lora import lora_modules, lora_tp_plan
 from weft.parallelisms.plans import Plan, path_matches
 
 logger = logging.getLogger("weft")
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """`apply_tp`'s arguments, for `parallelize` (which gives the mesh)."""
+
+    plan: Plan | None = None
+    loss_parallel: bool = False
+    float8_all_gather: bool = False
+
+
+def check_tp_composes(quantize_base: str | None) -> None:
+    """Tensor parallelism cannot split an NF4 base: torchao's NF4 tensors are sharded by FSDP only."""
+    if quantize_base:
+        raise TransformError("apply_tp", "tp_mesh", "does not support tensor parallelism; use FSDP, HSDP, context "
+                             "parallelism or one device, or LoRA without quantize_base",
+                             Conflict("QLoRA", "apply_lora", "quantize_base", quantize_base))
 
 
 def apply_tp(
@@ -54,6 +74,7 @@ def apply_tp(
     FSDP/DDP, on the meta-device or real model.
     """
     refuse_data_parallel_model(model, "apply_tp")
+    check_tp_composes(next((m.quantize_base for _, m in lora_modules(model) if m.quantize_base), None))
     tp = tp_mesh.size()
     if plan is None:  # a pipeline stage holds only some of the modules its model's plan names
         plan = _entries_present(model, default_tp_plan(model, loss_parallel=loss_parallel,
@@ -84,8 +105,6 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
     if (spec := spec_for_model(model)) is not None:
         if not float8_all_gather:
             return spec.tp_plan(model, loss_parallel=loss_parallel)
-        from weft.float8 import converted_modules, float8_tp_styles
-
         return spec.tp_plan(model, loss_parallel=loss_parallel, float8_linears=converted_modules(model),
                             float8_styles=float8_tp_styles())
     if float8_all_gather:

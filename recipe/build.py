@@ -128,12 +128,11 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         model = spec_for_args(plan.model_args).build(plan.model_args)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
-    kwargs = plan.parallelize_kwargs()
-    qlora = kwargs["lora_quantize_base"] is not None
-    if qlora and device is not None:  # NF4 quantizes the real base, before FSDP shards it
-        kwargs["before_data_parallel"] = lambda m: stream_qlora_base(plan, m, meshes, device)
+    qlora = plan.options.lora is not None and plan.options.lora.quantize_base is not None
+    # NF4 quantizes the real base, before FSDP shards it
+    load = (lambda m: stream_qlora_base(plan, m, meshes, device)) if qlora and device is not None else None
     try:
-        parallelize(model, meshes, **kwargs)
+        parallelize(model, meshes, plan.options, before_data_parallel=load)
     except TransformError as e:
         raise plan.config_error(e) from None
     if device is not None and not qlora:
@@ -155,7 +154,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
     stages = split_model(model, default_split(model, layout.n_stages), ids)
     for stage in stages:  # LoRA's targets were checked on the whole model (plan.check_lora): a stage may hold none
         try:
-            parallelize(stage, meshes, **plan.parallelize_kwargs())
+            parallelize(stage, meshes, plan.options)
         except TransformError as e:
             raise plan.config_error(e) from None
         if device is not None:

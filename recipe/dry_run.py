@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,9 +31,19 @@ from weft.components.memory import (
 from weft.components.metrics import active_parameters, count_parameters, setup_logging
 from weft.components.model_state import whole_model
 from weft.models import spec_for_args
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
+from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.precision import DTYPES, precision_policy
-from weft.parallelisms.pipeline import PipelineLayout, PipelineStages, default_split, split_model
+from weft.parallelisms.pipeline import (
+    PipelineLayout,
+    PipelineOptions,
+    PipelineStages,
+    activations_in_flight,
+    default_split,
+    split_model,
+)
 from weft.recipe.build import build_model
 from weft.recipe.plan import RunPlan, check_expert_parallel, check_model_support, pipeline_layout
 
@@ -72,8 +83,6 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
 def pipeline_step_shape(shape: StepShape, layout, stages, pp_group, pp_rank: int) -> StepShape:
     """The step shape of pipeline rank `pp_rank`'s stages: one micro-batch at a time, its blocks only,
     as many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
-    from weft.parallelisms.pipeline import activations_in_flight
-
     blocks = {stage_id: len(stage.layers) for stage_id, stage in zip(stages.stage_ids, stages)}
     held = activations_in_flight(layout, pp_rank, pp_group, blocks)
     return dataclasses.replace(
@@ -138,7 +147,7 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
                 f"(seq_len {t.seq_len})")
 
     estimate = print_estimate(plan, model, meshes)
-    table, best = layouts_table(cfg, args, dims, limit)
+    table, best = layouts_table(cfg, args, dims, limit, plan.options)
     print(table)
     _verdict(estimate, limit, cfg, dims, best)
     return estimate
@@ -180,20 +189,21 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
 TABLE_MAX_PP = 16
 
 
-def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[ParallelDims]:
+def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
+                      options: ParallelizeOptions = ParallelizeOptions()) -> list[ParallelDims]:
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
-    batches on the local batch with at most one stage per block. QLoRA runs without tp and pp; the
-    model trains in the layout (`check_model_support`). A model with experts also gets each ep
-    that divides dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
-    (`check_expert_parallel`: it divides the experts)."""
+    batches on the local batch with at most one stage per block. The transforms of `options`
+    compose there (`check_composes`: QLoRA without tp and pp, ...); the model trains in the layout
+    (`check_model_support`). A model with experts also gets each ep
+    that divides them and dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
+    (`check_expert_parallel`)."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
-    most = 1 if cfg.lora.enable and cfg.lora.quantize_base else rest
     layouts = []
-    for pp in (d for d in _divisors(rest) if d <= min(TABLE_MAX_PP, most)):
-        for tp in (d for d in _divisors(rest // pp) if d <= most):
+    for pp in (d for d in _divisors(rest) if d <= TABLE_MAX_PP):
+        for tp in _divisors(rest // pp):
             if args.n_heads % tp or args.kv_heads % tp:
                 continue
             for cp in _divisors(rest // pp // tp):
@@ -202,31 +212,29 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
                     dims = ParallelDims(replicate, shard, cp, tp, world_size, pp, ep)
                     try:
                         dims.check_seq_len(cfg.training.seq_len)
+                        check_composes(replace(options, pipeline=PipelineOptions(cfg.parallelism.pp_schedule)
+                                               if dims.pp_enabled else None), dims.tp)
                         check_model_support(cfg, args, dims)
                         check_expert_parallel(cfg, args, dims)
                         pipeline_layout(cfg, args, dims)
-                    except (LayoutError, ConfigError):
+                    except (LayoutError, ConfigError, TransformError):
                         continue
                     layouts.append(dims)
     return layouts
 
 
-def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float | None,
+def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float | None, options: ParallelizeOptions,
                   rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
     """The estimated peak of each layout of this world size, smallest first (parameters counted
     from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
     larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
         plain = spec_for_args(args).build(args)
-    if cfg.lora.enable:  # the frozen base and its adapters, as parallelize will make them
-        from weft.parallelisms.lora import apply_lora
-
-        lora = cfg.lora
-        apply_lora(plain, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules) or None,
-                   quantize_base=lora.quantize_base or None, base_dtype=DTYPES[cfg.training.mixed_precision_param])
+    if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
+        apply_lora(plain, **vars(options.lora))
     stages = TableStages(plain)
     results = []
-    for dims in candidate_layouts(cfg, args, current.world_size):
+    for dims in candidate_layouts(cfg, args, current.world_size, options):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)

@@ -4,7 +4,6 @@ config), or for a LoRA run the PEFT adapter folder and/or the base with the adap
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from weft.components.config import JobConfig, parse_args
-from weft.components.errors import UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import export_at_end
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.model_files import HF_FILES
@@ -93,10 +92,9 @@ def _one_process(cfg: JobConfig, *, base: bool) -> JobConfig:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m weft.recipe.export: a LoRA checkpoint to PEFT and/or merged Hugging Face folders."""
-    parser = argparse.ArgumentParser(prog="python -m weft.recipe.export",
-                                     description="Export a LoRA run's checkpoint (adapters only) without training.")
+def main(argv: list[str] | None = None, prog: str = "python -m weft.recipe.export") -> int:
+    """`weft export-lora`: a LoRA checkpoint to PEFT and/or merged Hugging Face folders."""
+    parser = OneLineParser(prog=prog, description="Export a LoRA run's checkpoint (adapters only) without training.")
     parser.add_argument("--checkpoint", required=True, type=Path, help="DCP step folder, e.g. outputs/run/checkpoint/step-60")
     parser.add_argument("--peft-out", type=Path, help="new PEFT adapter folder (adapter_model.safetensors + adapter_config.json)")
     parser.add_argument("--merged-out", type=Path, help="new Hugging Face folder of the base with the adapters merged")

@@ -2,7 +2,7 @@
 
 `RunPlan.from_config(cfg, world_size)` resolves the model shape, the layout of `world_size`
 ranks, the tokenizer, the data and validation files, the precision policy, the batch and the
-arguments of `parallelize`, each with the config key it came from. It is pure: it reads files
+options of `parallelize`, each transform's built from its config section. It is pure: it reads files
 (tokenizer, the start of each data file, a saved config) but creates no process group and writes
 nothing, so a bad run fails the same way on every rank, at once, and the dry run plans exactly
 what a real start would run.
@@ -23,24 +23,22 @@ from weft.components.data import DataError, load_tokenizer
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
+from weft.components.shipped import SHIPPED_TOKENIZER
 from weft.components.wandb_logger import check_wandb
-from weft.float8 import check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
+from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
+from weft.parallelisms.compile import CompileOptions
+from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
+from weft.parallelisms.fsdp import FSDPOptions
+from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.parallelisms.pipeline import PipelineLayout, plan_pipeline
+from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
+from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
+from weft.parallelisms.tp import TPOptions
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
-SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets/tokenizer/shakespeare.model"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A value the plan passes on, and the config key it came from (to name it in an error)."""
-
-    value: object
-    key: str
 
 
 @dataclass
@@ -52,9 +50,7 @@ class RunPlan:
     data_files: list[Path]
     validation_files: list[Path]
     precision: PrecisionPolicy
-    # parallelize()'s keyword arguments and, under the names the transforms use for them, the
-    # layout and model they act on: each a Setting, so a refusal names the key behind it.
-    transforms: dict[str, Setting] = field(default_factory=dict)
+    options: ParallelizeOptions = field(default_factory=ParallelizeOptions)  # parallelize's, from the config
     warnings: list[str] = field(default_factory=list)
     data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
     data_sources: list[DataSource] = field(default_factory=list)  # data.mixture's (recipe/data_plan.py)
@@ -110,11 +106,15 @@ class RunPlan:
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
-                   transforms=transform_settings(cfg, dims, device_type),
+                   options=parallelize_options(cfg, dims, device_type),
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
                    pipeline=pipeline_layout(cfg, model_args, dims))
+        try:
+            check_composes(plan.options, dims.tp)
+        except TransformError as e:
+            raise plan.config_error(e) from None
         check_lora(plan)
         return plan
 
@@ -123,22 +123,53 @@ class RunPlan:
         t = self.cfg.training
         return t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
-    def parallelize_kwargs(self) -> dict[str, object]:
-        """The keyword arguments of `parallelize` (the layout entries are the meshes' business)."""
-        return {name: s.value for name, s in self.transforms.items() if name not in LAYOUT_ARGUMENTS}
-
     def config_error(self, error: TransformError) -> ConfigError:
         """A transform's refusal as a config error naming the key and value behind the argument
-        it refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`."""
-        setting = self.transforms.get(error.argument) or next(
-            (s for name, s in self.transforms.items() if name.endswith("_" + error.argument)), None)
-        if setting is None:
+        it refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`; a
+        refusal to compose names both settings: `parallelism.tp = 2: QLoRA (lora.quantize_base =
+        nf4) does not support tensor parallelism`."""
+        key = config_key(error.function, error.argument)
+        if key is None:
             return ConfigError(str(error))
-        return ConfigError(f"{setting.key} = {setting.value}: {error}")
+        if error.conflict is None:
+            return ConfigError(f"{key} = {config_value(self.cfg, key)}: {error}")
+        other = config_key(error.conflict.function, error.conflict.argument)
+        return ConfigError(f"{self._setting(key)}: {error.conflict.label} ({self._setting(other)}) {error.reason}")
+
+    def _setting(self, key: str) -> str:
+        """`key = value`, or the key alone for a switch that is on (`float8.enable`)."""
+        value = config_value(self.cfg, key)
+        return key if value is True else f"{key} = {value}"
 
 
-# Arguments the transforms take from the layout and the model rather than from parallelize's keywords.
-LAYOUT_ARGUMENTS = ("tp_mesh", "plan", "cp_mesh", "ep_mesh", "model")
+# The config key behind each argument a transform may name in a refusal: the options' fields
+# (built in `parallelize_options`), the layout and model the transforms act on; and by function,
+# the key that turns a transform on (for a refusal of the transform as a whole, argument None).
+ARGUMENT_KEYS = {
+    "model": "model.flavor", "tp_mesh": "parallelism.tp", "plan": "parallelism.tp", "cp_mesh": "parallelism.cp",
+    "ep_mesh": "parallelism.ep", "pipeline": "parallelism.pp", "schedule": "parallelism.pp_schedule",
+    "rank": "lora.rank", "alpha": "lora.alpha", "dropout": "lora.dropout", "target_modules": "lora.target_modules",
+    "use_rslora": "lora.use_rslora", "quantize_base": "lora.quantize_base", "base_dtype": "training.mixed_precision_param",
+    "recipe": "float8.recipe", "filter_fqns": "float8.filter_fqns", "min_dim": "float8.min_dim",
+    "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather", "float8_all_gather": "float8.enable",
+    "loss_parallel": "parallelism.loss_parallel", "mode": "activation_checkpoint.mode",
+    "selective_option": "activation_checkpoint.selective_option", "compile": "compile.enable", "backend": "compile.enable",
+    "param_dtype": "training.mixed_precision_param", "reduce_dtype": "training.mixed_precision_reduce",
+    "reshard_after_forward": "parallelism.fsdp_reshard_after_forward", "cpu_offload": "parallelism.fsdp_cpu_offload",
+}
+TRANSFORM_KEYS = {"apply_lora": "lora.enable", "apply_float8": "float8.enable", "apply_tp": "parallelism.tp",
+                  "apply_cp": "parallelism.cp", "apply_ep": "parallelism.ep", "apply_compile": "compile.enable",
+                  "apply_ac": "activation_checkpoint.mode"}
+
+
+def config_key(function: str, argument: str | None) -> str | None:
+    """The config key behind a transform's argument (None: the transform as a whole)."""
+    return TRANSFORM_KEYS.get(function) if argument is None else ARGUMENT_KEYS.get(argument)
+
+
+def config_value(cfg: JobConfig, key: str) -> object:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def model_source(cfg: JobConfig) -> str:
@@ -204,86 +235,47 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
                          n_blocks=args.n_layers, tied_embeddings=args.tie_embeddings)
 
 
-def transform_settings(cfg: JobConfig, dims: ParallelDims, device_type: str) -> dict[str, Setting]:
-    """parallelize()'s arguments from the config, each with its key; plus the layout and model
-    the transforms refer to as tp_mesh, plan, cp_mesh and model."""
-    p, f8, ac, t = cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.training
-    distributed = dims.world_size > 1
-    return {
-        "tp_mesh": Setting(p.tp, "parallelism.tp"),
-        "plan": Setting(p.tp, "parallelism.tp"),
-        "cp_mesh": Setting(p.cp, "parallelism.cp"),
-        "ep_mesh": Setting(p.ep, "parallelism.ep"),
-        "model": Setting(cfg.model.flavor, "model.flavor"),
-        "float8_recipe": Setting(f8.recipe if f8.enable else None, "float8.recipe"),
-        "float8_filter_fqns": Setting(tuple(f8.filter_fqns), "float8.filter_fqns"),
-        "float8_min_dim": Setting(f8.min_dim, "float8.min_dim"),
-        "float8_fsdp_all_gather": Setting(f8.enable_fsdp_float8_all_gather, "float8.enable_fsdp_float8_all_gather"),
-        "float8_tp_all_gather": Setting(
-            f8.enable and distributed
-            and float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe),
-            "float8.enable"),
-        **lora_settings(cfg),
-        "loss_parallel": Setting(p.loss_parallel, "parallelism.loss_parallel"),
-        "ac_mode": Setting(ac.mode, "activation_checkpoint.mode"),
-        "ac_selective_option": Setting(ac.selective_option, "activation_checkpoint.selective_option"),
-        "compile": Setting(cfg.compile.enable, "compile.enable"),
-        "param_dtype": Setting(DTYPES[t.mixed_precision_param], "training.mixed_precision_param"),
-        "reduce_dtype": Setting(DTYPES[t.mixed_precision_reduce], "training.mixed_precision_reduce"),
-        "reshard_after_forward": Setting(p.fsdp_reshard_after_forward, "parallelism.fsdp_reshard_after_forward"),
-        "cpu_offload": Setting(p.fsdp_cpu_offload, "parallelism.fsdp_cpu_offload"),
-        "pipeline_schedule": Setting(p.pp_schedule if dims.pp_enabled else None, "parallelism.pp_schedule"),
-    }
-
-
-def lora_settings(cfg: JobConfig) -> dict[str, Setting]:
-    """parallelize()'s lora_* arguments ([lora]); lora_rank None when LoRA is off."""
-    lora = cfg.lora
-    return {
-        "lora_rank": Setting(lora.rank if lora.enable else None, "lora.rank"),
-        "lora_alpha": Setting(lora.alpha, "lora.alpha"),
-        "lora_dropout": Setting(lora.dropout, "lora.dropout"),
-        "lora_target_modules": Setting(list(lora.target_modules) or None, "lora.target_modules"),
-        "lora_use_rslora": Setting(lora.use_rslora, "lora.use_rslora"),
-        "lora_quantize_base": Setting((lora.quantize_base or None) if lora.enable else None, "lora.quantize_base"),
+def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:
+    """parallelize()'s options, each transform's from its config section."""
+    p, f8, ac, t, lora = cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.training, cfg.lora
+    all_gather = (f8.enable and dims.world_size > 1 and
+                  float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe))
+    return ParallelizeOptions(
         # The frozen base in the compute dtype: nothing updates it, so fp32 master weights buy nothing.
-        "lora_base_dtype": Setting(DTYPES[cfg.training.mixed_precision_param] if lora.enable else None,
-                                   "training.mixed_precision_param"),
-    }
+        lora=LoRAOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                         target_modules=list(lora.target_modules) or None, use_rslora=lora.use_rslora,
+                         quantize_base=lora.quantize_base or None, base_dtype=DTYPES[t.mixed_precision_param])
+        if lora.enable else None,
+        float8=Float8Options(recipe=f8.recipe, filter_fqns=tuple(f8.filter_fqns), min_dim=f8.min_dim,
+                             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather) if f8.enable else None,
+        tp=TPOptions(loss_parallel=p.loss_parallel, float8_all_gather=bool(all_gather)),
+        ac=ACOptions(mode=ac.mode, selective_option=ac.selective_option),
+        compile=CompileOptions() if cfg.compile.enable else None,
+        fsdp=FSDPOptions(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
+                         reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=p.fsdp_cpu_offload),
+        pipeline=PipelineOptions(p.pp_schedule) if dims.pp_enabled else None,
+    )
 
 
 def check_lora(plan: RunPlan) -> None:
-    """LoRA's arguments against the model (targets, NF4 shapes and shards) and the layout, on a
-    meta-device model: every refusal before anything is built, one line naming the key."""
-    lora, dims = plan.cfg.lora, plan.dims
-    if not lora.enable:
+    """LoRA against the model (targets, NF4 shapes and FSDP shards), on a meta-device model: every
+    refusal before anything is built, one line naming the key."""
+    lora, dims = plan.options.lora, plan.dims
+    if lora is None:
         if plan.cfg.export.peft_folder:
             raise ConfigError("export.peft_folder: writes LoRA adapters; set lora.enable")
         return
     peft = Path(plan.cfg.job.dump_folder) / plan.cfg.export.peft_folder
     if plan.cfg.export.peft_folder and peft.exists():
         raise ConfigError(f"export.peft_folder: {peft} exists; refusing to overwrite it")
-    if plan.cfg.float8.enable:
-        raise ConfigError("float8.enable: LoRA (lora.enable) and float8 together are not supported; turn one off")
     if plan.cfg.checkpoint.create_seed_checkpoint:
         raise ConfigError("checkpoint.create_seed_checkpoint: a LoRA run's adapters start from PEFT's initialisation "
                           "and its base is read from checkpoint.initial_load_path; seed the base in a run without "
                           "lora.enable and give its step-0 as checkpoint.initial_load_path")
-    if lora.quantize_base and dims.tp > 1:
-        raise ConfigError(f"parallelism.tp = {dims.tp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
-                          "support tensor parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
-    if lora.quantize_base and dims.pp > 1:
-        raise ConfigError(f"parallelism.pp = {dims.pp}: QLoRA (lora.quantize_base = {lora.quantize_base}) does not "
-                          "support pipeline parallelism; use dp_shard / dp_replicate / cp, or LoRA without quantize_base")
-    from weft.parallelisms.lora import apply_lora, check_nf4_shape, lora_modules
-
     with torch.device("meta"):
         model = spec_for_args(plan.model_args).build(plan.model_args)
-    kwargs = plan.parallelize_kwargs()
     try:
-        apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                   target_modules=kwargs["lora_target_modules"], use_rslora=lora.use_rslora,
-                   quantize_base=kwargs["lora_quantize_base"])
+        apply_lora(model, **vars(lora))
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
         for name, module in lora_modules(model) if lora.quantize_base else []:
             check_nf4_shape(name, module.weight.shape, shards)

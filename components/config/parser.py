@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from weft.components.config.schema import MAX_MICRO_BATCH_TOKENS, JobConfig
-from weft.components.errors import UserError
+from weft.errors import UserError
+from weft.components.shipped import TRAIN_CONFIGS, shipped_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,7 +25,9 @@ else:
     import tomli as tomllib
 
 # Bare config names given to --job.config_file are looked up here.
-TRAIN_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "train_configs"
+TRAIN_CONFIGS_DIR = TRAIN_CONFIGS
+# Paths that may name a shipped asset (`assets/...`): found in weft's package when not in the current folder.
+_ASSET_PATHS = ("model.tokenizer_path", "data.dataset_path", "validation.dataset_path")
 
 
 class ConfigError(UserError):
@@ -251,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     for name, value in overrides:
         _set(cfg, name, value)
         origins[name] = _CLI
+    for name in _ASSET_PATHS:
+        section, key = name.split(".")
+        _set(cfg, name, shipped_path(getattr(getattr(cfg, section), key)))
     _validate(cfg, origins)
     _validate_combinations(cfg, origins)
     return cfg

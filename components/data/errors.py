@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 
 
 class DataError(UserError):

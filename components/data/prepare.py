@@ -14,7 +14,6 @@ line `weft: error: ...` and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import array
 import json
 import multiprocessing
@@ -32,8 +31,9 @@ from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE
                                          shard_dtype, shard_name, tokenizer_identity)
 from weft.components.data.tokenizers import load_tokenizer
 from weft.components.data.windows import TextWindows
-from weft.components.errors import UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.fingerprint import data_fingerprint
+from weft.components.shipped import shipped_path
 
 SHARD_BYTES = 256 * 2**20  # of a .jsonl source per shard, so one large file is tokenized by many workers
 _windows: TextWindows | None = None  # each worker's tokenizer, loaded once
@@ -149,8 +149,9 @@ def _manifest(source, files, tokenizer_path, tokenizer, dtype, text_field, count
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weft.components.data.prepare", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m weft.components.data.prepare") -> int:
+    """`weft prepare`; a shipped asset (`assets/...`) is found in the package as training finds it."""
+    parser = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--source", required=True, help="a .txt/.jsonl file, or a folder of them")
     parser.add_argument("--tokenizer", required=True, help="a SentencePiece model file or a Hugging Face folder")
     parser.add_argument("--out", required=True, help="the shard folder to create (must not exist)")
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl records")
     args = parser.parse_args(argv)
     try:
-        manifest = prepare(args.source, args.tokenizer, Path(args.out), workers=args.workers,
-                           text_field=args.text_field, shard_bytes=args.shard_bytes)
+        manifest = prepare(shipped_path(args.source), shipped_path(args.tokenizer), Path(args.out),
+                           workers=args.workers, text_field=args.text_field, shard_bytes=args.shard_bytes)
     except UserError as err:
         return report_user_error(err)
     print(f"weft: {manifest['total_tokens']:,} tokens of {manifest['total_documents']:,} documents in "

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 
-from weft.components.errors import EXIT_USER_ERROR, PREFIX, UserError, report_user_error
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf.export import export_to_hf, run_hf_files
 from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES
@@ -15,18 +14,10 @@ from weft.components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read
 from weft.models import flavors
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake in one line, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USER_ERROR, f"{PREFIX}{message}\n")
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m weft.components.hf") -> int:
     """Parse the command line, export, and return the exit status (2 for a user's mistake)."""
-    parser = _OneLineParser(prog="python -m weft.components.hf",
-                            description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    parser = OneLineParser(prog=prog, description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")
     export.add_argument("--checkpoint", required=True, help="DCP step folder, e.g. outputs/checkpoint/step-1000")
     export.add_argument("--flavor", choices=list(flavors()),

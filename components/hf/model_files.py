@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weft.components.errors import one_line
+from weft.errors import one_line
 from weft.components.data import load_tokenizer
 from weft.models import spec_for_args
 

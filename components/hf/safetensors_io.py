@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from weft.components.checkpoint import CheckpointError
-from weft.components.errors import one_line
+from weft.errors import one_line
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -31,12 +31,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.components.hf.model_files import finish_hf_folder
 from weft.components.hf.safetensors_io import new_folder, plan_shards, write_shards
 from weft.components.model_state import full_tensors, model_parts, whole_model
 from weft.models import spec_for_args
 from weft.models.spec import HFMapping
+from weft.parallelisms.lora import lora_modules
 
 logger = logging.getLogger("weft")
 
@@ -64,8 +65,6 @@ class Adapters:
 def model_adapters(model: nn.Module) -> Adapters | None:
     """The adapters of a model, None without any. Under a pipeline each rank holds some stages'
     adapters: the pipeline ranks exchange theirs, so every rank returns the whole model's."""
-    from weft.parallelisms.lora import lora_modules
-
     held = [(name, m.rank, m.alpha, _dropout(m), m.use_rslora, m.scaling)
             for part in model_parts(model) for name, m in lora_modules(part)]
     pp_group = getattr(model, "pp_group", None)

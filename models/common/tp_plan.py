@@ -50,7 +50,7 @@ def decoder_tp_plan(
     reduce-scattered after them. The embedding is split by vocabulary, and so is the output.
 
     float8_linears: names of the model's `Float8Linear` layers, which get `float8_styles` (torchao's
-    styles that all-gather activations in float8, `weft.float8.float8_tp_styles()`, tensorwise); an attention or
+    styles that all-gather activations in float8, `weft.float8_tp_styles()`, tensorwise); an attention or
     feed-forward input is gathered in float8 only when every linear reading it is one. Those
     styles refuse any other module, so the layers kept in high precision (min_dim, filter_fqns)
     get the plain styles. blocks: the block paths to write entries for (the default pattern

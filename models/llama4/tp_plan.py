@@ -1,6 +1,6 @@
 """How tensor parallelism splits weft's Llama 4: the decoder plan for attention and the dense
 feed-forwards (the attention's third input, the NoPE temperature, passes through whole), and
-the MoE layer's own entries for each MoE feed-forward (parallelisms/moe_tp.py: the router
+the MoE layer's own entries for each MoE feed-forward (models/moe_tp.py: the router
 replicated, the routed and shared experts split by their hidden dimension, which says why).
 The model file knows nothing of it."""
 
@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.models.common.tp_plan import decoder_tp_plan
+from weft.models.moe_tp import moe_tp_plan
 
 Plan = dict[str, ParallelStyle]
 
@@ -19,8 +20,6 @@ Plan = dict[str, ParallelStyle]
 def tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_linears: Collection[str] = (),
             float8_styles: dict[str, type[ParallelStyle]] | None = None) -> Plan:
     """An entry per block: the decoder's for a dense block, its attention and the MoE's for an MoE block."""
-    from weft.parallelisms.moe_tp import moe_tp_plan  # here: parallelisms itself reads the model registry
-
     plan = decoder_tp_plan(loss_parallel=loss_parallel, float8_linears=float8_linears, float8_styles=float8_styles,
                            blocks=[f"layers.{name}" for name in model.layers], attention_inputs=3)
     for name, block in model.layers.items():

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from weft.components.adapters import load_peft_adapter
-from weft.components.errors import UserError
+from weft.errors import UserError
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.models.llama.hf_mapping import hf_config
 from weft.models.llama import ModelArgs, Transformer
-from weft.parallelisms.lora import lora_modules
+from weft.parallelisms.lora import LoRAOptions, lora_modules
 from weft.parallelisms.materialize import materialize
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
 
@@ -26,7 +26,7 @@ def trained():
     """weft's Llama with adapters on every block linear, B and A set away from their init."""
     with torch.device("meta"):
         model = Transformer(ARGS)
-    model = materialize(parallelize(model, None, lora_rank=4, lora_alpha=8.0), "cpu", seed=0)
+    model = materialize(parallelize(model, None, ParallelizeOptions(lora=LoRAOptions(rank=4, alpha=8.0))), "cpu", seed=0)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, module in lora_modules(model):

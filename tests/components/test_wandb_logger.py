@@ -75,7 +75,7 @@ def test_enable_wandb_without_the_package_exits_2_writing_nothing(tmp_path, caps
 
 def test_a_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    from weft.components.errors import UserError
+    from weft.errors import UserError
     from weft.components.wandb_logger import WandbLogger
 
     def refuse(**kwargs):

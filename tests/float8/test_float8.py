@@ -36,6 +36,7 @@ from torchao.float8.float8_tensor_parallel import (  # noqa: E402
 
 from weft.components.data import Tokenizer, build_loader, find_text_files
 from weft.float8 import (
+    Float8Options,
     apply_float8,
     check_float8_compute,
     check_float8_support,
@@ -46,10 +47,10 @@ from weft.float8 import (
 )
 from weft.float8 import float8 as float8_module
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
-from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.parallelisms.tp import apply_tp, default_tp_plan
 from tests.support.dist_utils import run_distributed
 
@@ -264,9 +265,9 @@ def build(float8: str | None, meshes=None) -> Transformer:
     """The training model, built as train.py builds it: meta device, transforms, then weights;
     float8 matmuls emulated (see the module's docstring)."""
     model = meta_model(TRAIN_ARGS)
+    options = Float8Options(float8, filter_fqns=("output",), min_dim=16) if float8 else None
     with emulated_float8_matmuls():
-        parallelize(model, meshes, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
-                    loss_parallel=False, param_dtype=torch.float32)
+        parallelize(model, meshes, ParallelizeOptions(float8=options, fsdp=FSDPOptions(param_dtype=torch.float32)))
     assert all(m.config.emulate for m in model.modules() if isinstance(m, Float8Linear))
     materialize(model, "cpu", seed=0)
     return model

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchao", reason="float8 needs torchao")
 
-from weft.float8 import converted_modules  # noqa: E402
+from weft.float8 import Float8Options, converted_modules  # noqa: E402
 from weft.float8 import float8 as float8_module  # noqa: E402
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer  # noqa: E402
-from weft.parallelisms import parallelize  # noqa: E402
+from weft.parallelisms import ParallelizeOptions, parallelize  # noqa: E402
+from weft.parallelisms.fsdp import FSDPOptions  # noqa: E402
 from weft.parallelisms.materialize import materialize  # noqa: E402
 
 ARGS = LLAMA4_FLAVORS["debugmodel_moe"]
@@ -26,8 +27,8 @@ def build(float8: str | None, monkeypatch) -> Transformer:
     monkeypatch.setattr(float8_module, "_float8_config", lambda *a: replace(real(*a), emulate=True))
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize(model, None, float8_recipe=float8, float8_filter_fqns=["output"], float8_min_dim=16,
-                param_dtype=torch.float32)
+    options = Float8Options(float8, filter_fqns=("output",), min_dim=16) if float8 else None
+    parallelize(model, None, ParallelizeOptions(float8=options, fsdp=FSDPOptions(param_dtype=torch.float32)))
     materialize(model, "cpu", seed=0)
     return model
 

@@ -98,7 +98,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_graph_reader_sees_lazy_imports_and_cycles():
     """The reader itself: an import inside a function is an edge, and a two-module circle is found."""
     graph = import_graph()
-    assert "weft.parallelisms.common" in graph["weft.float8.float8"]
+    assert "weft.recipe.build" in graph["weft.recipe.dry_run"]  # imported inside stage_estimates
     assert "weft.models" in graph["weft.parallelisms.tp"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -155,7 +155,8 @@ def ep2_over_fsdp4() -> tuple[list[float], list[float], list[str]]:
     experts, and FSDP splits it over the 2 ranks holding the same one along its largest dim (one
     expert cannot split by dim 0). (losses, one process's losses, the experts' placements)."""
     from weft.parallelisms.parallel_dims import ParallelDims
-    from weft.parallelisms.parallelize import parallelize
+    from weft.parallelisms.fsdp import FSDPOptions
+    from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
     rank = dist.get_rank()
     models = []
@@ -164,7 +165,7 @@ def ep2_over_fsdp4() -> tuple[list[float], list[float], list[str]]:
             models.append(Transformer(TWO_EXPERTS))
         if split:
             meshes = ParallelDims.resolve(world_size=4, dp_shard=4, ep=2).build_mesh("cpu")
-            parallelize(models[-1], meshes, param_dtype=torch.float32)
+            parallelize(models[-1], meshes, ParallelizeOptions(fsdp=FSDPOptions(param_dtype=torch.float32)))
         materialize(models[-1], "cpu", seed=0)
     placements = sorted({str(p.placements) for _, p in expert_parameters(models[0])})
     losses = train(models[0], slice(rank, rank + 1), 4, fsdp=True)

@@ -10,18 +10,21 @@ import torch.nn.functional as F
 
 from weft.components.moe_balance import balance_experts, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
-from weft.parallelisms import parallelize
+from weft.parallelisms import ParallelizeOptions, parallelize
+from weft.parallelisms.ac import ACOptions
+from weft.parallelisms.compile import CompileOptions
+from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 
 ARGS = replace(LLAMA4_FLAVORS["debugmodel_moe"], attention_chunk_size=8)  # chunks inside the 16 tokens
 STEPS = 5
 
 VARIANTS = {
-    "full AC": dict(ac_mode="full"),
-    "selective op AC": dict(ac_mode="selective", ac_selective_option="op"),
-    "selective AC every 2nd block": dict(ac_mode="selective", ac_selective_option="2"),
-    "compile": pytest.param(dict(compile=True, compile_backend="aot_eager"), marks=pytest.mark.slow),
-    "compile + full AC": pytest.param(dict(compile=True, compile_backend="aot_eager", ac_mode="full"),
+    "full AC": dict(ac=ACOptions("full")),
+    "selective op AC": dict(ac=ACOptions("selective", "op")),
+    "selective AC every 2nd block": dict(ac=ACOptions("selective", "2")),
+    "compile": pytest.param(dict(compile=CompileOptions("aot_eager")), marks=pytest.mark.slow),
+    "compile + full AC": pytest.param(dict(compile=CompileOptions("aot_eager"), ac=ACOptions("full")),
                                       marks=pytest.mark.slow),
 }
 
@@ -30,7 +33,7 @@ def train(**transforms) -> tuple[list[float], list[list[float]]]:
     """Losses of STEPS steps, and the MoE layers' routing biases after them."""
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize(model, None, param_dtype=torch.float32, **transforms)
+    parallelize(model, None, ParallelizeOptions(fsdp=FSDPOptions(param_dtype=torch.float32), **transforms))
     materialize(model, "cpu", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)

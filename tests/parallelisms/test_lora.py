@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,19 +20,24 @@ from torch import nn
 from weft.components.hf.writer import save_peft_adapter
 from weft.components.distributed import set_determinism
 from weft.models.llama import ModelArgs, Transformer
+from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
+from weft.parallelisms.compile import CompileOptions
+from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.cp import shard_sequence
-from weft.parallelisms.lora import apply_lora, lora_modules, quantize_lora_base
+from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from tests.support.dist_utils import run_distributed
 
 STEPS, VOCAB, SEED = 10, 128, 0
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=64)
 # Every targeted weight holds whole NF4 scale groups (64 x nf4_scaler_block values), two per FSDP shard at least.
 NF4_ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, vocab_size=VOCAB, multiple_of=256, max_seq_len=64)
-LORA = dict(lora_rank=4, lora_alpha=8.0)
+LORA = LoRAOptions(rank=4, alpha=8.0)
+NF4 = replace(LORA, quantize_base="nf4")
+FP32 = FSDPOptions(param_dtype=torch.float32)
 
 
 def hf_llama():
@@ -102,8 +108,8 @@ def test_weft_llama_starts_as_its_base():
     A is the same seeded draw whoever builds it."""
     tokens = batch()
     base = materialize(build(), "cpu", seed=SEED)
-    lora = materialize(parallelize(build(), None, **LORA), "cpu", seed=SEED)
-    again = materialize(parallelize(build(), None, **LORA), "cpu", seed=SEED)
+    lora = materialize(parallelize(build(), None, ParallelizeOptions(lora=LORA)), "cpu", seed=SEED)
+    again = materialize(parallelize(build(), None, ParallelizeOptions(lora=LORA)), "cpu", seed=SEED)
     assert torch.equal(lora(tokens), base(tokens))
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert trainable == {f"layers.{i}.{m}.lora_{ab}.weight" for i in range(2) for ab in "AB"
@@ -154,9 +160,9 @@ def test_qlora_computes_with_torchaos_dequantized_base():
     from torchao.quantization import NF4Tensor
 
     tokens = batch()
-    qlora = parallelize(build(NF4_ARGS), None, **LORA, lora_quantize_base="nf4",
+    qlora = parallelize(build(NF4_ARGS), None, ParallelizeOptions(lora=NF4),
                         before_data_parallel=lambda m: materialize(m, "cpu", seed=SEED))
-    reference = materialize(parallelize(build(NF4_ARGS), None, **LORA), "cpu", seed=SEED)
+    reference = materialize(parallelize(build(NF4_ARGS), None, ParallelizeOptions(lora=LORA)), "cpu", seed=SEED)
     with torch.no_grad():
         for name, module in lora_modules(qlora):
             assert isinstance(module.weight, NF4Tensor)
@@ -213,12 +219,12 @@ def train_weft(model: nn.Module, meshes=None) -> list[float]:
 
 def build_lora(qlora: bool, meshes=None, ac_mode: str = "none", compile: bool = False) -> nn.Module:
     """meta -> parallelize (LoRA, and QLoRA's materialize + quantize before FSDP) -> materialize."""
+    options = ParallelizeOptions(lora=LORA, ac=ACOptions(ac_mode), fsdp=FP32,
+                                 compile=CompileOptions("aot_eager") if compile else None)
     if qlora:
-        return parallelize(build(NF4_ARGS), meshes, **LORA, lora_quantize_base="nf4", ac_mode=ac_mode,
-                           loss_parallel=False, param_dtype=torch.float32, compile=compile, compile_backend="aot_eager",
+        return parallelize(build(NF4_ARGS), meshes, replace(options, lora=NF4),
                            before_data_parallel=lambda m: materialize(m, "cpu", seed=SEED))
-    model = parallelize(build(), meshes, **LORA, ac_mode=ac_mode, loss_parallel=False, param_dtype=torch.float32,
-                        compile=compile, compile_backend="aot_eager")
+    model = parallelize(build(), meshes, options)
     return materialize(model, "cpu", seed=SEED)
 
 
@@ -293,8 +299,8 @@ def dropout_masks() -> dict[str, list[list[int]]]:
     """Worker (tp 2): the local dropout mask (1 = dropped) of a column-split and of a row-split
     linear's adapter input, in one forward with dropout 0.5."""
     dims = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2)
-    model = materialize(parallelize(build(), dims.build_mesh("cpu"), **LORA, lora_dropout=0.5, loss_parallel=False,
-                                    param_dtype=torch.float32), "cpu", seed=SEED)
+    model = materialize(parallelize(build(), dims.build_mesh("cpu"), ParallelizeOptions(
+        lora=replace(LORA, dropout=0.5), fsdp=FP32)), "cpu", seed=SEED)
     masks = {}
 
     def keep(name):

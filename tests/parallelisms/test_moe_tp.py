@@ -1,4 +1,4 @@
-"""Tensor parallelism on the MoE layer (parallelisms/moe_tp.py): over 2 gloo ranks, an MoE split
+"""Tensor parallelism on the MoE layer (models/moe_tp.py): over 2 gloo ranks, an MoE split
 by its experts' hidden dimension computes what the whole layer computes in one process, forward
 and backward (output, input gradient, every weight's gradient), and refuses what it cannot split."""
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from weft.models.moe import MoE
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.moe_tp import moe_tp_plan
+from weft.models.moe_tp import moe_tp_plan
 from tests.support.dist_utils import run_distributed
 
 DIM, HIDDEN, EXPERTS, TOP_K, SEQ = 16, 32, 4, 2, 12

@@ -21,8 +21,10 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.cp import shard_sequence
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.parallelisms.compile import torch_has_tp_compile_bug
-from weft.parallelisms.parallelize import parallelize
+from weft.parallelisms.ac import ACOptions
+from weft.parallelisms.compile import CompileOptions, torch_has_tp_compile_bug
+from weft.parallelisms.fsdp import FSDPOptions
+from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from tests.support.dist_utils import run_distributed
 from tests.support.own_models import SEQ_LEN, VOCAB, NanoGPT, hf_llama
 
@@ -101,9 +103,9 @@ def train_layouts(names: list[str]) -> dict[str, list[float]]:
         dims = ParallelDims.resolve(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
         meshes = dims.build_mesh("cpu")
         compile = not (tp > 1 and torch_has_tp_compile_bug())
-        model = parallelize(build(kind), meshes, ac_mode="full", compile=compile, compile_backend=COMPILE_BACKEND,
-                            loss_parallel=False,
-                            param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model = parallelize(build(kind), meshes, ParallelizeOptions(
+            ac=ACOptions("full"), compile=CompileOptions(COMPILE_BACKEND) if compile else None,
+            fsdp=FSDPOptions(param_dtype=torch.float32, reduce_dtype=torch.float32)))
         materialize(model, "cpu", seed=SEED)
         losses[name] = train(model, kind, meshes)
         torch._dynamo.reset()  # the next layout's blocks compile afresh
@@ -182,7 +184,7 @@ def tp_compiled_backward() -> str:
     from weft.parallelisms.compile import apply_compile
 
     meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
-    model = parallelize(build("hf"), meshes, loss_parallel=False, param_dtype=torch.float32)
+    model = parallelize(build("hf"), meshes, ParallelizeOptions(fsdp=FSDPOptions(param_dtype=torch.float32)))
     apply_compile(model, backend=COMPILE_BACKEND)
     materialize(model, "cpu", seed=SEED)
     try:
@@ -206,4 +208,4 @@ def test_parallelize_refuses_tp_with_compile_where_torch_cannot():
         pytest.skip("this torch compiles tensor-parallel blocks")
     with pytest.raises(TransformError, match="^parallelize: compile with tensor parallelism and activation "
                                              "checkpointing fails in torch"):
-        parallelize(nn.Linear(2, 2), Meshes(), compile=True, ac_mode="full")
+        parallelize(nn.Linear(2, 2), Meshes(), ParallelizeOptions(compile=CompileOptions(), ac=ACOptions("full")))

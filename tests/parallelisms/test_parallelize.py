@@ -69,15 +69,17 @@ def _tp_compiled_losses() -> dict[bool, list[float]]:
 
     from weft.parallelisms.materialize import materialize
     from weft.parallelisms.parallel_dims import ParallelDims
-    from weft.parallelisms.parallelize import parallelize
+    from weft.parallelisms.compile import CompileOptions
+    from weft.parallelisms.fsdp import FSDPOptions
+    from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
     losses = {}
     for compile in (False, True):
         meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
-        parallelize(model, meshes, loss_parallel=False, compile=compile, compile_backend="aot_eager",
-                    param_dtype=torch.float32)
+        parallelize(model, meshes, ParallelizeOptions(compile=CompileOptions("aot_eager") if compile else None,
+                                                      fsdp=FSDPOptions(param_dtype=torch.float32)))
         materialize(model, "cpu", seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator, losses[compile] = torch.Generator().manual_seed(0), []

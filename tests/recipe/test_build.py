@@ -33,9 +33,8 @@ def whole_model_start(plan: RunPlan) -> torch.nn.Module:
     """The start before streaming: the whole model materialised and loaded, then quantized."""
     with torch.device("meta"):
         model = Transformer(plan.model_args)
-    kwargs = plan.parallelize_kwargs()
-    kwargs["before_data_parallel"] = lambda m: load_lora_base(plan, materialize(m, "cpu", seed=plan.cfg.training.seed))
-    return parallelize(model, None, **kwargs)
+    return parallelize(model, None, plan.options, before_data_parallel=lambda m: load_lora_base(
+        plan, materialize(m, "cpu", seed=plan.cfg.training.seed)))
 
 
 def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -100,7 +99,7 @@ def lora_meta(plan: RunPlan) -> Transformer:
     """The debug model with QLoRA's adapters, on the meta device (parallelize in one process)."""
     with torch.device("meta"):
         model = Transformer(plan.model_args)
-    return parallelize(model, None, **plan.parallelize_kwargs())
+    return parallelize(model, None, plan.options)
 
 
 def nbytes(p: torch.Tensor) -> int:

@@ -149,7 +149,7 @@ def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_
     try:
         dims = ParallelDims.resolve(dp_replicate=world_size // tp // fsdp, dp_shard=fsdp, tp=tp, world_size=world_size)
         plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
-        parallelize(model, dims.build_mesh("cpu"), **plan.parallelize_kwargs())
+        parallelize(model, dims.build_mesh("cpu"), plan.options)
     finally:
         dist.destroy_process_group()
     assert tp_fsdp_state_bytes(plain, tp, fsdp) == state_bytes(model)

@@ -8,8 +8,14 @@ import torch
 from weft.components.config import ConfigError, parse_args
 from weft.models.llama import LLAMA_FLAVORS
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.parallelize import parallelize
-from weft.recipe.plan import RunPlan
+from weft.parallelisms.ac import ACOptions
+from weft.parallelisms.compile import CompileOptions
+from weft.float8 import Float8Options
+from weft.parallelisms.fsdp import FSDPOptions
+from weft.parallelisms.lora import LoRAOptions
+from weft.parallelisms.pipeline import PipelineOptions
+from weft.parallelisms.tp import TPOptions
+from weft.recipe.plan import ARGUMENT_KEYS, TRANSFORM_KEYS, RunPlan, config_value
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:
@@ -28,12 +34,19 @@ def test_plan_resolves_the_layout_batch_and_precision():
     assert plan.precision.compute_dtype == torch.bfloat16  # FSDP's param dtype from the config
 
 
-def test_parallelize_kwargs_are_exactly_parallelize_keywords():
-    """Every keyword the plan passes is one parallelize accepts (a renamed argument fails here)."""
-    import inspect
+def test_every_option_of_parallelize_names_its_config_key():
+    """Every field of parallelize's options is an argument the plan maps to a config key that
+    exists (a renamed field or key fails here), so any refusal of an argument names its key."""
+    import dataclasses
 
-    accepted = set(inspect.signature(parallelize).parameters) - {"model", "meshes"}
-    assert set(plan_for(check_environment=False).parallelize_kwargs()) <= accepted
+    plan = plan_for(check_environment=False)
+    accepted = set(ARGUMENT_KEYS)
+    options = [LoRAOptions, Float8Options, TPOptions, ACOptions, CompileOptions, FSDPOptions, PipelineOptions]
+    assert {f.name for part in options for f in dataclasses.fields(part)} <= accepted
+    assert {f.name for f in dataclasses.fields(plan.options)} == {"lora", "float8", "tp", "ac", "compile", "fsdp",
+                                                                   "pipeline"}
+    for key in [*ARGUMENT_KEYS.values(), *TRANSFORM_KEYS.values()]:
+        config_value(plan.cfg, key)  # an AttributeError names a key the config does not have
 
 
 @pytest.mark.parametrize("argument, expected", [

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from weft.components.hf.writer import live_source, model_adapters, write_model
 from weft.models.llama import ModelArgs, Transformer
-from weft.parallelisms import parallelize
+from weft.parallelisms import ParallelizeOptions, parallelize
+from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.materialize import materialize
 
 ARGS = ModelArgs(dim=64, n_layers=16, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
@@ -21,7 +22,7 @@ ARGS = ModelArgs(dim=64, n_layers=16, n_heads=4, n_kv_heads=2, vocab_size=128, m
 def test_the_writer_holds_one_layer_and_one_file_not_the_model(tmp_path, merged):
     with torch.device("meta"):
         model = Transformer(ARGS)
-    model = materialize(parallelize(model, None, lora_rank=4, lora_alpha=8.0), "cpu", seed=0)
+    model = materialize(parallelize(model, None, ParallelizeOptions(lora=LoRAOptions(rank=4, alpha=8.0))), "cpu", seed=0)
     shapes, source = live_source(model)
     if not merged:  # the base alone
         shapes = {name: shape for name, shape in shapes.items() if ".lora_" not in name}

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from weft.parallelisms.common import TransformError
+from weft.errors import TransformError
 
 # Which dimension of each stacked expert weight is the hidden one.
 EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}

@@ -1,0 +1,44 @@
+"""The `weft` command: `weft <command> [options]` runs one of weft's entry points, from any folder.
+
+    weft train        train.py: --job.config_file NAME also finds a shipped config (debug_model, ...)
+    weft generate     generate.py: sample from a checkpoint or a Hugging Face folder
+    weft export       a checkpoint to a Hugging Face folder (python -m weft.components.hf export)
+    weft export-lora  a LoRA checkpoint to PEFT and/or merged folders (python -m weft.recipe.export)
+    weft prepare      a corpus to token shards (python -m weft.components.data.prepare)
+
+`weft <command> --help` lists its options. Under torchrun: `torchrun ... -m weft train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from weft.errors import OneLineParser
+
+COMMANDS = ("train", "generate", "export", "export-lora", "prepare")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `weft <command> ...`; its exit status (2 for a user's mistake)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    parser = OneLineParser(prog="weft", description=__doc__.split("\n\n")[0],
+                           epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=COMMANDS, metavar="command", help=", ".join(COMMANDS))
+    command = parser.parse_args(args[:1]).command
+    rest, prog = args[1:], f"weft {command}"
+    # Each command imports only its own module: `weft prepare` need not import torch's distributed stack.
+    if command == "train":
+        from weft.train import main as train
+        return train(rest)
+    if command == "generate":
+        from weft.generate import main as generate
+        return generate(rest, prog=prog)
+    if command == "export":
+        from weft.components.hf.cli import main as export
+        return export(["export", *rest], prog="weft")
+    if command == "export-lora":
+        from weft.recipe.export import main as export_lora
+        return export_lora(rest, prog=prog)
+    from weft.components.data.prepare import main as prepare
+    return prepare(rest, prog=prog)

@@ -1,0 +1,70 @@
+"""The packages import each other without a cycle: every `import weft...` of every .py file
+(function-local imports included) collapsed to its package (weft.components, weft.parallelisms,
+weft.models, weft.recipe; a top-level module such as weft.train or weft.errors is its own node)
+forms a graph with no cycle, so each package can be read, tested and changed above the ones it uses."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.models.test_spec import find_cycle
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root is the package weft
+SKIPPED = {"tests", "benchmarks"}  # scripts and tests import everything; nothing imports them
+
+
+def node_of_module(module: str, root: Path = ROOT) -> str | None:
+    """The graph node of a dotted module name: weft.<package> or weft.<top-level module>."""
+    parts = module.split(".")
+    if parts[0] != "weft" or len(parts) == 1:
+        return None
+    return f"weft.{parts[1]}" if (root / parts[1]).is_dir() or (root / f"{parts[1]}.py").is_file() else None
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module a file imports, at the top or inside a function, relative imports resolved."""
+    package = ["weft", *path.relative_to(root).parent.parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # `from weft import train`
+    return found
+
+
+def package_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """weft.<package or top-level module> -> the nodes its files import."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in SKIPPED or parts == ("__init__.py",) or any(p.startswith(".") for p in parts):
+            continue
+        source = f"weft.{Path(parts[0]).stem}"
+        targets = {node_of_module(module, root) for module in imported_modules(path, root)}
+        graph.setdefault(source, set()).update(t for t in targets if t is not None and t != source)
+    return graph
+
+
+def test_the_graph_sees_function_local_and_relative_imports(tmp_path):
+    for package in ("a", "b", "c"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "a" / "m.py").write_text("def f():\n    from weft.b.x import y\n")
+    (tmp_path / "b" / "x.py").write_text("from ..c import z\nimport torch\n")
+    (tmp_path / "c" / "z.py").write_text("import weft.a.m\n")
+    graph = package_graph(tmp_path)
+    assert graph == {"weft.a": {"weft.b"}, "weft.b": {"weft.c"}, "weft.c": {"weft.a"}}
+    assert find_cycle(graph) == ["weft.a", "weft.b", "weft.c", "weft.a"]
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    graph = package_graph()
+    assert {"weft.components", "weft.parallelisms", "weft.models", "weft.recipe", "weft.train"} <= set(graph)
+    assert "weft.parallelisms" in graph["weft.components"]  # the reader sees the edges there are
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle between packages: {' -> '.join(cycle)}"
