@@ -244,3 +244,39 @@ def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
     assert (spec.nf4_refusal_for(args) is not None) == any(p.dim() > 2 for p in model.parameters())
     blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     assert spec.block_numel(args) * args.n_layers == pytest.approx(blocks, rel=1e-3)
+
+
+# config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-30B-A3B as published (transformers 4.51's format:
+# rope_theta at the top level, num_experts).
+PUBLISHED_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+PUBLISHED_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize(("config", "flavor"), [(PUBLISHED_0_6B, "qwen3_0_6b"), (PUBLISHED_30B_A3B, "qwen3_30b_a3b")])
+def test_published_config_files_read_as_their_flavors(tmp_path, config, flavor):
+    """So that `model.flavor = from_hf_config` on the Hub folder builds the flavor, and the flavor
+    given with that folder passes the architecture check (config.json alone: no weights needed)."""
+    from weft.components.hf.load import model_args_for_run
+
+    assert model_args_from_hf_config(config) == QWEN3_FLAVORS[flavor]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_args_for_run("from_hf_config", str(tmp_path)) == QWEN3_FLAVORS[flavor]
+    assert model_args_for_run(flavor, str(tmp_path)) == QWEN3_FLAVORS[flavor]
