@@ -17,10 +17,7 @@ Nothing here knows about parallelism.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from weft.models.common.decoder import Decoder
+from weft.models.common.decoder import Decoder, PreNormBlock
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.norms import RMSNorm
@@ -28,9 +25,9 @@ from weft.models.moe import MoE
 from weft.models.qwen3.args import ModelArgs
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm residual block: h = x + attention(norm(x)); out = h + feed_forward(norm(h)), the
-    feed-forward an MoE or a dense SwiGLU."""
+    attention with its q/k norms, the feed-forward an MoE or a dense SwiGLU."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -44,30 +41,13 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, document_ids: torch.Tensor | None = None,
-                mask=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rotations, document_ids=document_ids, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
-
 
 class Transformer(Decoder):
-    """Token embedding → n_layers TransformerBlocks → RMSNorm → output projection to logits."""
+    """Token embedding → n_layers TransformerBlocks → RMSNorm → output projection to logits; the
+    decoder's forward (rotations and the document mask to every block)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, lambda layer: TransformerBlock(args, layer))
-
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """tokens: [batch, seq] → logits [batch, seq, vocab]; positions ([seq] or [batch, seq], default
-        0..seq-1) choose the rotary angles; document_ids ([batch, seq]) keep attention inside each
-        packed document, its mask built once here for every block."""
-        rotations = self.rope_rotations[: tokens.shape[1]] if positions is None else self.rope_rotations[positions]
-        mask = None
-        if document_ids is not None and len(self.layers):
-            core = self.attention_core()
-            mask = core.document_mask(document_ids) if hasattr(core, "document_mask") else None
-        return self.run_blocks(tokens, rotations, document_ids=document_ids, mask=mask)
 
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""

@@ -194,28 +194,10 @@ def test_unrepresentable_config_is_refused_in_one_line_naming_the_field(tmp_path
 def test_generate_decodes_a_folder_greedily_as_transformers_does(tmp_path, moe, capsys):
     """`generate.py --hf <folder> --temperature 0` builds weft's Qwen3 by its spec and prints the
     tokens transformers' generate(do_sample=False) gives: 40 tokens, routed where the folder is MoE."""
-    from weft.components.data import Tokenizer
-    from weft.generate import load_model, main, sample
-    from weft.models import spec_for_model
-    from tests.support import REPO
+    from tests.e2e.test_generate import assert_greedy_decoding_equals_transformers
 
-    tokenizer_path = REPO / "assets" / "tokenizer" / "shakespeare.model"
     reference = tiny_qwen3_hf_folder(tmp_path / "hf", moe=moe)
-    tokenizer = Tokenizer(tokenizer_path)
-    prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40,
-                                 eos_token_id=tokenizer.eos_id, pad_token_id=0)
-    theirs = out[0, len(prompt):].tolist()
-    assert len(theirs) == 40 and len(set(theirs)) >= 5  # no early EOS, not one repeated token
-
-    model = load_model(model_args_from_hf_folder(tmp_path / "hf"), hf=str(tmp_path / "hf"), checkpoint=None,
-                       device=torch.device("cpu"), dtype=torch.float32)
-    assert spec_for_model(model).name == "Qwen3"
-    assert sample(model, prompt, 40, eos_id=tokenizer.eos_id) == theirs
-    assert main(["--hf", str(tmp_path / "hf"), "--tokenizer", str(tokenizer_path), "--prompt", "ROMEO:",
-                 "--max-new-tokens", "40", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == tokenizer.decode(prompt + theirs) + "\n"
+    assert_greedy_decoding_equals_transformers(reference, tmp_path / "hf", "Qwen3", 40, 4, capsys)
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel_qwen3", "debugmodel_qwen3_moe"])

@@ -30,7 +30,7 @@ def config_args(dump_folder: str, flavor: str, overrides: list[str]) -> list[str
 def train_layouts(root: str) -> dict[str, list[float] | str]:
     """Worker: each layout in turn; its losses, or the one-line error that refused it."""
     from weft import train
-    from weft.components.errors import UserError
+    from weft.errors import UserError
 
     results: dict[str, list[float] | str] = {}
     for name, (flavor, overrides) in LAYOUTS.items():
