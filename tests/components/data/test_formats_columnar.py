@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from weft import train
-from weft.components.data import DataError, Tokenizer, build_loader, check_text_files, find_text_files
+from weft.components.data import DataError, build_loader, check_text_files, find_text_files
 from weft.components.data import sources
 from weft.components.data.formats import check_chat_columns, check_prompt_completion_columns
 from tests.support import ASSETS
@@ -68,11 +68,6 @@ def corpus(root: Path, fmt: str, count: int = 24) -> Path:
     for i, part in enumerate((docs[: count // 2], docs[count // 2 :])):
         write(root / f"part{i}", [{"id": j, "text": doc} for j, doc in enumerate(part)], fmt)
     return root
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(ASSETS / "tokenizer" / "shakespeare.model")
 
 
 def loader_batches(path: Path, tokenizer: Any, n: int, fmt: str = "text", state: dict | None = None,
