@@ -221,7 +221,10 @@ def _file_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None
 
 def _compressed_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
     """The lines of a .jsonl.gz/.jsonl.zst file from `start` on, as `.jsonl` lines are read;
-    reaching `start.byte_offset` decompresses everything before it."""
+    reaching `start.byte_offset` decompresses everything before it. The file is first
+    decompressed whole (sources.check_whole), so that a damaged one is refused before any of its
+    lines is read, not after the lines its damage spoiled."""
+    sources.check_whole(path)
     offset, line_number = start.byte_offset, start.line_number
     try:
         with sources.open_decompressed(path, offset) as f:

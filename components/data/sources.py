@@ -8,7 +8,8 @@ an offset decompresses (and discards) everything before it. A stream that is cut
 raises when the read reaches the damage, never ends early: gzip checks its end marker and CRC;
 a zstd file must end where a frame ends (`_ZstdFrames`), and a frame's content checksum (which
 the zstd command line writes by default) is verified, so a changed byte is caught where the
-file has one.
+file has one. Those checks come at the end of a stream, so a compressed JSONL file is read
+whole once (`check_whole`) before its first line is handed out.
 
 `.parquet` and `.arrow` (Arrow IPC, file or stream format) files hold one document or record per
 row, read with pyarrow in batches of at most ROWS_PER_BATCH rows, only the columns a record
@@ -95,6 +96,7 @@ class _ZstdFrames(io.RawIOBase):
 
     def __init__(self, raw: IO[bytes], zstandard: Any) -> None:
         self._raw, self._new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self._read_size = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE  # compressed bytes read at a time
         self._frame, self._fed = self._new_frame(), False  # the frame being read; whether any of it was read
         self._out, self._at = b"", 0  # decompressed, not yet returned: self._out[self._at:]
 
@@ -115,7 +117,7 @@ class _ZstdFrames(io.RawIOBase):
         data = b""
         if self._frame.eof:  # what followed the frame's end starts the next frame
             data, self._frame, self._fed = self._frame.unused_data, self._new_frame(), False
-        data = data or self._raw.read(READ_BYTES)
+        data = data or self._raw.read(self._read_size)
         if not data:
             if self._fed:
                 raise EOFError("the file ends inside a zstd frame: it was cut short")
@@ -146,6 +148,19 @@ def _skip(stream: IO[bytes], size: int) -> None:
         if not chunk:
             return
         size -= len(chunk)
+
+
+def check_whole(path: Path) -> None:
+    """Decompress the whole file, keeping nothing: a DataError naming it if it is cut short or
+    corrupt. gzip's CRC and a zstd frame's checksum are checked only at the stream's end, after
+    the bytes they cover were read, so a file streamed line by line would hand out the bytes
+    a changed byte spoiled before the check failed."""
+    try:
+        with open_decompressed(path) as f:
+            while f.read(READ_BYTES):
+                pass
+    except decompress_errors() as err:
+        raise DataError(f"{path}: cannot decompress ({err})") from None
 
 
 def read_decompressed(path: Path, size: int = -1) -> bytes:
