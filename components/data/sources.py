@@ -98,7 +98,7 @@ class _ZstdFrames(io.RawIOBase):
         self._raw, self._new_frame = raw, zstandard.ZstdDecompressor().decompressobj
         self._read_size = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE  # compressed bytes read at a time
         self._frame, self._fed = self._new_frame(), False  # the frame being read; whether any of it was read
-        self._out, self._at = b"", 0  # decompressed, not yet returned: self._out[self._at:]
+        self._out, self._at = memoryview(b""), 0  # decompressed, not yet returned: self._out[self._at:]
 
     def readable(self) -> bool:
         return True
@@ -122,7 +122,7 @@ class _ZstdFrames(io.RawIOBase):
             if self._fed:
                 raise EOFError("the file ends inside a zstd frame: it was cut short")
             return False
-        self._out, self._at, self._fed = self._frame.decompress(data), 0, True
+        self._out, self._at, self._fed = memoryview(self._frame.decompress(data)), 0, True
         return True
 
 
@@ -151,16 +151,18 @@ def _skip(stream: IO[bytes], size: int) -> None:
 
 
 def check_whole(path: Path) -> None:
-    """Decompress the whole file, keeping nothing: a DataError naming it if it is cut short or
-    corrupt. gzip's CRC and a zstd frame's checksum are checked only at the stream's end, after
-    the bytes they cover were read, so a file streamed line by line would hand out the bytes
-    a changed byte spoiled before the check failed."""
+    """Decompress the whole file, keeping nothing: a DataError naming it, and the line being read
+    when decompression failed, if it is cut short or corrupt. gzip's CRC and a zstd frame's
+    checksum are checked only at the stream's end, after the bytes they cover were read, so a
+    file streamed line by line would hand out the lines a changed byte spoiled before the check
+    failed."""
+    read = 0  # lines read whole
     try:
         with open_decompressed(path) as f:
-            while f.read(READ_BYTES):
+            for read, _ in enumerate(f, start=1):
                 pass
     except decompress_errors() as err:
-        raise DataError(f"{path}: cannot decompress ({err})") from None
+        raise DataError(f"{path}:{read + 1}: cannot decompress ({err})") from None
 
 
 def read_decompressed(path: Path, size: int = -1) -> bytes:
