@@ -23,6 +23,7 @@ import torch
 from weft import train
 from weft.components.data import SCAN_BYTES, DataError, Tokenizer, build_loader, check_text_files, find_text_files
 from weft.components.data.mixture import Mixture
+from weft.components.data.prepare import main as prepare
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
 from tests.support.train_runs import run
@@ -153,6 +154,19 @@ def test_a_big_compressed_text_is_read_whole(tmp_path, tokenizer):
     for kind in ("txt.gz", "txt.zst"):
         got = next(iter(loader(tmp_path / kind, tokenizer, seq_len=2**16)))
         assert torch.equal(got.inputs, reference.inputs), kind
+
+
+def test_prepare_writes_the_shards_of_the_plain_text(tmp_path):
+    """`python -m weft.components.data.prepare` reads a compressed folder as the text loader does."""
+    def shards(kind: str) -> list[bytes]:
+        out = tmp_path / f"shards-{kind}"
+        assert prepare(["--source", str(text_folder(tmp_path / kind, FOLDERS.get(kind, PLAIN))), "--tokenizer",
+                        str(ASSETS / "tokenizer" / "shakespeare.model"), "--out", str(out)]) == 0
+        return [path.read_bytes() for path in sorted(out.glob("shard_*"))]
+
+    reference = shards("txt")
+    assert len(reference) == 12  # ids and boundaries of each of the 6 files
+    assert shards("mixed") == reference
 
 
 def test_a_record_format_refuses_compressed_text(tmp_path, tokenizer):
