@@ -291,6 +291,22 @@ def test_a_cut_compressed_text_stops_the_run(tmp_path, capsys, kind):
 
 
 @pytest.mark.slow
+def test_a_cut_file_the_run_reaches_stops_it_with_exit_2(tmp_path, capsys):
+    """A folder of a whole .txt and a .jsonl.zst too big for the start-up check to read whole, cut
+    short: the run trains on the .txt, then stops in one line naming the cut file where the
+    loader reaches it (exit 2), instead of training on what the cut file held."""
+    write(tmp_path / "data" / "a.txt", big_text(4000))  # about ten steps' tokens
+    cut = damage(write(tmp_path / "data" / "b.jsonl.zst", content("jsonl.zst", big_text(4 * SCAN_BYTES))), "cut",
+                 where=0.8)
+    outcome = run_in_process(train.main, train_args(tmp_path / "run", tmp_path / "data", steps=40), capsys)
+    errors = [line for line in outcome.stderr.splitlines() if line.startswith("weft: error: ")]
+    assert outcome.code == 2 and len(errors) == 1, outcome.stderr
+    assert errors[0].startswith(f"weft: error: {cut}:") and errors[0].endswith(
+        ": cannot decompress (the file ends inside a zstd frame: it was cut short)")
+    assert "step      1" in outcome.stdout and "done:" not in outcome.stdout  # it trained, then stopped
+
+
+@pytest.mark.slow
 def test_training_on_a_folder_of_compressed_text_gives_the_plain_losses(tmp_path):
     plain = run(train_args(tmp_path / "run-txt", text_folder(tmp_path / "txt", PLAIN)))
     mixed = run(train_args(tmp_path / "run-mixed", text_folder(tmp_path / "mixed", FOLDERS["mixed"])))
