@@ -22,7 +22,7 @@ import torch
 
 from weft import train
 from weft.components.data import SCAN_BYTES, DataError, Tokenizer, build_loader, check_text_files, find_text_files
-from weft.components.data.mixture import Mixture
+from weft.components.data.mixture import Mixture, source_names
 from weft.components.data.prepare import main as prepare
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
@@ -142,6 +142,11 @@ def test_a_mixture_of_compressed_sources_draws_the_plain_windows(tmp_path, token
     reference = [(b.inputs, b.labels) for b in islice(iter(mixture(["txt", "txt"])), 30)]
     got = [(b.inputs, b.labels) for b in islice(iter(mixture(["txt.gz", "txt.zst"])), 30)]
     assert_same(got, reference)
+
+
+def test_a_compressed_source_is_named_without_its_suffixes():
+    """A mixture source's name (in metrics and checkpoints) drops `.txt.gz` whole, as it drops `.txt`."""
+    assert source_names(["corpus/books.txt.gz", "corpus/web.txt.zst", "corpus/code.txt"]) == ["books", "web", "code"]
 
 
 def test_a_big_compressed_text_is_read_whole(tmp_path, tokenizer):
