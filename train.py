@@ -39,8 +39,10 @@ from weft.recipe.step import evaluate, train_step
 logger = logging.getLogger("weft")
 
 
-def train(cfg: JobConfig) -> list[float]:
-    """Run the training described by cfg; return the loss of every logged step."""
+def train(cfg: JobConfig, *, build_training=build_training, train_step=train_step,
+          make_preemption=Preemption) -> list[float]:
+    """Run the training described by cfg; return the loss of every logged step. The keywords are
+    the parts a test or benchmark may replace (slow data, a slowed step, a SIGTERM at step N)."""
     if cfg.job.dry_run:  # plan in one process on the meta device, print layout and memory, write nothing
         dry_run(cfg)
         return []
@@ -67,7 +69,7 @@ def train(cfg: JobConfig) -> list[float]:
     # 4. The loop: step, log, validate, checkpoint; SIGTERM saves and stops on every rank. The log
     #    gathers every rank's step time and data wait (the time in next_batches) to name a slow rank.
     metrics = build_metrics(plan, model, run.device, rank, start_step)
-    preemption = Preemption()
+    preemption = make_preemption()
     nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
     # [profiling]: a trace of one window in every profiling.freq steps, CUDA memory snapshots; off: inert
     profiler = StepProfiler(cfg.profiling, Path(cfg.job.dump_folder), run.device.type, rank, metrics, start_step)
@@ -151,9 +153,10 @@ def report_long_samples(loader) -> None:
                     f"{dropped} dropped so far")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, **parts) -> int:
+    """train.py's command: exit 0, or 2 with one line for a mistake the user can fix. `parts`: train()'s keywords."""
     try:
-        train(parse_args(argv))
+        train(parse_args(argv), **parts)
     except UserError as e:  # any mistake the user can fix: one line, exit 2
         return report_user_error(e)
     except RuntimeError as e:  # a collective that timed out or lost a rank: one line naming the step

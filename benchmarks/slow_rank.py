@@ -17,6 +17,7 @@ import sys
 import time
 
 from weft import train
+from weft.recipe.build import build_training
 
 
 class SlowLoader:
@@ -48,9 +49,8 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
-    if int(os.environ.get("RANK", "0")) == args.rank:
-        train.build_training = slow_data(train.build_training, args.delay)
-    return train.main(argv[split + 1:])
+    build = slow_data(build_training, args.delay) if int(os.environ.get("RANK", "0")) == args.rank else build_training
+    return train.main(argv[split + 1:], build_training=build)
 
 
 if __name__ == "__main__":

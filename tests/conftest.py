@@ -4,11 +4,18 @@ import tempfile
 
 import pytest
 
-from tests.support import slow_scaled_mm
+from tests.support import ASSETS, slow_scaled_mm
+from weft.components.data import Tokenizer
 
 # The "weft" logger as Python creates it, before any test runs train.py in-process.
 _WEFT = logging.getLogger("weft")
 _PRISTINE = (list(_WEFT.handlers), _WEFT.level, _WEFT.propagate)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The shipped Shakespeare SentencePiece tokenizer (vocabulary 2,048), loaded once."""
+    return Tokenizer(ASSETS / "tokenizer" / "shakespeare.model")
 
 
 @pytest.fixture(autouse=True)

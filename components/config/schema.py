@@ -162,9 +162,9 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    dataset_path: str = opt("assets/data/shakespeare", "A .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow "
-                            "file, or a folder of them, or a folder of token shards (its manifest.json; "
-                            "python -m weft.components.data.prepare)", check=_NOT_EMPTY)
+    dataset_path: str = opt("assets/data/shakespeare", "A .txt or .jsonl file (either may be compressed: .gz, "
+                            ".zst), a .parquet or .arrow file, or a folder of them, or a folder of token shards "
+                            "(its manifest.json; python -m weft.components.data.prepare)", check=_NOT_EMPTY)
     text_field: str = opt("text", "Field of each JSONL record, or column of each Parquet/Arrow row, that holds the "
                           "text", check=_NOT_EMPTY)
     format: str = opt(

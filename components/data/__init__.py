@@ -4,7 +4,7 @@
                    templates) and `load_tokenizer`, which picks one by its path
     files.py       finding the data files, checking their start before a run, reading
                    them as documents (`documents`, `DocStart`, `RawDoc`)
-    sources.py     what files.py reads besides .txt/.jsonl: .jsonl.gz/.jsonl.zst streams,
+    sources.py     what files.py reads besides .txt/.jsonl: .gz/.zst streams of either,
                    Parquet and Arrow rows in batches (pyarrow, zstandard: weft[data])
     formats.py     chat and prompt/completion records and the `Sample`s they become
     cursor.py      the cooperative cursor: document lengths counted by the ranks together

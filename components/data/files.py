@@ -1,11 +1,12 @@
 """The dataset's files: finding them, checking their start before a run, and reading them as
 documents.
 
-A document is a whole `.txt` file, one non-blank line of a `.jsonl` file (or of a `.jsonl.gz` or
-`.jsonl.zst` one, read through a decompressing stream), or one row of a `.parquet` or `.arrow`
-file (components/data/sources.py). `documents(files, start)` walks them in file order from any
-`DocStart`, epoch after epoch, reading JSONL lines but parsing none: each is parsed by the one
-rank that tokenizes it (components/data/cursor.py). A row is read as {column: value}.
+A document is a whole `.txt` file (or `.txt.gz`, `.txt.zst`: the same document, decompressed),
+one non-blank line of a `.jsonl` file (or of a `.jsonl.gz` or `.jsonl.zst` one, read through a
+decompressing stream), or one row of a `.parquet` or `.arrow` file (components/data/sources.py).
+`documents(files, start)` walks them in file order from any `DocStart`, epoch after epoch,
+reading JSONL lines but parsing none: each is parsed by the one rank that tokenizes it
+(components/data/cursor.py). A row is read as {column: value}.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any, NamedTuple
 
 from weft.components.data import sources
 from weft.components.data.errors import DataError
-from weft.components.data.sources import COLUMNAR_SUFFIXES, COMPRESSED_JSONL_SUFFIXES
+from weft.components.data.sources import COLUMNAR_SUFFIXES, COMPRESSED_SUFFIXES
 
-TEXT_SUFFIXES = (".txt", ".jsonl", *COMPRESSED_JSONL_SUFFIXES, *COLUMNAR_SUFFIXES)
+TEXT_SUFFIXES = (".txt", ".jsonl", *COMPRESSED_SUFFIXES, *COLUMNAR_SUFFIXES)
+PLAIN_TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")  # a whole file is one document
 SUFFIX_NAMES = ", ".join(TEXT_SUFFIXES)
 
 # How much of each file check_text_files reads before training: all of a small file, the start
@@ -40,10 +42,15 @@ def find_text_files(dataset_path: str, key: str = "data.dataset_path") -> list[P
     else:
         raise DataError(f"{key}: no file or folder at '{dataset_path}'")
     if not files:
-        raise DataError(f"{key}: no .txt or .jsonl file (nor {', '.join(TEXT_SUFFIXES[2:])}) at or under "
-                        f"'{dataset_path}'")
+        raise DataError(f"{key}: no .txt or .jsonl file (nor .jsonl.gz, .jsonl.zst, .parquet, .arrow) at or under "
+                        f"'{dataset_path}', nor a .txt.gz or .txt.zst one")
     sources.check_readable(files, key)
     return files
+
+
+def is_plain_text(path: Path) -> bool:
+    """A .txt file, compressed or not: the whole file is one document."""
+    return bool(sources.suffix_of(path, PLAIN_TEXT_SUFFIXES))
 
 
 def _line_of(data: bytes, offset: int) -> int:
@@ -80,9 +87,10 @@ def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
 
 
 def check_text_files(files: list[Path], text_field: str = "text") -> None:
-    """Check the first SCAN_BYTES of every file (decompressed, for .jsonl.gz/.jsonl.zst) before
+    """Check the first SCAN_BYTES of every file (decompressed, for a .gz/.zst one) before
     anything is written, so that the common mistakes (a binary file, another encoding, a broken
-    or foreign JSONL record, a corrupt stream) stop the run at once, naming file:line. Blank JSONL
+    or foreign JSONL record, a corrupt stream, a compressed file of at most SCAN_BYTES cut short)
+    stop the run at once, naming file:line. Blank JSONL
     lines are skipped, as the loader skips them. Of a Parquet/Arrow file only the footer is read,
     never a row, so a folder of thousands of files starts without reading their data pages:
     `text_field` must be a string column (a corrupt footer is an error too); a bad row (a null
@@ -90,7 +98,8 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
 
     Raises DataError also when every file was read whole (or is a Parquet file of no rows) and no
     document holds any text (the model would learn only BOS and EOS). Problems beyond the scanned
-    prefix are reported, with file:line, when the loader reaches them.
+    prefix (a large compressed file cut short or corrupt past it too) are reported, with
+    file:line, when the loader reaches them.
     """
     any_text, read_whole = False, True
     for path in files:
@@ -99,12 +108,12 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
             read_whole = read_whole and rows == 0  # its rows are not read: only none tells they are empty
             continue
         try:
-            data = _head(path, SCAN_BYTES + 1)
+            data = _read(path, SCAN_BYTES + 1)
         except OSError as err:
             raise DataError(f"data.dataset_path: cannot read {path}: {err.strerror}") from None
         whole = len(data) <= SCAN_BYTES
         data, read_whole = data[:SCAN_BYTES], read_whole and whole
-        if path.suffix == ".txt":
+        if is_plain_text(path):
             text = decode_utf8(data, str(path), final=whole)
             any_text = any_text or bool(text.strip())
             continue
@@ -119,10 +128,10 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
         raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
 
 
-def _head(path: Path, size: int) -> bytes:
-    """The first `size` bytes of the file's text (decompressed, for .jsonl.gz/.jsonl.zst)."""
-    if sources.is_compressed_jsonl(path):
-        return sources.decompressed_head(path, size)
+def _read(path: Path, size: int = -1) -> bytes:
+    """The first `size` bytes of the file's text (all if -1; decompressed, for a .gz/.zst file)."""
+    if sources.is_compressed(path):
+        return sources.read_decompressed(path, size)
     with path.open("rb") as f:
         return f.read(size)
 
@@ -139,8 +148,9 @@ def check_suffixes(files: list[Path], suffixes: tuple[str, ...] = TEXT_SUFFIXES)
 
 @dataclass(frozen=True)
 class DocStart:
-    """Where a document starts: a whole .txt file, one line of a JSONL file, or one row of a
-    Parquet/Arrow file (its row index + 1 in `line_number`: the record's 1-based number)."""
+    """Where a document starts: a whole .txt (.txt.gz, .txt.zst) file, one line of a JSONL file,
+    or one row of a Parquet/Arrow file (its row index + 1 in `line_number`: the record's 1-based
+    number)."""
 
     epoch: int
     file_index: int
@@ -160,9 +170,11 @@ def position_state(doc: DocStart, token_offset: int) -> dict[str, int]:
 
 class RawDoc(NamedTuple):
     """A document found but not yet read: its start, its size in bytes (what every rank knows of
-    it before anyone tokenizes it), and its line if it is one of a JSONL file (None for a .txt
-    file, read by whichever rank tokenizes it), or its row ({column: value}) if it is one of a
-    Parquet/Arrow file (its size: the characters of its strings)."""
+    it before anyone tokenizes it; of a .txt.gz/.txt.zst file, its compressed size: an estimate
+    that only shares the counting out), and its line if it is one of a JSONL file (None for a
+    .txt file, compressed or not, read by whichever rank tokenizes it), or its row
+    ({column: value}) if it is one of a Parquet/Arrow file (its size: the characters of its
+    strings)."""
 
     start: DocStart
     size: int
@@ -188,10 +200,10 @@ def documents(files: list[Path], start: DocStart, columns: tuple[str, ...] | Non
 
 def _file_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None = None) -> Iterator[RawDoc]:
     """The documents of one file, from `start` on."""
-    if path.suffix == ".txt":
+    if is_plain_text(path):
         yield RawDoc(start, path.stat().st_size, None)
         return
-    if sources.is_compressed_jsonl(path):
+    if sources.is_compressed(path):
         yield from _compressed_documents(path, start)
         return
     if sources.is_columnar(path):
@@ -209,7 +221,10 @@ def _file_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None
 
 def _compressed_documents(path: Path, start: DocStart) -> Iterator[RawDoc]:
     """The lines of a .jsonl.gz/.jsonl.zst file from `start` on, as `.jsonl` lines are read;
-    reaching `start.byte_offset` decompresses everything before it."""
+    reaching `start.byte_offset` decompresses everything before it. The file is first
+    decompressed whole (sources.check_whole), so that a damaged one is refused before any of its
+    lines is read, not after the lines its damage spoiled."""
+    sources.check_whole(path)
     offset, line_number = start.byte_offset, start.line_number
     try:
         with sources.open_decompressed(path, offset) as f:
@@ -234,7 +249,7 @@ def where(files: list[Path], doc: DocStart) -> str:
     path = files[doc.file_index]
     if sources.is_columnar(path):
         return f"{path} row {doc.line_number - 1}"
-    return str(path) if path.suffix == ".txt" else f"{path}:{doc.line_number}"
+    return str(path) if is_plain_text(path) else f"{path}:{doc.line_number}"
 
 
 def record_of(files: list[Path], raw: RawDoc, parse: Callable[[bytes, str], Any]) -> Any:
@@ -243,8 +258,8 @@ def record_of(files: list[Path], raw: RawDoc, parse: Callable[[bytes, str], Any]
 
 
 def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
-    """The document's text: a whole .txt file, the `text_field` of a JSONL line, or the
-    `text_field` column of a row."""
+    """The document's text: a whole .txt file (decompressed, if .gz/.zst), the `text_field` of a
+    JSONL line, or the `text_field` column of a row."""
     if raw.row is not None:
         text = raw.row.get(text_field)
         if not isinstance(text, str):
@@ -253,7 +268,7 @@ def read_text(files: list[Path], raw: RawDoc, text_field: str) -> str:
         return text
     if raw.line is None:
         path = files[raw.start.file_index]
-        return decode_utf8(path.read_bytes(), str(path), final=True)
+        return decode_utf8(_read(path), str(path), final=True)
     return parse_jsonl_record(raw.line, text_field, where(files, raw.start))
 
 

@@ -27,7 +27,7 @@ from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
 from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, file_documents,
-                                          position_state, record_of, where)
+                                          is_plain_text, position_state, record_of, where)
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
 from weft.components.loss import IGNORE_INDEX
 
@@ -57,7 +57,7 @@ class PackedSamples:
     def check_files(self, files: list[Path]) -> None:
         check_suffixes(files)
         for path in files:
-            if path.suffix == ".txt":
+            if is_plain_text(path):
                 raise DataError(f"data.dataset_path: '{path}' is not a JSONL, Parquet or Arrow file, which "
                                 f"data.format = '{self.data_format}' reads")
 

@@ -1,9 +1,15 @@
-"""Parquet, Arrow and compressed JSONL sources: what files.py reads besides `.txt` and `.jsonl`.
+"""Parquet, Arrow and compressed sources: what files.py reads besides `.txt` and `.jsonl`.
 
-`.jsonl.gz` (stdlib gzip) and `.jsonl.zst` (the `zstandard` package) are JSONL files read through a
-decompressing stream: their lines are documents exactly as a `.jsonl` file's, positioned by
-their offset in the decompressed bytes. A compressed stream cannot seek, so reaching an offset
-decompresses (and discards) everything before it.
+`.txt.gz`, `.jsonl.gz` (stdlib gzip), `.txt.zst` and `.jsonl.zst` (the `zstandard` package) are
+text or JSONL files read through a decompressing stream: a compressed `.txt` is one document, as a
+`.txt` is, and a compressed JSONL file's lines are documents exactly as a `.jsonl` file's,
+positioned by their offset in the decompressed bytes. A compressed stream cannot seek, so reaching
+an offset decompresses (and discards) everything before it. A stream that is cut short or corrupt
+raises when the read reaches the damage, never ends early: gzip checks its end marker and CRC;
+a zstd file must end where a frame ends (`_ZstdFrames`), and a frame's content checksum (which
+the zstd command line writes by default) is verified, so a changed byte is caught where the
+file has one. Those checks come at the end of a stream, so a compressed JSONL file is read
+whole once (`check_whole`) before its first line is handed out.
 
 `.parquet` and `.arrow` (Arrow IPC, file or stream format) files hold one document or record per
 row, read with pyarrow in batches of at most ROWS_PER_BATCH rows, only the columns a record
@@ -30,12 +36,14 @@ from typing import IO, Any, NamedTuple
 
 from weft.components.data.errors import DataError
 
-COMPRESSED_JSONL_SUFFIXES = (".jsonl.gz", ".jsonl.zst")
+COMPRESSED_SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".txt.gz", ".txt.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 ROWS_PER_BATCH = 1024  # rows converted to Python at a time; Parquet reads one row group at a time
+READ_BYTES = 2**20  # of a compressed file read (or decompressed output skipped) at a time
 
-_NEEDS = {".jsonl.zst": "zstandard", ".parquet": "pyarrow", ".arrow": "pyarrow"}
-_KINDS = {".jsonl.zst": "a zstd-compressed JSONL file", ".parquet": "a Parquet file", ".arrow": "an Arrow file"}
+_NEEDS = {".jsonl.zst": "zstandard", ".txt.zst": "zstandard", ".parquet": "pyarrow", ".arrow": "pyarrow"}
+_KINDS = {".jsonl.zst": "a zstd-compressed JSONL file", ".txt.zst": "a zstd-compressed text file",
+          ".parquet": "a Parquet file", ".arrow": "an Arrow file"}
 
 
 def suffix_of(path: Path, suffixes: tuple[str, ...]) -> str:
@@ -43,8 +51,8 @@ def suffix_of(path: Path, suffixes: tuple[str, ...]) -> str:
     return next((s for s in suffixes if path.name.endswith(s)), "")
 
 
-def is_compressed_jsonl(path: Path) -> bool:
-    return bool(suffix_of(path, COMPRESSED_JSONL_SUFFIXES))
+def is_compressed(path: Path) -> bool:
+    return bool(suffix_of(path, COMPRESSED_SUFFIXES))
 
 
 def is_columnar(path: Path) -> bool:
@@ -69,10 +77,10 @@ def check_readable(files: list[Path], key: str = "data.dataset_path") -> None:
             _module(needed, path, key)
 
 
-# -- compressed JSONL ------------------------------------------------------------------------
+# -- compressed text and JSONL ---------------------------------------------------------------
 
 def decompress_errors() -> tuple[type[BaseException], ...]:
-    """What reading a corrupt .gz or .zst stream raises."""
+    """What reading a cut or corrupt .gz or .zst stream raises."""
     errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
     try:
         import zstandard
@@ -81,32 +89,85 @@ def decompress_errors() -> tuple[type[BaseException], ...]:
     return (*errors, zstandard.ZstdError)
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file's frames, one after another. A file that ends inside
+    a frame (an interrupted copy) raises EOFError at its end: zstandard's own stream reader ends
+    there quietly, as if the file were whole."""
+
+    def __init__(self, raw: IO[bytes], zstandard: Any) -> None:
+        self._raw, self._new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self._read_size = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE  # compressed bytes read at a time
+        self._frame, self._fed = self._new_frame(), False  # the frame being read; whether any of it was read
+        self._out, self._at = memoryview(b""), 0  # decompressed, not yet returned: self._out[self._at:]
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at == len(self._out):
+            if not self._decompress():
+                return 0
+        size = min(len(buffer), len(self._out) - self._at)
+        buffer[:size] = self._out[self._at : self._at + size]
+        self._at += size
+        return size
+
+    def _decompress(self) -> bool:
+        """Decompress the next compressed bytes into self._out; False at the end of the file."""
+        data = b""
+        if self._frame.eof:  # what followed the frame's end starts the next frame
+            data, self._frame, self._fed = self._frame.unused_data, self._new_frame(), False
+        data = data or self._raw.read(self._read_size)
+        if not data:
+            if self._fed:
+                raise EOFError("the file ends inside a zstd frame: it was cut short")
+            return False
+        self._out, self._at, self._fed = memoryview(self._frame.decompress(data)), 0, True
+        return True
+
+
 @contextmanager
 def open_decompressed(path: Path, offset: int = 0) -> Iterator[IO[bytes]]:
-    """The decompressed bytes of a .jsonl.gz/.jsonl.zst file from `offset` on, as a buffered
-    binary stream (iterating it yields lines). Seeking decompresses everything before `offset`."""
+    """The decompressed bytes of a .gz/.zst file from `offset` on, as a buffered binary stream
+    (iterating it yields lines). Seeking decompresses everything before `offset`. A cut or
+    corrupt file raises one of decompress_errors() when the read reaches the damage."""
     with path.open("rb") as raw:
         if path.name.endswith(".gz"):
             stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb")
         else:
-            zstandard = _module("zstandard", path, "data.dataset_path")
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+            stream = io.BufferedReader(_ZstdFrames(raw, _module("zstandard", path, "data.dataset_path")), READ_BYTES)
         with stream:
             _skip(stream, offset)
             yield stream
 
 
 def _skip(stream: IO[bytes], size: int) -> None:
-    """Read and discard `size` bytes, a MiB at a time: a compressed stream cannot seek."""
+    """Read and discard `size` bytes, READ_BYTES at a time: a compressed stream cannot seek."""
     while size > 0:
-        chunk = stream.read(min(size, 2**20))
+        chunk = stream.read(min(size, READ_BYTES))
         if not chunk:
             return
         size -= len(chunk)
 
 
-def decompressed_head(path: Path, size: int) -> bytes:
-    """The first `size` decompressed bytes (fewer if the file is shorter), or a DataError."""
+def check_whole(path: Path) -> None:
+    """Decompress the whole file, keeping nothing: a DataError naming it, and the line being read
+    when decompression failed, if it is cut short or corrupt. gzip's CRC and a zstd frame's
+    checksum are checked only at the stream's end, after the bytes they cover were read, so a
+    file streamed line by line would hand out the lines a changed byte spoiled before the check
+    failed."""
+    read = 0  # lines read whole
+    try:
+        with open_decompressed(path) as f:
+            for read, _ in enumerate(f, start=1):
+                pass
+    except decompress_errors() as err:
+        raise DataError(f"{path}:{read + 1}: cannot decompress ({err})") from None
+
+
+def read_decompressed(path: Path, size: int = -1) -> bytes:
+    """The first `size` decompressed bytes (all of them if -1; fewer if the file is shorter), or
+    a DataError naming the file if it cannot be decompressed that far."""
     try:
         with open_decompressed(path) as f:
             return f.read(size)

@@ -20,7 +20,7 @@ from weft.components import checkpoint as checkpoint_module
 from weft.components.checkpoint import COMPLETE, CheckpointError, complete_steps
 from weft.components.config import ConfigError
 from tests.support.dist_utils import run_distributed
-from tests.support.train_runs import run
+from tests.support.train_runs import run, run_args
 
 from tests.support import REPO
 STEPS = 20
@@ -33,10 +33,8 @@ LAYOUTS = {
 
 def args(dump: Path, layout: str = "single", *extra: str) -> list[str]:
     dp = {"single": 1, "fsdp4": 4, "fsdp2_tp2": 2}[layout]
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump),
-            "--training.steps", str(STEPS), "--training.seq_len", "32", "--training.local_batch_size", str(8 // dp),
-            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
-            "--checkpoint.enable", "--checkpoint.interval", "5", *LAYOUTS[layout], *extra]
+    return run_args(dump, "--lr_scheduler.warmup_steps", "2", *LAYOUTS[layout], *extra, steps=STEPS, batch=8 // dp,
+                    checkpoint_every=5)
 
 
 def logged_losses(dump: Path) -> dict[int, float]:

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 
 import weft.recipe.build as build_module
+from tests.support.train_runs import run_args
 from weft import train
 
 
-def run_args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "4",
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2", *extra]
+WARMUP = ("--lr_scheduler.warmup_steps", "3")  # the rate changes at every one of the 4 steps
 
 
 def records(dump: Path) -> list[dict]:
@@ -33,7 +31,7 @@ def test_logged_lr_is_the_one_the_step_used(tmp_path, monkeypatch):
         return optimizer
 
     monkeypatch.setattr(build_module, "build_optimizer", spying_build)
-    assert train.main(run_args(tmp_path, "--no-checkpoint.enable", "--no-metrics.enable_tensorboard")) == 0
+    assert train.main(run_args(tmp_path, *WARMUP)) == 0
     assert len(used) == 4 and len(set(used)) > 1  # warmup: the rate changes every step
     assert [r["train/lr"] for r in records(tmp_path)] == pytest.approx(used, rel=1e-12)
 
@@ -41,10 +39,10 @@ def test_logged_lr_is_the_one_the_step_used(tmp_path, monkeypatch):
 def test_resumed_run_leaves_one_record_per_step(tmp_path):
     """A run killed after logging step 4 but before saving it resumes from step 2 and logs 3 and
     4 again: those replace the lost run's records, in metrics.jsonl and in TensorBoard."""
-    assert train.main(run_args(tmp_path)) == 0
+    assert train.main(run_args(tmp_path, *WARMUP, "--metrics.enable_tensorboard", checkpoint_every=2)) == 0
     shutil.rmtree(tmp_path / "checkpoint" / "step-4")  # as if killed during the save of step 4
     lost = records(tmp_path)
-    assert train.main(run_args(tmp_path)) == 0
+    assert train.main(run_args(tmp_path, *WARMUP, "--metrics.enable_tensorboard", checkpoint_every=2)) == 0
 
     steps = [r["step"] for r in records(tmp_path)]
     assert steps == [1, 2, 3, 4]

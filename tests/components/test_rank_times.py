@@ -15,9 +15,11 @@ import torch
 from benchmarks.slow_rank import slow_data
 from tests.support.dist_utils import run_distributed
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.train_runs import run_args
 from weft import train
 from weft.components.config import parse_args
 from weft.components.rank_times import gather_device, rank_scalars, slow_rank_note, slowest_rank
+from weft.recipe.build import build_training
 
 DELAY_S = 0.3
 
@@ -54,10 +56,7 @@ def test_the_gather_runs_on_the_device_its_backend_takes():
     assert gather_device("gloo", cpu) == cpu
 
 
-def run_args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "4",
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-            "--metrics.slow_rank_threshold", "1.1", "--no-metrics.enable_tensorboard", *extra]
+THRESHOLD = ("--metrics.slow_rank_threshold", "1.1")
 
 
 def slow_and_even_runs(root: str) -> str:
@@ -65,14 +64,11 @@ def slow_and_even_runs(root: str) -> str:
     makes it); rank 0's log output."""
     import torch.distributed as dist
 
-    real_build = train.build_training
     out, sys.stdout = sys.stdout, io.StringIO()  # the log handler, made at build, writes here
     try:
         for name, slow in (("slow", True), ("even", False)):
-            if slow and dist.get_rank() == 1:
-                train.build_training = slow_data(real_build, DELAY_S)
-            train.train(parse_args(run_args(Path(root) / name)))
-            train.build_training = real_build
+            build = slow_data(build_training, DELAY_S) if slow and dist.get_rank() == 1 else build_training
+            train.train(parse_args(run_args(Path(root) / name, *THRESHOLD, seq_len=64)), build_training=build)
         return sys.stdout.getvalue()
     finally:
         sys.stdout = out

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.train_runs import run_args
 from weft import train
 from weft.components.checkpoint import Checkpointer
 from weft.components.time_left import TimeLeft, clock
+from weft.recipe.step import train_step
 
 STEP_S, SAVE_S, STEPS = 0.15, 0.3, 12
 
@@ -37,13 +39,10 @@ def test_time_left_is_within_20_percent_of_the_actual_time(tmp_path, monkeypatch
     """Each step sleeps STEP_S, every second step's checkpoint save SAVE_S (saves are left out of
     tokens/s but not out of the time left): the estimate at each log from step 4 to 8 is within
     20% of the time from that log to the last step's."""
-    real_step = train.train_step
-
     def steady_step(*args, **kwargs):
         time.sleep(STEP_S)
-        return real_step(*args, **kwargs)
+        return train_step(*args, **kwargs)
 
-    monkeypatch.setattr(train, "train_step", steady_step)
     monkeypatch.setattr(Checkpointer, "save", lambda self, step, **kwargs: time.sleep(SAVE_S))
     logged: dict[int, float] = {}  # step -> when its line was logged
 
@@ -57,10 +56,8 @@ def test_time_left_is_within_20_percent_of_the_actual_time(tmp_path, monkeypatch
     when = WhenLogged()
     logging.getLogger("weft").addFilter(when)
     try:
-        assert train.main(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path),
-                           "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size",
-                           "2", "--metrics.log_freq", "2", "--no-metrics.enable_tensorboard", "--checkpoint.enable",
-                           "--checkpoint.interval", "2"]) == 0
+        assert train.main(run_args(tmp_path, "--metrics.log_freq", "2", steps=STEPS, seq_len=64, checkpoint_every=2),
+                          train_step=steady_step) == 0
     finally:
         logging.getLogger("weft").removeFilter(when)
 

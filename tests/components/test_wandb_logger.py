@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.train_runs import run_args
 from weft import train
 from weft.components.config import parse_args, to_dict
 
 
-def run_args(dump: Path, steps: int, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", str(steps),
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-            "--checkpoint.enable", "--checkpoint.interval", "2", "--metrics.enable_wandb", *extra]
+def wandb_args(dump: Path, steps: int) -> list[str]:
+    """A run logging to W&B and TensorBoard, a checkpoint every 2 steps."""
+    return run_args(dump, "--metrics.enable_tensorboard", "--metrics.enable_wandb", steps=steps, seq_len=64,
+                    checkpoint_every=2)
 
 
 def tensorboard_scalars(folder: Path) -> dict[int, dict[str, float]]:
@@ -45,15 +46,15 @@ def test_wandb_records_what_tensorboard_records_and_a_resume_continues_its_run(t
     dump = tmp_path / "run"
     # each run's offline folder apart: wandb names them by the second they start, which two short runs can share
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "first"))
-    assert train.main(run_args(dump, 2)) == 0
+    assert train.main(wandb_args(dump, 2)) == 0
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "resumed"))
-    assert train.main(run_args(dump, 3)) == 0  # resumes from the step-2 checkpoint
+    assert train.main(wandb_args(dump, 3)) == 0  # resumes from the step-2 checkpoint
 
     files = [finished_run_file(tmp_path / run) for run in ("first", "resumed")]
     run_id = (dump / "wandb_run_id").read_text().strip()
     assert [run_info(f)[0] for f in files] == [run_id, run_id]
     config = {key: value for key, value in run_info(files[0])[1].items() if key != "_wandb"}
-    assert config == json.loads(json.dumps(to_dict(parse_args(run_args(dump, 2)))))
+    assert config == json.loads(json.dumps(to_dict(parse_args(wandb_args(dump, 2)))))
 
     logged = {step: values for f in files for step, values in history(f).items()}
     scalars = tensorboard_scalars(dump / "tb")
@@ -67,7 +68,7 @@ def test_wandb_records_what_tensorboard_records_and_a_resume_continues_its_run(t
 def test_enable_wandb_without_the_package_exits_2_writing_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what Python does for a module it cannot find
     before = snapshot(tmp_path)
-    outcome = run_in_process(train.main, run_args(tmp_path / "run", 2), capsys)
+    outcome = run_in_process(train.main, wandb_args(tmp_path / "run", 2), capsys)
     assert_clean_failure(outcome, "metrics.enable_wandb = true: the wandb package cannot be imported",
                          before=before, root=tmp_path)
     assert 'pip install "weft[wandb]"' in outcome.stderr
@@ -82,7 +83,7 @@ def test_a_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
 
     monkeypatch.setattr(wandb, "init", refuse)
-    logger = WandbLogger(parse_args(run_args(tmp_path, 2)))
+    logger = WandbLogger(parse_args(wandb_args(tmp_path, 2)))
     with pytest.raises(UserError, match=r"^metrics.enable_wandb = true: wandb could not start a run \(UsageError: "
                                         r"api_key not configured .*\); run `wandb login`"):
         logger.log({"train/loss": 1.0}, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,21 +21,19 @@ from weft import generate
 from weft import train
 from weft.components import hf
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.train_runs import run_args
 
 TOKENIZER = "assets/tokenizer/shakespeare.model"
 
 
-def run_args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "2",
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--no-metrics.enable_tensorboard",
-            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "1", *extra]
+saving_args = partial(run_args, steps=2, checkpoint_every=1)  # 2 steps, a checkpoint after each
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     """run/ (checkpoints step-1 and step-2) and hf/ (step-2 exported)."""
     root = tmp_path_factory.mktemp("made")
-    assert train.main(run_args(root / "run")) == 0
+    assert train.main(saving_args(root / "run")) == 0
     hf.export_to_hf(root / "run" / "checkpoint" / "step-2", root / "hf", flavor="debugmodel")
     return root
 
@@ -100,7 +99,7 @@ def damaged_hf(tmp: Path, made: Path, damage: Callable[[Path], None], name: str)
 def resume(damage, name=DISTCP, *extra):
     def setup(tmp, made):
         run = damaged_run(tmp, made, damage, name)
-        return run_args(run, "--training.steps", "3", *extra)
+        return saving_args(run, "--training.steps", "3", *extra)
     return setup
 
 
@@ -109,7 +108,7 @@ def state(change: Callable[[Path], None], *extra: str):
     def setup(tmp, made):
         run = damaged_run(tmp, made, None)
         change(run)
-        return run_args(run, *extra)
+        return saving_args(run, *extra)
     return setup
 
 
@@ -142,7 +141,7 @@ RESUME_CASES = [
 def initial(target: Callable[[Path, Path], Path]):
     """A fresh dump folder whose checkpoint.initial_load_path is target(tmp, made)."""
     def setup(tmp, made):
-        return run_args(tmp / "new", "--checkpoint.initial_load_path", str(target(tmp, made)))
+        return saving_args(tmp / "new", "--checkpoint.initial_load_path", str(target(tmp, made)))
     return setup
 
 

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -32,15 +33,13 @@ from weft import train
 from weft.components import checkpoint as checkpoint_module
 from tests.support.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
 from tests.support.failure_checks import python_path
+from tests.support.train_runs import run_args
 
 # The injections go into the step's loss function (set up by recipe.build.build_step, which
 # train.py calls) and into the data loader's prefetching (recipe.build.prefetch).
 
 
-def run_args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
-            "--checkpoint.enable", "--checkpoint.interval", "2", *extra]
+saving_args = partial(run_args, checkpoint_every=2)  # every run here saves every 2 steps (its steps in extra)
 
 
 def checkpoints(dump: Path) -> dict[str, str]:
@@ -79,7 +78,7 @@ def inject_nan(monkeypatch, steps: set[int], on_inject=lambda step: None) -> Non
 def test_nan_with_stop_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     dump, before = tmp_path / "run", {}
     inject_nan(monkeypatch, {5}, on_inject=lambda step: before.update(checkpoints(dump)))
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1"),
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1"),
                              capsys)
     assert_clean_failure(outcome, ["step 5: loss nan", "gradient norm nan", "training.on_nonfinite = stop"])
     assert step_folders(dump) == ["step-4"]  # keep_latest_k = 1 pruned step-2 before the fault, nothing after
@@ -126,15 +125,15 @@ def test_skip_a_bad_batch_ends_where_a_run_without_it_ends(tmp_path, monkeypatch
     so the rate of each update does not depend on the total step count)."""
     common = ("--lr_scheduler.warmup_steps", "100", "--checkpoint.interval", "100")
     inject_nan(monkeypatch, {3})
-    skipping = run_in_process(train.main, run_args(tmp_path / "skip", "--training.steps", "6", *common,
-                                                   "--training.on_nonfinite", "skip"), capsys)
+    skipping = run_in_process(train.main, saving_args(tmp_path / "skip", "--training.steps", "6", *common,
+                                                      "--training.on_nonfinite", "skip"), capsys)
     assert skipping.code == 0, skipping.stderr
     assert "step 3: loss nan (this rank), gradient norm nan: not finite; optimizer step skipped" in skipping.stdout
     monkeypatch.undo()
 
     real_prefetch = build_module.prefetch
     monkeypatch.setattr(build_module, "prefetch", lambda *a, **k: DropBatch(real_prefetch(*a, **k), index=3))
-    without = run_in_process(train.main, run_args(tmp_path / "without", "--training.steps", "5", *common), capsys)
+    without = run_in_process(train.main, saving_args(tmp_path / "without", "--training.steps", "5", *common), capsys)
     assert without.code == 0, without.stderr
 
     skipped = saved_state(tmp_path / "skip/checkpoint/step-6", tmp_path)
@@ -151,8 +150,8 @@ def test_skip_a_bad_batch_ends_where_a_run_without_it_ends(tmp_path, monkeypatch
 def test_too_many_skips_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
     dump, before = tmp_path / "run", {}
     inject_nan(monkeypatch, {3, 4}, on_inject=lambda step: before.update(checkpoints(dump)) if step == 3 else None)
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "8", "--training.on_nonfinite", "skip",
-                                                  "--training.max_skipped_steps", "2"), capsys)
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "8", "--training.on_nonfinite", "skip",
+                                                     "--training.max_skipped_steps", "2"), capsys)
     assert_clean_failure(outcome, ["step 4:", "not finite for 2 steps in a row (training.max_skipped_steps = 2)"])
     assert step_folders(dump) == ["step-2"] and checkpoints(dump) == before
 
@@ -161,8 +160,8 @@ def test_keep_latest_k_spares_the_last_checkpoint_before_a_skipped_step(tmp_path
     """Step 5 is skipped: step-4 (the newest checkpoint before it) outlives keep_latest_k = 1."""
     dump = tmp_path / "run"
     inject_nan(monkeypatch, {5})
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1",
-                                                  "--training.on_nonfinite", "skip"), capsys)
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "8", "--checkpoint.keep_latest_k", "1",
+                                                     "--training.on_nonfinite", "skip"), capsys)
     assert outcome.code == 0, outcome.stderr
     assert step_folders(dump) == ["step-4", "step-8"]
 
@@ -219,7 +218,7 @@ def test_disk_fills_during_a_save(tmp_path, monkeypatch, capsys, mode):
     step-2 untouched; no later checkpoint."""
     dump = tmp_path / "run"
     disk = FillingDisk(monkeypatch, dump, step=4)
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "6", "--checkpoint.async_mode", mode),
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "6", "--checkpoint.async_mode", mode),
                              capsys)
     folder = dump / "checkpoint" / "step-4"
     assert_clean_failure(outcome, [f"checkpoint {folder}: the disk filled while saving step 4 (ENOSPC",
@@ -231,8 +230,8 @@ def test_disk_fills_during_a_save(tmp_path, monkeypatch, capsys, mode):
 def test_save_error_continue_trains_on_and_saves_at_the_next_interval(tmp_path, monkeypatch, capsys):
     dump = tmp_path / "run"
     FillingDisk(monkeypatch, dump, step=4)
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "6", "--checkpoint.on_save_error",
-                                                  "continue"), capsys)
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "6", "--checkpoint.on_save_error",
+                                                     "continue"), capsys)
     assert outcome.code == 0, outcome.stderr
     assert "the disk filled while saving step 4" in outcome.stdout and "training on" in outcome.stdout
     assert step_folders(dump) == ["step-2", "step-6"]
@@ -250,7 +249,7 @@ def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch, 
         return real_free(path)
 
     monkeypatch.setattr(checkpoint_module, "free_bytes", free_bytes)
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "6"), capsys)
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "6"), capsys)
     size = sum(p.stat().st_size for p in (dump / "checkpoint" / "step-2").iterdir())
     assert_clean_failure(outcome, f"not enough free space to save step 4: needs about {size:,} bytes (the size of "
                                   f"step-2), 1,000 free; nothing was written")
@@ -265,17 +264,18 @@ def test_data_file_edited_between_save_and_resume(tmp_path, capsys):
     for name in ("hamlet.txt", "macbeth.txt"):
         shutil.copy(REPO / "assets/data/shakespeare" / name, data / name)
     dump = tmp_path / "run"
-    first = run_in_process(train.main, run_args(dump, "--training.steps", "2", "--data.dataset_path", str(data)), capsys)
+    first = run_in_process(train.main, saving_args(dump, "--training.steps", "2", "--data.dataset_path", str(data)),
+                           capsys)
     assert first.code == 0, first.stderr
     with (data / "macbeth.txt").open("a") as f:
         f.write("\nEnter a new witch.\n")
     before = snapshot(tmp_path)
-    outcome = run_in_process(train.main, run_args(dump, "--training.steps", "4", "--data.dataset_path", str(data)),
+    outcome = run_in_process(train.main, saving_args(dump, "--training.steps", "4", "--data.dataset_path", str(data)),
                              capsys)
     assert_clean_failure(outcome, ["file macbeth.txt changed", "data.allow_changed_data"], before=before, root=tmp_path)
 
-    allowed = run_in_process(train.main, run_args(dump, "--training.steps", "4", "--data.dataset_path", str(data),
-                                                  "--data.allow_changed_data"), capsys)
+    allowed = run_in_process(train.main, saving_args(dump, "--training.steps", "4", "--data.dataset_path", str(data),
+                                                     "--data.allow_changed_data"), capsys)
     assert allowed.code == 0, allowed.stderr
     assert "file macbeth.txt changed" in allowed.stdout and "resuming anyway" in allowed.stdout
     assert step_folders(dump) == ["step-2", "step-4"]
@@ -292,7 +292,7 @@ RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 def launch(dump: Path, *extra: str, max_restarts: int = 0) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **RESTARTABLE}
     return subprocess.Popen([*TORCHRUN, "--max-restarts", str(max_restarts), "train.py",
-                             *run_args(dump, *extra)], cwd=REPO, env=env, text=True,
+                             *saving_args(dump, *extra)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -19,6 +19,7 @@ import torch
 from weft.components.config import parse_args
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.hf_tokenizer import build_tokenizer_folder
+from tests.support.train_runs import run_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,20 +57,18 @@ def chats(n: int) -> list[dict]:
                           {"role": "assistant", "content": ANSWER}]} for i in range(n)]
 
 
-def run_args(dump: Path, folder: Path, data: Path, *, layout: bool = True) -> list[str]:
+def roundtrip_args(dump: Path, folder: Path, data: Path, *, layout: bool = True) -> list[str]:
     """12 chat steps from `folder` at a constant learning rate; with `layout`, under fsdp 2 x tp 2
     with a checkpoint and the export at the end, else on one device alone (the reference)."""
-    args = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--model.flavor", "from_hf_config",
-            "--checkpoint.initial_load_path", str(folder), "--model.tokenizer_path", "",
-            "--training.steps", str(STEPS), "--training.seq_len", "64",
-            "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32",
+    args = ["--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(folder),
+            "--model.tokenizer_path", "", "--training.mixed_precision_param", "float32",
+            "--training.mixed_precision_reduce", "float32",
             "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.min_lr_ratio", "1.0",
-            "--data.format", "chat", "--data.dataset_path", str(data), "--metrics.log_freq", "1",
-            "--no-metrics.enable_tensorboard"]
+            "--data.format", "chat", "--data.dataset_path", str(data)]
     if not layout:  # the same global batch of 8 sequences
-        return args + ["--training.local_batch_size", "8"]
-    return args + ["--training.local_batch_size", "4", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
-                   "--checkpoint.enable", "--checkpoint.interval", "100", "--export.hf_folder", "hf"]
+        return run_args(dump, *args, steps=STEPS, seq_len=64, batch=8)
+    return run_args(dump, *args, "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--export.hf_folder", "hf",
+                    steps=STEPS, seq_len=64, batch=4, checkpoint_every=100)
 
 
 def train_all(jobs: list[list[str]]) -> list[list[float]]:
@@ -95,11 +94,12 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     data.write_text("".join(json.dumps(r) + "\n" for r in chats(64)))
     found = {name: {"source": hf_folder(root / name, config, tokenizer), "dump": root / f"{name}_run"}
              for name, config in FOLDERS.items()}
-    losses = run_distributed(train_all, 4, [run_args(f["dump"], f["source"], data) for f in found.values()],
+    losses = run_distributed(train_all, 4, [roundtrip_args(f["dump"], f["source"], data) for f in found.values()],
                              timeout=600)[0]
     for (name, f), layout_losses in zip(found.items(), losses):
         f["losses"] = layout_losses
-        f["reference"] = train.train(parse_args(run_args(root / f"{name}_reference", f["source"], data, layout=False)))
+        reference = roundtrip_args(root / f"{name}_reference", f["source"], data, layout=False)
+        f["reference"] = train.train(parse_args(reference))
     return found
 
 

@@ -17,13 +17,11 @@ from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf import main as hf_main
 from weft.models.llama4 import Transformer
 from tests.support.dist_utils import run_distributed
-from tests.support.train_runs import run
+from tests.support.train_runs import run, run_args
 
 
 def args(dump, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_moe", "--job.dump_folder", str(dump), "--training.steps", "8",
-            "--training.seq_len", "32", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
-            "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *extra]
+    return run_args(dump, "--lr_scheduler.warmup_steps", "2", *extra, config="debug_moe", steps=8, batch=4)
 
 
 def test_debug_moe_resumes_exactly_and_logs_active_parameters(tmp_path, capfd):

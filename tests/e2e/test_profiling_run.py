@@ -15,15 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.train_runs import run_args
 from weft.components.config import parse_args
 
 PROFILE = ["--profiling.enable", "--profiling.freq", "3", "--profiling.warmup", "1", "--profiling.active", "1"]
-
-
-def run_args(dump: Path) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "6",
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-            "--no-metrics.enable_tensorboard"]
 
 
 def plain_and_profiled(root: Path) -> dict[str, object]:
@@ -32,11 +27,11 @@ def plain_and_profiled(root: Path) -> dict[str, object]:
 
     from weft import train
 
-    plain = train.train(parse_args(run_args(root / "plain")))
+    plain = train.train(parse_args(run_args(root / "plain", steps=6, seq_len=64)))
     dist.barrier()
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # train.py's logger writes to the stdout it finds at start
-        profiled = train.train(parse_args(run_args(root / "profiled") + PROFILE))
+        profiled = train.train(parse_args(run_args(root / "profiled", steps=6, seq_len=64) + PROFILE))
     dist.barrier()
     return {"plain": plain, "profiled": profiled, "log": log.getvalue()}
 

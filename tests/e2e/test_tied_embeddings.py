@@ -20,14 +20,14 @@ from weft.components.hf import export_to_hf
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.materialize import materialize
 from tests.support.dist_utils import run_distributed
+from tests.support.train_runs import run_args
 
 TIED = replace(LLAMA_FLAVORS["debugmodel"], tie_embeddings=True)
 
 
-def run_args(dump: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "3",
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--no-metrics.enable_tensorboard",
-            "--checkpoint.enable", "--checkpoint.interval", "3", "--optimizer.lr", "1e-2", *extra]
+def tied_args(dump: Path, *extra: str) -> list[str]:
+    """3 steps at a learning rate of 1e-2, then a checkpoint."""
+    return run_args(dump, "--optimizer.lr", "1e-2", *extra, steps=3, checkpoint_every=3)
 
 
 def saved_embedding_and_output(step: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,11 +55,11 @@ def test_materialize_keeps_tied_parameters_shared():
 def test_tied_run_trains_saves_and_exports_one_matrix(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(LLAMA_FLAVORS, "debugmodel", TIED)
     seed = tmp_path / "seed"
-    assert train.main(run_args(seed, "--checkpoint.create_seed_checkpoint")) == 0
+    assert train.main(tied_args(seed, "--checkpoint.create_seed_checkpoint")) == 0
     assert_one_matrix(seed / "checkpoint" / "step-0")
 
     run = tmp_path / "run"
-    assert train.main(run_args(run, "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"))) == 0
+    assert train.main(tied_args(run, "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"))) == 0
     n = sum(p.numel() for p in Transformer(TIED).parameters())
     assert f"{n:,} parameters, {n:,} on each rank" in capsys.readouterr().out
     step = run / "checkpoint" / "step-3"
@@ -80,7 +80,7 @@ def test_tied_run_trains_saves_and_exports_one_matrix(tmp_path, monkeypatch, cap
 def fsdp_tied_run(dump: str) -> bool:
     """Worker: a tied FSDP run; whether its sharded parameters are still shared after training."""
     LLAMA_FLAVORS["debugmodel"] = TIED
-    train.train(train.parse_args(run_args(Path(dump))))
+    train.train(train.parse_args(tied_args(Path(dump))))
     return True
 
 

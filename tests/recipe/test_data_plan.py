@@ -10,7 +10,7 @@ import pytest
 
 from weft import train
 from weft.components.config import parse_args
-from weft.components.data import Tokenizer
+from weft.components.data import DataError, Tokenizer
 from weft.components.fingerprint import DataChangedError
 from weft.recipe.data_plan import plan_data
 from weft.recipe.plan import tokenizer_path
@@ -109,3 +109,37 @@ def test_the_dry_run_checks_the_entries_as_written_without_their_files():
         plan("--data.mixture", "/cluster/web:3,/cluster/code:-2")
     with pytest.raises(Exception, match="validation.mixture: 1 paths for the 2 sources"):
         plan("--data.mixture", "/cluster/web:3,/cluster/code:1", "--validation.enable", "--validation.mixture", "/v")
+
+
+def test_compressed_text_sources_and_validation_are_planned_and_a_cut_one_refused(tmp_path):
+    """Folders of .txt.gz and .txt.zst files, as mixture sources and validation folders, are
+    planned and fingerprinted as .txt folders are; a cut one among them is refused, naming it,
+    before anything starts; a changed one is noticed on resume."""
+    import gzip
+
+    zstandard = pytest.importorskip("zstandard")
+    compress = {"gz": gzip.compress, "zst": zstandard.ZstdCompressor(write_checksum=True).compress}
+    for name, suffix in (("web", "gz"), ("code", "zst"), ("web_val", "zst"), ("code_val", "gz")):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            (tmp_path / name / f"{i}.txt.{suffix}").write_bytes(compress[suffix](f"{name} text {i}\n".encode() * 30))
+    cfg = config(tmp_path, "--validation.enable", "--validation.mixture",
+                 f"{tmp_path / 'web_val'},{tmp_path / 'code_val'}")
+    tokenizer = Tokenizer(REPO / "assets/tokenizer/shakespeare.model")
+    data = plan_data(cfg, tokenizer, tokenizer_path(cfg), None)
+    assert [(s.name, [p.name for p in s.files], [p.name for p in s.validation_files]) for s in data.sources] == [
+        ("web", ["0.txt.gz", "1.txt.gz"], ["0.txt.zst", "1.txt.zst"]),
+        ("code", ["0.txt.zst", "1.txt.zst"], ["0.txt.gz", "1.txt.gz"])]
+    assert sorted(json.loads(data.fingerprint)) == ["code/0.txt.zst", "code/1.txt.zst", "web/0.txt.gz", "web/1.txt.gz"]
+
+    saved = tmp_path / "step-2"
+    saved.mkdir()
+    (saved / "data_fingerprint.json").write_text(data.fingerprint)
+    (tmp_path / "code" / "1.txt.zst").write_bytes(compress["zst"](b"other text\n" * 30))
+    with pytest.raises(DataChangedError, match=r"data.mixture = .*: file code/1.txt.zst changed"):
+        plan_data(cfg, tokenizer, tokenizer_path(cfg), saved)
+
+    cut = tmp_path / "code_val" / "1.txt.gz"
+    cut.write_bytes(cut.read_bytes()[:-12])
+    with pytest.raises(DataError, match=rf"^{cut}: cannot decompress \(Compressed file ended before"):
+        plan_data(cfg, tokenizer, tokenizer_path(cfg), None)

@@ -14,17 +14,16 @@ from weft.components.config import ConfigError, parse_args
 from weft.models.llama import LLAMA_FLAVORS
 from weft.recipe.plan import RunPlan
 from tests.support.dist_utils import run_distributed
-from tests.support.train_runs import run
+from tests.support.train_runs import run, run_args
 
 STEPS = 20
 
 
 def args(dump: Path, dp: int = 1, *extra: str) -> list[str]:
     """debug_lora on the seeded base (no initial_load_path), small and quick."""
-    return ["--job.config_file", "debug_lora", "--job.dump_folder", str(dump), "--checkpoint.initial_load_path=",
-            "--training.steps", str(STEPS), "--training.seq_len", "32", "--training.local_batch_size", str(4 // dp),
-            "--no-validation.enable", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
-            "--checkpoint.interval", "10", "--lora.rank", "4", "--optimizer.lr", "3e-3", *extra]
+    return run_args(dump, "--checkpoint.initial_load_path=", "--no-validation.enable", "--checkpoint.interval", "10",
+                    "--lora.rank", "4", "--optimizer.lr", "3e-3", *extra, config="debug_lora", steps=STEPS,
+                    batch=4 // dp)
 
 
 def folder_bytes(folder: Path) -> int:

@@ -25,11 +25,6 @@ DOCS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(TOKENIZER_PATH)
-
-
 def reference_windows(docs: list[str], seq_len: int, count: int) -> list[list[int]]:
     """The first `count` windows, built straight from SentencePiece: [BOS] doc [EOS], looped."""
     sp = spm.SentencePieceProcessor(model_file=str(TOKENIZER_PATH))

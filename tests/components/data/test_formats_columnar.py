@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from weft import train
-from weft.components.data import DataError, Tokenizer, build_loader, check_text_files, find_text_files
+from weft.components.data import DataError, build_loader, check_text_files, find_text_files
 from weft.components.data import sources
 from weft.components.data.formats import check_chat_columns, check_prompt_completion_columns
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
-from tests.support.train_runs import run
+from tests.support.train_runs import run, run_args
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -68,11 +68,6 @@ def corpus(root: Path, fmt: str, count: int = 24) -> Path:
     for i, part in enumerate((docs[: count // 2], docs[count // 2 :])):
         write(root / f"part{i}", [{"id": j, "text": doc} for j, doc in enumerate(part)], fmt)
     return root
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(ASSETS / "tokenizer" / "shakespeare.model")
 
 
 def loader_batches(path: Path, tokenizer: Any, n: int, fmt: str = "text", state: dict | None = None,
@@ -236,15 +231,9 @@ def test_a_truncated_gzip_stream_is_named_where_it_breaks(tmp_path, tokenizer):
 # train.py: the same losses; bad input
 # ---------------------------------------------------------------------------------------------
 
-def train_args(dump: Path, data: Path, steps: int = 4) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", str(steps),
-            "--metrics.log_freq", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--metrics.enable_tensorboard", "false", "--data.dataset_path", str(data)]
-
-
 @pytest.mark.slow
 def test_training_losses_equal_the_jsonl_run(tmp_path):
-    losses = {fmt: run(train_args(tmp_path / f"run-{fmt}", corpus(tmp_path / fmt, fmt)))
+    losses = {fmt: run(run_args(tmp_path / f"run-{fmt}", seq_len=64, data=corpus(tmp_path / fmt, fmt)))
               for fmt in ["jsonl", "parquet", "jsonl.zst", "jsonl.gz"]}
     assert len(losses["jsonl"]) == 4
     for fmt in ["parquet", "jsonl.zst", "jsonl.gz"]:
@@ -291,7 +280,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, make, expected):
     else:
         make(tmp_path, monkeypatch)
     before = snapshot(tmp_path)
-    outcome = run_in_process(train.main, train_args(tmp_path / "run", tmp_path / "data"), capsys)
+    outcome = run_in_process(train.main, run_args(tmp_path / "run", seq_len=64, data=tmp_path / "data"), capsys)
     assert_clean_failure(outcome, expected.format(data=tmp_path / "data"), before=before, root=tmp_path)
     assert not (tmp_path / "run").exists()
 

@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft.components.data import DataError, Tokenizer, build_loader
+from weft.components.data import DataError, build_loader
 from weft.components.data.mixture import Mixture, parse_mixture, source_names, source_tokens
 
-from tests.support import REPO
-
 SEQ = 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(REPO / "assets/tokenizer/shakespeare.model")
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,6 @@ TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 LINES = [f"To be, or not to be{', that is the question' * (i % 4)}: line {i}." for i in range(60)]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(TOKENIZER)
-
-
 def write(path: Path, records: list) -> list[Path]:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return [path]

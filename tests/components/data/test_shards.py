@@ -17,7 +17,7 @@ from weft.components.data import build_loader, load_tokenizer
 from weft.components.data.prepare import main as prepare_main
 from weft.components.data.shards import read_manifest, shard_dtype
 from tests.support.dist_utils import run_distributed
-from tests.support.train_runs import run
+from tests.support.train_runs import run, run_args
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENIZER = ROOT / "assets/tokenizer/shakespeare.model"
@@ -167,9 +167,7 @@ def test_resumed_loader_continues_on_the_next_window(corpus):
 
 
 def args(dump: Path, data: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--data.dataset_path", str(data),
-            "--training.steps", "4", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *extra]
+    return run_args(dump, *extra, seq_len=64, data=data)
 
 
 CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2")
