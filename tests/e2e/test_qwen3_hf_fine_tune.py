@@ -15,15 +15,14 @@ from weft.components.hf import model_args_from_hf_folder
 from weft.generate import load_model
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import tiny_qwen3_hf_folder
+from tests.support.train_runs import run_args
 
 
 def fine_tune(folder: str, dump: str) -> list[float]:
     """Worker: 3 steps from the folder, exported at the end (dump/hf) and checkpointed at step 3."""
-    return train.train(parse_args([
-        "--job.config_file", "debug_model", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", folder,
-        "--job.dump_folder", dump, "--training.steps", "3", "--training.seq_len", "32", "--training.local_batch_size",
-        "2", "--parallelism.dp_shard", "2", "--export.hf_folder", "hf", "--checkpoint.enable",
-        "--checkpoint.interval", "3", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard"]))
+    return train.train(parse_args(run_args(
+        dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", folder,
+        "--parallelism.dp_shard", "2", "--export.hf_folder", "hf", steps=3, checkpoint_every=3)))
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 
 from weft.components.config import parse_args
 from tests.support.dist_utils import run_distributed
+from tests.support.train_runs import run_args
 
 STEPS = 6
 TP2 = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]
@@ -22,9 +23,7 @@ LAYOUTS = {  # name -> (flavor, overrides), each on 2 ranks
 
 
 def config_args(dump_folder: str, flavor: str, overrides: list[str]) -> list[str]:
-    return ["--job.config_file", "debug_model", "--model.flavor", flavor, "--job.dump_folder", dump_folder,
-            "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *overrides]
+    return run_args(dump_folder, "--model.flavor", flavor, *overrides, steps=STEPS, seq_len=64)
 
 
 def train_layouts(root: str) -> dict[str, list[float] | str]:
