@@ -1,6 +1,8 @@
-"""Hugging Face interop: load a `LlamaForCausalLM` folder into a weft model of any parallel
-layout, and export a DCP checkpoint as such a folder; both move one tensor at a time, so memory
-stays bounded by the largest tensor (plus, on export, the shard being written).
+"""Hugging Face interop: load a Hugging Face folder of any registered family (`LlamaForCausalLM`,
+`Llama4ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`) into a weft model of any parallel
+layout, and export a DCP checkpoint as such a folder; both move one tensor at a time (a stacked
+experts parameter as its per-expert tensors, where the family stores them so), so memory stays
+bounded by the largest tensor (plus, on export, the shard being written).
 
     python -m weft.components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
         --out llama3_8b_hf --dtype bfloat16

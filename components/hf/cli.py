@@ -16,9 +16,9 @@ from weft.models import flavors
 
 def main(argv: list[str] | None = None, prog: str = "python -m weft.components.hf") -> int:
     """Parse the command line, export, and return the exit status (2 for a user's mistake)."""
-    parser = OneLineParser(prog=prog, description="Hugging Face Llama interop: export a DCP checkpoint to a folder.")
+    parser = OneLineParser(prog=prog, description="Hugging Face interop: export a DCP checkpoint to a folder.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face LlamaForCausalLM folder")
+    export = commands.add_parser("export", help="DCP checkpoint step folder -> Hugging Face folder of its family (LlamaForCausalLM, Qwen3ForCausalLM, ...)")
     export.add_argument("--checkpoint", required=True, help="DCP step folder, e.g. outputs/checkpoint/step-1000")
     export.add_argument("--flavor", choices=list(flavors()),
                         help="model flavor it was trained as (default: what the run recorded in <dump_folder>/hf_files)")

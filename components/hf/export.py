@@ -1,4 +1,4 @@
-"""weft → Hugging Face: a DCP checkpoint written as a `LlamaForCausalLM` folder, one tensor at a time."""
+"""weft → Hugging Face: a DCP checkpoint written as a Hugging Face folder of its family, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def export_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     hf_files: Path | None = None,
 ) -> None:
-    """Write the model of a DCP checkpoint as a Hugging Face `LlamaForCausalLM` folder.
+    """Write the model of a DCP checkpoint as a Hugging Face folder of its family (`LlamaForCausalLM`, ...).
 
     The model's shape comes from `flavor` (a registered flavor, `weft.models.flavors()`) or `model_args`. Runs in
     one process whatever layout saved the checkpoint: each tensor is read whole, one at a time
