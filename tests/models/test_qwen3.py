@@ -204,7 +204,8 @@ def test_generate_decodes_a_folder_greedily_as_transformers_does(tmp_path, moe, 
 def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
     """experts(), active_parameters and the NF4 refusal against the built model: its MoE layers, the
     routed experts' share a token skips, and whether a weight is not 2-D (torchao's NF4 holds 2-D
-    weights only): dense Qwen3 can be QLoRA's base, Qwen3-MoE cannot."""
+    weights only): dense Qwen3 can be QLoRA's base, Qwen3-MoE cannot. The memory estimate's block
+    and adapter counts against the model's, and its adapters as apply_lora makes them."""
     from weft.components.metrics import active_parameters
     from weft.models.moe import MoE
 
@@ -226,6 +227,11 @@ def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
     assert (spec.nf4_refusal_for(args) is not None) == any(p.dim() > 2 for p in model.parameters())
     blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     assert spec.block_numel(args) * args.n_layers == pytest.approx(blocks, rel=1e-3)
+    from weft.parallelisms.lora import apply_lora
+
+    apply_lora(model, rank=4, alpha=8)  # the default targets: every linear but the output head and routers
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert spec.lora_block_numel(args, 4) * args.n_layers == pytest.approx(adapters, rel=1e-3)
 
 
 # config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-30B-A3B as published (transformers 4.51's format:
