@@ -9,9 +9,10 @@ from torch import nn
 
 from weft.models.llama.spec import LLAMA_SPEC
 from weft.models.llama4.spec import LLAMA4_SPEC
+from weft.models.qwen3.spec import QWEN3_SPEC
 from weft.models.spec import Experts, HFConfigError, HFMapping, ModelSpec
 
-MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC)
+MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC)
 
 
 def flavors() -> dict[str, Any]:

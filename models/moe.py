@@ -31,17 +31,19 @@ SCORE_FUNCTIONS = ("sigmoid", "softmax")
 ROUTER = "router"
 
 
-def route(logits: torch.Tensor, top_k: int, score_func: str,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, score_func: str, bias: torch.Tensor | None = None,
+          norm_topk_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, experts), each [tokens, top_k]: each token's top_k experts by router logit plus
     `bias` (ties to the lower expert index, as torch.topk picks) and their scores, from the logits
     alone: the sigmoid of each chosen logit (Llama 4), or the softmax over all experts taken at the
-    chosen ones. (DeepSeek-V3 adds its bias to the sigmoid scores; added to the logits, a zero
-    bias leaves the choice exactly as transformers' Llama 4 makes it.)"""
+    chosen ones (Qwen3-MoE), with `norm_topk_prob` divided by their sum so that a token's scores
+    add up to 1. (DeepSeek-V3 adds its bias to the sigmoid scores; added to the logits, a zero
+    bias leaves the choice exactly as transformers' Llama 4 and Qwen3-MoE make it.)"""
     logits = logits.float()
     experts = (logits if bias is None else logits + bias).topk(top_k, dim=-1).indices
     probabilities = torch.sigmoid(logits) if score_func == "sigmoid" else logits.softmax(-1)
-    return probabilities.gather(-1, experts), experts
+    scores = probabilities.gather(-1, experts)
+    return (scores / scores.sum(-1, keepdim=True) if norm_topk_prob else scores), experts
 
 
 def load_balance_loss(logits: torch.Tensor, experts: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -145,17 +147,19 @@ def grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 class MoE(nn.Module):
     """out = shared_expert(x) + Σ over the token's top_k experts e of expert_e(score_e · x) (Llama 4,
-    `score_before_experts`), or of score_e · expert_e(x) (the usual placement)."""
+    `score_before_experts`), or of score_e · expert_e(x) (the usual placement: Qwen3-MoE, which
+    has no shared expert). `norm_topk_prob`: the top_k scores renormalised to sum to 1 (`route`)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, *,
                  shared_hidden_dim: int | None = None, score_func: str = "sigmoid",
-                 score_before_experts: bool = True):
+                 score_before_experts: bool = True, norm_topk_prob: bool = False):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must lie in 1..n_experts ({n_experts})")
         if score_func not in SCORE_FUNCTIONS:
             raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
         self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts
+        self.norm_topk_prob = norm_topk_prob
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, n_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
@@ -166,7 +170,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens)
-        scores, experts = route(logits, self.top_k, self.score_func, self.expert_bias)
+        scores, experts = route(logits, self.top_k, self.score_func, self.expert_bias, self.norm_topk_prob)
         order = experts.flatten().argsort(stable=True)  # (token, slot) pairs sorted by expert
         source = order // self.top_k
         weight = scores.flatten()[order, None].to(x.dtype)

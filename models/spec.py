@@ -53,6 +53,22 @@ class HFMapping:
         """Each HF tensor's name -> the weft parameters it is made of."""
         return self.names.groups(weft_names)
 
+    def units(self, shapes: Mapping[str, torch.Size]) -> list[tuple[list[str], list[str]]]:
+        """(weft parameters, the HF tensors they make) for the weft tensors of `shapes` (name ->
+        shape) that Hugging Face holds: several parameters joined into one tensor (`groups`), or one
+        stacked parameter held as one tensor per expert (Qwen3-MoE: `hf_parts`), or one and one."""
+        return [(group, self.hf_parts(group[0], shapes[group[0]]) if len(group) == 1 else [hf_name])
+                for hf_name, group in self.groups(shapes).items()]
+
+    def stacked(self, weft_name: str) -> bool:
+        """Whether the weft parameter is held in Hugging Face as one tensor per expert."""
+        return self.names.stacked(weft_name)
+
+    def hf_parts(self, weft_name: str, shape: torch.Size) -> list[str]:
+        """The HF tensors holding the weft parameter of this shape: one per expert where it is
+        `stacked`, else its one tensor."""
+        return self.names.hf_parts(weft_name, shape[0] if self.stacked(weft_name) else 1)
+
     def to_hf(self, weft_names: list[str], tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
         """The HF tensor made of these weft parameters (a group of `groups`)."""
         tensors = [self.names.to_hf_tensor(name, tensor, args) for name, tensor in zip(weft_names, tensors)]
@@ -60,6 +76,12 @@ class HFMapping:
             return self.join(weft_names, tensors, args)
         (tensor,) = tensors
         return tensor
+
+    def to_hf_parts(self, weft_names: list[str], tensors: list[torch.Tensor], args: Any) -> list[torch.Tensor]:
+        """The HF tensors of a unit (`units`): the one `to_hf` makes, or a stacked parameter's experts."""
+        tensor = self.to_hf(weft_names, tensors, args)
+        # Each expert its own copy: safetensors refuses to write tensors that share memory.
+        return [expert.clone() for expert in tensor.unbind(0)] if self.stacked(weft_names[0]) else [tensor]
 
     def from_hf_tensor(self, weft_name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
         """The weft parameter `weft_name` out of its HF tensor."""
@@ -108,4 +130,10 @@ class ModelSpec:
     lora_block_numel: Callable[[Any, int], int]  # args, LoRA rank -> adapter parameters of one block
     experts: Callable[[Any], Experts | None] = dense  # args -> its experts and routing; None: a dense model
     active_parameters: Callable[[nn.Module], int] | None = None  # model -> parameters one token uses; None: all
-    nf4_refusal: str | None = None  # why QLoRA cannot hold this family's frozen base in NF4; None: it can
+    # why QLoRA cannot hold this family's frozen base in NF4 (or args -> why, where it depends on the
+    # model: Qwen3-MoE's experts, not dense Qwen3); None: it can
+    nf4_refusal: str | Callable[[Any], str | None] | None = None
+
+    def nf4_refusal_for(self, args: Any) -> str | None:
+        """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""
+        return self.nf4_refusal(args) if callable(self.nf4_refusal) else self.nf4_refusal

@@ -200,9 +200,10 @@ def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
     NF4 cannot hold its base (Llama 4: torchao's NF4 holds 2-D weights only, so the stacked routed
     experts, most of the model, would stay unquantized)."""
     spec = spec_for_args(args)
-    if cfg.lora.enable and cfg.lora.quantize_base and spec.nf4_refusal is not None:
+    refusal = spec.nf4_refusal_for(args)
+    if cfg.lora.enable and cfg.lora.quantize_base and refusal is not None:
         raise ConfigError(f"lora.quantize_base = {cfg.lora.quantize_base!r}: {model_source(cfg)} ({spec.name}) "
-                          f"{spec.nf4_refusal}; use LoRA (lora.quantize_base = '')")
+                          f"{refusal}; use LoRA (lora.quantize_base = '')")
 
 
 def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:

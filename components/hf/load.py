@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
 from weft.components.checkpoint import listing
@@ -60,10 +62,10 @@ def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> N
 
 
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names: Collection[str] | None = None) -> None:
-    """Copy the weights of a Hugging Face Llama or Llama 4 folder into `model`, in any parallel layout
+    """Copy the weights of a Hugging Face Llama, Llama 4 or Qwen3 folder into `model`, in any parallel layout
     (`names`: only these parameters, the others may still be on the meta device).
 
-    The folder's config.json must describe a LlamaForCausalLM of the same shape (and rotary,
+    The folder's config.json must describe a model of the same family and shape (and rotary,
     norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
     only parameters are written, so the rotary buffers must already be filled (as by
     `init_weights` or by building the model on a real device).
@@ -72,7 +74,9 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
     rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
     every full tensor from disk (safetensors maps the file, so ranks of one node share the page
-    cache), and memory grows only by the largest tensor, never by the model.
+    cache), and memory grows only by the largest tensor, never by the model. Experts stored one
+    tensor per expert (Qwen3-MoE) are the exception: a rank reads only the experts its part of the
+    stacked parameter holds (under expert parallelism or FSDP), and stacks them.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
@@ -84,26 +88,49 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
     hf = spec_for_args(args).hf
-    hf_names = {name: hf.prefix(config) + hf.weft_to_hf_name(name) for name in params}
-    missing = [hf for hf in hf_names.values() if hf not in files]
+    hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
+    missing = [part for parts in hf_names.values() for part in parts if part not in files]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
 
+    def read(hf_name: str, expected: list[int]) -> torch.Tensor:
+        with open_safetensors(files[hf_name]) as f:
+            tensor = f.get_tensor(hf_name)
+        if list(tensor.shape) != expected:
+            raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
+                                  f"the model expects {expected}")
+        return tensor
+
     with torch.no_grad(), implicit_replication():
         for name, param in params.items():
-            hf_name = hf_names[name]
-            with open_safetensors(files[hf_name]) as f:
-                full = f.get_tensor(hf_name)
-            expected = hf.shape(name, param.shape)
-            if list(full.shape) != expected:
-                raise ConversionError(
-                    f"HF folder {folder}: {hf_name} has shape {list(full.shape)}, the model expects {expected}"
-                )
-            full = hf.from_hf_tensor(name, full, args)
+            if hf.stacked(name):
+                _load_stacked(param, [lambda part=part: read(part, list(param.shape[1:])) for part in hf_names[name]],
+                              lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
+                continue
+            (hf_name,) = hf_names[name]
+            full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:
+    """Fill a stacked experts parameter ([experts, ...]) from its per-expert HF tensors (`experts`:
+    a reader for each), reading only the experts this rank holds: under expert parallelism (or
+    FSDP) the parameter is a DTensor split along the experts, and its local part is filled from
+    those experts' tensors alone."""
+    if not isinstance(param, DTensor):
+        param.copy_(to_weft(torch.stack([read() for read in experts])).to(device=param.device, dtype=param.dtype))
+        return
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if local.numel() == 0:
+        return
+    stack = to_weft(torch.stack([read() for read in experts[offset[0]:offset[0] + shape[0]]]))
+    for dim in range(1, stack.ndim):  # other dimensions split too (tensor parallelism): this rank's slice
+        stack = stack.narrow(dim, offset[dim], shape[dim])
+    local.copy_(stack.to(device=local.device, dtype=local.dtype))
 
 
 def model_args_for_run(flavor: str, initial_load_path: str) -> Any:

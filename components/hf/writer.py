@@ -103,21 +103,23 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     files, with its tokenizer) or from `args`. Every rank calls it; rank 0 writes."""
     hf = spec_for_args(args).hf
     bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == "output.weight")]
-    groups = hf.groups(bases)  # each HF tensor's weft parameters (Llama 4: w1 and w3 make gate_up_proj)
-    left_out = sorted(set(bases) - {n for group in groups.values() for n in group})
+    # Each group of weft parameters and the HF tensors it makes (Llama 4: w1 and w3 make one
+    # gate_up_proj; Qwen3-MoE: a stacked w1 makes one gate_proj per expert).
+    units = hf.units({n: shapes[n] for n in bases})
+    left_out = sorted(set(bases) - {n for group, _ in units for n in group})
     if left_out and is_writer():
         logger.info(f"export: left out {len(left_out)} tensors the Hugging Face model has no place for "
                     f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})")
     adapted = {f"{m}.weight" for m in (adapters.modules if adapters else ())}
-    order = [x for group in groups.values() for n in group
+    order = [x for group, _ in units for n in group
              for x in ([n, _lora(n, "A"), _lora(n, "B")] if n in adapted else [n])]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    files = plan_shards(((hf_name, sum(shapes[n].numel() for n in group) * itemsize)
-                         for hf_name, group in groups.items()), max_shard_bytes)
+    files = plan_shards(((hf_name, sum(shapes[n].numel() for n in group) * itemsize // len(hf_names))
+                         for group, hf_names in units for hf_name in hf_names), max_shard_bytes)
 
     def tensors():
         stream = source(order)
-        for hf_name, group in groups.items():
+        for group, hf_names in units:
             parts = []
             for name, tensor in (next(stream) for _ in group):
                 if name in adapted:
@@ -125,7 +127,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
                     if is_writer():
                         tensor = tensor.float() + adapters.scaling * (b.float() @ a.float())
                 parts.append(tensor)
-            yield hf_name, _to_hf(hf, group, parts, args, dtype)
+            yield from zip(hf_names, _to_hf_parts(hf, group, parts, args, dtype, len(hf_names)))
 
     def finish(folder: Path) -> None:
         if hf_files is None:
@@ -170,6 +172,15 @@ def _lora(weight_name: str, which: str) -> str:
 
 def _hf_module(hf: HFMapping, weft_module: str) -> str:
     return hf.weft_to_hf_name(f"{weft_module}.weight").removesuffix(".weight")
+
+
+def _to_hf_parts(hf: HFMapping, weft_names: list[str], tensors: list, args, dtype: torch.dtype,
+                 count: int) -> list[torch.Tensor | None]:
+    """The `count` Hugging Face tensors of a unit (`HFMapping.units`), as `_to_hf` makes them (None
+    on a rank that does not write)."""
+    if not is_writer() or any(t is None for t in tensors):
+        return [None] * count
+    return [t.to(dtype).contiguous() for t in hf.to_hf_parts(weft_names, [t.detach().to("cpu") for t in tensors], args)]
 
 
 def _to_hf(hf: HFMapping, weft_names: list[str], tensors: list, args, dtype: torch.dtype | None) -> torch.Tensor | None:

@@ -1,7 +1,9 @@
 """The frame every decoder family shares: token embedding → blocks → RMSNorm → output projection,
 the rotary table beside them, the forward's walk through whatever modules a pipeline stage holds,
-and order-independent weight initialisation. A family's `Transformer` subclasses `Decoder`, gives
-it its block, and writes its own `forward` (what each block is handed) around `run_blocks`."""
+and order-independent weight initialisation. A family's `Transformer` subclasses `Decoder` and
+gives it its block; the forward hands each block the rotations and the document mask (a
+`PreNormBlock`'s inputs), and a family whose blocks take more writes its own `forward` around
+`run_blocks` (Llama 4)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,16 @@ from weft.models.moe import MoE
 # Parameters that write into the residual stream (attention's output, the feed-forwards' down
 # projections, routed experts' included): initialised with std scaled by 1/√(2·n_layers).
 RESIDUAL_PROJECTIONS = ("wo.weight", "w2.weight", "experts.w2")
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm residual block: h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)).
+    A family's block makes the four modules (Llama: a SwiGLU; Qwen3: a SwiGLU or an MoE)."""
+
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, document_ids: torch.Tensor | None = None,
+                mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotations, document_ids=document_ids, mask=mask)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Decoder(nn.Module):
@@ -39,6 +51,31 @@ class Decoder(nn.Module):
         # Complex: `model.to(dtype)` would keep only its real part; cast parameters, not the model.
         rotations = rope_rotations(args, device=self.tok_embeddings.weight.device)
         self.register_buffer("rope_rotations", rotations, persistent=False)
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens: [batch, seq] → logits [batch, seq, vocab], each block handed the rotations and the
+        document mask (`PreNormBlock`'s inputs); a family whose blocks take more writes its own.
+
+        positions ([seq] or [batch, seq]) give each token's place in its sequence; they default
+        to 0..seq-1 and differ when the sequence is split across devices, or when several
+        documents are packed into one sample (each restarts at 0). document_ids ([batch, seq])
+        make attention block-causal: no token attends to another document. A pipeline stage
+        without the embedding is given the previous stage's hidden state as `tokens`, and must
+        be given positions when that is split along the sequence.
+        """
+        if positions is None:
+            rotations = self.rope_rotations[: tokens.shape[1]]
+        else:
+            rotations = self.rope_rotations[positions]
+        # Packed documents: the attention core's mask is built once here, outside the (compiled,
+        # checkpointed) blocks, and every block uses it.
+        mask = None
+        if document_ids is not None and len(self.layers):
+            core = self.attention_core()
+            mask = core.document_mask(document_ids) if hasattr(core, "document_mask") else None
+        return self.run_blocks(tokens, rotations, document_ids=document_ids, mask=mask)
 
     def attention_core(self) -> nn.Module:
         """The first block's attention core (context parallelism may have swapped it): the one that

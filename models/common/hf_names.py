@@ -104,15 +104,22 @@ class HFNames:
         (field,) = stacked_by
         return [hf.format(**fields, **{field: i}) for i in range(count)]
 
+    def stacked(self, name: str) -> bool:
+        """Whether Hugging Face holds the weft parameter `name` as one tensor per expert (`hf_parts`)."""
+        return bool(self._entry(name)[3])
+
     def groups(self, weft_names: Iterable[str]) -> dict[str, list[str]]:
         """Each Hugging Face tensor's name → the weft parameters it is made of, in table order, the
-        tensors in the order of `weft_names`; `weft_only` tensors left out."""
+        tensors in the order of `weft_names`; `weft_only` tensors left out. A weft parameter held
+        as one tensor per expert is a group of its own, under the name of its tensors with the
+        expert left as `{expert}` (`hf_parts` names them)."""
         groups: dict[str, list[tuple[int, str]]] = {}
         for name in weft_names:
             if any(pattern.fullmatch(name) for pattern in self._weft_only):
                 continue
-            index = self._entry(name)[0]
-            groups.setdefault(self.to_hf(name), []).append((index, name))
+            index, fields, hf, stacked_by = self._entry(name)
+            key = hf.format(**fields, **{field: f"{{{field}}}" for field in stacked_by})
+            groups.setdefault(key, []).append((index, name))
         return {hf: [name for _, name in sorted(members)] for hf, members in groups.items()}
 
     def rotary_heads(self, name: str, args) -> int | None:

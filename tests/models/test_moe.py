@@ -154,3 +154,28 @@ def test_the_masked_form_compile_uses_equals_the_loop():
         results.append([out, x_.grad, *(p.grad for p in layer.experts.parameters())])
     for masked, looped in zip(*results):  # the same math; a matmul over more rows rounds a little apart
         torch.testing.assert_close(masked, looped, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_form_equals_per_token_math(norm_topk_prob):
+    """Qwen3-MoE's layer: softmax over all experts, the top_k probabilities divided by their sum
+    where `norm_topk_prob` (else kept), each chosen expert's output weighed by its score, no shared
+    expert."""
+    torch.manual_seed(0)
+    layer = MoE(16, 32, n_experts=4, top_k=2, score_func="softmax", score_before_experts=False,
+                norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 5, 16)
+    expected = []
+    for token in x.reshape(-1, 16):
+        probabilities = (layer.router.weight @ token).softmax(-1)
+        scores, chosen = probabilities.topk(2)
+        if norm_topk_prob:
+            scores = scores / scores.sum()
+        w1, w2, w3 = layer.experts.w1, layer.experts.w2, layer.experts.w3
+        expected.append(sum(s * (w2[e] @ (F.silu(w1[e] @ token) * (w3[e] @ token))) for e, s in zip(chosen.tolist(), scores)))
+    torch.testing.assert_close(layer(x), torch.stack(expected).view_as(x), rtol=1e-5, atol=1e-5)
+    scores = route(layer.router(x.reshape(-1, 16)), 2, "softmax", norm_topk_prob=norm_topk_prob)[0]
+    assert torch.allclose(scores.sum(-1), torch.ones(10)) == norm_topk_prob

@@ -52,3 +52,42 @@ def tiny_llama4_hf_folder(folder: Path, seed: int = 0):
                 p.normal_(0, 1.0 if "router" in name else 0.1)
     model.save_pretrained(folder)
     return model.eval()
+
+
+# Qwen3 dense: tied embeddings, head_dim 32 where hidden / heads is 16, 2 query heads per key/value
+# head, the Shakespeare tokenizer's vocabulary.
+TINY_QWEN3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+                  intermediate_size=80, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=128,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2)
+# Qwen3-MoE: 8 experts (top 2) in layers 0, 2 and 3 (layer 1 in mlp_only_layers), as 30B-A3B does it
+# (decoder_sparse_step 1); `decoder_sparse_step=2` overrides make layers 1 and 3 the MoE ones.
+TINY_QWEN3_MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
+                      intermediate_size=80, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], vocab_size=2048,
+                      tie_word_embeddings=False, max_position_embeddings=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1,
+                      eos_token_id=2)
+
+
+def tiny_qwen3_hf_folder(folder: Path, moe: bool = False, seed: int = 0, **overrides):
+    """A randomly initialised transformers Qwen3ForCausalLM (TINY_QWEN3), or Qwen3MoeForCausalLM
+    (TINY_QWEN3_MOE), with `overrides` over its config, saved in `folder`; returns the model. Every
+    weight is drawn (std 0.1; norms, the q/k norms included, around 1 with std 0.3, so that their
+    row order matters; routers std 0.3, so that routing varies by token and scores are not all on one expert)."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(seed)
+    if moe:
+        config = transformers.Qwen3MoeConfig(**(TINY_QWEN3_MOE | overrides), attn_implementation="eager")
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**(TINY_QWEN3 | overrides), attn_implementation="eager")
+        model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            else:
+                p.normal_(0, 0.3 if name.endswith("mlp.gate.weight") else 0.1)
+    model.float().save_pretrained(folder)
+    return model.float().eval()

@@ -1,0 +1,60 @@
+"""Qwen3 and Qwen3-MoE (Qwen Team, 2025), written to read like the report.
+
+A pre-norm decoder like Llama 3 with two changes to attention and, in the MoE models, one to the
+feed-forward:
+
+- queries and keys pass a per-head RMSNorm with weights over head_dim (`q_norm`, `k_norm`)
+  *before* rotary (QK norm, in place of Qwen2's q/k/v biases);
+- head_dim is its own hyper-parameter, not dim / n_heads;
+- in Qwen3-MoE every `decoder_sparse_step`-th layer not in `mlp_only_layers` is a Mixture of
+  Experts: a softmax router chooses top_k routed SwiGLU experts (their scores renormalised to sum
+  to 1 where `norm_topk_prob`), each expert's output weighed by its score, no shared expert.
+
+Norms, rotary, grouped-query attention (with its q/k norm), masks, SwiGLU, the MoE layer and the
+decoder frame with its initialisation are the shared ones of `models/common/` and `models/moe.py`.
+Nothing here knows about parallelism.
+"""
+
+from __future__ import annotations
+
+from weft.models.common.decoder import Decoder, PreNormBlock
+from weft.models.common.feed_forward import FeedForward
+from weft.models.common.gqa import GroupedQueryAttention
+from weft.models.common.norms import RMSNorm
+from weft.models.moe import MoE
+from weft.models.qwen3.args import ModelArgs
+
+
+class TransformerBlock(PreNormBlock):
+    """Pre-norm residual block: h = x + attention(norm(x)); out = h + feed_forward(norm(h)), the
+    attention with its q/k norms, the feed-forward an MoE or a dense SwiGLU."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = GroupedQueryAttention(args, qk_norm_eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = args.is_moe_layer(layer)
+        if self.moe:
+            self.feed_forward = MoE(args.dim, args.moe_hidden_dim, args.n_experts, args.top_k, score_func="softmax",
+                                    score_before_experts=False, norm_topk_prob=args.norm_topk_prob)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
+
+
+class Transformer(Decoder):
+    """Token embedding → n_layers TransformerBlocks → RMSNorm → output projection to logits; the
+    decoder's forward (rotations and the document mask to every block)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, lambda layer: TransformerBlock(args, layer))
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        total = sum(p.numel() for p in self.parameters())
+        if not self.args.n_experts:
+            return total
+        idle = 1 - self.args.top_k / self.args.n_experts
+        routed = sum(p.numel() for layer in self.layers.values() if layer.moe
+                     for p in layer.feed_forward.experts.parameters())
+        return total - round(routed * idle)

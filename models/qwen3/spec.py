@@ -1,0 +1,53 @@
+"""weft's Qwen3 and Qwen3-MoE as the rest of weft sees it (models/spec.py), one spec for both:
+flavors, build, pipeline units (the decoder's), Hugging Face mapping (per-head q/k norm rows,
+per-expert tensors), tensor-parallel plan, FLOPs per token, LoRA adapters per block, and what
+differs between its dense and MoE models: experts and routing, active parameters, NF4."""
+
+from __future__ import annotations
+
+from weft.models.common.counts import attention_lora_numel, attention_numel
+from weft.models.common.decoder_spec import decoder_spec
+from weft.models.common.hf_config import hf_mapping
+from weft.models.qwen3 import hf_mapping as qwen3_hf
+from weft.models.qwen3.args import QWEN3_FLAVORS, ModelArgs
+from weft.models.qwen3.model import Transformer
+from weft.models.qwen3.tp_plan import tp_plan
+from weft.models.spec import Experts
+
+
+def block_numel(args: ModelArgs) -> int:
+    """Parameters of one block, averaged over the MoE and dense blocks: attention with its q/k norms,
+    the two norms, and the dense SwiGLU or the router and routed experts."""
+    attention = attention_numel(args) + 2 * args.head_dim + 2 * args.dim
+    moe = 3 * args.dim * args.moe_hidden_dim * args.n_experts + args.dim * args.n_experts
+    dense = 3 * args.dim * args.dense_hidden_dim
+    n_moe = args.n_moe_layers
+    return attention + (n_moe * moe + (args.n_layers - n_moe) * dense) // args.n_layers
+
+
+def lora_block_numel(args: ModelArgs, rank: int) -> int:
+    """Adapter parameters of one block, averaged over the MoE and dense blocks, with LoRA on the
+    default targets: attention's 4 linears, and a dense block's 3 feed-forward linears (not the
+    router, not the stacked routed experts), rank x (in + out) each."""
+    dense = 3 * (args.dim + args.dense_hidden_dim) * (args.n_layers - args.n_moe_layers)
+    return attention_lora_numel(args, rank) + rank * dense // args.n_layers
+
+
+def experts(args: ModelArgs) -> Experts | None:
+    """Qwen3-MoE's routing; None for a dense Qwen3."""
+    return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots) if args.n_experts else None
+
+
+def nf4_refusal(args: ModelArgs) -> str | None:
+    """Dense Qwen3 QLoRA-ready; Qwen3-MoE not: its experts are stacked 3-D weights."""
+    if not args.n_experts:
+        return None
+    return ("keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA would "
+            "leave most of the model unquantized")
+
+
+QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
+
+QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
+                          block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
+                          active_parameters=Transformer.active_parameters, nf4_refusal=nf4_refusal)
