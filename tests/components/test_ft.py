@@ -1,0 +1,200 @@
+"""Fault tolerance across replica groups (components/ft.py): each group a torchrun job of its own,
+a torchft lighthouse started here on loopback, workers really SIGKILLed (tests/support/ft_worker.py).
+
+The references: plain HSDP (parallelism.dp_replicate 2) for the losses of groups without faults;
+for faults, the survivor itself (every step logged, no restart) and the weights of both groups at
+the end, which healing must have made equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import REPO
+from tests.support.dist_utils import free_port
+from weft.components.config import ConfigError, parse_args
+from weft.components.ft import check_fault_tolerance, config_identity
+
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse started here: its line per quorum, off
+pytest.importorskip("torchft")
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STEPS = 10
+
+
+def train_args(dump: Path, steps: int = STEPS) -> list[str]:
+    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", str(steps),
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+            "--no-metrics.enable_tensorboard", "--lr_scheduler.warmup_steps", "2"]
+
+
+def ft_args(group: int, lighthouse: str, groups: int = 2) -> list[str]:
+    return ["--fault_tolerance.enable", "--fault_tolerance.replica_id", str(group),
+            "--fault_tolerance.replica_groups", str(groups), "--fault_tolerance.lighthouse", lighthouse,
+            "--fault_tolerance.hostname", "127.0.0.1", "--fault_tolerance.connect_timeout_seconds", "10",
+            "--fault_tolerance.timeout_seconds", "20", "--fault_tolerance.quorum_timeout_seconds", "60"]
+
+
+def launch(args: list[str], *, nproc: int = 1, restarts: int = 0, env: dict | None = None,
+           script: str = "tests/support/ft_worker.py") -> subprocess.Popen:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([*TORCHRUN, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
+                             "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", script, *args],
+                            cwd=REPO, env=environment, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(run: subprocess.Popen, timeout: float = 150) -> str:
+    try:
+        out, err = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        _, err = run.communicate()
+        pytest.fail(f"timed out:\n{err[-4000:]}")
+    assert run.returncode == 0, err[-4000:]
+    return out + err
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def lighthouse():
+    """A lighthouse on loopback; yields (address, server). Groups that stop heartbeating for 1 s
+    are left out of the next quorum."""
+    from torchft.coordination import LighthouseServer
+
+    def start(min_replicas: int, join_timeout_ms: int = 30000):
+        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                  heartbeat_timeout_ms=1000)
+        servers.append(server)
+        return "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+
+    servers: list = []
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+# --- the config: one line for each thing the design rules out -------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--fault_tolerance.replica_id", "2"], "fault_tolerance.replica_id = 2: outside the 2 replica groups (0 .. 1)"),
+    (["--fault_tolerance.min_replica_groups", "3"], "fault_tolerance.min_replica_groups = 3: more than the 2"),
+    (["--parallelism.dp_replicate", "2"], "parallelism.dp_replicate = 2: under fault tolerance the replica groups"),
+    (["--fault_tolerance.lighthouse", ""], "fault_tolerance.lighthouse: empty and TORCHFT_LIGHTHOUSE is not set"),
+    (["--fault_tolerance.process_group", "nccl"], "fault_tolerance.process_group = 'nccl': needs GPUs"),
+])
+def test_config_refusals(monkeypatch, args, message):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cfg = parse_args(["--fault_tolerance.enable", "--fault_tolerance.lighthouse", "http://127.0.0.1:1", *args])
+    with pytest.raises(ConfigError) as e:
+        check_fault_tolerance(cfg, cfg.parallelism.dp_replicate, "cpu")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lighthouse_from_environment(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    check_fault_tolerance(parse_args(["--fault_tolerance.enable"]), 1, "cpu")
+
+
+def test_dormant_keys_need_enable():
+    with pytest.raises(ConfigError, match="fault_tolerance.replica_id"):
+        parse_args(["--fault_tolerance.replica_id", "1"])
+
+
+def test_config_identity_names_what_groups_must_share():
+    base = ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", "http://x:1"]
+    one = config_identity(parse_args(base))
+    assert config_identity(parse_args([*base, "--fault_tolerance.replica_id", "1", "--job.dump_folder", "g1",
+                                       "--fault_tolerance.hostname", "h"])) == one
+    assert config_identity(parse_args([*base, "--optimizer.lr", "1e-3"])) != one
+    assert 0 <= one < 2**20  # a float32 sum over many groups stays exact
+
+
+# --- groups without faults equal HSDP ----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_groups_equal_hsdp(tmp_path, lighthouse):
+    """Two groups of one process average their gradients through torchft: the mean of their losses
+    is plain HSDP's (dp_replicate 2, one process per replica) at every step."""
+    address = lighthouse(min_replicas=2)
+    hsdp = launch([*train_args(tmp_path / "hsdp"), "--parallelism.dp_replicate", "2"], nproc=2, script="train.py")
+    groups = [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, address)]) for g in (0, 1)]
+    for run in (hsdp, *groups):
+        finish(run)
+    reference = [r["train/loss"] for r in records(tmp_path / "hsdp")]
+    g0, g1 = (records(tmp_path / f"g{g}") for g in (0, 1))
+    assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, STEPS + 1))
+    mean = [(a["train/loss"] + b["train/loss"]) / 2 for a, b in zip(g0, g1)]
+    assert mean == pytest.approx(reference, abs=1e-5)
+    assert g0[0]["train/loss"] != g1[0]["train/loss"]  # each group read its own share of the batch
+    assert all(r["ft/participating_groups"] == 2 and r["ft/uncommitted_steps"] == 0 for r in g0 + g1)
+
+
+# --- a group killed: the other trains on, the killed one heals ---------------------------------------
+
+STEPS_KILLED = 14
+
+
+def final_weights(dump: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = dump / "final.pt"
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{STEPS_KILLED}", out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.mark.slow
+def test_killed_group_rejoins_and_heals(tmp_path, lighthouse):
+    """Group 1's worker is SIGKILLed twice: after its step 3, and as it enters step 8's gradient
+    all-reduce while group 0 is inside its own. Group 0 logs every step once, without restarting;
+    the step group 1 died in is committed nowhere. torchrun restarts group 1 each time; it heals
+    from group 0 and ends at the last step with group 0's weights, bit for bit."""
+    address = lighthouse(min_replicas=1)
+    ready = tmp_path / "group1-restarted"
+    common = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
+    survivor = launch([*train_args(tmp_path / "g0", STEPS_KILLED), *common, *ft_args(0, address)],
+                      env={"WEFT_TEST_WAIT": f"5:{ready}.1,10:{ready}.2"})
+    killed = launch([*train_args(tmp_path / "g1", STEPS_KILLED), *common, *ft_args(1, address)], restarts=2,
+                    env={"WEFT_TEST_KILL": "between:3,allreduce:8", "WEFT_TEST_READY": str(ready)})
+    survivor_log, killed_log = finish(survivor), finish(killed)
+
+    g0, g1 = records(tmp_path / "g0"), records(tmp_path / "g1")
+    assert [r["step"] for r in g0] == list(range(1, STEPS_KILLED + 1)), survivor_log[-3000:]
+    assert "restart" not in survivor_log.lower()  # the survivor's torchrun never restarted it
+    # alone from the kill until group 1 healed (after step 5, after step 10), together otherwise
+    assert [r["ft/participating_groups"] for r in g0] == [2, 2, 2, 1, 1, 2, 2, 1, 1, 1, 2, 2, 2, 2]
+    assert [r["ft/uncommitted_steps"] for r in g0] == [0] * 7 + [1] * 7  # step 8, which group 1 died in, once
+    assert killed_log.count("healed from a live group") == 2, killed_log[-3000:]
+    assert g1[-1]["step"] == STEPS_KILLED and g1[-1]["ft/heal_seconds"] > 0
+    a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lighthouse_that_does_not_answer(monkeypatch):
+    """No lighthouse at the address: one line naming it and the time waited, within bounds."""
+    from torch.distributed import TCPStore
+
+    from weft.components.ft import FaultToleranceError, ReplicaGroups
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    cfg = parse_args([*ft_args(0, f"http://127.0.0.1:{free_port()}"), "--fault_tolerance.connect_timeout_seconds", "2",
+                      "--fault_tolerance.quorum_timeout_seconds", "2"])
+    started = time.monotonic()
+    with pytest.raises(FaultToleranceError) as e:
+        groups = ReplicaGroups(cfg, torch.device("cpu"), (dict, lambda state: None))
+        next(groups.steps(0, 10))
+    assert str(e.value).startswith("fault_tolerance.lighthouse = http://127.0.0.1:")
+    assert "no answer within 2 s" in str(e.value) and "\n" not in str(e.value)
+    assert time.monotonic() - started < 30
