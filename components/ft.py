@@ -177,8 +177,8 @@ class ReplicaGroups:
                 if first:
                     raise self._unreachable(e) from None
                 raise
-            if first and start_step == 0:
-                self._wait_for_all_groups()
+            if first:
+                self._wait_for_all_groups(start_step)
             if self._healed:
                 self.heal_seconds, self._healed = time.monotonic() - started, False
                 logger.info(f"fault tolerance: healed from a live group to step {self.manager.current_step()} "
@@ -189,12 +189,12 @@ class ReplicaGroups:
                 return
             yield step
 
-    def _wait_for_all_groups(self) -> None:
-        """A fresh run's first step waits (quorum_timeout_seconds at most) until every group has
-        joined, so that no group trains its first steps alone; it stops waiting as soon as it is
-        found behind a live group (it healed: the run is not fresh, the others went on)."""
+    def _wait_for_all_groups(self, start_step: int) -> None:
+        """A group's first step waits (quorum_timeout_seconds at most) until every group has joined,
+        so that at a start or a restart of all groups none trains alone; it stops waiting as soon
+        as it is found behind live groups (it healed from them: they went on without it)."""
         deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
-        while (self.manager.num_participants() < self.groups and self.manager.current_step() == 0
+        while (self.manager.num_participants() < self.groups and self.manager.current_step() == start_step
                and time.monotonic() < deadline):
             time.sleep(0.2)
             self.manager.start_quorum()

@@ -122,14 +122,26 @@ def test_config_identity_names_what_groups_must_share():
 # --- groups without faults equal HSDP ----------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_groups_equal_hsdp(tmp_path, lighthouse):
+def test_two_groups_equal_hsdp_and_resume_after_all_killed(tmp_path, lighthouse):
     """Two groups of one process average their gradients through torchft: the mean of their losses
-    is plain HSDP's (dp_replicate 2, one process per replica) at every step."""
-    address = lighthouse(min_replicas=2)
-    hsdp = launch([*train_args(tmp_path / "hsdp"), "--parallelism.dp_replicate", "2"], nproc=2, script="train.py")
-    groups = [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, address)]) for g in (0, 1)]
-    for run in (hsdp, *groups):
+    is plain HSDP's (dp_replicate 2, one process per replica) at every step. Two more groups,
+    checkpointing every 4 steps, are both SIGKILLed after step 6 and started again: each resumes
+    from its step-4 checkpoint and logs the losses of the uninterrupted groups, bit for bit."""
+    together, killed = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
+    checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "4"]
+    runs = [launch([*train_args(tmp_path / "hsdp"), "--parallelism.dp_replicate", "2"], nproc=2, script="train.py")]
+    runs += [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, together)]) for g in (0, 1)]
+    runs += [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)],
+                    env={"WEFT_TEST_KILL": "between:6"}) for g in (0, 1)]
+    for run in runs[:3]:
         finish(run)
+    for run in runs[3:]:
+        run.communicate(timeout=150)
+        assert run.returncode != 0  # SIGKILLed, no restarts
+    resumed = [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)]) for g in (0, 1)]
+    for run in resumed:
+        assert "checkpoint: resumed from step 4" in finish(run)
+
     reference = [r["train/loss"] for r in records(tmp_path / "hsdp")]
     g0, g1 = (records(tmp_path / f"g{g}") for g in (0, 1))
     assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, STEPS + 1))
@@ -137,6 +149,10 @@ def test_two_groups_equal_hsdp(tmp_path, lighthouse):
     assert mean == pytest.approx(reference, abs=1e-5)
     assert g0[0]["train/loss"] != g1[0]["train/loss"]  # each group read its own share of the batch
     assert all(r["ft/participating_groups"] == 2 and r["ft/uncommitted_steps"] == 0 for r in g0 + g1)
+    for g, uninterrupted in enumerate((g0, g1)):
+        after_resume = records(tmp_path / f"k{g}")
+        assert [r["step"] for r in after_resume] == list(range(1, STEPS + 1))
+        assert [r["train/loss"] for r in after_resume] == [r["train/loss"] for r in uninterrupted]
 
 
 # --- a group killed: the other trains on, the killed one heals ---------------------------------------
