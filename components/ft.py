@@ -126,20 +126,22 @@ class ReplicaGroups:
 
     state: (save, load) of what a healing group copies from a peer, a dict of tensors and plain
     values (DTensors travel as their local shards: the peer of rank r is rank r of another group,
-    with the same layout)."""
+    with the same layout). Under diloco, model and optimizer are the inner ones torchft's DiLoCo
+    wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
 
-    def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]]):
+    def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own lines for every quorum and commit: off
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
         ft = cfg.fault_tolerance
-        self.cfg, self.groups = ft, ft.replica_groups
+        self.cfg, self.groups, self.diloco = ft, ft.replica_groups, ft.semi_sync_method == "diloco"
         self.lighthouse = lighthouse_address(cfg)
         self.identity = float(config_identity(cfg))
         self._save, self._load = state
         self.uncommitted, self.heal_seconds, self.committed = 0, 0.0, True
-        self._healed = False
+        self.step, self._healed_step = 0, None
         timeout = timedelta(seconds=ft.timeout_seconds)
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -158,6 +160,16 @@ class ReplicaGroups:
                 init_sync=False)  # every group draws the same seeded weights (the config check says so)
         except RuntimeError as e:
             raise self._unreachable(e) from None
+        self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
+        self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
+        self.outer = None
+        if self.diloco:
+            from torchft.local_sgd import DiLoCo
+
+            self.outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                         nesterov=ft.outer_nesterov)
+            self._diloco = DiLoCo(self.manager, [model], optimizer, self.outer, sync_every=ft.sync_steps)
+            self._diloco.__enter__()
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
         return FaultToleranceError(f"fault_tolerance.lighthouse = {self.lighthouse}: no answer within "
@@ -165,12 +177,22 @@ class ReplicaGroups:
                                    f": {one_line(error)[:200]}")
 
     def steps(self, start_step: int, last_step: int) -> Iterator[int]:
-        """The steps to train, each after joining the quorum (healing first if this group is behind).
-        The step is the number of committed steps plus one: an uncommitted step is tried again."""
+        """The steps to train. Averaging gradients, each joins the quorum first (healing if this
+        group is behind), and is the number of committed steps plus one: an uncommitted step is
+        tried again. Under diloco the steps run alone; a group healed at a sync goes on from the
+        peer's step."""
+        self.step = start_step
+        if self.diloco:
+            self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
+            while self.step < last_step:
+                self.step += 1
+                yield self.step
+                if self._healed_step is not None:
+                    self.step, self._healed_step = self._healed_step, None
+            return
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
         while first or self.manager.current_step() < last_step:
-            started = time.monotonic()
             try:
                 self.manager.start_quorum()
             except Exception as e:  # the first quorum is where a lighthouse that does not answer shows
@@ -179,15 +201,11 @@ class ReplicaGroups:
                 raise
             if first:
                 self._wait_for_all_groups(start_step)
-            if self._healed:
-                self.heal_seconds, self._healed = time.monotonic() - started, False
-                logger.info(f"fault tolerance: healed from a live group to step {self.manager.current_step()} "
-                            f"in {self.heal_seconds:.2f} s")
-            first = False
-            step = self.manager.current_step() + 1
-            if step > last_step:
+            first, self._healed_step = False, None
+            self.step = self.manager.current_step() + 1
+            if self.step > last_step:
                 return
-            yield step
+            yield self.step
 
     def _wait_for_all_groups(self, start_step: int) -> None:
         """A group's first step waits (quorum_timeout_seconds at most) until every group has joined,
@@ -199,6 +217,24 @@ class ReplicaGroups:
             time.sleep(0.2)
             self.manager.start_quorum()
 
+    def _timed_quorum(self, *args, **kwargs) -> None:
+        """torchft's start_quorum (ours, or DiLoCo's at a sync), timing a heal if it brought one."""
+        started = time.monotonic()
+        self._start_quorum(*args, **kwargs)
+        if self._healed_step is not None:
+            self.heal_seconds = time.monotonic() - started
+            logger.info(f"fault tolerance: healed from a live group to step {self._healed_step} "
+                        f"in {self.heal_seconds:.2f} s")
+
+    def _counted_commit(self, *args, **kwargs) -> bool:
+        """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
+        committed = self._should_commit(*args, **kwargs)
+        if not committed:
+            self.uncommitted += 1
+            logger.warning(f"fault tolerance: step {self.step} not committed ({self.manager.num_participants()} of "
+                           f"{self.groups} groups; {self.manager.errored() or 'too few groups'})"
+                           + ("; the sync window is dropped" if self.diloco else "; trying it again with the next batch"))
+        return committed
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
         per dtype; a group that dies inside it leaves the step uncommitted. The bucket carries the
@@ -226,27 +262,25 @@ class ReplicaGroups:
                 "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
 
     def should_commit(self) -> bool:
-        """Whether every group of the quorum finished the step's all-reduce (asked of all of them)."""
-        self.committed = self.manager.should_commit()
-        if not self.committed:
-            self.uncommitted += 1
-            logger.warning(f"fault tolerance: step {self.manager.current_step() + 1} not committed "
-                           f"({self.manager.num_participants()} of {self.groups} groups; "
-                           f"{self.manager.errored() or 'too few groups'}); trying it again with the next batch")
+        """Whether every group of the quorum finished the step's all-reduce (asked of all of them);
+        under diloco every inner step commits (the syncs are committed or dropped by DiLoCo)."""
+        self.committed = True if self.diloco else self.manager.should_commit()
         return self.committed
 
     def stats(self) -> GroupStats:
         return GroupStats(self.manager.num_participants(), self.groups, self.uncommitted, self.heal_seconds)
 
     def close(self) -> None:
+        if self.diloco:
+            self._diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
 
     def _state_for_peer(self) -> dict[str, Any]:
-        return _local(self._save())
+        return {"step": self.step, **_local(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
-        self._healed = True
+        self._healed_step = state["step"]
 
 
 def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:

@@ -316,8 +316,10 @@ def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | Re
     averaged over the live groups; off: every step commits, as without it."""
     if not plan.cfg.fault_tolerance.enable:
         return NoFaultTolerance()
-    groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader))
-    run.step.average_gradients = groups.average_gradients
+    groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
+                           run.model, run.optimizer)
+    if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook
+        run.step.average_gradients = groups.average_gradients
     return groups
 
 
