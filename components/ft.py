@@ -145,9 +145,10 @@ class ReplicaGroups:
         timeout = timedelta(seconds=ft.timeout_seconds)
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if "MASTER_ADDR" not in os.environ:  # torchft's managers meet in the group's torchrun store
-            raise FaultToleranceError("fault_tolerance.enable: launch each replica group with torchrun "
-                                      "(even a group of one process)")
+        store = {}  # the group's ranks meet in its process group's store (MASTER_ADDR:MASTER_PORT)
+        if not dist.is_initialized():  # a group of one process has none: a store of its own
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "127.0.0.1", "store_port": self._store.port}
         try:
             self.manager = Manager(
                 pg=pg, load_state_dict=self._heal_from, state_dict=self._state_for_peer,
@@ -157,7 +158,8 @@ class ReplicaGroups:
                 rank=rank, world_size=world, lighthouse_addr=self.lighthouse,
                 replica_id=f"weft_group_{ft.replica_id}", hostname=ft.hostname or _hostname(),
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
-                init_sync=False)  # every group draws the same seeded weights (the config check says so)
+                init_sync=False,  # every group draws the same seeded weights (the config check says so)
+                **store)
         except RuntimeError as e:
             raise self._unreachable(e) from None
         self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
