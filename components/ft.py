@@ -75,6 +75,17 @@ def check_fault_tolerance(cfg: JobConfig, dp_replicate: int, device_type: str, *
         raise ConfigError(f"fault_tolerance.enable: torchft is not installed ({INSTALL})")
 
 
+def describe_groups(cfg: JobConfig, group_world_size: int) -> str:
+    """The layout across groups in one line, for the start-up log and the dry run."""
+    ft = cfg.fault_tolerance
+    sync = (f"weights synced by DiLoCo every {ft.sync_steps} steps (outer SGD lr {ft.outer_lr:g}, momentum "
+            f"{ft.outer_momentum:g}{', Nesterov' if ft.outer_nesterov else ''})" if ft.semi_sync_method == "diloco"
+            else "gradients averaged across the live groups every step")
+    return (f"fault tolerance: replica group {ft.replica_id} of {ft.replica_groups}, each a torchrun job of "
+            f"{group_world_size} ranks with this mesh ({ft.replica_groups * group_world_size} ranks in all); {sync}; "
+            f"a step commits with {ft.min_replica_groups}+ groups; data: share {ft.replica_id} of {ft.replica_groups}")
+
+
 def config_identity(cfg: JobConfig) -> int:
     """A 20-bit hash of what every group must agree on: the config less what names the group
     (replica_id, hostname, dump folder, description). Small enough that a float32 sum of it over

@@ -40,7 +40,7 @@ from weft.components.model_state import whole_model
 from weft.components.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
-from weft.components.ft import NoFaultTolerance, ReplicaGroups, training_state
+from weft.components.ft import NoFaultTolerance, ReplicaGroups, describe_groups, training_state
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.comm_trace import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
@@ -316,6 +316,8 @@ def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | Re
     averaged over the live groups; off: every step commits, as without it."""
     if not plan.cfg.fault_tolerance.enable:
         return NoFaultTolerance()
+    if run.rank == 0:
+        logger.info(describe_groups(plan.cfg, plan.dims.world_size))
     groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
                            run.model, run.optimizer)
     if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook

@@ -119,6 +119,25 @@ def test_config_identity_names_what_groups_must_share():
     assert 0 <= one < 2**20  # a float32 sum over many groups stays exact
 
 
+def test_dry_run_knows_the_groups(tmp_path, capsys, monkeypatch):
+    """The dry run plans one group's mesh and says where it stands among the groups; it needs no
+    lighthouse (nothing is started)."""
+    from weft import train
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    argv = ["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "out"), "--job.dry_run",
+            "--job.dry_run_world_size", "2", "--fault_tolerance.enable", "--fault_tolerance.replica_id", "1",
+            "--fault_tolerance.replica_groups", "3", "--fault_tolerance.semi_sync_method", "diloco",
+            "--fault_tolerance.sync_steps", "50"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("fault tolerance: replica group 1 of 3, each a torchrun job of 2 ranks with this mesh (6 ranks in all); "
+            "weights synced by DiLoCo every 50 steps") in out
+    assert not (tmp_path / "out").exists()
+    assert train.main([*argv, "--parallelism.dp_replicate", "2"]) == 2  # refused in the dry run too
+    assert "parallelism.dp_replicate = 2: under fault tolerance" in capsys.readouterr().err
+
+
 # --- groups without faults equal HSDP ----------------------------------------------------------------
 
 @pytest.mark.slow
