@@ -138,6 +138,67 @@ def test_dry_run_knows_the_groups(tmp_path, capsys, monkeypatch):
     assert "parallelism.dp_replicate = 2: under fault tolerance" in capsys.readouterr().err
 
 
+def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
+    """Worker: a peer's FSDP model, AdamW (one step taken) and schedule, sent the way torchft sends
+    them (`training_state`'s save as local shards, pickled) into a group built from another seed with
+    no optimizer state yet; then both take the same step."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from weft.components.ft import _local, training_state
+    from weft.models.llama import LLAMA_FLAVORS, Transformer
+    from weft.parallelisms.fsdp import apply_fsdp
+    from weft.parallelisms.materialize import materialize
+
+    class Loader:
+        def __init__(self, position):
+            self.position = position
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    def build(seed: int):
+        with torch.device("meta"):
+            model = Transformer(LLAMA_FLAVORS["debugmodel"])
+        apply_fsdp(model, init_device_mesh("cpu", (torch.distributed.get_world_size(),)), param_dtype=torch.float32)
+        materialize(model, "cpu", seed=seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return model, optimizer, scheduler, Loader(seed)
+
+    def train_once(model, optimizer, scheduler):
+        torch.manual_seed(3)
+        model(torch.randint(0, 2048, (2, 16))).float().square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    peer, healed = build(0), build(1)
+    train_once(*peer[:3])
+    sent = pickle.loads(pickle.dumps(_local(training_state(*peer)[0]())))
+    plain = not any(isinstance(t, DTensor) for t in torch.utils._pytree.tree_leaves(sent))
+    training_state(*healed)[1](sent)
+    full = lambda model: [p.full_tensor() for p in model.parameters()]  # noqa: E731
+    same_now = all(torch.equal(a, b) for a, b in zip(full(peer[0]), full(healed[0])))
+    same_schedule = healed[2].get_last_lr() == peer[2].get_last_lr() and healed[3].position == 0
+    train_once(*peer[:3])
+    train_once(*healed[:3])
+    same_after = all(torch.equal(a, b) for a, b in zip(full(peer[0]), full(healed[0])))
+    return [plain, same_now, same_schedule, same_after]
+
+
+def test_healing_copies_fsdp_shards_optimizer_schedule_and_data_position():
+    from tests.support.dist_utils import run_distributed
+
+    for checks in run_distributed(healed_fsdp_rank_continues_as_its_peer, 2):
+        assert checks == [True, True, True, True]
+
+
 # --- groups without faults equal HSDP ----------------------------------------------------------------
 
 @pytest.mark.slow
@@ -172,6 +233,23 @@ def test_two_groups_equal_hsdp_and_resume_after_all_killed(tmp_path, lighthouse)
         after_resume = records(tmp_path / f"k{g}")
         assert [r["step"] for r in after_resume] == list(range(1, STEPS + 1))
         assert [r["train/loss"] for r in after_resume] == [r["train/loss"] for r in uninterrupted]
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_fsdp_ranks_equal_hsdp(tmp_path, lighthouse):
+    """Groups with a mesh inside (FSDP over 2 ranks each): the gradient shards of rank r are averaged
+    with rank r of the other group, which is HSDP (dp_replicate 2 x dp_shard 2) across the groups."""
+    address, steps = lighthouse(min_replicas=2), 5
+    runs = [launch([*train_args(tmp_path / "hsdp", steps), "--parallelism.dp_replicate", "2",
+                    "--parallelism.dp_shard", "2"], nproc=4, script="train.py")]
+    runs += [launch([*train_args(tmp_path / f"g{g}", steps), "--parallelism.dp_shard", "2", *ft_args(g, address)],
+                    nproc=2, script="train.py") for g in (0, 1)]
+    for run in runs:
+        finish(run, timeout=240)
+    reference = [r["train/loss"] for r in records(tmp_path / "hsdp")]
+    g0, g1 = (records(tmp_path / f"g{g}") for g in (0, 1))
+    assert [(a["train/loss"] + b["train/loss"]) / 2 for a, b in zip(g0, g1)] == pytest.approx(reference, abs=1e-5)
+    assert len(reference) == len(g0) == len(g1) == steps
 
 
 # --- a group killed: the other trains on, the killed one heals ---------------------------------------
