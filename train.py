@@ -95,6 +95,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
         metrics.step_done()
         if not ft.committed:  # a replica group died in this step: committed nowhere, tried again
             continue
+        step = ft.step  # under DiLoCo a group healed at a sync goes on from its peer's step
         if not recorded and rank == 0:
             write_run_record(plan)
         recorded = True

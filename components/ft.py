@@ -118,9 +118,11 @@ class NoFaultTolerance:
 
     committed = True
     average_gradients = None
+    step = 0
 
     def steps(self, start_step: int, last_step: int) -> Iterator[int]:
-        return iter(range(start_step + 1, last_step + 1))
+        for self.step in range(start_step + 1, last_step + 1):
+            yield self.step
 
     def should_commit(self) -> bool:
         return True
@@ -197,11 +199,10 @@ class ReplicaGroups:
         self.step = start_step
         if self.diloco:
             self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
-            while self.step < last_step:
+            while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
                 self.step += 1
+                self._healed_step = None
                 yield self.step
-                if self._healed_step is not None:
-                    self.step, self._healed_step = self._healed_step, None
             return
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
@@ -293,7 +294,7 @@ class ReplicaGroups:
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
-        self._healed_step = state["step"]
+        self.step = self._healed_step = state["step"]
 
 
 def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:

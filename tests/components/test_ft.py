@@ -199,6 +199,45 @@ def test_healing_copies_fsdp_shards_optimizer_schedule_and_data_position():
         assert checks == [True, True, True, True]
 
 
+def test_groups_with_different_configs_stop_at_their_first_step():
+    """The config's hash rides in the gradient all-reduce: averaged with a group of another config
+    it comes back changed, and the group stops with one line (here torchft's all-reduce is a stub
+    that averages with one peer holding `peer_identity` and zero gradients)."""
+    from weft.components.ft import FaultToleranceError, ReplicaGroups
+
+    class Work:
+        def __init__(self, tensor, peer_identity):
+            self.tensor, self.peer_identity = tensor, peer_identity
+
+        def wait(self):
+            peer = torch.zeros_like(self.tensor)
+            peer[-1] = self.peer_identity
+            self.tensor.add_(peer).div_(2)
+
+    class Manager:
+        peer_identity = 0.0
+
+        def allreduce(self, tensor):
+            return Work(tensor, self.peer_identity)
+
+        def errored(self):
+            return None
+
+        def current_step(self):
+            return 0
+
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups.identity = Manager(), float(config_identity(parse_args([])))
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 4.0)
+    groups.manager.peer_identity = groups.identity
+    groups.average_gradients([param])
+    assert param.grad.tolist() == [2.0, 2.0, 2.0]  # averaged with the peer's zeros
+    groups.manager.peer_identity = groups.identity + 1
+    with pytest.raises(FaultToleranceError, match="the replica groups were started with different configs"):
+        groups.average_gradients([param])
+
+
 # --- groups without faults equal HSDP ----------------------------------------------------------------
 
 @pytest.mark.slow
@@ -257,11 +296,11 @@ def test_two_groups_of_two_fsdp_ranks_equal_hsdp(tmp_path, lighthouse):
 STEPS_KILLED = 14
 
 
-def final_weights(dump: Path) -> dict[str, torch.Tensor]:
+def final_weights(dump: Path, step: int = STEPS_KILLED) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = dump / "final.pt"
-    dcp_to_torch_save(dump / "checkpoint" / f"step-{STEPS_KILLED}", out)
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", out)
     return torch.load(out, weights_only=False)["model"]
 
 
@@ -364,3 +403,24 @@ def test_diloco_equals_the_papers_algorithm(tmp_path, lighthouse):
         logged = [r["train/loss"] for r in records(tmp_path / f"g{g}")]
         assert logged == pytest.approx(reference[g], abs=1e-5)
     assert reference[0][sync] != reference[1][sync]  # each group its own data after a sync too
+
+
+@pytest.mark.slow
+def test_diloco_group_killed_between_syncs_heals_at_the_next(tmp_path, lighthouse):
+    """Under diloco (sync every 3 steps), group 1's worker is SIGKILLed after step 4. Group 0 trains
+    on alone (its sync at step 6 commits with one group) and logs every step once; the restarted
+    group 1 heals at its first sync, from group 0 at step 9, and both end with the same weights."""
+    address = lighthouse(min_replicas=1)
+    ready = tmp_path / "group1-restarted"
+    common = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--fault_tolerance.semi_sync_method", "diloco",
+              "--fault_tolerance.sync_steps", "3"]
+    survivor = launch([*train_args(tmp_path / "g0", 12), *common, *ft_args(0, address)],
+                      env={"WEFT_TEST_WAIT": f"8:{ready}.1"})
+    killed = launch([*train_args(tmp_path / "g1", 12), *common, *ft_args(1, address)], restarts=1,
+                    env={"WEFT_TEST_KILL": "between:4", "WEFT_TEST_READY": str(ready)})
+    survivor_log, killed_log = finish(survivor), finish(killed)
+    assert [r["step"] for r in records(tmp_path / "g0")] == list(range(1, 13))
+    assert "healed from a live group to step 9" in killed_log, killed_log[-3000:]
+    assert [r["step"] for r in records(tmp_path / "g1")][-4:] == [9, 10, 11, 12]  # 1, 2 alone before
+    a, b = (final_weights(tmp_path / g, 12) for g in ("g0", "g1"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

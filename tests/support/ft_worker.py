@@ -6,7 +6,7 @@ Environment (each optional):
 - WEFT_TEST_KILL=FAULT,FAULT,...  the fault of each attempt (TORCHELASTIC_RESTART_COUNT 0, 1, ...):
   between:K SIGKILLs this worker after its K-th committed step; allreduce:K as it enters step K's
   gradient all-reduce, while the other groups are inside theirs; '' none.
-- WEFT_TEST_READY=PATH  a restarted worker creates PATH.<attempt> as it asks for its first quorum.
+- WEFT_TEST_READY=PATH  a restarted worker creates PATH.<attempt> once it has asked for its first quorum.
 - WEFT_TEST_WAIT=K:PATH,K:PATH,...  after its K-th committed step, wait (60 s at most) until PATH
   exists: the survivor keeps training until the killed group is back, however slow its restart.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,7 +52,7 @@ class Faults(Preemption):
 
 
 average = ft.ReplicaGroups.average_gradients
-steps = ft.ReplicaGroups.steps
+quorum = ft.ReplicaGroups._timed_quorum
 
 
 def average_or_die(self, params):
@@ -60,14 +61,17 @@ def average_or_die(self, params):
     return average(self, params)
 
 
-def steps_announced(self, start_step, last_step):
-    if ATTEMPT and os.environ.get("WEFT_TEST_READY"):
-        Path(f"{os.environ['WEFT_TEST_READY']}.{ATTEMPT}").touch()
-    yield from steps(self, start_step, last_step)
+def quorum_announced(self, *args, **kwargs):
+    """The first quorum of a restarted attempt: READY appears half a second after it was asked for,
+    so that a survivor waiting for READY finds it waiting in the lighthouse."""
+    if ATTEMPT and os.environ.get("WEFT_TEST_READY") and not getattr(self, "announced", False):
+        self.announced = True
+        threading.Timer(0.5, Path(f"{os.environ['WEFT_TEST_READY']}.{ATTEMPT}").touch).start()
+    return quorum(self, *args, **kwargs)
 
 
 ft.ReplicaGroups.average_gradients = average_or_die
-ft.ReplicaGroups.steps = steps_announced
+ft.ReplicaGroups._timed_quorum = quorum_announced
 train.Preemption = Faults
 
 if __name__ == "__main__":
