@@ -10,6 +10,10 @@ without restarting. A group that comes back (torchrun --max-restarts) is behind 
 step: torchft copies model, optimizer, schedule and data position from a live peer into it
 before its first forward ("healing"), over the process group across groups.
 
+Under semi_sync_method = diloco, torchft's DiLoCo syncs the groups every sync_steps steps instead
+(the mean of their pseudo-gradients through an outer Nesterov SGD); joining, healing and
+committing happen at those syncs.
+
 Off, `NoFaultTolerance` keeps the loop as it was.
 """
 
@@ -148,6 +152,7 @@ class ReplicaGroups:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
+        logging.getLogger("torchft.manager").addFilter(_without_flight_recorder_note)
         ft = cfg.fault_tolerance
         self.cfg, self.groups, self.diloco = ft, ft.replica_groups, ft.semi_sync_method == "diloco"
         self.lighthouse = lighthouse_address(cfg)
@@ -177,13 +182,12 @@ class ReplicaGroups:
             raise self._unreachable(e) from None
         self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
         self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
-        self.outer = None
-        if self.diloco:
+        if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
             from torchft.local_sgd import DiLoCo
 
-            self.outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
-                                         nesterov=ft.outer_nesterov)
-            self._diloco = DiLoCo(self.manager, [model], optimizer, self.outer, sync_every=ft.sync_steps)
+            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                    nesterov=ft.outer_nesterov)
+            self._diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_steps)
             self._diloco.__enter__()
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
@@ -249,6 +253,7 @@ class ReplicaGroups:
                            f"{self.groups} groups; {self.manager.errored() or 'too few groups'})"
                            + ("; the sync window is dropped" if self.diloco else "; trying it again with the next batch"))
         return committed
+
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
         per dtype; a group that dies inside it leaves the step uncommitted. The bucket carries the
@@ -326,6 +331,12 @@ def _like(value: Any, param: Any) -> Any:
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return value
+
+
+def _without_flight_recorder_note(record: logging.LogRecord) -> bool:
+    """torchft warns at every new quorum that this torch cannot reset NCCL's flight recorder: one
+    line per quorum change that no user can act on, left out."""
+    return "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
 def _local(tree: Any) -> Any:
