@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from weft.components.config import ConfigError, JobConfig, to_toml
-from weft.components.errors import UserError, one_line
+from weft.errors import UserError, one_line
 
 logger = logging.getLogger("weft")
 
