@@ -39,6 +39,10 @@ from weft.errors import UserError, one_line
 logger = logging.getLogger("weft")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Steps (or DiLoCo syncs) not committed in a row before the run stops: a dying group costs one, so
+# more in a row is something that will not pass (fewer live groups than min_replica_groups while the
+# lighthouse's --min_replicas lets a quorum form) and would only burn data.
+MAX_UNCOMMITTED_IN_A_ROW = 10
 INSTALL = 'pip install "weft[ft]"'
 
 
@@ -158,7 +162,7 @@ class ReplicaGroups:
         self.lighthouse = lighthouse_address(cfg)
         self.identity = float(config_identity(cfg))
         self._save, self._load = state
-        self.uncommitted, self.heal_seconds, self.committed = 0, 0.0, True
+        self.uncommitted, self.in_a_row, self.heal_seconds, self.committed = 0, 0, 0.0, True
         self.step, self._healed_step = 0, None
         timeout = timedelta(seconds=ft.timeout_seconds)
         pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
@@ -247,11 +251,18 @@ class ReplicaGroups:
     def _counted_commit(self, *args, **kwargs) -> bool:
         """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
         committed = self._should_commit(*args, **kwargs)
+        self.in_a_row = 0 if committed else self.in_a_row + 1
         if not committed:
             self.uncommitted += 1
-            logger.warning(f"fault tolerance: step {self.step} not committed ({self.manager.num_participants()} of "
-                           f"{self.groups} groups; {self.manager.errored() or 'too few groups'})"
+            groups = f"{self.manager.num_participants()} of {self.groups} groups"
+            logger.warning(f"fault tolerance: step {self.step} not committed ({groups}; "
+                           f"{self.manager.errored() or 'too few groups'})"
                            + ("; the sync window is dropped" if self.diloco else "; trying it again with the next batch"))
+            if self.in_a_row >= MAX_UNCOMMITTED_IN_A_ROW:
+                raise FaultToleranceError(
+                    f"fault_tolerance: {self.in_a_row} steps in a row not committed (last: {groups}, "
+                    f"fault_tolerance.min_replica_groups = {self.cfg.min_replica_groups}); start the missing groups, "
+                    "or give the lighthouse --min_replicas the same value so that it waits for them")
         return committed
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:

@@ -238,6 +238,33 @@ def test_groups_with_different_configs_stop_at_their_first_step():
         groups.average_gradients([param])
 
 
+def test_steps_that_never_commit_stop_the_run():
+    """Too few groups for min_replica_groups while the lighthouse still forms quorums: every step is
+    refused, and after MAX_UNCOMMITTED_IN_A_ROW of them the run stops with one line instead of
+    burning the data (a stub stands for torchft's should_commit)."""
+    from weft.components.ft import MAX_UNCOMMITTED_IN_A_ROW, FaultToleranceError, ReplicaGroups
+
+    class Manager:
+        def num_participants(self):
+            return 1
+
+        def errored(self):
+            return None
+
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups.step, groups.groups, groups.diloco = Manager(), 5, 2, False
+    groups.cfg = parse_args(["--fault_tolerance.enable", "--fault_tolerance.min_replica_groups", "2"]).fault_tolerance
+    groups.uncommitted, groups.in_a_row = 0, 0
+    answers = iter([False, True] + [False] * MAX_UNCOMMITTED_IN_A_ROW)
+    groups._should_commit = lambda: next(answers)
+    answered = [groups._counted_commit() for _ in range(MAX_UNCOMMITTED_IN_A_ROW + 1)]
+    assert answered == [False, True] + [False] * (MAX_UNCOMMITTED_IN_A_ROW - 1)  # one commit restarts the count
+    with pytest.raises(FaultToleranceError, match=f"{MAX_UNCOMMITTED_IN_A_ROW} steps in a row not committed "
+                                                  r"\(last: 1 of 2 groups, fault_tolerance.min_replica_groups = 2\)"):
+        groups._counted_commit()
+    assert groups.uncommitted == MAX_UNCOMMITTED_IN_A_ROW + 1
+
+
 # --- groups without faults equal HSDP ----------------------------------------------------------------
 
 @pytest.mark.slow
