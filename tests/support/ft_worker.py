@@ -72,7 +72,6 @@ def quorum_announced(self, *args, **kwargs):
 
 ft.ReplicaGroups.average_gradients = average_or_die
 ft.ReplicaGroups._timed_quorum = quorum_announced
-train.Preemption = Faults
 
 if __name__ == "__main__":
-    sys.exit(train.main(sys.argv[1:]))
+    sys.exit(train.main(sys.argv[1:], make_preemption=Faults))
