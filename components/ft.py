@@ -147,11 +147,12 @@ class ReplicaGroups:
 
     state: (save, load) of what a healing group copies from a peer, a dict of tensors and plain
     values (DTensors travel as their local shards: the peer of rank r is rank r of another group,
-    with the same layout). Under diloco, model and optimizer are the inner ones torchft's DiLoCo
-    wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
+    with the same layout). Under diloco, model, optimizer and scheduler are the inner ones torchft's
+    DiLoCo wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
 
     def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
-                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own lines for every quorum and commit: off
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
@@ -161,7 +162,7 @@ class ReplicaGroups:
         self.cfg, self.groups, self.diloco = ft, ft.replica_groups, ft.semi_sync_method == "diloco"
         self.lighthouse = lighthouse_address(cfg)
         self.identity = float(config_identity(cfg))
-        self._save, self._load = state
+        (self._save, self._load), self._scheduler = state, scheduler
         self.uncommitted, self.in_a_row, self.heal_seconds, self.committed = 0, 0, 0.0, True
         self.step, self._healed_step = 0, None
         timeout = timedelta(seconds=ft.timeout_seconds)
@@ -207,6 +208,12 @@ class ReplicaGroups:
         self.step = start_step
         if self.diloco:
             self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
+            self._join()
+            if self._healed_step is not None:  # the peer sent its state from inside its optimizer step
+                self._scheduler.step()         # (DiLoCo syncs there), before its schedule's step; and
+                self._diloco._local_step = 0   # torch counted the empty step that set up the optimizer
+            self._diloco._fragments[0].prepare_sync()  # the live groups' sync this quorum is (a no-op
+            self._diloco._fragments[0].perform_sync()  # at a fresh start: no group has moved yet)
             while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
                 self.step += 1
                 self._healed_step = None
@@ -215,26 +222,28 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
         while first or self.manager.current_step() < last_step:
-            try:
-                self.manager.start_quorum()
-            except Exception as e:  # the first quorum is where a lighthouse that does not answer shows
-                if first:
-                    raise self._unreachable(e) from None
-                raise
             if first:
-                self._wait_for_all_groups(start_step)
+                self._join()
+            else:
+                self.manager.start_quorum()
             first, self._healed_step = False, None
             self.step = self.manager.current_step() + 1
             if self.step > last_step:
                 return
             yield self.step
 
-    def _wait_for_all_groups(self, start_step: int) -> None:
-        """A group's first step waits (quorum_timeout_seconds at most) until every group has joined,
-        so that at a start or a restart of all groups none trains alone; it stops waiting as soon
-        as it is found behind live groups (it healed from them: they went on without it)."""
+    def _join(self) -> None:
+        """A group's first quorum. It waits (quorum_timeout_seconds at most) until every group has
+        joined, so that at a start or a restart of all groups none trains alone; it stops waiting
+        as soon as it is found behind live groups (it healed from them: they went on without it).
+        Under diloco the live groups are at a sync when they join it: this group takes part."""
+        start = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # where a lighthouse that does not answer shows
+            raise self._unreachable(e) from None
         deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
-        while (self.manager.num_participants() < self.groups and self.manager.current_step() == start_step
+        while (self.manager.num_participants() < self.groups and self.manager.current_step() == start
                and time.monotonic() < deadline):
             time.sleep(0.2)
             self.manager.start_quorum()

@@ -319,7 +319,7 @@ def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | Re
     if run.rank == 0:
         logger.info(describe_groups(plan.cfg, plan.dims.world_size))
     groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
-                           run.model, run.optimizer)
+                           run.model, run.optimizer, run.scheduler)
     if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook
         run.step.average_gradients = groups.average_gradients
     return groups
