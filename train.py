@@ -26,6 +26,7 @@ from weft.components.timeouts import collective_failure
 from weft.recipe.build import (
     build_checkpointer,
     build_fault_guards,
+    build_fault_tolerance,
     build_metrics,
     build_training,
     log_summary,
@@ -78,22 +79,32 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
         timeouts.phase(phase)          # phase a silent rank is named with (gloo)
         profiler.on_phase(phase)
 
+    # [fault_tolerance]: this job is one replica group of several (torchft); each step joins the live
+    # groups first (a group behind them heals from a peer) and yields the next step to train; off: inert
+    ft = build_fault_tolerance(plan, run)
+
     history: list[float] = []
-    step = start_step
-    for step in range(start_step + 1, cfg.training.steps + 1):
+    step, recorded = start_step, False
+    for step in ft.steps(start_step, cfg.training.steps):
         timeouts.at_step(step)
         with profiler.step(step):  # a profiled step is left out of the throughput
             result = train_step(step_setup, metrics.next_batches(loader, cfg.training.gradient_accumulation_steps),
                                 on_phase=on_phase,
-                                allow_update=lambda grad_norm, loss: nonfinite.allows_update(step, grad_norm, loss))
+                                allow_update=lambda grad_norm, loss: ft.should_commit()
+                                and nonfinite.allows_update(step, grad_norm, loss))
         metrics.step_done()
-        if step == start_step + 1 and rank == 0:
+        if not ft.committed:  # a replica group died in this step: committed nowhere, tried again
+            continue
+        step = ft.step  # under DiLoCo a group healed at a sync goes on from its peer's step
+        if not recorded and rank == 0:
             write_run_record(plan)
+        recorded = True
 
         if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
             stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
                               result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
-                              ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()))
+                              ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()),
+                              groups=ft.stats())
             metrics.log(stats)
             history.append(stats.loss)
             report_long_samples(loader)
@@ -121,6 +132,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
 
     # 5. Close: pending saves finish, the data thread and the log files are closed.
     checkpointer.close()
+    ft.close()
     profiler.close()
     if step == cfg.training.steps:
         export_after_training(plan, model)  # [export]: Hugging Face / PEFT folders, one tensor at a time

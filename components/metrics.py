@@ -118,6 +118,7 @@ class StepStats:
     moe_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> busiest expert's load / mean
     ep_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> tokens of the busiest ep rank / mean
     source_tokens: dict[str, int] = field(default_factory=dict)  # data.mixture source -> tokens drawn so far
+    groups: Any = None  # [fault_tolerance]: components.ft.GroupStats (groups in the step, uncommitted steps, heal time)
 
 
 class MetricsLogger:
@@ -223,6 +224,7 @@ class MetricsLogger:
             **{f"moe/imbalance/{layer}": value for layer, value in stats.moe_imbalance.items()},
             **{f"moe/ep_imbalance/{layer}": value for layer, value in stats.ep_imbalance.items()},
             **{f"data/tokens/{name}": tokens for name, tokens in stats.source_tokens.items()},
+            **(stats.groups.scalars() if stats.groups else {}),
             "time/elapsed_seconds": run_seconds,
             "time/remaining_seconds": remaining_seconds,
             **rank_scalars(times),
@@ -240,6 +242,7 @@ class MetricsLogger:
             + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
             + (f"  ep_imbalance {max(stats.ep_imbalance.values()):.2f}" if stats.ep_imbalance else "")
             + source_note(stats.source_tokens)
+            + (f"  {stats.groups.note()}" if stats.groups else "")
             + slow_rank_note(times, self.slow_rank_threshold)
             + f"  elapsed {clock(run_seconds)} eta {clock(remaining_seconds)}"
         )

@@ -40,6 +40,7 @@ from weft.components.model_state import whole_model
 from weft.components.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.optim import build_lr_scheduler, build_optimizer
 from weft.components.fingerprint import FINGERPRINT_FILE
+from weft.components.ft import NoFaultTolerance, ReplicaGroups, describe_groups, training_state
 from weft.components.nonfinite import NonFinitePolicy
 from weft.components.comm_trace import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.timeouts import CommTimeouts, set_collective_timeout
@@ -221,8 +222,7 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
         tokenizer=plan.tokenizer,
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
-        dp_rank=meshes.dp.get_local_rank() if meshes else 0,
-        dp_world_size=plan.dims.dp,
+        **data_share(plan, meshes),
         text_field=cfg.data.text_field,
         long_samples=cfg.data.long_samples,
     )
@@ -240,6 +240,15 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
     validation_loaders = {name: functools.partial(make_loader, validation_format, files)
                           for name, files in validation.items()}
     return prefetch(loader, document_masking=cfg.data.document_masking, device=device), validation_loaders
+
+
+def data_share(plan: RunPlan, meshes: Meshes | None) -> dict[str, int]:
+    """This rank's place in the data-parallel stream (dp_rank of dp_world_size): under fault
+    tolerance, replica group g's ranks read the g-th of replica_groups shares, as HSDP's replicas."""
+    rank, size, ft = meshes.dp.get_local_rank() if meshes else 0, plan.dims.dp, plan.cfg.fault_tolerance
+    if ft.enable:
+        return {"dp_rank": ft.replica_id * size + rank, "dp_world_size": ft.replica_groups * size}
+    return {"dp_rank": rank, "dp_world_size": size}
 
 
 def build_optimizer_and_schedule(plan: RunPlan, model: nn.Module):
@@ -300,6 +309,20 @@ def build_fault_guards(plan: RunPlan, checkpointer: Checkpointer) -> tuple[NonFi
                                 before_stop=lambda: checkpointer.finish_pending(True))
     return nonfinite, CommTimeouts(comm.init_timeout_seconds, comm.train_timeout_seconds,
                                    phases=PhaseRecord.for_job(), trace_note=trace_files_note(plan.cfg))
+
+
+def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | ReplicaGroups:
+    """[fault_tolerance]: this group's place among the replica groups (torchft), its step's gradients
+    averaged over the live groups; off: every step commits, as without it."""
+    if not plan.cfg.fault_tolerance.enable:
+        return NoFaultTolerance()
+    if run.rank == 0:
+        logger.info(describe_groups(plan.cfg, plan.dims.world_size))
+    groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
+                           run.model, run.optimizer, run.scheduler)
+    if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook
+        run.step.average_gradients = groups.average_gradients
+    return groups
 
 
 def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:

@@ -28,6 +28,7 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
+from weft.components.ft import describe_groups
 from weft.components.metrics import active_parameters, count_parameters, setup_logging
 from weft.components.model_state import whole_model
 from weft.models import spec_for_args
@@ -132,6 +133,8 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
         init_fake_distributed(dims.world_size)
     meshes = dims.build_mesh("cpu") if dims.world_size > 1 else None
     logger.info(f"mesh: {dims.describe()}")
+    if cfg.fault_tolerance.enable:
+        logger.info(describe_groups(cfg, dims.world_size))
     # Every transform a real start applies, compile included (it only wraps forwards until their first
     # call), so the dry run refuses exactly what a real start refuses (compile + TP on torch 2.13).
     model = build_model(plan, meshes, device=None)

@@ -20,6 +20,7 @@ from weft.components.checkpoint import check_resume, resume_folder
 from weft.components.comm_trace import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, load_tokenizer
+from weft.components.ft import check_fault_tolerance
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.profiling import check_profiling
@@ -102,6 +103,7 @@ class RunPlan:
         if cfg.parallelism.fsdp_cpu_offload and device_type != "cuda":  # FSDP pins the shards it offloads
             raise ConfigError("parallelism.fsdp_cpu_offload: moves GPU memory to the CPU, and this run has no GPU")
         check_shared_gpus(cfg, dims, device_type)
+        check_fault_tolerance(cfg, dims.dp_replicate, device_type, check_environment=check_environment)
         check_profiling(cfg, device_type, check_folders=check_environment and writes_dump_folder)
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]

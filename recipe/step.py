@@ -67,6 +67,8 @@ class StepSetup:
     pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
     ep_group: torch.distributed.ProcessGroup | None = None  # under ep: the ranks holding different experts
     routing_group: torch.distributed.ProcessGroup | None = None  # MoE routing counts summed: dp × cp (× tp under ep)
+    # [fault_tolerance]: averages the gradients over the live replica groups before clipping (components/ft.py)
+    average_gradients: Callable[[list[nn.Parameter]], None] | None = None
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -111,6 +113,8 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
             step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
             on_phase("forward")
     on_phase("step")
+    if setup.average_gradients is not None:
+        setup.average_gradients(setup.trainable)
     grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pp_group)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
     updated = allow_update(grad_norm, step_loss)

@@ -10,6 +10,7 @@ from weft.components.config.schema import (
     FROM_HF_CONFIG,
     Data,
     Export,
+    FaultTolerance,
     Float8,
     JobConfig,
     Job,
@@ -25,7 +26,7 @@ from weft.components.config.schema import (
 
 __all__ = [
     "RUN_IDENTITY", "check_creatable_folder", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
-    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FROM_HF_CONFIG", "Float8", "JobConfig",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FaultTolerance", "FROM_HF_CONFIG", "Float8", "JobConfig",
     "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
 ]

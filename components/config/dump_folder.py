@@ -9,7 +9,7 @@ from weft.components.config.schema import JobConfig
 # Settings that make a run what it is: a dump folder holding a run with other values for these
 # belongs to another experiment, and resuming into it would mix the two.
 RUN_IDENTITY = ("model.flavor", "model.tokenizer_path", "data.dataset_path", "data.text_field", "data.format",
-                "training.seq_len", "training.seed")
+                "training.seq_len", "training.seed", "fault_tolerance.replica_id")
 
 
 def check_creatable_folder(folder: Path, setting: str) -> None:

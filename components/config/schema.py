@@ -329,6 +329,39 @@ class Profiling:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = opt(
+        False, "Train as one of several replica groups under torchft: each group is its own torchrun job, "
+        "gradients are averaged across the live groups, a group that dies is left out and heals from a live peer "
+        "when it comes back (pip install \"weft[ft]\")")
+    replica_id: int = opt(0, "This group's index, 0 .. replica_groups - 1", min=0)
+    replica_groups: int = opt(2, "How many replica groups train together (each reads its own share of the data)",
+                              min=1)
+    min_replica_groups: int = opt(
+        1, "A step is committed only while at least this many groups take part in it; fewer: it is retried", min=1)
+    lighthouse: str = opt(
+        "", "The torchft lighthouse's address, http://host:port; empty: the TORCHFT_LIGHTHOUSE environment variable")
+    hostname: str = opt(
+        "", "The address other groups reach this group's manager at; empty: this machine's hostname")
+    process_group: str = opt(
+        "gloo", "Backend of the collectives across groups (nccl needs GPUs)", choices=("gloo", "nccl"))
+    connect_timeout_seconds: float = opt(
+        30.0, "Seconds to reach the lighthouse and the other groups' managers; no answer: exit 2 naming it", gt=0)
+    quorum_timeout_seconds: float = opt(
+        120.0, "Seconds a step waits for the quorum of live groups (under diloco: for the groups' next sync)", gt=0)
+    timeout_seconds: float = opt(
+        60.0, "Seconds a collective across groups or a heal may take before the step is left uncommitted", gt=0)
+    semi_sync_method: str = opt(
+        "", "'': average gradients across groups at every step; diloco: each group trains alone for sync_steps "
+        "steps, then the groups average their pseudo-gradients and take an outer optimizer step",
+        choices=("", "diloco"))
+    sync_steps: int = opt(20, "Under diloco: inner steps between two syncs across groups (H in the paper)", min=1)
+    outer_lr: float = opt(0.7, "Under diloco: the outer SGD's learning rate", gt=0)
+    outer_momentum: float = opt(0.9, "Under diloco: the outer SGD's momentum", min=0, lt=1)
+    outer_nesterov: bool = opt(True, "Under diloco: Nesterov momentum in the outer SGD")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -348,5 +381,6 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     profiling: Profiling = field(default_factory=Profiling)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
 

@@ -1,0 +1,376 @@
+"""Fault tolerance across replica groups, on torchft ([fault_tolerance]).
+
+Each replica group is one torchrun job with its own mesh (FSDP, TP, CP, PP, EP inside it). A
+torchft Manager in every process joins the group to a quorum of live groups through the
+lighthouse at the start of each step, and averages each gradient shard with the same rank of the
+other live groups before clipping (so the step equals HSDP's over the groups taking part). The
+optimizer steps only if every group of the quorum finished its all-reduce: a step in which a
+group died is committed nowhere and retried with the next batch, and the live groups go on
+without restarting. A group that comes back (torchrun --max-restarts) is behind the quorum's
+step: torchft copies model, optimizer, schedule and data position from a live peer into it
+before its first forward ("healing"), over the process group across groups.
+
+Under semi_sync_method = diloco, torchft's DiLoCo syncs the groups every sync_steps steps instead
+(the mean of their pseudo-gradients through an outer Nesterov SGD); joining, healing and
+committing happen at those syncs.
+
+Off, `NoFaultTolerance` keeps the loop as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from weft.components.config import ConfigError, JobConfig, to_toml
+from weft.errors import UserError, one_line
+
+logger = logging.getLogger("weft")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Steps (or DiLoCo syncs) not committed in a row before the run stops: a dying group costs one, so
+# more in a row is something that will not pass (fewer live groups than min_replica_groups while the
+# lighthouse's --min_replicas lets a quorum form) and would only burn data.
+MAX_UNCOMMITTED_IN_A_ROW = 10
+INSTALL = 'pip install "weft[ft]"'
+
+
+class FaultToleranceError(UserError):
+    """A replica group that cannot join the others: lighthouse unreachable, configs that differ."""
+
+
+def lighthouse_address(cfg: JobConfig) -> str:
+    return cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+
+
+def check_fault_tolerance(cfg: JobConfig, dp_replicate: int, device_type: str, *, check_environment: bool = True) -> None:
+    """What fault tolerance cannot run with, one line each, before any process starts;
+    check_environment=False (the dry run) leaves out the lighthouse's address and the package."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_id >= ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.replica_id = {ft.replica_id}: outside the {ft.replica_groups} replica "
+                          f"groups (0 .. {ft.replica_groups - 1})")
+    if ft.min_replica_groups > ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.min_replica_groups = {ft.min_replica_groups}: more than the "
+                          f"{ft.replica_groups} replica groups, no step could commit")
+    if dp_replicate > 1:
+        raise ConfigError(f"parallelism.dp_replicate = {dp_replicate}: under fault tolerance the replica groups are "
+                          "the replicas (fault_tolerance.replica_groups); set parallelism.dp_replicate = 1")
+    if cfg.job.simulate_world_size:
+        raise ConfigError("fault_tolerance.enable: job.simulate_world_size fakes every collective, the ones "
+                          "across groups too; measure one group without fault tolerance")
+    if not check_environment:
+        return
+    if ft.process_group == "nccl" and device_type != "cuda":
+        raise ConfigError("fault_tolerance.process_group = 'nccl': needs GPUs, and this run has none; use 'gloo'")
+    if not lighthouse_address(cfg):
+        raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the "
+                          "lighthouse's address, http://host:port (start one with torchft_lighthouse)")
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"fault_tolerance.enable: torchft is not installed ({INSTALL})")
+
+
+def describe_groups(cfg: JobConfig, group_world_size: int) -> str:
+    """The layout across groups in one line, for the start-up log and the dry run."""
+    ft = cfg.fault_tolerance
+    sync = (f"weights synced by DiLoCo every {ft.sync_steps} steps (outer SGD lr {ft.outer_lr:g}, momentum "
+            f"{ft.outer_momentum:g}{', Nesterov' if ft.outer_nesterov else ''})" if ft.semi_sync_method == "diloco"
+            else "gradients averaged across the live groups every step")
+    return (f"fault tolerance: replica group {ft.replica_id} of {ft.replica_groups}, each a torchrun job of "
+            f"{group_world_size} ranks with this mesh ({ft.replica_groups * group_world_size} ranks in all); {sync}; "
+            f"a step commits with {ft.min_replica_groups}+ groups; data: share {ft.replica_id} of {ft.replica_groups}")
+
+
+def config_identity(cfg: JobConfig) -> int:
+    """A 20-bit hash of what every group must agree on: the config less what names the group
+    (replica_id, hostname, dump folder, description). Small enough that a float32 sum of it over
+    many groups is exact."""
+    same = replace(cfg, job=replace(cfg.job, dump_folder="", description="", config_file=""),
+                   fault_tolerance=replace(cfg.fault_tolerance, replica_id=0, hostname=""))
+    return int.from_bytes(hashlib.sha256(to_toml(same).encode()).digest()[:4], "big") >> 12
+
+
+@dataclass
+class GroupStats:
+    """What the log line, TensorBoard and metrics.jsonl show of the groups (components/metrics.py)."""
+
+    participating: int  # groups in this step's quorum
+    groups: int  # fault_tolerance.replica_groups
+    uncommitted: int  # steps left uncommitted so far (a group died in them, or too few groups)
+    heal_seconds: float  # the last heal of this group from a peer (0: none)
+
+    def note(self) -> str:
+        heal = f"  healed in {self.heal_seconds:.1f} s" if self.heal_seconds else ""
+        return f"groups {self.participating}/{self.groups}  uncommitted {self.uncommitted}{heal}"
+
+    def scalars(self) -> dict[str, float]:
+        return {"ft/participating_groups": self.participating, "ft/uncommitted_steps": self.uncommitted,
+                "ft/heal_seconds": self.heal_seconds}
+
+
+class NoFaultTolerance:
+    """One job, no groups: every step commits."""
+
+    committed = True
+    average_gradients = None
+    step = 0
+
+    def steps(self, start_step: int, last_step: int) -> Iterator[int]:
+        for self.step in range(start_step + 1, last_step + 1):
+            yield self.step
+
+    def should_commit(self) -> bool:
+        return True
+
+    def stats(self) -> GroupStats | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaGroups:
+    """This process's place among the replica groups: a torchft Manager and the step around it.
+
+    state: (save, load) of what a healing group copies from a peer, a dict of tensors and plain
+    values (DTensors travel as their local shards: the peer of rank r is rank r of another group,
+    with the same layout). Under diloco, model, optimizer and scheduler are the inner ones torchft's
+    DiLoCo wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
+
+    def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's own lines for every quorum and commit: off
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        logging.getLogger("torchft.manager").addFilter(_without_flight_recorder_note)
+        ft = cfg.fault_tolerance
+        self.cfg, self.groups, self.diloco = ft, ft.replica_groups, ft.semi_sync_method == "diloco"
+        self.lighthouse = lighthouse_address(cfg)
+        self.identity = float(config_identity(cfg))
+        (self._save, self._load), self._scheduler = state, scheduler
+        self.uncommitted, self.in_a_row, self.heal_seconds, self.committed = 0, 0, 0.0, True
+        self.step, self._healed_step = 0, None
+        timeout = timedelta(seconds=ft.timeout_seconds)
+        pg = ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else ProcessGroupNCCL(timeout=timeout)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        store = {}  # the group's ranks meet in its process group's store (MASTER_ADDR:MASTER_PORT)
+        if not dist.is_initialized():  # a group of one process has none: a store of its own
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "127.0.0.1", "store_port": self._store.port}
+        try:
+            self.manager = Manager(
+                pg=pg, load_state_dict=self._heal_from, state_dict=self._state_for_peer,
+                min_replica_size=ft.min_replica_groups, use_async_quorum=False,  # heal before the forward
+                timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=ft.connect_timeout_seconds),
+                rank=rank, world_size=world, lighthouse_addr=self.lighthouse,
+                replica_id=f"weft_group_{ft.replica_id}", hostname=ft.hostname or _hostname(),
+                checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
+                init_sync=False,  # every group draws the same seeded weights (the config check says so)
+                **store)
+        except RuntimeError as e:
+            raise self._unreachable(e) from None
+        self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
+        self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
+        if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
+            from torchft.local_sgd import DiLoCo
+
+            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                    nesterov=ft.outer_nesterov)
+            self._diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_steps)
+            self._diloco.__enter__()
+
+    def _unreachable(self, error: Exception) -> FaultToleranceError:
+        return FaultToleranceError(f"fault_tolerance.lighthouse = {self.lighthouse}: no answer within "
+                                   f"{self.cfg.connect_timeout_seconds:g} s (fault_tolerance.connect_timeout_seconds)"
+                                   f": {one_line(error)[:200]}")
+
+    def steps(self, start_step: int, last_step: int) -> Iterator[int]:
+        """The steps to train. Averaging gradients, each joins the quorum first (healing if this
+        group is behind), and is the number of committed steps plus one: an uncommitted step is
+        tried again. Under diloco the steps run alone; a group healed at a sync goes on from the
+        peer's step."""
+        self.step = start_step
+        if self.diloco:
+            self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
+            self._join()
+            if self._healed_step is not None:  # the peer sent its state from inside its optimizer step
+                self._scheduler.step()         # (DiLoCo syncs there), before its schedule's step; and
+                self._diloco._local_step = 0   # torch counted the empty step that set up the optimizer
+            self._diloco._fragments[0].prepare_sync()  # the live groups' sync this quorum is (a no-op
+            self._diloco._fragments[0].perform_sync()  # at a fresh start: no group has moved yet)
+            while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
+                self.step += 1
+                self._healed_step = None
+                yield self.step
+            return
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
+        first = True
+        while first or self.manager.current_step() < last_step:
+            if first:
+                self._join()
+            else:
+                self.manager.start_quorum()
+            first, self._healed_step = False, None
+            self.step = self.manager.current_step() + 1
+            if self.step > last_step:
+                return
+            yield self.step
+
+    def _join(self) -> None:
+        """A group's first quorum. It waits (quorum_timeout_seconds at most) until every group has
+        joined, so that at a start or a restart of all groups none trains alone; it stops waiting
+        as soon as it is found behind live groups (it healed from them: they went on without it).
+        Under diloco the live groups are at a sync when they join it: this group takes part."""
+        start = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # where a lighthouse that does not answer shows
+            raise self._unreachable(e) from None
+        deadline = time.monotonic() + self.cfg.quorum_timeout_seconds
+        while (self.manager.num_participants() < self.groups and self.manager.current_step() == start
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+            self.manager.start_quorum()
+
+    def _timed_quorum(self, *args, **kwargs) -> None:
+        """torchft's start_quorum (ours, or DiLoCo's at a sync), timing a heal if it brought one."""
+        started = time.monotonic()
+        self._start_quorum(*args, **kwargs)
+        if self._healed_step is not None:
+            self.heal_seconds = time.monotonic() - started
+            logger.info(f"fault tolerance: healed from a live group to step {self._healed_step} "
+                        f"in {self.heal_seconds:.2f} s")
+
+    def _counted_commit(self, *args, **kwargs) -> bool:
+        """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
+        committed = self._should_commit(*args, **kwargs)
+        self.in_a_row = 0 if committed else self.in_a_row + 1
+        if not committed:
+            self.uncommitted += 1
+            groups = f"{self.manager.num_participants()} of {self.groups} groups"
+            logger.warning(f"fault tolerance: step {self.step} not committed ({groups}; "
+                           f"{self.manager.errored() or 'too few groups'})"
+                           + ("; the sync window is dropped" if self.diloco else "; trying it again with the next batch"))
+            if self.in_a_row >= MAX_UNCOMMITTED_IN_A_ROW:
+                raise FaultToleranceError(
+                    f"fault_tolerance: {self.in_a_row} steps in a row not committed (last: {groups}, "
+                    f"fault_tolerance.min_replica_groups = {self.cfg.min_replica_groups}); start the missing groups, "
+                    "or give the lighthouse --min_replicas the same value so that it waits for them")
+        return committed
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
+        per dtype; a group that dies inside it leaves the step uncommitted. The bucket carries the
+        config's hash: groups started with different configs stop at their first step together."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        check = None
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            if check is None and dtype == torch.float32:
+                flat, check = torch.cat([flat, flat.new_full((1,), self.identity)]), True
+            self.manager.allreduce(flat).wait()
+            if check is True:
+                check = flat[-1].item()
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if isinstance(check, float) and self.manager.errored() is None and check != self.identity:
+            raise FaultToleranceError(
+                "fault_tolerance: the replica groups were started with different configs (this group's differs "
+                f"from the others' at step {self.manager.current_step() + 1}); start every group with the same "
+                "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
+
+    def should_commit(self) -> bool:
+        """Whether every group of the quorum finished the step's all-reduce (asked of all of them);
+        under diloco every inner step commits (the syncs are committed or dropped by DiLoCo)."""
+        self.committed = True if self.diloco else self.manager.should_commit()
+        return self.committed
+
+    def stats(self) -> GroupStats:
+        return GroupStats(self.manager.num_participants(), self.groups, self.uncommitted, self.heal_seconds)
+
+    def close(self) -> None:
+        if self.diloco:
+            self._diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+    def _state_for_peer(self) -> dict[str, Any]:
+        return {"step": self.step, **_local(self._save())}
+
+    def _heal_from(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        self.step = self._healed_step = state["step"]
+
+
+def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """(save, load) of what a healing group copies from a peer: model, optimizer, schedule and the
+    data position (a position in the global stream, the same in every group at the same step).
+    Loaded shards become DTensors again in this rank's layout, which the peer's rank shares."""
+    from weft.components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state
+
+    def save() -> dict:
+        return {"model": model_state(model), "optimizer": optimizer_state(model, optimizer),
+                "scheduler": scheduler.state_dict(), "data": loader.state_dict()}
+
+    def load(state: dict) -> None:
+        params = dict(model_state(model))
+        load_model_state(model, {k: _like(v, params[k]) for k, v in state["model"].items()})
+        opt = state["optimizer"]
+        opt["state"] = {name: {k: _like(v, params[name]) for k, v in values.items()}
+                        for name, values in opt["state"].items()}
+        load_optimizer_state(model, optimizer, opt)
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["data"])
+
+    return save, load
+
+
+def _like(value: Any, param: Any) -> Any:
+    """A received shard as a DTensor laid out as `param` is, when param is one and shapes match."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
+def _without_flight_recorder_note(record: logging.LogRecord) -> bool:
+    """torchft warns at every new quorum that this torch cannot reset NCCL's flight recorder: one
+    line per quorum change that no user can act on, left out."""
+    return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def _local(tree: Any) -> Any:
+    """tree with every DTensor replaced by this rank's shard of it."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return tree
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
