@@ -71,74 +71,77 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
     #    gathers every rank's step time and data wait (the time in next_batches) to name a slow rank.
     metrics = build_metrics(plan, model, run.device, rank, start_step)
     preemption = make_preemption()
-    nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
-    # [profiling]: a trace of one window in every profiling.freq steps, CUDA memory snapshots; off: inert
-    profiler = StepProfiler(cfg.profiling, Path(cfg.job.dump_folder), run.device.type, rank, metrics, start_step)
+    try:  # whatever ends the run, even an error, gives SIGTERM back its previous handler
+        nonfinite, timeouts = build_fault_guards(plan, checkpointer)  # NaN steps never saved; silent ranks named
+        # [profiling]: a trace of one window in every profiling.freq steps, CUDA memory snapshots; off: inert
+        profiler = StepProfiler(cfg.profiling, Path(cfg.job.dump_folder), run.device.type, rank, metrics, start_step)
 
-    def on_phase(phase: str) -> None:  # as each phase of a step begins: a profiler region, and the
-        timeouts.phase(phase)          # phase a silent rank is named with (gloo)
-        profiler.on_phase(phase)
+        def on_phase(phase: str) -> None:  # as each phase of a step begins: a profiler region, and the
+            timeouts.phase(phase)          # phase a silent rank is named with (gloo)
+            profiler.on_phase(phase)
 
-    # [fault_tolerance]: this job is one replica group of several (torchft); each step joins the live
-    # groups first (a group behind them heals from a peer) and yields the next step to train; off: inert
-    ft = build_fault_tolerance(plan, run)
+        # [fault_tolerance]: this job is one replica group of several (torchft); each step joins the live
+        # groups first (a group behind them heals from a peer) and yields the next step to train; off: inert
+        ft = build_fault_tolerance(plan, run)
 
-    history: list[float] = []
-    step, recorded = start_step, False
-    for step in ft.steps(start_step, cfg.training.steps):
-        timeouts.at_step(step)
-        with profiler.step(step):  # a profiled step is left out of the throughput
-            result = train_step(step_setup, metrics.next_batches(loader, cfg.training.gradient_accumulation_steps),
-                                on_phase=on_phase,
-                                allow_update=lambda grad_norm, loss: ft.should_commit()
-                                and nonfinite.allows_update(step, grad_norm, loss))
-        metrics.step_done()
-        if not ft.committed:  # a replica group died in this step: committed nowhere, tried again
-            continue
-        step = ft.step  # under DiLoCo a group healed at a sync goes on from its peer's step
-        if not recorded and rank == 0:
-            write_run_record(plan)
-        recorded = True
+        history: list[float] = []
+        step, recorded = start_step, False
+        for step in ft.steps(start_step, cfg.training.steps):
+            timeouts.at_step(step)
+            with profiler.step(step):  # a profiled step is left out of the throughput
+                result = train_step(step_setup, metrics.next_batches(loader, cfg.training.gradient_accumulation_steps),
+                                    on_phase=on_phase,
+                                    allow_update=lambda grad_norm, loss: ft.should_commit()
+                                    and nonfinite.allows_update(step, grad_norm, loss))
+            metrics.step_done()
+            if not ft.committed:  # a replica group died in this step: committed nowhere, tried again
+                continue
+            step = ft.step  # under DiLoCo a group healed at a sync goes on from its peer's step
+            if not recorded and rank == 0:
+                write_run_record(plan)
+            recorded = True
 
-        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
-            stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
-                              result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
-                              ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()),
-                              groups=ft.stats())
-            metrics.log(stats)
-            history.append(stats.loss)
-            report_long_samples(loader)
+            if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
+                                  result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
+                                  ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()),
+                                  groups=ft.stats())
+                metrics.log(stats)
+                history.append(stats.loss)
+                report_long_samples(loader)
 
-        # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
-        if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-            batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-            with metrics.untimed(), timeouts.long("validation"):  # one loss per source of a mixture
-                losses = {name: evaluate(step_setup, make_loader(), batches, document_masking=cfg.data.document_masking)
-                          for name, make_loader in run.validation_loaders.items()}
-            metrics.log_validation(step, losses)
+            # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
+            if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
+                batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
+                with metrics.untimed(), timeouts.long("validation"):  # one loss per source of a mixture
+                    losses = {name: evaluate(step_setup, make_loader(), batches,
+                                             document_masking=cfg.data.document_masking)
+                              for name, make_loader in run.validation_loaders.items()}
+                metrics.log_validation(step, losses)
 
-        saved = checkpointer.should_save(step, cfg.training.steps)
-        with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
-            if saved:
-                checkpointer.save(step)
-            else:
-                checkpointer.finish_pending(wait=False)  # a failed background save is reported here
-        if preemption.requested():
-            if cfg.checkpoint.enable and not saved:
-                with timeouts.long("checkpoint"):
-                    checkpointer.save(step, blocking=True)
-            logger.info(f"stopped by SIGTERM after step {step}")
-            break
+            saved = checkpointer.should_save(step, cfg.training.steps)
+            with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
+                if saved:
+                    checkpointer.save(step)
+                else:
+                    checkpointer.finish_pending(wait=False)  # a failed background save is reported here
+            if preemption.requested():
+                if cfg.checkpoint.enable and not saved:
+                    with timeouts.long("checkpoint"):
+                        checkpointer.save(step, blocking=True)
+                logger.info(f"stopped by SIGTERM after step {step}")
+                break
 
-    # 5. Close: pending saves finish, the data thread and the log files are closed.
-    checkpointer.close()
-    ft.close()
-    profiler.close()
-    if step == cfg.training.steps:
-        export_after_training(plan, model)  # [export]: Hugging Face / PEFT folders, one tensor at a time
-    loader.close()
-    preemption.close()
-    metrics.close()
+        # 5. Close: pending saves finish, the data thread and the log files are closed.
+        checkpointer.close()
+        ft.close()
+        profiler.close()
+        if step == cfg.training.steps:
+            export_after_training(plan, model)  # [export]: Hugging Face / PEFT folders, one tensor at a time
+        loader.close()
+        metrics.close()
+    finally:
+        preemption.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
 
