@@ -64,3 +64,21 @@ def test_qlora_trains_dense_qwen3_as_lora_on_the_full_base_does(tmp_path):
     assert qlora[0] == pytest.approx(lora[0], rel=2e-2)  # the same start, up to NF4's rounding of the base
     assert qlora != lora  # the base was quantized
     assert all(abs(q - l) < 0.1 * l for q, l in zip(qlora, lora)), (qlora, lora)
+
+
+def test_a_peft_export_of_adapters_on_a_qwen3_moe_dense_layer_is_refused_before_training(tmp_path, capsys):
+    """The MoE folder's layer 1 is dense (mlp_only_layers): PEFT could not load adapters on its
+    SwiGLU, so a LoRA run asking for a PEFT export with them is refused in one line at start; on the
+    attention alone it is planned."""
+    tiny_qwen3_hf_folder(tmp_path / "source", moe=True)
+    argv = run_args(tmp_path / "run", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path",
+                    str(tmp_path / "source"), *LORA, "--export.peft_folder", "adapter", steps=1)
+    capsys.readouterr()  # transformers' progress bars while writing the folder
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == ("weft: error: export.peft_folder = 'adapter': PEFT reads a Qwen3-MoE adapter's "
+                   "gate_proj/up_proj/down_proj as its fused experts', so the adapter on layers.1.feed_forward.w1 "
+                   "(a dense layer's SwiGLU) would not load there; set lora.target_modules to the attention "
+                   "(wq, wk, wv, wo)\n")
+    assert not (tmp_path / "run" / "adapter").exists() and not (tmp_path / "run" / "checkpoint").exists()
+    assert train.main([*argv, "--lora.target_modules", "wq,wk,wv,wo", "--job.dry_run"]) == 0
