@@ -65,26 +65,31 @@ def exchanges(play: Path, max_chars: int = 700) -> Iterator[dict]:
 
 
 def build_tokenizer_folder(folder: Path, *, vocab_size: int = 1000, plays: list[Path] | None = None,
-                           chat_template: str | None = LLAMA3_CHAT_TEMPLATE) -> Path:
-    """Train the BPE tokenizer on `plays` (default: Hamlet and Macbeth) and save it as an HF folder."""
+                           chat_template: str | None = LLAMA3_CHAT_TEMPLATE, special_tokens: list[str] = SPECIAL_TOKENS,
+                           bos_token: str | None = "<|begin_of_text|>", eos_token: str = "<|end_of_text|>",
+                           pad_token: str | None = None) -> Path:
+    """Train the BPE tokenizer on `plays` (default: Hamlet and Macbeth) and save it as an HF folder;
+    a post-processor prepends `bos_token` unless it is None (as in Qwen's folders)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     plays = plays or [PLAYS / "hamlet.txt", PLAYS / "macbeth.txt"]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train([str(p) for p in plays], trainer)
-    bos = tokenizer.token_to_id("<|begin_of_text|>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-        special_tokens=[("<|begin_of_text|>", bos)])
+    if bos_token is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B",
+            special_tokens=[(bos_token, tokenizer.token_to_id(bos_token))])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+    config = {"bos_token": bos_token, "eos_token": eos_token,
               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
               "clean_up_tokenization_spaces": False}
+    if pad_token is not None:
+        config["pad_token"] = pad_token
     if chat_template is not None:
         config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -48,12 +48,10 @@ EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
     """The plan entries for the `MoE` at `path`, whose input and output are sequence-sharded
     (Shard(1)) as the rest of a sequence-parallel block's are."""
-    if getattr(type(module.experts), "_expert_parallel", False):
+    expert_parallel = getattr(type(module.experts), "_expert_parallel", False)
+    check_moe_tp(path, module, expert_parallel)
+    if expert_parallel:
         return _tokens_sharded_plan(path, module)
-    if not module.score_before_experts:
-        raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
-                             "(score_before_experts False) cannot split its experts by hidden dimension; "
-                             "tensor parallelism needs the score applied before the experts")
     plan: dict[str, ParallelStyle] = {
         path: PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
@@ -66,6 +64,16 @@ def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
         plan[f"{path}.shared_expert.w3"] = ColwiseParallel()
         plan[f"{path}.shared_expert.w2"] = RowwiseParallel(output_layouts=Partial())
     return plan
+
+
+def check_moe_tp(path: str, module: nn.Module, expert_parallel: bool) -> None:
+    """Refuse tensor parallelism for the MoE at `path` where it would split experts (no expert
+    parallelism holding them whole) whose outputs the scores weigh: the gradient of the scores
+    would be a partial sum."""
+    if not expert_parallel and not module.score_before_experts:
+        raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
+                             "(score_before_experts False) cannot split its experts by hidden dimension; "
+                             "tensor parallelism needs the score applied before the experts")
 
 
 def _tokens_sharded_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:

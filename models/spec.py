@@ -133,6 +133,9 @@ class ModelSpec:
     # why QLoRA cannot hold this family's frozen base in NF4 (or args -> why, where it depends on the
     # model: Qwen3-MoE's experts, not dense Qwen3); None: it can
     nf4_refusal: str | Callable[[Any], str | None] | None = None
+    # (args, names of the linears holding adapters) -> why PEFT cannot load such an adapter onto the
+    # transformers model (its loader reads some names otherwise: Qwen3-MoE); None: it can
+    peft_refusal: Callable[[Any, list[str]], str | None] | None = None
 
     def nf4_refusal_for(self, args: Any) -> str | None:
         """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""

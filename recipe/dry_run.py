@@ -31,7 +31,9 @@ from weft.components.memory import (
 from weft.components.ft import describe_groups
 from weft.components.metrics import active_parameters, count_parameters, setup_logging
 from weft.components.model_state import whole_model
+from weft.components.moe_balance import moe_layers
 from weft.models import spec_for_args
+from weft.models.moe_tp import check_moe_tp
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
@@ -193,7 +195,7 @@ TABLE_MAX_PP = 16
 
 
 def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
-                      options: ParallelizeOptions = ParallelizeOptions()) -> list[ParallelDims]:
+                      options: ParallelizeOptions = ParallelizeOptions(), model: nn.Module | None = None) -> list[ParallelDims]:
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
     sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
     the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
@@ -201,7 +203,12 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
     compose there (`check_composes`: QLoRA without tp and pp, ...); the model trains in the layout
     (`check_model_support`). A model with experts also gets each ep
     that divides them and dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
-    (`check_expert_parallel`)."""
+    (`check_expert_parallel`), and tp only where its MoE layers can be split (`check_moe_tp`: with
+    ep, or with the score before the experts). `model`: the plain meta model (built if None)."""
+    if model is None:
+        with torch.device("meta"):
+            model = spec_for_args(args).build(args)
+    moes = moe_layers(model)
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     layouts = []
@@ -219,6 +226,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
                                                if dims.pp_enabled else None), dims.tp)
                         check_model_support(cfg, args, dims)
                         check_expert_parallel(cfg, args, dims)
+                        for path, moe in moes if dims.tp > 1 else ():
+                            check_moe_tp(path, moe, expert_parallel=dims.ep > 1)
                         pipeline_layout(cfg, args, dims)
                     except (LayoutError, ConfigError, TransformError):
                         continue
@@ -237,7 +246,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
         apply_lora(plain, **vars(options.lora))
     stages = TableStages(plain)
     results = []
-    for dims in candidate_layouts(cfg, args, current.world_size, options):
+    for dims in candidate_layouts(cfg, args, current.world_size, options, plain):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)

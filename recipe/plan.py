@@ -278,6 +278,11 @@ def check_lora(plan: RunPlan) -> None:
         model = spec_for_args(plan.model_args).build(plan.model_args)
     try:
         apply_lora(model, **vars(lora))
+        spec = spec_for_args(plan.model_args)
+        if plan.cfg.export.peft_folder and spec.peft_refusal is not None:
+            refusal = spec.peft_refusal(plan.model_args, [name for name, _ in lora_modules(model)])
+            if refusal is not None:
+                raise ConfigError(f"export.peft_folder = {plan.cfg.export.peft_folder!r}: {refusal}")
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
         for name, module in lora_modules(model) if lora.quantize_base else []:
             check_nf4_shape(name, module.weight.shape, shards)

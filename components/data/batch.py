@@ -2,7 +2,8 @@
 the global micro-batch it is this rank's block of (`BatchShape`).
 
 Text windows carry inputs and labels alone (one causal sequence per row) unless document masking
-gives them positions and document ids from their BOS tokens (`document_layout`); packed samples
+gives them positions and document ids from their BOS tokens, or EOS ones where the tokenizer has
+none (`document_layout`); packed samples
 always carry both. Labels are the inputs shifted by one; IGNORE_INDEX (-100, components/loss.py) marks a
 token that is not supervised.
 """
@@ -59,13 +60,20 @@ class BatchShape:
         return self.local_batch_size * self.dp_world_size
 
 
-def document_layout(inputs: torch.Tensor, bos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and document ids of packed text windows, where each document starts with BOS.
+def document_layout(inputs: torch.Tensor, bos_id: int | None, eos_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and document ids of packed text windows, where each document starts with BOS, or
+    (a tokenizer without BOS, `bos_id` None) right after the EOS that ends the one before.
 
-    Positions restart at 0 at every BOS; a window's tokens before its first BOS (the tail of a
-    document begun in an earlier window) count from 0 at the window start.
+    Positions restart at 0 at every document start; a window's tokens before its first start (the
+    tail of a document begun in an earlier window) count from 0 at the window start.
     """
     index = torch.arange(inputs.shape[-1], device=inputs.device).expand_as(inputs)
-    is_start = inputs == bos_id
+    if bos_id is not None:
+        is_start = inputs == bos_id
+    else:
+        if eos_id is None:
+            raise ValueError("document_layout needs bos_id, or eos_id where the tokenizer has no BOS")
+        is_start = torch.zeros_like(inputs, dtype=torch.bool)
+        is_start[..., 1:] = inputs[..., :-1] == eos_id
     starts = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - starts, is_start.long().cumsum(dim=-1)

@@ -86,10 +86,12 @@ class Loader:
     def stream(self, exchange_group: dist.ProcessGroup | None, *, document_masking: bool = False) -> Iterator[Batch]:
         """The batches from the current state on, forever, counting lengths with the ranks of
         `exchange_group` (every rank of the job, or None: alone). With `document_masking`, text
-        windows get positions and document ids from their BOS tokens (packed samples have them)."""
+        windows get positions and document ids from their BOS tokens, or EOS ones where the tokenizer
+        has no BOS (packed samples have them)."""
         for batch in self.strategy.batches(self.cursor, self.shape, exchange_group):
             if document_masking and batch.positions is None:
-                batch = Batch(batch.inputs, batch.labels, *document_layout(batch.inputs, self.tokenizer.bos_id))
+                batch = Batch(batch.inputs, batch.labels, *document_layout(batch.inputs, self.tokenizer.bos_id,
+                                                                         self.tokenizer.eos_id))
             yield batch
 
     def state_dict(self) -> dict[str, int]:

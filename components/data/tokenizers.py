@@ -74,7 +74,8 @@ class HFTokenizer:
     plus chat rendering.
 
     `encode(text, bos, eos)` tokenizes without the folder's post-processor and adds BOS/EOS itself,
-    so documents are framed exactly like SentencePiece ones; `encode_chat(messages)` and
+    so documents are framed exactly like SentencePiece ones (a folder without a BOS token, as
+    Qwen's, frames them with EOS alone: `bos_id` is None); `encode_chat(messages)` and
     `render_chat` follow the folder's chat template.
     """
 
@@ -97,8 +98,8 @@ class HFTokenizer:
         self.pad_token = _token_content(config.get("pad_token"))
         self.bos_id = self._special_id(self.bos_token, "bos_token")
         self.eos_id = self._special_id(self.eos_token, "eos_token")
-        if self.bos_id is None or self.eos_id is None:
-            raise DataError(f"{where}: tokenizer_config.json defines no bos_token or no eos_token")
+        if self.eos_id is None:  # BOS may be absent (Qwen's "bos_token": null): documents then end with EOS alone
+            raise DataError(f"{where}: tokenizer_config.json defines no eos_token")
         self.pad_id = self._special_id(self.pad_token, "pad_token")
         self.chat_template = self._pick_template(config.get("chat_template"))
         # Tokens that end an assistant turn: Llama 3's <|eot_id|> (and <|eom_id|>), else EOS.
@@ -138,8 +139,9 @@ class HFTokenizer:
     # -- the Tokenizer interface --------------------------------------------------------------
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        """Ids of `text`, after BOS if asked and the tokenizer has one, and before EOS if asked."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

@@ -1,7 +1,7 @@
 """weft's Qwen3 and Qwen3-MoE as the rest of weft sees it (models/spec.py), one spec for both:
 flavors, build, pipeline units (the decoder's), Hugging Face mapping (per-head q/k norm rows,
 per-expert tensors), tensor-parallel plan, FLOPs per token, LoRA adapters per block, and what
-differs between its dense and MoE models: experts and routing, active parameters, NF4."""
+differs between its dense and MoE models: experts and routing, active parameters, NF4, PEFT targets."""
 
 from __future__ import annotations
 
@@ -46,8 +46,21 @@ def nf4_refusal(args: ModelArgs) -> str | None:
             "leave most of the model unquantized")
 
 
+def peft_refusal(args: ModelArgs, adapted: list[str]) -> str | None:
+    """PEFT (0.21, with transformers 5) reads a Qwen3-MoE adapter's gate_proj / up_proj / down_proj
+    targets as the fused routed experts', so adapters on a dense layer's SwiGLU (mlp_only_layers)
+    would not load there; dense Qwen3 loads any adapter."""
+    dense_mlp = [name for name in adapted if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")]
+    if not args.n_experts or not dense_mlp:
+        return None
+    return (f"PEFT reads a Qwen3-MoE adapter's gate_proj/up_proj/down_proj as its fused experts', so the adapter on "
+            f"{dense_mlp[0]} (a dense layer's SwiGLU) would not load there; set lora.target_modules to the attention "
+            "(wq, wk, wv, wo)")
+
+
 QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
                           block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
-                          active_parameters=Transformer.active_parameters, nf4_refusal=nf4_refusal)
+                          active_parameters=Transformer.active_parameters, nf4_refusal=nf4_refusal,
+                          peft_refusal=peft_refusal)
