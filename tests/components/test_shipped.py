@@ -61,3 +61,15 @@ def test_package_data_holds_every_shipped_config_and_the_tracked_assets_they_nam
     files = {f for name in named if name.startswith("assets/") for f in tracked if f.is_relative_to(REPO / name)}
     assert {"hamlet.txt", "shakespeare.model"} <= {f.name for f in files}  # what debug_model and debug_lora read
     assert files <= packaged, sorted(str(f.relative_to(REPO)) for f in files - packaged)
+
+
+def test_pyproject_lists_every_package_of_the_checkout():
+    """setuptools installs only the packages pyproject.toml names (the repository root is the package
+    weft, so none are found by themselves): a package folder missing there would be missing from
+    every wheel, which only the slow install test would otherwise see."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    skipped = {"tests", "benchmarks", "assets"}
+    found = {".".join(("weft", *init.parent.relative_to(REPO).parts)) for init in REPO.rglob("__init__.py")
+             if not (set(init.relative_to(REPO).parts) & skipped) and not any(
+                 part.startswith(".") for part in init.relative_to(REPO).parts)}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
