@@ -391,9 +391,12 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:
         buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
+    dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype)
+    if dequantized:
+        buffers["NF4 experts dequantized (1 projection of 1 layer)"] = dequantized
     buffers["logits (until backward)"] = logits
     buffers["loss: fp32 work and the logits' gradient"] = loss_backward
-    autocast = buffers.get("autocast bf16 weight copies", 0)
+    autocast = buffers.get("autocast bf16 weight copies", 0) + dequantized  # transients beside the activations
     # Backward: the loss's backward first (all activations, the logits and their gradient), which
     # frees the logits; then blocks in reverse, freeing activations as gradients appear. The peak
     # is at the loss, at the first block (one block recomputed, its gradients reduce-scattered),
@@ -413,6 +416,21 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         phases["backward, micro-batches in flight"] = (params + optimizer + grads + kept_later + logits + loss_backward
                                               + gather + scatter + recompute)
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)
+
+
+# torchao's dequantization of one NF4 weight, bytes a value beyond the result: the codes widened to
+# int64 (two a byte) and the looked-up and scaled values in the compute dtype (torchao 0.18).
+NF4_DEQUANT_INT_BYTES, NF4_DEQUANT_COPIES = 8, 2
+
+
+def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """The largest stack of NF4 experts dequantized for its multiply (models/nf4_experts.py): this
+    rank's experts of one projection in the compute dtype, and torchao's work on one expert."""
+    e = dtype_bytes(compute_dtype)
+    planned = nf4_planned_numel(model)
+    sizes = [(local_tensor(p).numel(), planned[id(p)]) for p in model.parameters()
+             if id(p) in planned and planned[id(p)] != p.numel()]
+    return max((stack * e + per * (NF4_DEQUANT_INT_BYTES + NF4_DEQUANT_COPIES * e) for stack, per in sizes), default=0)
 
 
 # torchao quantizes a weight to NF4 in chunks of this many values, each compared with the 16 levels.

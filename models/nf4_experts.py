@@ -70,11 +70,12 @@ class NF4Experts(nn.Module):
         args = SubclassTensorArgs(original_shape=torch.Size((out, in_)), original_strides=(in_, 1), storage_offset=0,
                                   dtype=self.weight_dtype, device=codes.device, requires_grad=False)
         n_blocks = out * in_ // self.block_size
-        weights = [NF4Tensor(args, self.block_size, n_blocks, self.scaler_block_size, scales[e],
-                             factors[e].to(self.weight_dtype), mean[e].to(self.weight_dtype), codes[e],
-                             self.levels.to(self.weight_dtype)).get_original_weight()
-                   for e in range(codes.shape[0])]
-        return torch.stack(weights).to(dtype)
+        stack = torch.empty((codes.shape[0], out, in_), dtype=dtype, device=codes.device)
+        for e in range(codes.shape[0]):  # one expert's torchao work at a time beside the stack
+            stack[e] = NF4Tensor(args, self.block_size, n_blocks, self.scaler_block_size, scales[e],
+                                 factors[e].to(self.weight_dtype), mean[e].to(self.weight_dtype), codes[e],
+                                 self.levels.to(self.weight_dtype)).get_original_weight()
+        return stack
 
     def extra_repr(self) -> str:
         return f"experts={self.shape[0]}, shape={self.expert_shape}, NF4 blocks of {self.block_size}"
