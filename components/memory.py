@@ -391,7 +391,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:
         buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
-    dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype)
+    dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype, s.ep)
     if dequantized:
         buffers["NF4 experts dequantized (1 projection of 1 layer)"] = dequantized
     buffers["logits (until backward)"] = logits
@@ -423,12 +423,13 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
 NF4_DEQUANT_INT_BYTES, NF4_DEQUANT_COPIES = 8, 2
 
 
-def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype) -> int:
+def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype, ep: int = 1) -> int:
     """The largest stack of NF4 experts dequantized for its multiply (models/nf4_experts.py): this
-    rank's experts of one projection in the compute dtype, and torchao's work on one expert."""
+    rank's experts of one projection (all gathered by FSDP, 1/ep of them under expert parallelism)
+    in the compute dtype, and torchao's work on one expert."""
     e = dtype_bytes(compute_dtype)
     planned = nf4_planned_numel(model)
-    sizes = [(local_tensor(p).numel(), planned[id(p)]) for p in model.parameters()
+    sizes = [(p.numel() // ep, planned[id(p)]) for p in model.parameters()
              if id(p) in planned and planned[id(p)] != p.numel()]
     return max((stack * e + per * (NF4_DEQUANT_INT_BYTES + NF4_DEQUANT_COPIES * e) for stack, per in sizes), default=0)
 
@@ -437,18 +438,23 @@ def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype) -> i
 NF4_QUANTIZE_CHUNK = 2**20
 
 
-def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype) -> int:
+def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype, ep: int = 1) -> int:
     """QLoRA's start-up peak on each rank (recipe/build.py: stream_qlora_base), from the meta-device
     `model` with its adapters: the whole base (its targets in NF4, the rest in their dtype) and the
     adapters, which every rank holds until FSDP shards them; one unit (a block, or the embedding)
     in the compute dtype as it is materialised; and torchao's work quantizing the largest weight
     (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
     their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
-    measured on torch 2.13 / torchao 0.18). An upper bound: the units after the one being
-    quantized are not yet held."""
-    whole = tp_fsdp_state_bytes(model, 1, 1)[0]
+    measured on torch 2.13 / torchao 0.18). Under expert parallelism (`ep`, applied before the
+    start-up) a rank holds and quantizes only its 1/ep of the routed experts. An upper bound: the
+    units after the one being quantized are not yet held."""
+    planned = nf4_planned_numel(model)
+    stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]
+    others_experts = sum(planned_nf4_bytes(p.numel(), planned[id(p)]) for p in stacks) * (ep - 1) // ep
+    whole = tp_fsdp_state_bytes(model, 1, 1)[0] - others_experts
     e = dtype_bytes(compute_dtype)
-    unit = max(block_numel(args), args.vocab_size * args.dim) * e
+    routed = routed_experts_per_block(model) if ep > 1 else 0
+    unit = max(block_numel(args) - routed + routed // ep, args.vocab_size * args.dim) * e
     largest = max(nf4_planned_numel(model).values(), default=0)
     quantizing = largest * (e + 1) + min(largest, NF4_QUANTIZE_CHUNK) * 16 * 2 * e
     return whole + unit + quantizing

@@ -222,7 +222,7 @@ def test_debug_moe_estimate_within_10_percent_of_its_measured_peak():
 def test_qlora_debug_moe_estimate_within_10_percent_of_its_measured_peak():
     """QLoRA on the debug MoE: the routed experts in NF4 expert by expert (codes, scales, factors and
     each expert's scale mean counted exactly), adapters with their AdamW state, and the activations
-    as for the bf16-base MoE. Measured: 1.021."""
+    as for the bf16-base MoE, and one dequantized expert stack beside them. Measured: 1.04."""
     r = measure_one_process(["--model.flavor", "debugmodel_moe", "--lora.enable", "--lora.quantize_base", "nf4"])
     lora = measure_one_process(["--model.flavor", "debugmodel_moe", "--lora.enable"])
     assert r["est_params"] == r["params"]
