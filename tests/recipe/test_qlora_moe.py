@@ -42,6 +42,7 @@ def test_qlora_moe_learns_and_resumes_exactly(tmp_path, straight):
     assert first + second == straight  # bit for bit: the NF4 base is quantized the same at every start
 
 
+# 10 of the 20 steps: the same learning rates as the first 10 of 20 (debug_moe warms up for 10 steps).
 def first_half(dump: str, *layout: str) -> list[float]:
     return run([*args(Path(dump), 2, "--parallelism.dp_shard", "2", *layout), "--training.steps", "10"])
 
@@ -51,3 +52,10 @@ def first_half(dump: str, *layout: str) -> list[float]:
 def test_fsdp2_and_ep2_train_as_one_process(tmp_path, straight, layout):
     losses = run_distributed(first_half, 2, str(tmp_path / "run"), *layout)[0]
     assert losses == pytest.approx(straight[:10], rel=CROSS_LAYOUT_RTOL)
+
+
+@pytest.mark.slow
+def test_full_activation_checkpointing_recomputes_the_nf4_experts_to_the_same_losses(tmp_path, straight):
+    """Under full AC the block's forward, its dequantizations included, runs again in backward."""
+    losses = run([*args(tmp_path / "ac"), "--activation_checkpoint.mode", "full", "--training.steps", "10"])
+    assert losses == pytest.approx(straight[:10], rel=1e-6)
