@@ -102,7 +102,8 @@ class GroupedExperts(nn.Module):
         device = x.device.type
         x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
         if isinstance(w1, NF4Experts):  # QLoRA: frozen NF4 stacks, dequantized per multiply
-            matmul = grouped_matmul if grouped_mm_applies(x, w1) else loop_matmul
+            matmul = (grouped_matmul if grouped_mm_applies(x, w1) else
+                      masked_matmul if torch.compiler.is_compiling() else loop_matmul)
             mm = lambda a, w: frozen_experts_matmul(a, counts, w, matmul)  # noqa: E731
             return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
         if grouped_mm_applies(x, w1):
@@ -127,6 +128,15 @@ def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> to
 def loop_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The same, one expert after another."""
     return torch.cat([F.linear(p, w[e]) for e, p in enumerate(x.split(counts.tolist()))])
+
+
+def masked_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same, every expert on every row, each row keeping its own expert's (compiled, as `masked`)."""
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
+        out = torch.where((owner == e)[:, None], F.linear(x, w[e]), out)
+    return out
 
 
 def loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -25,12 +25,11 @@ PIECES = (("codes", "quantized_data"), ("scales", "quantized_scalers"), ("factor
           ("scale_mean", "scaler_mean"))
 
 
-def _nf4():
-    try:  # torchao >= 0.18
-        from torchao.quantization import NF4Tensor, to_nf4
-    except ImportError:  # torchao 0.17 and older keep it with the dtypes
-        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-    return NF4Tensor, to_nf4, importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs
+try:  # torchao >= 0.18
+    from torchao.quantization import NF4Tensor, to_nf4
+except ImportError:  # torchao 0.17 and older keep it with the dtypes
+    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+SubclassTensorArgs = importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +42,6 @@ class NF4Experts(nn.Module):
 
     def __init__(self, weight: torch.Tensor, block_size: int, scaler_block_size: int):
         super().__init__()
-        _, to_nf4, _ = _nf4()
         experts = [to_nf4(w, block_size, scaler_block_size) for w in weight.detach()]
         for name, attribute in PIECES:
             piece = torch.stack([getattr(e, attribute) for e in experts])
@@ -64,7 +62,6 @@ class NF4Experts(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The stack in `dtype`, [experts here, out, in], each expert by torchao's own dequantization."""
-        NF4Tensor, _, SubclassTensorArgs = _nf4()
         codes, scales, factors, mean = (_local(getattr(self, name)) for name, _ in PIECES)
         out, in_ = self.expert_shape
         args = SubclassTensorArgs(original_shape=torch.Size((out, in_)), original_strides=(in_, 1), storage_offset=0,

@@ -59,3 +59,11 @@ def test_full_activation_checkpointing_recomputes_the_nf4_experts_to_the_same_lo
     """Under full AC the block's forward, its dequantizations included, runs again in backward."""
     losses = run([*args(tmp_path / "ac"), "--activation_checkpoint.mode", "full", "--training.steps", "10"])
     assert losses == pytest.approx(straight[:10], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_the_nf4_experts_as_eager(tmp_path, straight):
+    """compile.enable (fullgraph blocks): the NF4 multiply and its dequantization traced, the
+    experts as the masked multiply where the grouped one does not apply (fp32 under compile)."""
+    losses = run([*args(tmp_path / "compiled"), "--compile.enable", "--training.steps", "4"])
+    assert losses == pytest.approx(straight[:4], rel=1e-4)
