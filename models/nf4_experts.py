@@ -98,3 +98,13 @@ def frozen_experts_matmul(x: torch.Tensor, counts: torch.Tensor, w: NF4Experts, 
     """`matmul(x, counts, weight)` (rows sorted by expert, weight [experts, out, in]) with `w`'s
     dequantized weight, which is not kept for the backward."""
     return _FrozenExpertsMatmul.apply(x, counts, w, matmul)
+
+
+def weight_numel(module: nn.Module) -> int:
+    """The values `module`'s parameters stand for: each parameter's numel, an NF4 stack's as the
+    [experts, out, in] weight it holds (not its codes' bytes); parameters under FSDP or expert
+    parallelism count whole."""
+    stacks = [m for m in module.modules() if isinstance(m, NF4Experts)]
+    inside = {id(p) for m in stacks for p in m.parameters()}
+    return (sum(p.numel() for p in module.parameters() if id(p) not in inside)
+            + sum(m.codes.shape[0] * m.expert_shape[0] * m.expert_shape[1] for m in stacks))

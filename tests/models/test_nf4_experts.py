@@ -86,3 +86,13 @@ def test_no_dequantized_stack_is_kept_for_the_backward():
     reference.requires_grad_(True)  # a trainable plain stack is saved for its own gradient
     assert largest_saved(reference) >= stack  # the probe sees a kept stack where there is one
     assert largest_saved(quantized) < stack
+
+
+def test_parameter_counts_see_the_weights_nf4_experts_hold():
+    """The model's parameter count (and from it MFU) counts an NF4 stack as its [experts, out, in]
+    values, as for an unquantized layer with the same adapters."""
+    from weft.models.nf4_experts import weight_numel
+    quantized, reference = quantized_and_reference(torch.float32)
+    adapters = sum(p.numel() for n, p in quantized.named_parameters() if ".lora_" in n)
+    assert weight_numel(quantized) == sum(p.numel() for p in reference.parameters()) + adapters
+    assert sum(p.numel() for p in quantized.parameters()) < weight_numel(quantized) - EXPERTS * HIDDEN * DIM
