@@ -60,9 +60,11 @@ class NF4Experts(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.weight_dtype
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The stack in `dtype`, [experts here, out, in], each expert by torchao's own dequantization."""
-        codes, scales, factors, mean = (_local(getattr(self, name)) for name, _ in PIECES)
+    def dequantize(self, dtype: torch.dtype, whole: bool = False) -> torch.Tensor:
+        """The stack in `dtype`, [experts here, out, in], each expert by torchao's own dequantization;
+        whole: every expert, gathered from the ranks that hold them (a collective: call on all)."""
+        whole_or_local = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t) if whole else _local
+        codes, scales, factors, mean = (whole_or_local(getattr(self, name)) for name, _ in PIECES)
         out, in_ = self.expert_shape
         args = SubclassTensorArgs(original_shape=torch.Size((out, in_)), original_strides=(in_, 1), storage_offset=0,
                                   dtype=self.weight_dtype, device=codes.device, requires_grad=False)

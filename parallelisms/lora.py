@@ -398,3 +398,18 @@ def quantize_experts(weight: torch.Tensor, device: torch.device | str | None = N
             spread = DTensor.from_local(piece.data, weight.device_mesh, weight.placements, run_check=False)
             nf4.register_parameter(name, nn.Parameter(spread, requires_grad=False))
     return nf4
+
+
+@torch.no_grad()
+def dequantize_experts(model: nn.Module) -> nn.Module:
+    """Every NF4 stack of routed experts back to a plain frozen [experts, out, in] weight in its
+    original dtype, all experts on every rank (gathered where FSDP or EP spread them): for exports,
+    which write the experts as Hugging Face weights."""
+    for _, module in stacked_experts(model):
+        for w in EXPERT_WEIGHTS:
+            nf4 = getattr(module, w)
+            if isinstance(nf4, NF4Experts):
+                weight = nf4.dequantize(nf4.dtype, whole=True)
+                delattr(module, w)
+                module.register_parameter(w, nn.Parameter(weight, requires_grad=False))
+    return model

@@ -38,7 +38,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
     tokenizer and generation config."""
     from weft.components.checkpoint import load_adapter_weights, require_complete_checkpoint
-    from weft.parallelisms.lora import lora_modules
+    from weft.parallelisms.lora import dequantize_experts, lora_modules
     from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
@@ -61,6 +61,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     if peft_out is not None:
         save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
     if merged_out is not None:
+        dequantize_experts(model)  # QLoRA's NF4 experts, written as the weights they hold
         recorded = folder.parent.parent / HF_FILES
         save_hf_model(model, merged_out, dtype=dtype,
                       hf_files=recorded if (recorded / "config.json").is_file() else None)
