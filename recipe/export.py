@@ -26,7 +26,8 @@ def export_after_training(plan: RunPlan, model: nn.Module) -> None:
     if cfg.lora.enable and cfg.export.peft_folder:
         save_peft_adapter(model, dump / cfg.export.peft_folder, cfg.checkpoint.initial_load_path or None)
     if cfg.export.hf_folder:  # a LoRA run's adapters merged into the base
-        export_at_end(model, dump, cfg.export)
+        from weft.parallelisms.lora import dequantize_experts
+        export_at_end(dequantize_experts(model), dump, cfg.export)  # QLoRA's NF4 experts as the weights they hold
 
 
 def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_out: Path | None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from weft.components.checkpoint import complete_steps
 from tests.support.dist_utils import run_distributed
@@ -28,9 +30,23 @@ def args(dump: Path | str, dp: int = 1, *extra: str) -> list[str]:
                     seq_len=64, batch=4 // dp, checkpoint_every=10)
 
 
+EXPORTS = ("--export.hf_folder", "merged")
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> list[float]:
-    return run(args(tmp_path_factory.mktemp("straight")))
+def straight_dump(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("straight")
+
+
+@pytest.fixture(scope="module")
+def straight(straight_dump) -> list[float]:
+    return run(args(straight_dump, 1, *EXPORTS))
+
+
+def merged_experts(dump: Path) -> dict[str, torch.Tensor]:
+    """The routed experts of a run's end-of-run merged folder (frozen: the same in every run)."""
+    tensors = load_file(dump / "merged" / "model.safetensors")
+    return {k: t for k, t in tensors.items() if ".experts." in k}
 
 
 @pytest.mark.slow
@@ -44,14 +60,18 @@ def test_qlora_moe_learns_and_resumes_exactly(tmp_path, straight):
 
 # 10 of the 20 steps: the same learning rates as the first 10 of 20 (debug_moe warms up for 10 steps).
 def first_half(dump: str, *layout: str) -> list[float]:
-    return run([*args(Path(dump), 2, "--parallelism.dp_shard", "2", *layout), "--training.steps", "10"])
+    return run([*args(Path(dump), 2, "--parallelism.dp_shard", "2", *layout, *EXPORTS), "--training.steps", "10"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [(), ("--parallelism.ep", "2")], ids=["fsdp2", "ep2"])
-def test_fsdp2_and_ep2_train_as_one_process(tmp_path, straight, layout):
+def test_fsdp2_and_ep2_train_as_one_process(tmp_path, straight, straight_dump, layout):
     losses = run_distributed(first_half, 2, str(tmp_path / "run"), *layout)[0]
     assert losses == pytest.approx(straight[:10], rel=CROSS_LAYOUT_RTOL)
+    # the merged export gathers and dequantizes the spread NF4 experts: those of one process, bit for bit
+    ours, one_process = merged_experts(tmp_path / "run"), merged_experts(straight_dump)
+    assert ours.keys() == one_process.keys() and len(ours) == 4
+    assert all(torch.equal(ours[k], one_process[k]) for k in ours)
 
 
 @pytest.mark.slow
