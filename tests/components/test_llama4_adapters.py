@@ -21,14 +21,20 @@ def trained():
     """(transformers' base, weft's model with adapters away from their init, tokens, weft's logits)."""
     hf = tiny_transformers_model(seed=5)
     model = apply_lora(weft_from_transformers(hf), rank=4, alpha=8.0)
-    generator = torch.Generator().manual_seed(6)
+    tokens, logits = adapters_away_from_init(model)
     with torch.no_grad():
-        for _, module in lora_modules(model):
-            module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.1)
-        tokens = torch.randint(0, TINY["vocab_size"], (2, 30), generator=generator)
-        logits = model(tokens)
         assert not torch.allclose(hf(tokens).logits, logits, atol=1e-3), "the adapters must change the logits"
     return hf, model, tokens, logits
+
+
+@torch.no_grad()
+def adapters_away_from_init(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """B drawn (seeded) instead of zero, so the adapters count; (tokens, the model's logits)."""
+    generator = torch.Generator().manual_seed(6)
+    for _, module in lora_modules(model):
+        module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.1)
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 30), generator=generator)
+    return tokens, model(tokens)
 
 
 def test_lora_targets_attention_shared_experts_and_dense_layers_not_routers():
@@ -91,12 +97,7 @@ def test_qlora_merged_folder_writes_the_nf4_experts_as_the_weights_they_hold(tmp
                        target_modules=["wq", "wv"], quantize_base="nf4")
     quantize_lora_base(model)
     assert any(isinstance(m, NF4Experts) for m in model.modules())
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for _, module in lora_modules(model):
-            module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.1)
-        tokens = torch.randint(0, TINY["vocab_size"], (2, 30), generator=generator)
-        logits = model(tokens)
+    tokens, logits = adapters_away_from_init(model)
     save_hf_model(dequantize_experts(model), tmp_path / "merged")
     merged = Llama4ForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     with torch.no_grad():
