@@ -57,7 +57,7 @@ from weft.components.model_state import whole_model
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.fsdp import fsdp_shard_dim
-from weft.parallelisms.lora import NF4_BLOCK, lora_modules, nf4_scaler_block
+from weft.parallelisms.lora import EXPERT_WEIGHTS, NF4_BLOCK, lora_modules, nf4_scaler_block, stacked_experts
 
 GIB = 1024**3
 
@@ -120,10 +120,10 @@ def state_bytes(model: nn.Module) -> tuple[int, int, int]:
     to the parameter dtype); AdamW keeps exp_avg and exp_avg_sq in fp32 (its 4-byte `step`
     counters are left out: a few hundred bytes)."""
     params = grads = optimizer = 0
-    nf4 = nf4_planned_weights(model)
+    nf4 = nf4_planned_numel(model)
     for p in model.parameters():
         local = local_tensor(p)
-        size = nf4_bytes(local.numel()) if id(p) in nf4 else local.numel() * local.element_size()
+        size = planned_nf4_bytes(local.numel(), nf4[id(p)]) if id(p) in nf4 else local.numel() * local.element_size()
         params += size
         if p.requires_grad:
             grads += size
@@ -132,14 +132,36 @@ def state_bytes(model: nn.Module) -> tuple[int, int, int]:
 
 
 def nf4_planned_weights(model: nn.Module) -> set[int]:
-    """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4."""
-    return {id(m.weight) for _, m in lora_modules(model) if m.quantize_base == "nf4"}
+    """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4: the
+    targeted linears' weights and the stacked routed experts (quantized expert by expert)."""
+    return set(nf4_planned_numel(model))
+
+
+def nf4_planned_numel(model: nn.Module) -> dict[int, int]:
+    """id of each weight QLoRA will store in NF4 → the values torchao quantizes in one go (the whole
+    weight of a linear, one expert of a stack)."""
+    planned = {id(m.weight): m.weight.numel() for _, m in lora_modules(model) if m.quantize_base == "nf4"}
+    for _, module in stacked_experts(model):
+        if getattr(module, "quantize_base", None) == "nf4":
+            weights = [getattr(module, w) for w in EXPERT_WEIGHTS if isinstance(getattr(module, w), nn.Parameter)]
+            planned.update({id(w): w[0].numel() for w in weights})
+    return planned
 
 
 def nf4_bytes(numel: int) -> int:
     """torchao's NF4: 4 bits a value, an int8 scale per 64 values, an fp32 factor per group of
     scales (up to 256, parallelisms.lora.nf4_scaler_block)."""
     return numel // 2 + numel // NF4_BLOCK + 4 * (numel // (NF4_BLOCK * nf4_scaler_block(numel)))
+
+
+def planned_nf4_bytes(numel: int, quantized_numel: int) -> int:
+    """NF4 bytes of `numel` values quantized `quantized_numel` at a time: a linear's weight whole,
+    or a stack of experts (or a rank's share of them), each expert alone and its scales' mean
+    (fp32) kept beside (models/nf4_experts.py)."""
+    if numel == quantized_numel:
+        return nf4_bytes(numel)
+    experts = max(numel // quantized_numel, 1)
+    return experts * (nf4_bytes(quantized_numel) + 4)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -311,7 +333,7 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
     the meta `model`): frozen parameters count once, in their dtype or NF4; adapters (counted
     whole under tp, a slight overestimate) add fp32 gradients and AdamW state."""
     params = grads = 0
-    nf4 = nf4_planned_weights(model)
+    nf4 = nf4_planned_numel(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
         if tp > 1 and not name.endswith("norm.weight") and ".lora_" not in name:
@@ -321,7 +343,7 @@ def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int,
             dim = 0 if tp > 1 else fsdp_shard_dim(shape, fsdp)  # apply_fsdp's rule; TP's DTensors keep 0
             shape[dim] = -(-shape[dim] // fsdp)
         numel = torch.Size(shape).numel()
-        size = nf4_bytes(numel) if id(p) in nf4 else numel * p.element_size()
+        size = planned_nf4_bytes(numel, nf4[id(p)]) if id(p) in nf4 else numel * p.element_size()
         params += size
         grads += size if p.requires_grad else 0
     return params, grads, grads * 2  # trainable parameters are fp32: AdamW 2 x fp32 each
@@ -369,9 +391,12 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:
         buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
+    dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype, s.ep)
+    if dequantized:
+        buffers["NF4 experts dequantized (1 projection of 1 layer)"] = dequantized
     buffers["logits (until backward)"] = logits
     buffers["loss: fp32 work and the logits' gradient"] = loss_backward
-    autocast = buffers.get("autocast bf16 weight copies", 0)
+    autocast = buffers.get("autocast bf16 weight copies", 0) + dequantized  # transients beside the activations
     # Backward: the loss's backward first (all activations, the logits and their gradient), which
     # frees the logits; then blocks in reverse, freeing activations as gradients appear. The peak
     # is at the loss, at the first block (one block recomputed, its gradients reduce-scattered),
@@ -393,23 +418,43 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)
 
 
+# torchao's dequantization of one NF4 weight, bytes a value beyond the result: the codes widened to
+# int64 (two a byte) and the looked-up and scaled values in the compute dtype (torchao 0.18).
+NF4_DEQUANT_INT_BYTES, NF4_DEQUANT_COPIES = 8, 2
+
+
+def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype, ep: int = 1) -> int:
+    """The largest stack of NF4 experts dequantized for its multiply (models/nf4_experts.py): this
+    rank's experts of one projection (all gathered by FSDP, 1/ep of them under expert parallelism)
+    in the compute dtype, and torchao's work on one expert."""
+    e = dtype_bytes(compute_dtype)
+    planned = nf4_planned_numel(model)
+    sizes = [(p.numel() // ep, planned[id(p)]) for p in model.parameters()
+             if id(p) in planned and planned[id(p)] != p.numel()]
+    return max((stack * e + per * (NF4_DEQUANT_INT_BYTES + NF4_DEQUANT_COPIES * e) for stack, per in sizes), default=0)
+
+
 # torchao quantizes a weight to NF4 in chunks of this many values, each compared with the 16 levels.
 NF4_QUANTIZE_CHUNK = 2**20
 
 
-def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype) -> int:
+def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype, ep: int = 1) -> int:
     """QLoRA's start-up peak on each rank (recipe/build.py: stream_qlora_base), from the meta-device
     `model` with its adapters: the whole base (its targets in NF4, the rest in their dtype) and the
     adapters, which every rank holds until FSDP shards them; one unit (a block, or the embedding)
     in the compute dtype as it is materialised; and torchao's work quantizing the largest weight
     (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
     their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
-    measured on torch 2.13 / torchao 0.18). An upper bound: the units after the one being
-    quantized are not yet held."""
-    whole = tp_fsdp_state_bytes(model, 1, 1)[0]
+    measured on torch 2.13 / torchao 0.18). Under expert parallelism (`ep`, applied before the
+    start-up) a rank holds and quantizes only its 1/ep of the routed experts. An upper bound: the
+    units after the one being quantized are not yet held."""
+    planned = nf4_planned_numel(model)
+    stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]
+    others_experts = sum(planned_nf4_bytes(p.numel(), planned[id(p)]) for p in stacks) * (ep - 1) // ep
+    whole = tp_fsdp_state_bytes(model, 1, 1)[0] - others_experts
     e = dtype_bytes(compute_dtype)
-    unit = max(block_numel(args), args.vocab_size * args.dim) * e
-    nf4 = nf4_planned_weights(model)
-    largest = max((p.numel() for p in model.parameters() if id(p) in nf4), default=0)
+    routed = routed_experts_per_block(model) if ep > 1 else 0
+    unit = max(block_numel(args) - routed + routed // ep, args.vocab_size * args.dim) * e
+    largest = max(nf4_planned_numel(model).values(), default=0)
     quantizing = largest * (e + 1) + min(largest, NF4_QUANTIZE_CHUNK) * 16 * 2 * e
     return whole + unit + quantizing

@@ -21,6 +21,7 @@ import torch
 from weft.components.rank_times import gather_rank_times, rank_scalars, slow_rank_note
 from weft.components.time_left import TimeLeft, clock
 from weft.models import spec_for_args, spec_for_model
+from weft.models.nf4_experts import weight_numel
 
 logger = logging.getLogger("weft")
 
@@ -66,8 +67,9 @@ def setup_logging(rank: int) -> None:
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Parameters of the full (unsharded) model; shared (tied) parameters count once."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the full (unsharded) model; shared (tied) parameters count once; NF4 experts
+    as the weights they hold."""
+    return weight_numel(model)
 
 
 def active_parameters(model: torch.nn.Module) -> int:

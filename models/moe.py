@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.models.common.feed_forward import FeedForward
+from weft.models.nf4_experts import NF4Experts, frozen_experts_matmul
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 # The router's attribute name: LoRA and float8 leave layers of this name as they are (an adapter or
@@ -100,6 +101,11 @@ class GroupedExperts(nn.Module):
         know `_grouped_mm`), else the weights'; grouped where the multiply applies."""
         device = x.device.type
         x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
+        if isinstance(w1, NF4Experts):  # QLoRA: frozen NF4 stacks, dequantized per multiply
+            matmul = (grouped_matmul if grouped_mm_applies(x, w1) else
+                      masked_matmul if torch.compiler.is_compiling() else loop_matmul)
+            mm = lambda a, w: frozen_experts_matmul(a, counts, w, matmul)  # noqa: E731
+            return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
         if grouped_mm_applies(x, w1):
             return grouped(x, counts, w1, w2, w3)
         return (masked if torch.compiler.is_compiling() else loop)(x, counts, w1, w2, w3)
@@ -112,6 +118,25 @@ def grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.T
     ends = counts.cumsum(0).to(torch.int32)
     h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
     return torch._grouped_mm(h, w2, offs=ends)
+
+
+def grouped_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of x times its w[e]^T (w [experts, out, in]), one grouped multiply."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+
+
+def loop_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same, one expert after another."""
+    return torch.cat([F.linear(p, w[e]) for e, p in enumerate(x.split(counts.tolist()))])
+
+
+def masked_matmul(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same, every expert on every row, each row keeping its own expert's (compiled, as `masked`)."""
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
+        out = torch.where((owner == e)[:, None], F.linear(x, w[e]), out)
+    return out
 
 
 def loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from weft.errors import TransformError, refuse_data_parallel_model
+from weft.models.nf4_experts import NF4Experts
 
 logger = logging.getLogger("weft")
 
@@ -126,11 +127,19 @@ def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> tor
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
                                       output_size=arrived.shape[0])
     order = ((segment % local) * ep + segment // local).argsort(stable=True)
-    weights = [_ScaleGradient.apply(getattr(self, w).to_local(), self.grad_scale) for w in EXPERT_WEIGHTS]
+    weights = [_local_weight(getattr(self, w), self.grad_scale) for w in EXPERT_WEIGHTS]
     computed = self.compute(arrived[order], received.sum(0), *weights)
     out = torch.empty_like(computed).index_copy(0, order, computed)  # back in arrival order
     # 4. the outputs home, in the order their tokens left
     return funcol.all_to_all_single_autograd(out.contiguous(), send_sizes, receive_sizes, group)
+
+
+def _local_weight(weight, grad_scale: float):
+    """This rank's experts of a weight: its local shard (gradient scaled), or a frozen NF4 stack
+    as it is (it dequantizes its own shard, and takes no gradient)."""
+    if isinstance(weight, NF4Experts):
+        return weight
+    return _ScaleGradient.apply(weight.to_local(), grad_scale)
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -28,12 +28,14 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.models.moe import ROUTER
+from weft.models.nf4_experts import NF4Experts
 from weft.errors import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
 logger = logging.getLogger("weft")
 
 QUANTIZE_BASE_CHOICES = ("nf4",)
+EXPERT_WEIGHTS = ("w1", "w2", "w3")  # a stack of routed experts' weights, [experts, out, in] each
 # torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of at
 # most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
@@ -99,8 +101,8 @@ def apply_lora(
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
     (`layers.*.attention.w?`); None: every nn.Linear but the output head and MoE routers. Stacked
     routed experts (3-D weights, not linears) take no adapters: PEFT could not load them back.
-    quantize_base "nf4":
-    the targets' frozen weights become NF4 once `quantize_lora_base` runs on real weights.
+    quantize_base "nf4": the targets' frozen weights, and every stack of routed experts (expert by
+    expert, models/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
     parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
     allow_no_targets: a part of a model (a pipeline stage of only the output, say) may hold none of
@@ -120,8 +122,14 @@ def apply_lora(
                                  "apply_lora comes before float8 and tensor parallelism, on plain nn.Linear layers")
         if quantize_base == "nf4":
             check_nf4_shape(name, linear.weight.shape)
+    experts = stacked_experts(model) if quantize_base == "nf4" else []
+    for name, module in experts:
+        for w in EXPERT_WEIGHTS:
+            check_nf4_shape(f"{name}.{w} (one expert)", getattr(module, w).shape[1:])
     for param in model.parameters():
         param.requires_grad_(False)
+    for _, module in experts:
+        module.quantize_base = quantize_base
     modules = dict(model.named_modules())
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
@@ -138,7 +146,8 @@ def apply_lora(
     logger.info(
         f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
         f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}), scaling {scaling:g}, "
-        f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}; trainable {trainable:,} of {total:,} "
+        f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}"
+        f"{f' (and the routed experts of {len(experts)} MoE layers)' if experts else ''}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.3f}%)"
     )
     return model
@@ -146,6 +155,13 @@ def apply_lora(
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules holding routed experts as stacked 3-D weights w1, w2, w3 (models/moe.py)."""
+    return [(n, m) for n, m in model.named_modules()
+            if all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
+                   for w in EXPERT_WEIGHTS)]
 
 
 def nf4_scaler_block(numel: int) -> int:
@@ -348,16 +364,52 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
 
     refuse_data_parallel_model(model, "quantize_lora_base")
     todo = [(n, m) for n, m in lora_modules(model) if m.quantize_base == "nf4" and not isinstance(m.weight, NF4Tensor)]
-    for name, module in todo:  # every check before any weight changes
-        if module.weight.is_meta:
-            raise TransformError("quantize_lora_base", "model", f"{name}.weight is on the meta device; quantize "
+    experts = [(f"{n}.{w}", m, w) for n, m in stacked_experts(model) if getattr(m, "quantize_base", None) == "nf4"
+               for w in EXPERT_WEIGHTS if isinstance(getattr(m, w), nn.Parameter)]
+    for name, weight in [(f"{n}.weight", m.weight) for n, m in todo] + [(n, getattr(m, w)) for n, m, w in experts]:
+        if weight.is_meta:  # every check before any weight changes
+            raise TransformError("quantize_lora_base", "model", f"{name} is on the meta device; quantize "
                                  "real weights, after materialize or loading the base model")
+    for name, module in todo:
         check_nf4_shape(name, module.weight.shape, shards, "quantize_lora_base")
     for name, module in todo:
         weight = module.weight.detach()
         nf4 = to_nf4(weight.to(device) if device is not None else weight, NF4_BLOCK, nf4_scaler_block(weight.numel()))
         module.weight = nn.Parameter(nf4, requires_grad=False)
-    if log and todo:
-        logger.info(f"quantize_lora_base: {len(todo)} frozen base weights stored as NF4 (blocks of {NF4_BLOCK}, "
-                    f"scales in groups of up to {NF4_SCALER_BLOCK})")
+    for _, module, w in experts:  # whole experts: FSDP and EP split the stack by expert, any degree
+        nf4 = quantize_experts(getattr(module, w), device)
+        delattr(module, w)  # the parameter gives way to the module holding its NF4 pieces
+        setattr(module, w, nf4)
+    if log and (todo or experts):
+        logger.info(f"quantize_lora_base: {len(todo)} frozen base weights and {len(experts)} stacks of routed experts "
+                    f"stored as NF4 (blocks of {NF4_BLOCK}, scales in groups of up to {NF4_SCALER_BLOCK})")
+    return model
+
+
+def quantize_experts(weight: torch.Tensor, device: torch.device | str | None = None) -> NF4Experts:
+    """A stack of expert weights [experts, out, in] as NF4Experts, each expert quantized alone. A
+    weight spread by expert parallelism (a Shard(0) DTensor) quantizes its local experts and keeps
+    each piece of the stack spread the same way."""
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    local = local.detach().to(device) if device is not None else local.detach()
+    nf4 = NF4Experts(local, NF4_BLOCK, nf4_scaler_block(local[0].numel()))
+    if isinstance(weight, DTensor):
+        for name, piece in list(nf4.named_parameters(recurse=False)):
+            spread = DTensor.from_local(piece.data, weight.device_mesh, weight.placements, run_check=False)
+            nf4.register_parameter(name, nn.Parameter(spread, requires_grad=False))
+    return nf4
+
+
+@torch.no_grad()
+def dequantize_experts(model: nn.Module) -> nn.Module:
+    """Every NF4 stack of routed experts back to a plain frozen [experts, out, in] weight in its
+    original dtype, all experts on every rank (gathered where FSDP or EP spread them): for exports,
+    which write the experts as Hugging Face weights."""
+    for _, module in stacked_experts(model):
+        for w in EXPERT_WEIGHTS:
+            nf4 = getattr(module, w)
+            if isinstance(nf4, NF4Experts):
+                weight = nf4.dequantize(nf4.dtype, whole=True)
+                delattr(module, w)
+                module.register_parameter(w, nn.Parameter(weight, requires_grad=False))
     return model

@@ -80,7 +80,7 @@ def materialize_part(model: nn.Module, module_names: Sequence[str], device: torc
         part.to_empty(device=device)
     names = {f"{prefix}.{n}" for prefix, part in parts.items() for n, _ in part.named_parameters()}
     init = _default_init(model)
-    with torch.no_grad():
+    with torch.no_grad(), implicit_replication():  # experts spread by EP take their slice of the full draw
         if init == "init_weights":
             model.init_weights(seed=seed, names=names)
         else:

@@ -183,7 +183,7 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
     if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
-        startup = qlora_startup_bytes(model, args, shape.compute_dtype)
+        startup = qlora_startup_bytes(model, args, shape.compute_dtype, plan.dims.ep)
         estimate.phases["QLoRA start-up"] = startup
         print(f"  QLoRA start-up, before FSDP shards the base: {startup / GIB:.2f} GiB "
               "(the whole base in NF4, one block in the compute dtype, torchao quantizing one weight)")

@@ -26,7 +26,8 @@ def export_after_training(plan: RunPlan, model: nn.Module) -> None:
     if cfg.lora.enable and cfg.export.peft_folder:
         save_peft_adapter(model, dump / cfg.export.peft_folder, cfg.checkpoint.initial_load_path or None)
     if cfg.export.hf_folder:  # a LoRA run's adapters merged into the base
-        export_at_end(model, dump, cfg.export)
+        from weft.parallelisms.lora import dequantize_experts
+        export_at_end(dequantize_experts(model), dump, cfg.export)  # QLoRA's NF4 experts as the weights they hold
 
 
 def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_out: Path | None,
@@ -38,7 +39,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
     tokenizer and generation config."""
     from weft.components.checkpoint import load_adapter_weights, require_complete_checkpoint
-    from weft.parallelisms.lora import lora_modules
+    from weft.parallelisms.lora import dequantize_experts, lora_modules
     from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
@@ -61,6 +62,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     if peft_out is not None:
         save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
     if merged_out is not None:
+        dequantize_experts(model)  # QLoRA's NF4 experts, written as the weights they hold
         recorded = folder.parent.parent / HF_FILES
         save_hf_model(model, merged_out, dtype=dtype,
                       hf_files=recorded if (recorded / "config.json").is_file() else None)

@@ -28,6 +28,7 @@ from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.norms import RMSNorm
 from weft.models.llama4.args import ModelArgs
 from weft.models.moe import MoE
+from weft.models.nf4_experts import weight_numel
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -128,8 +129,7 @@ class Transformer(Decoder):
 
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""
-        total = sum(p.numel() for p in self.parameters())
+        total = weight_numel(self)
         idle = 1 - self.args.top_k / self.args.n_experts
-        routed = sum(p.numel() for layer in self.layers.values() if layer.moe
-                     for p in layer.feed_forward.experts.parameters())
+        routed = sum(weight_numel(layer.feed_forward.experts) for layer in self.layers.values() if layer.moe)
         return total - round(routed * idle)

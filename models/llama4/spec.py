@@ -54,6 +54,4 @@ LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_h
 
 LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
                            flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel,
-                           experts=experts, active_parameters=Transformer.active_parameters,
-                           nf4_refusal="keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot "
-                                       "hold, so QLoRA would leave most of the model unquantized")
+                           experts=experts, active_parameters=Transformer.active_parameters)

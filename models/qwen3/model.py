@@ -22,6 +22,7 @@ from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.norms import RMSNorm
 from weft.models.moe import MoE
+from weft.models.nf4_experts import weight_numel
 from weft.models.qwen3.args import ModelArgs
 
 
@@ -51,10 +52,9 @@ class Transformer(Decoder):
 
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""
-        total = sum(p.numel() for p in self.parameters())
+        total = weight_numel(self)
         if not self.args.n_experts:
             return total
         idle = 1 - self.args.top_k / self.args.n_experts
-        routed = sum(p.numel() for layer in self.layers.values() if layer.moe
-                     for p in layer.feed_forward.experts.parameters())
+        routed = sum(weight_numel(layer.feed_forward.experts) for layer in self.layers.values() if layer.moe)
         return total - round(routed * idle)

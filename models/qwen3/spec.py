@@ -38,14 +38,6 @@ def experts(args: ModelArgs) -> Experts | None:
     return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots) if args.n_experts else None
 
 
-def nf4_refusal(args: ModelArgs) -> str | None:
-    """Dense Qwen3 QLoRA-ready; Qwen3-MoE not: its experts are stacked 3-D weights."""
-    if not args.n_experts:
-        return None
-    return ("keeps its routed experts as stacked 3-D weights, which torchao's NF4 cannot hold, so QLoRA would "
-            "leave most of the model unquantized")
-
-
 def peft_refusal(args: ModelArgs, adapted: list[str]) -> str | None:
     """PEFT (0.21, with transformers 5) reads a Qwen3-MoE adapter's gate_proj / up_proj / down_proj
     targets as the fused routed experts', so adapters on a dense layer's SwiGLU (mlp_only_layers)
@@ -62,5 +54,4 @@ QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
                           block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
-                          active_parameters=Transformer.active_parameters, nf4_refusal=nf4_refusal,
-                          peft_refusal=peft_refusal)
+                          active_parameters=Transformer.active_parameters, peft_refusal=peft_refusal)

@@ -9,10 +9,6 @@ from weft.recipe.plan import model_and_layout
 
 
 @pytest.mark.parametrize(("overrides", "world_size", "message"), [
-    (["--lora.enable", "--lora.quantize_base", "nf4"], 2,
-     "lora.quantize_base = 'nf4': model flavor debugmodel_moe (Llama 4) keeps its routed experts as stacked 3-D "
-     "weights, which torchao's NF4 cannot hold, so QLoRA would leave most of the model unquantized; use LoRA "
-     "(lora.quantize_base = '')"),
     (["--parallelism.dp_shard", "1", "--parallelism.tp", "4", "--parallelism.ep", "2"], 4,
      "parallelism.ep = 2 must divide dp_shard·cp·tp = 1·1·4 = 4 and be a multiple of tp = 4: expert parallelism "
      "borrows its ranks from FSDP's and tensor parallelism's"),
