@@ -14,7 +14,9 @@ only the input's gradient is needed), so a layer's dequantized experts never out
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,11 +27,15 @@ PIECES = (("codes", "quantized_data"), ("scales", "quantized_scalers"), ("factor
           ("scale_mean", "scaler_mean"))
 
 
-try:  # torchao >= 0.18
-    from torchao.quantization import NF4Tensor, to_nf4
-except ImportError:  # torchao 0.17 and older keep it with the dtypes
-    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-SubclassTensorArgs = importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs
+@functools.cache
+def _torchao_nf4() -> tuple[type, Callable, type]:
+    """torchao's NF4Tensor, to_nf4 and SubclassTensorArgs, imported on first use (importing weft
+    must not need torchao) and kept by each NF4Experts, so a compiled forward reads no import."""
+    try:  # torchao >= 0.18
+        from torchao.quantization import NF4Tensor, to_nf4
+    except ImportError:  # torchao 0.17 and older keep it with the dtypes
+        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    return NF4Tensor, to_nf4, importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +48,8 @@ class NF4Experts(nn.Module):
 
     def __init__(self, weight: torch.Tensor, block_size: int, scaler_block_size: int):
         super().__init__()
+        self.nf4_types = _torchao_nf4()
+        to_nf4 = self.nf4_types[1]
         experts = [to_nf4(w, block_size, scaler_block_size) for w in weight.detach()]
         for name, attribute in PIECES:
             piece = torch.stack([getattr(e, attribute) for e in experts])
@@ -63,6 +71,7 @@ class NF4Experts(nn.Module):
     def dequantize(self, dtype: torch.dtype, whole: bool = False) -> torch.Tensor:
         """The stack in `dtype`, [experts here, out, in], each expert by torchao's own dequantization;
         whole: every expert, gathered from the ranks that hold them (a collective: call on all)."""
+        NF4Tensor, _, SubclassTensorArgs = self.nf4_types
         whole_or_local = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t) if whole else _local
         codes, scales, factors, mean = (whole_or_local(getattr(self, name)) for name, _ in PIECES)
         out, in_ = self.expert_shape
