@@ -190,10 +190,14 @@ class ReplicaGroups:
         if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
             from torchft.local_sgd import DiLoCo
 
-            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
-                                    nesterov=ft.outer_nesterov)
-            self._diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_steps)
+            self._model = model
+            self._outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                          nesterov=ft.outer_nesterov)
+            self._diloco = DiLoCo(self.manager, [model], optimizer, self._outer, sync_every=ft.sync_steps)
             self._diloco.__enter__()
+            self._resumed: dict | None = None  # DiLoCo's state as a checkpoint held it (load_state_dict)
+            self._syncs_at_join = self._training = False
+            self._peer: dict = {}  # what the peer this group healed from was doing (_state_for_peer)
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
         return FaultToleranceError(f"fault_tolerance.lighthouse = {self.lighthouse}: no answer within "
@@ -207,17 +211,7 @@ class ReplicaGroups:
         peer's step."""
         self.step = start_step
         if self.diloco:
-            self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
-            self._join()
-            if self._healed_step is not None:  # the peer sent its state from inside its optimizer step
-                self._scheduler.step()         # (DiLoCo syncs there), before its schedule's step; and
-                self._diloco._local_step = 0   # torch counted the empty step that set up the optimizer
-            self._diloco._fragments[0].prepare_sync()  # the live groups' sync this quorum is (a no-op
-            self._diloco._fragments[0].perform_sync()  # at a fresh start: no group has moved yet)
-            while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
-                self.step += 1
-                self._healed_step = None
-                yield self.step
+            yield from self._diloco_steps(start_step, last_step)
             return
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
@@ -230,6 +224,33 @@ class ReplicaGroups:
             self.step = self.manager.current_step() + 1
             if self.step > last_step:
                 return
+            yield self.step
+
+    def _diloco_steps(self, start_step: int, last_step: int) -> Iterator[int]:
+        """The steps under diloco. A fresh start syncs once at its join (a no-op: no group has moved
+        yet) so that a group restarted afresh takes part in the live groups' next sync. A group
+        resumed from a checkpoint goes on inside its sync window with the global weights and outer
+        momentum it saved, and counts itself one sync behind what it saved: groups resumed together
+        stay even and none syncs out of turn, while a live group ahead heals it at its next sync."""
+        window, resumed = self.cfg.sync_steps, self._resumed
+        syncs = 1 if resumed is None else max(resumed["syncs"] - 1, 0)
+        self.manager.load_state_dict({"step": syncs, "batches_committed": 0})
+        self._syncs_at_join = resumed is None
+        self._diloco._local_step = 0 if resumed is None else resumed["inner_steps"]
+        self._join()
+        sync = self._syncs_at_join
+        if self._healed_step is not None:  # the peer's state, and its place in the sync window
+            self._diloco._local_step = self._peer["inner_steps"] % window  # (torch counted the empty step
+            if self._peer["training"]:  # that set up the optimizer) the peer sent from inside its
+                self._scheduler.step()  # optimizer step (DiLoCo syncs there), before its schedule's step
+            sync = self._peer["training"] or self._peer["syncs_at_join"]
+        if sync:  # the sync the live groups are in (all of them at a fresh start)
+            self._diloco._fragments[0].prepare_sync()
+            self._diloco._fragments[0].perform_sync()
+        self._training = True
+        while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
+            self.step += 1
+            self._healed_step = None
             yield self.step
 
     def _join(self) -> None:
@@ -315,11 +336,45 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
     def _state_for_peer(self) -> dict[str, Any]:
-        return {"step": self.step, **_local(self._save())}
+        where = ({"training": self._training, "syncs_at_join": self._syncs_at_join,
+                  "inner_steps": self._diloco._local_step} if self.diloco else {})
+        return {"step": self.step, "diloco": where, **_local(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
         self.step = self._healed_step = state["step"]
+        self._peer = state["diloco"]
+
+    # DiLoCo's part of a checkpoint (Checkpointer.states["diloco"]): without it a resume would
+    # start a new sync window from the local weights and lose the outer momentum.
+    def state_dict(self) -> dict[str, Any]:
+        """The global weights of the last sync (laid out as the model's, so that DCP reshards them),
+        the outer optimizer (its momentum), the steps taken in this sync window, the syncs so far."""
+        from weft.components.model_state import optimizer_state
+
+        kept = self._diloco._fragments[0].original_parameters
+        weights = {name: _like(kept[raw], param) for raw, name, param in self._named_weights()}
+        return {"global_weights": weights, "outer_optimizer": optimizer_state(self._model, self._outer),
+                "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from weft.components.model_state import load_optimizer_state
+
+        kept = self._diloco._fragments[0].original_parameters
+        with torch.no_grad():
+            for raw, name, _ in self._named_weights():
+                kept[raw].copy_(_local(state["global_weights"][name]))
+        load_optimizer_state(self._model, self._outer, state["outer_optimizer"])
+        self._resumed = {"inner_steps": state["inner_steps"], "syncs": state["syncs"]}
+
+    def _named_weights(self) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+        """(DiLoCo's name, the checkpoint's name, parameter) of each weight DiLoCo syncs."""
+        from weft.components.checkpoint import _saved_name
+        from weft.components.model_state import _prefixed_names
+
+        plain = {prefixed: name for name, prefixed in _prefixed_names(self._model).items()}
+        for raw, param in self._model.named_parameters():
+            yield raw, _saved_name(plain.get(raw, raw)), param
 
 
 def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:

@@ -413,22 +413,38 @@ def diloco_reference(cfg_args: list[str], groups: int, sync_steps: int, steps: i
 
 
 @pytest.mark.slow
-def test_diloco_equals_the_papers_algorithm(tmp_path, lighthouse):
+def test_diloco_equals_the_papers_algorithm_and_resumes_after_all_killed(tmp_path, lighthouse):
     """Two groups under fault_tolerance.semi_sync_method = diloco, sync every 3 steps: each group's
-    losses are those of its worker in `diloco_reference`, across three syncs."""
-    address = lighthouse(min_replicas=2)
+    losses are those of its worker in `diloco_reference`, across three syncs. Two more groups,
+    checkpointing every 4 steps, are both SIGKILLed after step 5 (after the sync of step 3, before
+    that of step 6) and started again: they resume from step 4 inside the sync window, with the
+    global weights of step 3 and the outer momentum, and log the uninterrupted groups' losses."""
+    address, killed = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
     steps, sync = 9, 3
     diloco = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(sync),
               "--fault_tolerance.outer_lr", "0.7", "--fault_tolerance.outer_momentum", "0.9"]
+    checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "4"]
     runs = [launch([*train_args(tmp_path / f"g{g}", steps), *ft_args(g, address), *diloco], script="train.py")
             for g in (0, 1)]
+    runs += [launch([*train_args(tmp_path / f"k{g}", steps), *checkpoints, *ft_args(g, killed), *diloco],
+                    env={"WEFT_TEST_KILL": "between:5"}) for g in (0, 1)]
     reference = diloco_reference(train_args(tmp_path / "reference", steps), 2, sync, steps,
                                  {"lr": 0.7, "momentum": 0.9})
-    for run in runs:
+    for run in runs[:2]:
         finish(run)
+    for run in runs[2:]:
+        run.communicate(timeout=150)
+        assert run.returncode != 0  # SIGKILLed, no restarts
+    resumed = [launch([*train_args(tmp_path / f"k{g}", steps), *checkpoints, *ft_args(g, killed), *diloco])
+               for g in (0, 1)]
+    for run in resumed:
+        assert "checkpoint: resumed from step 4" in finish(run)
     for g in (0, 1):
         logged = [r["train/loss"] for r in records(tmp_path / f"g{g}")]
         assert logged == pytest.approx(reference[g], abs=1e-5)
+        after_resume = records(tmp_path / f"k{g}")
+        assert [r["step"] for r in after_resume] == list(range(1, steps + 1))
+        assert [r["train/loss"] for r in after_resume] == logged
     assert reference[0][sync] != reference[1][sync]  # each group its own data after a sync too
 
 
