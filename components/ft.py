@@ -280,7 +280,10 @@ class ReplicaGroups:
 
     def _counted_commit(self, *args, **kwargs) -> bool:
         """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
+        apply = self._average_at_sync() if self.diloco else None
         committed = self._should_commit(*args, **kwargs)
+        if committed and apply is not None:
+            apply()
         self.in_a_row = 0 if committed else self.in_a_row + 1
         if not committed:
             self.uncommitted += 1
@@ -294,6 +297,33 @@ class ReplicaGroups:
                     f"fault_tolerance.min_replica_groups = {self.cfg.min_replica_groups}); start the missing groups, "
                     "or give the lighthouse --min_replicas the same value so that it waits for them")
         return committed
+
+    def _average_at_sync(self) -> Callable[[], None]:
+        """Under diloco, at a sync, before its commit: what DiLoCo's sync of the parameters leaves
+        out, in one all-reduce: the MoE layers' routing biases (buffers), averaged over the groups,
+        and the config's hash (the check average_gradients makes every step). Returns what puts
+        the averaged biases in place once the sync commits."""
+        from weft.components.moe_balance import moe_layers
+
+        biases = [_local(layer.expert_bias) for _, layer in moe_layers(self._model)]
+        flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
+        self.manager.allreduce(flat).wait()
+        self._check_identity(flat[-1].item(), self.step)
+
+        def apply() -> None:
+            offset = 0
+            for bias in biases:
+                bias.copy_(flat[offset:offset + bias.numel()].view_as(bias))
+                offset += bias.numel()
+
+        return apply
+
+    def _check_identity(self, averaged: float, step: int) -> None:
+        if self.manager.errored() is None and averaged != self.identity:
+            raise FaultToleranceError(
+                "fault_tolerance: the replica groups were started with different configs (this group's differs "
+                f"from the others' at step {step}); start every group with the same "
+                "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
 
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
@@ -315,11 +345,8 @@ class ReplicaGroups:
             for g in group:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if isinstance(check, float) and self.manager.errored() is None and check != self.identity:
-            raise FaultToleranceError(
-                "fault_tolerance: the replica groups were started with different configs (this group's differs "
-                f"from the others' at step {self.manager.current_step() + 1}); start every group with the same "
-                "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
+        if isinstance(check, float):
+            self._check_identity(check, self.manager.current_step() + 1)
 
     def should_commit(self) -> bool:
         """Whether every group of the quorum finished the step's all-reduce (asked of all of them);
