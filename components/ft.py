@@ -150,6 +150,8 @@ class ReplicaGroups:
     with the same layout). Under diloco, model, optimizer and scheduler are the inner ones torchft's
     DiLoCo wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
 
+    _model: torch.nn.Module | None = None
+
     def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
@@ -187,10 +189,10 @@ class ReplicaGroups:
             raise self._unreachable(e) from None
         self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
         self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
+        self._model = model
         if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
             from torchft.local_sgd import DiLoCo
 
-            self._model = model
             self._outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
                                           nesterov=ft.outer_nesterov)
             self._diloco = DiLoCo(self.manager, [model], optimizer, self._outer, sync_every=ft.sync_steps)
@@ -328,8 +330,14 @@ class ReplicaGroups:
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
         per dtype; a group that dies inside it leaves the step uncommitted. The bucket carries the
-        config's hash: groups started with different configs stop at their first step together."""
+        config's hash: groups started with different configs stop at their first step together;
+        and the MoE layers' token counts, so that every group moves its routing bias as HSDP does
+        (by the mean of the groups' counts: the sign of mean minus load is that of their sum)."""
+        from weft.components.moe_balance import moe_layers
+
         grads = [_local(p.grad) for p in params if p.grad is not None]
+        if self._model is not None:  # the routing counts, summed over every replica as HSDP's are
+            grads += [layer.tokens_per_expert for _, layer in moe_layers(self._model)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)

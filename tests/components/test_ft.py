@@ -243,6 +243,54 @@ def test_groups_with_different_configs_stop_at_their_first_step():
         groups.average_gradients([param])
 
 
+def test_per_step_groups_move_moe_routing_biases_as_hsdp():
+    """Averaging gradients, the MoE layers' token counts ride in the same all-reduce: each group then
+    moves its routing bias as HSDP does from the counts summed over the replicas (the reference:
+    balance_experts on those sums). torchft's all-reduce is a stub averaging with one peer."""
+    import copy
+
+    from weft.components.ft import ReplicaGroups
+    from weft.components.moe_balance import balance_experts
+    from weft.models.moe import MoE
+
+    own = [torch.tensor([5.0, 1.0, 0.0, 2.0]), torch.tensor([0.0, 3.0, 3.0, 2.0])]
+    peer = [torch.tensor([0.0, 1.0, 6.0, 1.0]), torch.tensor([2.0, 0.0, 3.0, 3.0])]
+
+    class Work:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def wait(self):
+            self.tensor.add_(torch.cat([torch.zeros(3), *peer, torch.tensor([groups.identity])])).div_(2)
+
+    class Manager:
+        def allreduce(self, tensor):
+            return Work(tensor)
+
+        def errored(self):
+            return None
+
+        def current_step(self):
+            return 0
+
+    model = torch.nn.ModuleList([MoE(8, 16, 4, 2), MoE(8, 16, 4, 2)])
+    for layer, counts in zip(model, own):
+        layer.tokens_per_expert.copy_(counts)
+    hsdp = copy.deepcopy(model)
+    for layer, a, b in zip(hsdp, own, peer):
+        layer.tokens_per_expert.copy_(a + b)
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups._model, groups.identity = Manager(), model, float(config_identity(parse_args([])))
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 4.0)
+    groups.average_gradients([param])
+    assert param.grad.tolist() == [2.0, 2.0, 2.0]
+    imbalance, reference = balance_experts(model, 0.01), balance_experts(hsdp, 0.01)
+    assert imbalance == pytest.approx(reference)
+    assert all(torch.equal(a.expert_bias, b.expert_bias) for a, b in zip(model, hsdp))
+    assert not torch.equal(model[0].expert_bias, copy.deepcopy(model[0]).expert_bias.zero_())  # it moved
+
+
 def test_diloco_sync_averages_moe_routing_biases_and_checks_the_config():
     """Under diloco the MoE routing biases (buffers, which DiLoCo's sync of the parameters leaves
     out) are averaged over the groups at each sync and kept only if the sync commits; the config's
