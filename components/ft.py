@@ -199,6 +199,7 @@ class ReplicaGroups:
             self._diloco.__enter__()
             self._resumed: dict | None = None  # DiLoCo's state as a checkpoint held it (load_state_dict)
             self._syncs_at_join = self._training = False
+            self._inner_at_join = 0  # steps into the sync window this group joins at
             self._peer: dict = {}  # what the peer this group healed from was doing (_state_for_peer)
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
@@ -238,9 +239,11 @@ class ReplicaGroups:
         syncs = 1 if resumed is None else max(resumed["syncs"] - 1, 0)
         self.manager.load_state_dict({"step": syncs, "batches_committed": 0})
         self._syncs_at_join = resumed is None
-        self._diloco._local_step = 0 if resumed is None else resumed["inner_steps"]
+        self._inner_at_join = 0 if resumed is None else resumed["inner_steps"]
+        self._diloco._local_step = 0  # (not yet: the empty step of a heal must not reach a sync)
         self._join()
         sync = self._syncs_at_join
+        self._diloco._local_step = self._inner_at_join
         if self._healed_step is not None:  # the peer's state, and its place in the sync window
             self._diloco._local_step = self._peer["inner_steps"] % window  # (torch counted the empty step
             if self._peer["training"]:  # that set up the optimizer) the peer sent from inside its
@@ -372,7 +375,8 @@ class ReplicaGroups:
 
     def _state_for_peer(self) -> dict[str, Any]:
         where = ({"training": self._training, "syncs_at_join": self._syncs_at_join,
-                  "inner_steps": self._diloco._local_step} if self.diloco else {})
+                  "inner_steps": self._diloco._local_step if self._training else self._inner_at_join}
+                 if self.diloco else {})
         return {"step": self.step, "diloco": where, **_local(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
