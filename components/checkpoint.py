@@ -4,7 +4,7 @@ A checkpoint is a folder `<dump_folder>/<checkpoint.folder>/step-<N>/` written b
 from every rank. It holds the model and optimizer state keyed by parameter name (so DCP can
 reshard them into any other layout on load), the LR scheduler, the data loader's global cursor
 (identical on every rank, so it too loads under any data-parallel degree), the step and the RNG
-state. A file `COMPLETE` is written into the folder only after every rank's data and DCP's
+state, and any state registered in `Checkpointer.states` (fault tolerance's DiLoCo). A file `COMPLETE` is written into the folder only after every rank's data and DCP's
 metadata are on disk; folders without it are never loaded and never count towards
 `keep_latest_k`, so an interrupted save cannot replace the last good checkpoint.
 """
