@@ -82,7 +82,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
 
         # [fault_tolerance]: this job is one replica group of several (torchft); each step joins the live
         # groups first (a group behind them heals from a peer) and yields the next step to train; off: inert
-        ft = build_fault_tolerance(plan, run)
+        ft = build_fault_tolerance(plan, run, checkpointer, start_step)
 
         history: list[float] = []
         step, recorded = start_step, False

@@ -4,7 +4,7 @@ A checkpoint is a folder `<dump_folder>/<checkpoint.folder>/step-<N>/` written b
 from every rank. It holds the model and optimizer state keyed by parameter name (so DCP can
 reshard them into any other layout on load), the LR scheduler, the data loader's global cursor
 (identical on every rank, so it too loads under any data-parallel degree), the step and the RNG
-state. A file `COMPLETE` is written into the folder only after every rank's data and DCP's
+state, and any state registered in `Checkpointer.states` (fault tolerance's DiLoCo). A file `COMPLETE` is written into the folder only after every rank's data and DCP's
 metadata are on disk; folders without it are never loaded and never count towards
 `keep_latest_k`, so an interrupted save cannot replace the last good checkpoint.
 """
@@ -265,6 +265,9 @@ class Checkpointer:
             keep_long_timeout(self._async_group)  # its gather waits for the slowest writer
         # The ranks agree on every save's outcome over this one (CPU flags, whatever the backend).
         self._agree_group = shared_gloo_group("checkpoint") if cfg.enable or cfg.create_seed_checkpoint else None
+        # More state saved with every full checkpoint, by key: objects with state_dict() and
+        # load_state_dict() built after the resume (fault tolerance's DiLoCo); read back by load_state.
+        self.states: dict[str, Any] = {}
 
     # -- what is saved ----------------------------------------------------------------------
 
@@ -279,6 +282,8 @@ class Checkpointer:
         state["train_state"] = {"step": step, "rng": torch.get_rng_state()}
         if self.base_identity is not None:
             state["train_state"]["lora_base"] = self.base_identity
+        for key, stateful in self.states.items():
+            state[key] = stateful.state_dict()
         return state
 
     # -- saving -----------------------------------------------------------------------------
@@ -440,6 +445,17 @@ class Checkpointer:
         if state["train_state"]["step"] != step:
             raise CheckpointError(f"checkpoint {folder} holds step {state['train_state']['step']}, not {step}")
         logger.info(f"checkpoint: resumed from step {step} ({folder})")
+
+    def load_state(self, key: str, step: int) -> bool:
+        """Load states[key] from the checkpoint of `step`, in any layout; False (nothing loaded) if
+        that checkpoint holds none (a run saved without it)."""
+        folder = step_folder(self.root, step)
+        if not any(name.startswith(f"{key}.") for name in read_dcp_metadata(folder).state_dict_metadata):
+            return False
+        state = {key: self.states[key].state_dict()}
+        dcp_call("load", state, folder)
+        self.states[key].load_state_dict(state[key])
+        return True
 
     def _check_lora_base(self, folder: Path) -> None:
         """An adapter checkpoint resumes only onto the base it was trained on (and only in a LoRA run)."""

@@ -150,6 +150,8 @@ class ReplicaGroups:
     with the same layout). Under diloco, model, optimizer and scheduler are the inner ones torchft's
     DiLoCo wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
 
+    _model: torch.nn.Module | None = None
+
     def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
@@ -187,13 +189,18 @@ class ReplicaGroups:
             raise self._unreachable(e) from None
         self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
         self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
+        self._model = model
         if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
             from torchft.local_sgd import DiLoCo
 
-            outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
-                                    nesterov=ft.outer_nesterov)
-            self._diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=ft.sync_steps)
+            self._outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
+                                          nesterov=ft.outer_nesterov)
+            self._diloco = DiLoCo(self.manager, [model], optimizer, self._outer, sync_every=ft.sync_steps)
             self._diloco.__enter__()
+            self._resumed: dict | None = None  # DiLoCo's state as a checkpoint held it (load_state_dict)
+            self._syncs_at_join = self._training = False
+            self._inner_at_join = 0  # steps into the sync window this group joins at
+            self._peer: dict = {}  # what the peer this group healed from was doing (_state_for_peer)
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
         return FaultToleranceError(f"fault_tolerance.lighthouse = {self.lighthouse}: no answer within "
@@ -207,17 +214,7 @@ class ReplicaGroups:
         peer's step."""
         self.step = start_step
         if self.diloco:
-            self.manager.load_state_dict({"step": start_step // self.cfg.sync_steps, "batches_committed": 0})
-            self._join()
-            if self._healed_step is not None:  # the peer sent its state from inside its optimizer step
-                self._scheduler.step()         # (DiLoCo syncs there), before its schedule's step; and
-                self._diloco._local_step = 0   # torch counted the empty step that set up the optimizer
-            self._diloco._fragments[0].prepare_sync()  # the live groups' sync this quorum is (a no-op
-            self._diloco._fragments[0].perform_sync()  # at a fresh start: no group has moved yet)
-            while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
-                self.step += 1
-                self._healed_step = None
-                yield self.step
+            yield from self._diloco_steps(start_step, last_step)
             return
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
@@ -230,6 +227,35 @@ class ReplicaGroups:
             self.step = self.manager.current_step() + 1
             if self.step > last_step:
                 return
+            yield self.step
+
+    def _diloco_steps(self, start_step: int, last_step: int) -> Iterator[int]:
+        """The steps under diloco. A fresh start syncs once at its join (a no-op: no group has moved
+        yet) so that a group restarted afresh takes part in the live groups' next sync. A group
+        resumed from a checkpoint goes on inside its sync window with the global weights and outer
+        momentum it saved, and counts itself one sync behind what it saved: groups resumed together
+        stay even and none syncs out of turn, while a live group ahead heals it at its next sync."""
+        window, resumed = self.cfg.sync_steps, self._resumed
+        syncs = 1 if resumed is None else max(resumed["syncs"] - 1, 0)
+        self.manager.load_state_dict({"step": syncs, "batches_committed": 0})
+        self._syncs_at_join = resumed is None
+        self._inner_at_join = 0 if resumed is None else resumed["inner_steps"]
+        self._diloco._local_step = 0  # (not yet: the empty step of a heal must not reach a sync)
+        self._join()
+        sync = self._syncs_at_join
+        self._diloco._local_step = self._inner_at_join
+        if self._healed_step is not None:  # the peer's state, and its place in the sync window
+            self._diloco._local_step = self._peer["inner_steps"] % window  # (torch counted the empty step
+            if self._peer["training"]:  # that set up the optimizer) the peer sent from inside its
+                self._scheduler.step()  # optimizer step (DiLoCo syncs there), before its schedule's step
+            sync = self._peer["training"] or self._peer["syncs_at_join"]
+        if sync:  # the sync the live groups are in (all of them at a fresh start)
+            self._diloco._fragments[0].prepare_sync()
+            self._diloco._fragments[0].perform_sync()
+        self._training = True
+        while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
+            self.step += 1
+            self._healed_step = None
             yield self.step
 
     def _join(self) -> None:
@@ -259,7 +285,10 @@ class ReplicaGroups:
 
     def _counted_commit(self, *args, **kwargs) -> bool:
         """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
+        apply = self._average_at_sync() if self.diloco else None
         committed = self._should_commit(*args, **kwargs)
+        if committed and apply is not None:
+            apply()
         self.in_a_row = 0 if committed else self.in_a_row + 1
         if not committed:
             self.uncommitted += 1
@@ -274,11 +303,44 @@ class ReplicaGroups:
                     "or give the lighthouse --min_replicas the same value so that it waits for them")
         return committed
 
+    def _average_at_sync(self) -> Callable[[], None]:
+        """Under diloco, at a sync, before its commit: what DiLoCo's sync of the parameters leaves
+        out, in one all-reduce: the MoE layers' routing biases (buffers), averaged over the groups,
+        and the config's hash (the check average_gradients makes every step). Returns what puts
+        the averaged biases in place once the sync commits."""
+        from weft.components.moe_balance import moe_layers
+
+        biases = [_local(layer.expert_bias) for _, layer in moe_layers(self._model)]
+        flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
+        self.manager.allreduce(flat).wait()
+        self._check_identity(flat[-1].item(), self.step)
+
+        def apply() -> None:
+            offset = 0
+            for bias in biases:
+                bias.copy_(flat[offset:offset + bias.numel()].view_as(bias))
+                offset += bias.numel()
+
+        return apply
+
+    def _check_identity(self, averaged: float, step: int) -> None:
+        if self.manager.errored() is None and averaged != self.identity:
+            raise FaultToleranceError(
+                "fault_tolerance: the replica groups were started with different configs (this group's differs "
+                f"from the others' at step {step}); start every group with the same "
+                "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
+
     def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Average every gradient (this rank's shard of it) over the live groups, in one all-reduce
         per dtype; a group that dies inside it leaves the step uncommitted. The bucket carries the
-        config's hash: groups started with different configs stop at their first step together."""
+        config's hash: groups started with different configs stop at their first step together;
+        and the MoE layers' token counts, so that every group moves its routing bias as HSDP does
+        (by the mean of the groups' counts: the sign of mean minus load is that of their sum)."""
+        from weft.components.moe_balance import moe_layers
+
         grads = [_local(p.grad) for p in params if p.grad is not None]
+        if self._model is not None:  # the routing counts, summed over every replica as HSDP's are
+            grads += [layer.tokens_per_expert for _, layer in moe_layers(self._model)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -294,11 +356,8 @@ class ReplicaGroups:
             for g in group:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if isinstance(check, float) and self.manager.errored() is None and check != self.identity:
-            raise FaultToleranceError(
-                "fault_tolerance: the replica groups were started with different configs (this group's differs "
-                f"from the others' at step {self.manager.current_step() + 1}); start every group with the same "
-                "config, only fault_tolerance.replica_id, hostname and job.dump_folder may differ")
+        if isinstance(check, float):
+            self._check_identity(check, self.manager.current_step() + 1)
 
     def should_commit(self) -> bool:
         """Whether every group of the quorum finished the step's all-reduce (asked of all of them);
@@ -315,11 +374,46 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
     def _state_for_peer(self) -> dict[str, Any]:
-        return {"step": self.step, **_local(self._save())}
+        where = ({"training": self._training, "syncs_at_join": self._syncs_at_join,
+                  "inner_steps": self._diloco._local_step if self._training else self._inner_at_join}
+                 if self.diloco else {})
+        return {"step": self.step, "diloco": where, **_local(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
         self.step = self._healed_step = state["step"]
+        self._peer = state["diloco"]
+
+    # DiLoCo's part of a checkpoint (Checkpointer.states["diloco"]): without it a resume would
+    # start a new sync window from the local weights and lose the outer momentum.
+    def state_dict(self) -> dict[str, Any]:
+        """The global weights of the last sync (laid out as the model's, so that DCP reshards them),
+        the outer optimizer (its momentum), the steps taken in this sync window, the syncs so far."""
+        from weft.components.model_state import optimizer_state
+
+        kept = self._diloco._fragments[0].original_parameters
+        weights = {name: _like(kept[raw], param) for raw, name, param in self._named_weights()}
+        return {"global_weights": weights, "outer_optimizer": optimizer_state(self._model, self._outer),
+                "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from weft.components.model_state import load_optimizer_state
+
+        kept = self._diloco._fragments[0].original_parameters
+        with torch.no_grad():
+            for raw, name, _ in self._named_weights():
+                kept[raw].copy_(_local(state["global_weights"][name]))
+        load_optimizer_state(self._model, self._outer, state["outer_optimizer"])
+        self._resumed = {"inner_steps": state["inner_steps"], "syncs": state["syncs"]}
+
+    def _named_weights(self) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+        """(DiLoCo's name, the checkpoint's name, parameter) of each weight DiLoCo syncs."""
+        from weft.components.checkpoint import _saved_name
+        from weft.components.model_state import _prefixed_names
+
+        plain = {prefixed: name for name, prefixed in _prefixed_names(self._model).items()}
+        for raw, param in self._model.named_parameters():
+            yield raw, _saved_name(plain.get(raw, raw)), param
 
 
 def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:

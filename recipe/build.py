@@ -311,9 +311,12 @@ def build_fault_guards(plan: RunPlan, checkpointer: Checkpointer) -> tuple[NonFi
                                    phases=PhaseRecord.for_job(), trace_note=trace_files_note(plan.cfg))
 
 
-def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | ReplicaGroups:
+def build_fault_tolerance(plan: RunPlan, run: Training, checkpointer: Checkpointer,
+                          start_step: int) -> NoFaultTolerance | ReplicaGroups:
     """[fault_tolerance]: this group's place among the replica groups (torchft), its step's gradients
-    averaged over the live groups; off: every step commits, as without it."""
+    averaged over the live groups; off: every step commits, as without it. Under diloco the
+    checkpoints hold DiLoCo's state too (global weights, outer momentum, place in the sync window),
+    and a resumed run reads it back."""
     if not plan.cfg.fault_tolerance.enable:
         return NoFaultTolerance()
     if run.rank == 0:
@@ -322,6 +325,11 @@ def build_fault_tolerance(plan: RunPlan, run: Training) -> NoFaultTolerance | Re
                            run.model, run.optimizer, run.scheduler)
     if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook
         run.step.average_gradients = groups.average_gradients
+        return groups
+    checkpointer.states["diloco"] = groups
+    if start_step and not checkpointer.load_state("diloco", start_step):
+        logger.warning(f"fault tolerance: the checkpoint of step {start_step} holds no DiLoCo state (saved without "
+                       "semi_sync_method = diloco); a new sync window starts from its weights, outer momentum zero")
     return groups
 
 

@@ -44,10 +44,14 @@ def ft_args(group: int, lighthouse: str, groups: int = 2) -> list[str]:
 
 def launch(args: list[str], *, nproc: int = 1, restarts: int = 0, env: dict | None = None,
            script: str = "tests/support/ft_worker.py") -> subprocess.Popen:
+    """A replica group as a torchrun job; a group of one process that is never restarted runs without
+    torchrun's agent (its worker takes the same path: a world of one makes no process group)."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([*TORCHRUN, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
-                             "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", script, *args],
-                            cwd=REPO, env=environment, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = ([sys.executable] if nproc == 1 and not restarts else
+                [*TORCHRUN, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts),
+                 "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0"])
+    return subprocess.Popen([*launcher, script, *args], cwd=REPO, env=environment, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def finish(run: subprocess.Popen, timeout: float = 150) -> str:
@@ -68,12 +72,13 @@ def records(dump: Path) -> list[dict]:
 @pytest.fixture
 def lighthouse():
     """A lighthouse on loopback; yields (address, server). Groups that stop heartbeating for 1 s
-    are left out of the next quorum."""
+    are left out of the next quorum; a quorum is looked for every 10 ms (torchft's default 100 ms
+    would be added to every step of these short runs)."""
     from torchft.coordination import LighthouseServer
 
     def start(min_replicas: int, join_timeout_ms: int = 30000):
         server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                                  heartbeat_timeout_ms=1000)
+                                  quorum_tick_ms=10, heartbeat_timeout_ms=1000)
         servers.append(server)
         return "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
 
@@ -238,6 +243,103 @@ def test_groups_with_different_configs_stop_at_their_first_step():
         groups.average_gradients([param])
 
 
+def test_per_step_groups_move_moe_routing_biases_as_hsdp():
+    """Averaging gradients, the MoE layers' token counts ride in the same all-reduce: each group then
+    moves its routing bias as HSDP does from the counts summed over the replicas (the reference:
+    balance_experts on those sums). torchft's all-reduce is a stub averaging with one peer."""
+    import copy
+
+    from weft.components.ft import ReplicaGroups
+    from weft.components.moe_balance import balance_experts
+    from weft.models.moe import MoE
+
+    own = [torch.tensor([5.0, 1.0, 0.0, 2.0]), torch.tensor([0.0, 3.0, 3.0, 2.0])]
+    peer = [torch.tensor([0.0, 1.0, 6.0, 1.0]), torch.tensor([2.0, 0.0, 3.0, 3.0])]
+
+    class Work:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def wait(self):
+            self.tensor.add_(torch.cat([torch.zeros(3), *peer, torch.tensor([groups.identity])])).div_(2)
+
+    class Manager:
+        def allreduce(self, tensor):
+            return Work(tensor)
+
+        def errored(self):
+            return None
+
+        def current_step(self):
+            return 0
+
+    model = torch.nn.ModuleList([MoE(8, 16, 4, 2), MoE(8, 16, 4, 2)])
+    for layer, counts in zip(model, own):
+        layer.tokens_per_expert.copy_(counts)
+    hsdp = copy.deepcopy(model)
+    for layer, a, b in zip(hsdp, own, peer):
+        layer.tokens_per_expert.copy_(a + b)
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups._model, groups.identity = Manager(), model, float(config_identity(parse_args([])))
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 4.0)
+    groups.average_gradients([param])
+    assert param.grad.tolist() == [2.0, 2.0, 2.0]
+    imbalance, reference = balance_experts(model, 0.01), balance_experts(hsdp, 0.01)
+    assert imbalance == pytest.approx(reference)
+    assert all(torch.equal(a.expert_bias, b.expert_bias) for a, b in zip(model, hsdp))
+    assert not torch.equal(model[0].expert_bias, copy.deepcopy(model[0]).expert_bias.zero_())  # it moved
+
+
+def test_diloco_sync_averages_moe_routing_biases_and_checks_the_config():
+    """Under diloco the MoE routing biases (buffers, which DiLoCo's sync of the parameters leaves
+    out) are averaged over the groups at each sync and kept only if the sync commits; the config's
+    hash rides with them. torchft's all-reduce is a stub averaging with one peer's biases."""
+    from weft.components.ft import FaultToleranceError, ReplicaGroups
+    from weft.models.moe import MoE
+
+    class Work:
+        def __init__(self, tensor, peer):
+            self.tensor, self.peer = tensor, peer
+
+        def wait(self):
+            self.tensor.add_(self.peer).div_(2)
+
+    class Manager:
+        def allreduce(self, tensor):
+            return Work(tensor, torch.cat([*(b.reshape(-1) for b in peer_biases), torch.tensor([peer_identity])]))
+
+        def errored(self):
+            return None
+
+        def num_participants(self):
+            return 2
+
+    model = torch.nn.ModuleList([MoE(8, 16, 4, 2), MoE(8, 16, 4, 2)])
+    own = [torch.tensor([0.1, -0.2, 0.3, 0.0]), torch.tensor([-0.5, 0.25, 0.0, 0.125])]
+    peer_biases = [torch.tensor([0.3, 0.2, -0.1, 0.5]), torch.tensor([0.5, 0.75, -1.0, 0.125])]
+    groups = object.__new__(ReplicaGroups)
+    groups.manager, groups._model, groups.diloco, groups.step, groups.groups = Manager(), model, True, 6, 2
+    groups.identity = peer_identity = float(config_identity(parse_args([])))
+    groups.cfg = parse_args(["--fault_tolerance.enable"]).fault_tolerance
+    groups.uncommitted, groups.in_a_row = 0, 0
+
+    def sync(commits: bool) -> bool:
+        groups._should_commit = lambda: commits
+        return groups._counted_commit()
+
+    for layer, bias in zip(model, own):
+        layer.expert_bias.copy_(bias)
+    assert not sync(False)  # a dropped sync keeps this group's biases
+    assert all(torch.equal(layer.expert_bias, bias) for layer, bias in zip(model, own))
+    assert sync(True)
+    for layer, a, b in zip(model, own, peer_biases):
+        assert torch.equal(layer.expert_bias, (a + b) / 2)
+    peer_identity = groups.identity + 1
+    with pytest.raises(FaultToleranceError, match="the replica groups were started with different configs"):
+        sync(True)
+
+
 def test_steps_that_never_commit_stop_the_run():
     """Too few groups for min_replica_groups while the lighthouse still forms quorums: every step is
     refused, and after MAX_UNCOMMITTED_IN_A_ROW of them the run stops with one line instead of
@@ -279,12 +381,12 @@ def test_two_groups_equal_hsdp_and_resume_after_all_killed(tmp_path, lighthouse)
     runs += [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, together)]) for g in (0, 1)]
     runs += [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)],
                     env={"WEFT_TEST_KILL": "between:6"}) for g in (0, 1)]
-    for run in runs[:3]:
-        finish(run)
     for run in runs[3:]:
         run.communicate(timeout=150)
         assert run.returncode != 0  # SIGKILLed, no restarts
     resumed = [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)]) for g in (0, 1)]
+    for run in runs[:3]:
+        finish(run)
     for run in resumed:
         assert "checkpoint: resumed from step 4" in finish(run)
 
@@ -413,22 +515,38 @@ def diloco_reference(cfg_args: list[str], groups: int, sync_steps: int, steps: i
 
 
 @pytest.mark.slow
-def test_diloco_equals_the_papers_algorithm(tmp_path, lighthouse):
+def test_diloco_equals_the_papers_algorithm_and_resumes_after_all_killed(tmp_path, lighthouse):
     """Two groups under fault_tolerance.semi_sync_method = diloco, sync every 3 steps: each group's
-    losses are those of its worker in `diloco_reference`, across three syncs."""
-    address = lighthouse(min_replicas=2)
+    losses are those of its worker in `diloco_reference`, across three syncs. Two more groups,
+    checkpointing every 4 steps, are both SIGKILLed after step 5 (after the sync of step 3, before
+    that of step 6) and started again: they resume from step 4 inside the sync window, with the
+    global weights of step 3 and the outer momentum, and log the uninterrupted groups' losses."""
+    address, killed = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
     steps, sync = 9, 3
     diloco = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(sync),
               "--fault_tolerance.outer_lr", "0.7", "--fault_tolerance.outer_momentum", "0.9"]
+    checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "4"]
     runs = [launch([*train_args(tmp_path / f"g{g}", steps), *ft_args(g, address), *diloco], script="train.py")
             for g in (0, 1)]
+    runs += [launch([*train_args(tmp_path / f"k{g}", steps), *checkpoints, *ft_args(g, killed), *diloco],
+                    env={"WEFT_TEST_KILL": "between:5"}) for g in (0, 1)]
+    for run in runs[2:]:
+        run.communicate(timeout=150)
+        assert run.returncode != 0  # SIGKILLed, no restarts
+    resumed = [launch([*train_args(tmp_path / f"k{g}", steps), *checkpoints, *ft_args(g, killed), *diloco])
+               for g in (0, 1)]
     reference = diloco_reference(train_args(tmp_path / "reference", steps), 2, sync, steps,
                                  {"lr": 0.7, "momentum": 0.9})
-    for run in runs:
+    for run in runs[:2]:
         finish(run)
+    for run in resumed:
+        assert "checkpoint: resumed from step 4" in finish(run)
     for g in (0, 1):
         logged = [r["train/loss"] for r in records(tmp_path / f"g{g}")]
         assert logged == pytest.approx(reference[g], abs=1e-5)
+        after_resume = records(tmp_path / f"k{g}")
+        assert [r["step"] for r in after_resume] == list(range(1, steps + 1))
+        assert [r["train/loss"] for r in after_resume] == logged
     assert reference[0][sync] != reference[1][sync]  # each group its own data after a sync too
 
 
