@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from weft.errors import TransformError
+from weft.float8 import Float8Options, apply_float8, check_float8_composes
 from weft.parallelisms.ac import ACOptions, apply_ac
 from weft.parallelisms.compile import CompileOptions, apply_compile, check_compile_composes, tp_compile_needs_input_copy
 from weft.parallelisms.cp import apply_cp
 from weft.parallelisms.ep import apply_ep
-from weft.float8 import Float8Options, apply_float8, check_float8_composes
 from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.lora import LoRAOptions, apply_lora, quantize_lora_base
 from weft.parallelisms.parallel_dims import Meshes
