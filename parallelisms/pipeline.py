@@ -138,17 +138,20 @@ class PipelineLayout:
 
 
 def plan_pipeline(*, schedule: str, pp: int, stages_per_rank_requested: int, microbatches: int,
-                  local_batch_size: int, n_blocks: int, tied_embeddings: bool) -> PipelineLayout:
-    """Check a pipeline layout against the schedule and the model before anything starts
-    (LayoutError, one line naming the key). microbatches 0: one per sample of the local batch."""
+                  local_batch_size: int, n_blocks: int, tied_embeddings: bool,
+                  model: str = "the model") -> PipelineLayout:
+    """Check a pipeline layout against the schedule and the model (`model` names it in messages)
+    before anything starts (LayoutError, one line naming the key). microbatches 0: one per sample
+    of the local batch."""
     per_rank = stages_per_rank(schedule, stages_per_rank_requested)
     n_stages = pp * per_rank
     if n_stages > n_blocks:
         raise LayoutError(f"parallelism.pp = {pp} × {per_rank} stages per rank = {n_stages} stages, more than the "
                           f"model's {n_blocks} blocks")
     if tied_embeddings:
-        raise LayoutError("parallelism.pp: this model flavor ties its output projection to the token embedding, "
-                          "which the first and the last pipeline stage cannot share")
+        raise LayoutError(f"parallelism.pp = {pp}: {model} ties its output projection to the token embedding, "
+                          "which the first and the last pipeline stage cannot share; use a flavor with untied "
+                          "embeddings or parallelism.pp = 1")
     microbatches = microbatches or local_batch_size
     check_microbatches(schedule, microbatches, local_batch_size, n_stages, pp)
     return PipelineLayout(schedule, pp, per_rank, microbatches)

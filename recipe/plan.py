@@ -234,7 +234,8 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
     p = cfg.parallelism
     return plan_pipeline(schedule=p.pp_schedule, pp=dims.pp, stages_per_rank_requested=p.pp_stages_per_rank,
                          microbatches=p.pp_microbatches, local_batch_size=cfg.training.local_batch_size,
-                         n_blocks=args.n_layers, tied_embeddings=args.tie_embeddings)
+                         n_blocks=args.n_layers, tied_embeddings=args.tie_embeddings,
+                         model=model_source(cfg))
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:

@@ -82,17 +82,19 @@ class ModelArgs:
 # count) against the numbers transformers gives for these configs.
 _QWEN3 = ModelArgs()
 _QWEN3_MOE = replace(_QWEN3, n_experts=128, top_k=8, norm_topk_prob=True)
+# CPU-sized Qwen3 for runs and tests; the vocabulary matches the shipped Shakespeare tokenizer.
+# head_dim 64 is not dim / n_heads (32), as in Qwen3-0.6B.
+_DEBUG_QWEN3 = replace(_QWEN3, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, vocab_size=2048,
+                       dense_hidden_dim=512, max_seq_len=2048)
 
 # fmt: off
 QWEN3_FLAVORS: dict[str, ModelArgs] = {
-    # CPU-sized models for runs and tests; the vocabulary matches the shipped Shakespeare tokenizer.
-    # head_dim 64 is not dim / n_heads (32), as in Qwen3-0.6B.
-    "debugmodel_qwen3": replace(_QWEN3, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, vocab_size=2048,
-                                dense_hidden_dim=512, tie_embeddings=True, max_seq_len=2048),
+    "debugmodel_qwen3": replace(_DEBUG_QWEN3, tie_embeddings=True),
+    # The same with its own output projection (as from 8B up): one that pipeline parallelism can split.
+    "debugmodel_qwen3_untied": _DEBUG_QWEN3,
     # 8 experts (top 2, renormalised) in layers 0, 2 and 3; layer 1 dense (mlp_only_layers).
-    "debugmodel_qwen3_moe": replace(_QWEN3_MOE, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
-                                    vocab_size=2048, dense_hidden_dim=512, n_experts=8, top_k=2, moe_hidden_dim=128,
-                                    mlp_only_layers=(1,), max_seq_len=2048),
+    "debugmodel_qwen3_moe": replace(_DEBUG_QWEN3, n_experts=8, top_k=2, moe_hidden_dim=128, norm_topk_prob=True,
+                                    mlp_only_layers=(1,)),
     "qwen3_0_6b": replace(_QWEN3, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, dense_hidden_dim=3072,
                           tie_embeddings=True),
     "qwen3_1_7b": replace(_QWEN3, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, dense_hidden_dim=6144,

@@ -8,43 +8,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("torchao", reason="float8 needs torchao")
 
-from weft.float8 import Float8Options, converted_modules  # noqa: E402
-from weft.float8 import float8 as float8_module  # noqa: E402
+from weft.float8 import converted_modules  # noqa: E402
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer  # noqa: E402
-from weft.parallelisms import ParallelizeOptions, parallelize  # noqa: E402
-from weft.parallelisms.fsdp import FSDPOptions  # noqa: E402
-from weft.parallelisms.materialize import materialize  # noqa: E402
+from tests.support.float8_runs import float8_model, train_losses as losses  # noqa: E402
 
 ARGS = LLAMA4_FLAVORS["debugmodel_moe"]
 
 
 def build(float8: str | None, monkeypatch) -> Transformer:
-    real = float8_module._float8_config
-    monkeypatch.setattr(float8_module, "_float8_config", lambda *a: replace(real(*a), emulate=True))
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    options = Float8Options(float8, filter_fqns=("output",), min_dim=16) if float8 else None
-    parallelize(model, None, ParallelizeOptions(float8=options, fsdp=FSDPOptions(param_dtype=torch.float32)))
-    materialize(model, "cpu", seed=0)
-    return model
-
-
-def losses(model: Transformer, steps: int = 20) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(steps):
-        tokens = torch.randint(0, 16, (4, 33), generator=generator)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        out.append(loss.item())
-    return out
+    return float8_model(Transformer, ARGS, float8, monkeypatch)
 
 
 def test_dense_linears_go_float8_routers_and_routed_experts_stay(monkeypatch):

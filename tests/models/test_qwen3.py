@@ -53,7 +53,7 @@ def test_flavor_parameter_counts_match_transformers_and_the_published_models(fla
     assert _weft_counts(flavor) == _hf_counts(flavor) == PUBLISHED[flavor]
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel_qwen3", "debugmodel_qwen3_moe"])
+@pytest.mark.parametrize("flavor", ["debugmodel_qwen3", "debugmodel_qwen3_untied", "debugmodel_qwen3_moe"])
 def test_debug_flavor_counts_match_transformers(flavor):
     assert _weft_counts(flavor) == _hf_counts(flavor)
 

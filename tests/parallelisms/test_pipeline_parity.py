@@ -1,5 +1,5 @@
 """Pipeline parallelism trains like one process: every schedule, and pp composed with FSDP, TP, CP
-and gradient accumulation, on gloo.
+and gradient accumulation, on gloo; Llama 4's debug MoE and dense Qwen3 through the stages too.
 
 Each layout trains the debug model (4 blocks, fp32, seq 32) for 10 steps on the same global batch
 of 8 samples as the single-process reference, through the recipe's own plan, build and step. Its
@@ -25,6 +25,9 @@ LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0"]
 # At seq 64 torch's metadata inference before the first step (a real forward of one micro-batch)
 # moved a routing bias when its token counts were kept: 6.6e-5 apart by step 4 (seq 32 hid it).
 MOE = ["--model.flavor", "debugmodel_moe", "--moe.bias_update_rate", "0.01", "--training.seq_len", "64"]
+# Dense Qwen3 (q/k norms, head_dim apart from dim / n_heads) with its own output projection: the
+# tied debug flavor is refused by pp (tests/recipe/test_qwen3_dry_run.py).
+QWEN3 = ["--model.flavor", "debugmodel_qwen3_untied"]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
@@ -43,6 +46,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2_lora": (2, PP2 + LORA + schedule("Interleaved1F1B")),
     # Llama 4 (against the debug MoE in one process).
     "pp2_moe": (2, PP2 + MOE + schedule("1F1B")),
+    # Qwen3 (against the untied dense debug flavor in one process).
+    "pp2_qwen3": (2, PP2 + QWEN3 + schedule("1F1B")),
     # Under FSDP: the schedules that split backward (the reshard trap). The others under FSDP, and
     # pp 2 x fsdp 2 x tp 2 on 8 ranks, matched too and are left out for the suite's time on 2 cores.
     **{f"pp2_fsdp2_{s}": (4, PP2_FSDP2 + schedule(s))
@@ -116,6 +121,11 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_reference(tmp_path_factory):
+    return train_and_gather(config(str(tmp_path_factory.mktemp("single_qwen3")), QWEN3))
+
+
+@pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarray]]]:
     root = str(tmp_path_factory.mktemp("pp"))
     merged: dict[str, tuple[list[float], dict[str, np.ndarray]]] = {}
@@ -129,10 +139,12 @@ def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, moe_reference, layouts):
+def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, moe_reference, qwen3_reference,
+                                             layouts):
     overrides = LAYOUTS[layout][1]
     ref_losses, ref_weights = (lora_reference if "--lora.enable" in overrides else
-                               moe_reference if "debugmodel_moe" in overrides else reference)
+                               moe_reference if "debugmodel_moe" in overrides else
+                               qwen3_reference if "debugmodel_qwen3_untied" in overrides else reference)
     losses, weights = layouts[layout]
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run must actually learn"
     assert len(losses) == STEPS

@@ -1,7 +1,9 @@
 """Qwen3's tensor-parallel plan (models/qwen3/tp_plan.py) through train.py, against one process
 (fp32, CPU, gloo, 6 steps, within 1e-5 relative at every step): dense Qwen3 under tp 2 (the q/k
 norms' weights whole, their input this rank's heads, their gradient summed over the ranks), and
-Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the experts' ranks). Qwen3-MoE
+Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the experts' ranks), and LoRA on
+dense Qwen3 under tp 2 (the adapters' outputs split by head before the q/k norms) against LoRA in one
+process. Qwen3-MoE
 under tp alone is refused in one line: its score weighs the experts' outputs, so their hidden
 dimension cannot be split. (The full sweep of layouts belongs to the Qwen3 layout parity tests.)"""
 
@@ -15,11 +17,21 @@ from tests.support.train_runs import run_args
 
 STEPS = 6
 TP2 = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]
+LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0", "--optimizer.lr", "1e-2"]
 LAYOUTS = {  # name -> (flavor, overrides), each on 2 ranks
     "dense_tp2": ("debugmodel_qwen3", TP2),
     "moe_tp2_ep2": ("debugmodel_qwen3_moe", [*TP2, "--parallelism.ep", "2"]),
     "moe_tp2": ("debugmodel_qwen3_moe", TP2),
+    "dense_tp2_lora": ("debugmodel_qwen3", [*TP2, *LORA]),
 }
+# name -> (flavor, overrides) of the one-process runs the layouts are compared with
+REFERENCES = {"debugmodel_qwen3": ("debugmodel_qwen3", []), "debugmodel_qwen3_moe": ("debugmodel_qwen3_moe", []),
+              "debugmodel_qwen3_lora": ("debugmodel_qwen3", LORA)}
+
+
+def reference_of(layout: str) -> str:
+    flavor, overrides = LAYOUTS[layout]
+    return flavor + ("_lora" if "--lora.enable" in overrides else "")
 
 
 def config_args(dump_folder: str, flavor: str, overrides: list[str]) -> list[str]:
@@ -45,15 +57,15 @@ def results(tmp_path_factory) -> dict[str, list[float] | str]:
     from weft import train
 
     root = tmp_path_factory.mktemp("qwen3_tp")
-    single = {flavor: train.train(parse_args(config_args(str(root / flavor), flavor, [])))
-              for flavor in ("debugmodel_qwen3", "debugmodel_qwen3_moe")}
+    single = {name: train.train(parse_args(config_args(str(root / name), flavor, overrides)))
+              for name, (flavor, overrides) in REFERENCES.items()}
     return single | run_distributed(train_layouts, 2, str(root / "layouts"))[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dense_tp2", "moe_tp2_ep2"])
+@pytest.mark.parametrize("layout", ["dense_tp2", "moe_tp2_ep2", "dense_tp2_lora"])
 def test_tensor_parallel_qwen3_matches_one_process(layout, results):
-    losses, reference = results[layout], results[LAYOUTS[layout][0]]
+    losses, reference = results[layout], results[reference_of(layout)]
     assert len(losses) == len(reference) == STEPS
     assert reference[-1] < reference[0] - 0.1, "the reference run must learn"
     for step, (got, want) in enumerate(zip(losses, reference), start=1):

@@ -38,3 +38,23 @@ def test_the_dry_run_table_leaves_out_the_tp_layouts_apply_tp_refuses_for_qwen3_
     assert listed("debugmodel_qwen3_moe") == sorted(moe) and (1, 2, 1, 2, 2) in moe
     # the dense flavor ties its embeddings: no pipeline; no experts: ep 1
     assert listed("debugmodel_qwen3") == sorted((*p, 1) for p in products if p[0] == 1)
+
+
+def test_pp_refuses_the_tied_debug_flavor_in_one_line_and_plans_the_untied_one(capsys):
+    """The dry run of pp 2 on `debugmodel_qwen3` (tied) exits 2 with one line naming the key, its
+    value and the flavor; `debugmodel_qwen3_untied` plans, and its table lists pipeline layouts."""
+    from weft.components.config import parse_args
+    from weft.models.qwen3 import QWEN3_FLAVORS
+    from weft.recipe.dry_run import candidate_layouts
+
+    argv = ["--job.config_file", "debug_model", "--parallelism.pp", "2", "--parallelism.dp_shard", "1",
+            "--parallelism.pp_microbatches", "2", "--job.dry_run", "--job.dry_run_world_size", "2"]
+    assert train.main([*argv, "--model.flavor", "debugmodel_qwen3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "weft: error: parallelism.pp = 2: model flavor debugmodel_qwen3 ties its output projection to the token "
+        "embedding, which the first and the last pipeline stage cannot share; use a flavor with untied embeddings "
+        "or parallelism.pp = 1")
+    assert train.main([*argv, "--model.flavor", "debugmodel_qwen3_untied"]) == 0
+    cfg = parse_args(["--job.config_file", "debug_model", "--training.seq_len", "128"])
+    assert {d.pp for d in candidate_layouts(cfg, QWEN3_FLAVORS["debugmodel_qwen3_untied"], 4)} == {1, 2, 4}
