@@ -1,5 +1,6 @@
 """Qwen3's tensor-parallel plan (models/qwen3/tp_plan.py) through train.py, against one process
-(fp32, CPU, gloo, 6 steps, within 1e-5 relative at every step): dense Qwen3 under tp 2 (the q/k
+(fp32, CPU, gloo, 10 steps with the MoE routing bias moving after every step, within 1e-5
+relative at every step): dense Qwen3 under tp 2 (the q/k
 norms' weights whole, their input this rank's heads, their gradient summed over the ranks), and
 Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the experts' ranks), and LoRA on
 dense Qwen3 under tp 2 (the adapters' outputs split by head before the q/k norms) against LoRA in one
@@ -15,9 +16,9 @@ from weft.components.config import parse_args
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run_args
 
-STEPS = 6
+STEPS = 10
 TP2 = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]
-LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0", "--optimizer.lr", "1e-2"]
+LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0", "--optimizer.lr", "3e-3"]
 LAYOUTS = {  # name -> (flavor, overrides), each on 2 ranks
     "dense_tp2": ("debugmodel_qwen3", TP2),
     "moe_tp2_ep2": ("debugmodel_qwen3_moe", [*TP2, "--parallelism.ep", "2"]),
@@ -35,7 +36,8 @@ def reference_of(layout: str) -> str:
 
 
 def config_args(dump_folder: str, flavor: str, overrides: list[str]) -> list[str]:
-    return run_args(dump_folder, "--model.flavor", flavor, *overrides, steps=STEPS, seq_len=64)
+    return run_args(dump_folder, "--model.flavor", flavor, "--moe.bias_update_rate", "0.01", *overrides, steps=STEPS,
+                    seq_len=64)
 
 
 def train_layouts(root: str) -> dict[str, list[float] | str]:
