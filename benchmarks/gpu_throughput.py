@@ -93,7 +93,7 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
-from benchmarks.profiling import CATEGORIES, kernel_breakdown
+from weft.benchmarks.profiling import CATEGORIES, kernel_breakdown
 
 REPO = Path(__file__).resolve().parent.parent
 # The dense Llama, compared with transformers' LlamaForCausalLM of the same shape; Qwen3's dense
