@@ -552,7 +552,7 @@ def format_table(rows: list[dict]) -> str:
     vs, first = ratios(rows), first_measured(rows)
     width = max([27] + [len(row["config"]) for row in rows])
     lines = [f"{'config':<{width}} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'resv GiB':>8} {'retries':>7} "
-             f"{'sdpa':<12} {'/bf16_compile':>13} {'/hf_compile':>11} {'/without variant':>16}"]
+             f"{'sdpa':<12} {'/bf16_compile':>13} {'/hf_compile':>11} {'/without variant':>16} {'last loss':>9}"]
     for row in rows:
         if row["status"] != "ok":
             continue
@@ -563,7 +563,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{row['config']:<{width}} {row['tokens_per_s']:>10,.0f} {num(row['mfu_percent'], '.1f'):>6} "
                      f"{num(row['peak_allocated_gib'], '.1f'):>9} {num(row['peak_reserved_gib'], '.1f'):>8} "
                      f"{num(row['alloc_retries'], 'd'):>7} {','.join(row['sdpa_backends']) or '-':<12} "
-                     f"{num(base[0], '.2f'):>13} {num(base[1], '.2f'):>11} {num(own, '.3f'):>16}")
+                     f"{num(base[0], '.2f'):>13} {num(base[1], '.2f'):>11} {num(own, '.3f'):>16} "
+                     f"{num((row.get('losses') or [None])[-1], '.4f'):>9}")
     lines += [f"{row['config']:<{width}} {row['status']}: {row['reason']}" for row in rows if row["status"] != "ok"]
     repeats = {}
     for row in rows:
