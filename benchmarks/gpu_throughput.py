@@ -93,7 +93,7 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
-from weft.benchmarks.profiling import CATEGORIES, kernel_breakdown
+from weft.benchmarks.profiling import CATEGORIES, PhaseRegions, kernel_breakdown
 
 REPO = Path(__file__).resolve().parent.parent
 # The dense Llama, compared with transformers' LlamaForCausalLM of the same shape; Qwen3's dense
@@ -316,15 +316,18 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
     return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
 
 
-def profile_step(step: Callable[[], None], device: torch.device, path: Path) -> dict[str, float]:
-    """Profile one call of `step` (CPU ops, and CUDA kernels on a GPU) into the chrome trace `path`;
-    its time by category (benchmarks/profiling.py's kernel_breakdown), with `total` and `span`."""
+def profile_step(step: Callable[[Callable[[str], None]], None], device: torch.device, path: Path) -> dict[str, float]:
+    """Profile one call of `step(on_phase)` (CPU ops, and CUDA kernels on a GPU; its phases marked
+    as train.py marks them) into the chrome trace `path`; its time by category
+    (benchmarks/profiling.py's kernel_breakdown), with `total` and `span`."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     path.parent.mkdir(parents=True, exist_ok=True)
+    regions = PhaseRegions()
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        step()
+        step(regions)
+        regions.close()
         synchronize(device)
     prof.export_chrome_trace(str(path))
     breakdown = kernel_breakdown(path)
@@ -394,7 +397,7 @@ def measure(config: str, model_args: Any, device: torch.device, meshes: Meshes |
         row.alloc_retries = stats.get("num_alloc_retries", 0) - retries_before
     row.sdpa_backends = sdpa_backends(lambda: train_step(setup, [batches[0]]))
     if opts.profile_dir is not None:
-        row.breakdown_ms = profile_step(lambda: train_step(setup, [batches[0]]), device,
+        row.breakdown_ms = profile_step(lambda on_phase: train_step(setup, [batches[0]], on_phase=on_phase), device,
                                         opts.profile_dir / f"{config}.json.gz")
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:

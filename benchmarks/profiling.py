@@ -39,7 +39,7 @@ from torch.profiler import ProfilerAction
 from weft.components.config import Profiling, parse_args
 from weft.components.data import Batch
 from weft.components.metrics import MetricsLogger
-from weft.components.profiling import StepProfiler, schedule_args
+from weft.components.profiling import PHASE_REGIONS, StepProfiler, schedule_args
 from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
@@ -104,6 +104,25 @@ def category(name: str, enclosing: list[str]) -> str:
         if re.search(pattern, name):
             return cat
     return "elementwise/other"
+
+
+class PhaseRegions:
+    """train_step's on_phase marking the phases as train.py's traces do (record_function regions
+    forward, backward, optimizer; components/profiling.py), so kernel_breakdown sees the optimizer
+    phase. `close()` ends the last region."""
+
+    def __init__(self) -> None:
+        self._open = None
+
+    def __call__(self, phase: str) -> None:
+        self.close()
+        self._open = torch.profiler.record_function(PHASE_REGIONS[phase])
+        self._open.__enter__()
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
 
 
 def trace_events(trace) -> list[dict]:

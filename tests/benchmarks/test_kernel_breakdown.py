@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.profiling import CATEGORIES, build_setup, category, format_breakdown, kernel_breakdown
+from benchmarks.profiling import CATEGORIES, PhaseRegions, build_setup, category, format_breakdown, kernel_breakdown
 from weft.components.data import Batch
-from weft.components.profiling import PHASE_REGIONS
 from weft.recipe.step import train_step
 
 
@@ -23,17 +22,10 @@ def profiled_step():
     tokens = torch.randint(0, plan.model_args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens[:, :-1], tokens[:, 1:])
     train_step(setup, [batch])  # optimizer state exists before the profiled step
-    regions = []
-
-    def on_phase(phase: str) -> None:
-        if regions:
-            regions.pop().__exit__(None, None, None)
-        regions.append(torch.profiler.record_function(PHASE_REGIONS[phase]))
-        regions[-1].__enter__()
-
+    regions = PhaseRegions()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        train_step(setup, [batch], on_phase=on_phase)
-        regions.pop().__exit__(None, None, None)
+        train_step(setup, [batch], on_phase=regions)
+        regions.close()
     return prof
 
 
