@@ -153,6 +153,7 @@ ARGUMENT_KEYS = {
     "rank": "lora.rank", "alpha": "lora.alpha", "dropout": "lora.dropout", "target_modules": "lora.target_modules",
     "use_rslora": "lora.use_rslora", "quantize_base": "lora.quantize_base", "base_dtype": "training.mixed_precision_param",
     "recipe": "float8.recipe", "filter_fqns": "float8.filter_fqns", "min_dim": "float8.min_dim",
+    "auto_filter": "float8.auto_filter",
     "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather", "float8_all_gather": "float8.enable",
     "loss_parallel": "parallelism.loss_parallel", "mode": "activation_checkpoint.mode",
     "selective_option": "activation_checkpoint.selective_option", "compile": "compile.enable", "backend": "compile.enable",
