@@ -47,12 +47,13 @@ Q="--job.config_file llama3_8b_qlora --checkpoint.initial_load_path '' --checkpo
 case $group in
 perf)  # issue 40 items 1-2: the three rows the targets name and transformers, one step of each profiled
     # (traces in /tmp: too large to carry back), each row's time by category, the targets
-    step 570 python3 benchmarks/gpu_throughput.py --steps 5 --warmup 2 --row-timeout 140 \
+    # --layers 7: the 2026-11-24 shape on any GPU (an H200 would fit 16 and double each row's time)
+    step 570 python3 benchmarks/gpu_throughput.py --layers 7 --steps 5 --warmup 2 --row-timeout 140 \
         --configs bf16_compile float8_tensorwise_compile float8_rowwise_compile hf_compile \
         --profile-dir /tmp/perf_traces --out "$OUT/perf.jsonl"
     ;;
 perf_ab)  # issue 40: every candidate beside the row it changes, one run (the "/without variant" column)
-    step 580 python3 benchmarks/gpu_throughput.py --steps 4 --warmup 2 --row-timeout 110 --configs \
+    step 580 python3 benchmarks/gpu_throughput.py --layers 7 --steps 4 --warmup 2 --row-timeout 110 --configs \
         bf16_compile bf16_compile+reshard_never float8_tensorwise_compile float8_tensorwise_compile+float8_output \
         float8_tensorwise_compile+auto_filter float8_tensorwise_compile+fsdp_float8 float8_rowwise_compile \
         float8_rowwise_compile+float8_output float8_rowwise_compile+auto_filter --out "$OUT/perf_ab.jsonl"
