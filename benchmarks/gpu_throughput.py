@@ -33,7 +33,8 @@ minutes apart on the same GPU:
 
 --profile-dir DIR: each row also profiles one step (CPU ops and CUDA kernels) into
 DIR/<row>.json.gz, and the summary prints where its time went (benchmarks/profiling.py's
-kernel_breakdown: GEMM, float8 amax/scale/cast, attention, loss, optimizer, elementwise/other).
+kernel_breakdown: GEMM, float8 amax/scale/cast, attention, loss and output projection, optimizer,
+elementwise/other).
 
 --flavor takes Qwen3's dense flavors too (issue 37): its hf rows are transformers'
 Qwen3ForCausalLM; `--layers` defaults there to the flavor's own depth.
@@ -316,7 +317,8 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
     return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
 
 
-def profile_step(step: Callable[[Callable[[str], None]], None], device: torch.device, path: Path) -> dict[str, float]:
+def profile_step(step: Callable[[Callable[[str], None]], None], device: torch.device, path: Path,
+                 vocab_size: int) -> dict[str, float]:
     """Profile one call of `step(on_phase)` (CPU ops, and CUDA kernels on a GPU; its phases marked
     as train.py marks them) into the chrome trace `path`; its time by category
     (benchmarks/profiling.py's kernel_breakdown), with `total` and `span`."""
@@ -330,7 +332,7 @@ def profile_step(step: Callable[[Callable[[str], None]], None], device: torch.de
         regions.close()
         synchronize(device)
     prof.export_chrome_trace(str(path))
-    breakdown = kernel_breakdown(path)
+    breakdown = kernel_breakdown(path, vocab_size)  # the output projection's GEMMs counted with the loss
     return {**breakdown["ms"], "total": breakdown["total_ms"], "span": breakdown["span_ms"]}
 
 
@@ -398,7 +400,7 @@ def measure(config: str, model_args: Any, device: torch.device, meshes: Meshes |
     row.sdpa_backends = sdpa_backends(lambda: train_step(setup, [batches[0]]))
     if opts.profile_dir is not None:
         row.breakdown_ms = profile_step(lambda on_phase: train_step(setup, [batches[0]], on_phase=on_phase), device,
-                                        opts.profile_dir / f"{config}.json.gz")
+                                        opts.profile_dir / f"{config}.json.gz", model_args.vocab_size)
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:
         with torch.device("meta"):

@@ -17,7 +17,8 @@ Target: ratio <= 1.02 (the profiler costs nothing measurable outside its windows
 It also reads traces (issue 40): `kernel_breakdown` sums a trace's time by category (GEMM, float8
 amax/scale/cast, attention, loss, optimizer, elementwise/other): GPU kernel time where the trace has
 kernels, else CPU ops' self time. `--breakdown TRACE...` prints the table of each trace ([profiling]'s
-rank-R.json.gz, or any torch.profiler chrome trace):
+rank-R.json.gz, or any torch.profiler chrome trace; `--vocab-size` moves the output projection's GEMMs
+to the loss where the trace has shapes):
 
     python benchmarks/profiling.py --breakdown outputs/debug_model/profile_traces/step-10/rank-0.json.gz
 """
@@ -72,7 +73,8 @@ def timed_pass(setup: StepSetup, batch: Batch, cfg: Profiling, steps: int, dump:
 
 # ---- what a trace's time went to ---------------------------------------------------------------
 
-CATEGORIES = ("GEMM", "float8 amax/scale/cast", "attention", "loss", "optimizer", "elementwise/other")
+CATEGORIES = ("GEMM", "float8 amax/scale/cast", "attention", "loss/output projection", "optimizer", "elementwise/other")
+LOSS = "loss/output projection"
 # Matched against lower-cased kernel / op names; heuristics for the names of torch's ops, cuBLAS's,
 # CUTLASS's and cuDNN's kernels and inductor's fused kernels (named after the ops they fuse).
 _ATTENTION = r"flash|fmha|attention|sdpa|scaled_dot_product"
@@ -81,8 +83,8 @@ _LOSS = r"cross_?entropy|log_softmax|logsumexp|nll_loss"
 _FLOAT8 = r"float8|e4m3|e5m2|amax|abs_max|fused_abs|_to_copy_clamp|clamp_[a-z_]*to_copy"
 _OPTIMIZER = r"^optimizer$|adam|clip_grad"  # the optimizer phase's region (train_step's on_phase), its ops
 _FIRST = (("attention", _ATTENTION), ("GEMM", _GEMM))  # own name: cuDNN attention names wgmma too
-_ENCLOSED = (("attention", _ATTENTION), ("loss", _LOSS), ("float8 amax/scale/cast", _FLOAT8))
-_THEN = (("loss", _LOSS), ("float8 amax/scale/cast", _FLOAT8), ("optimizer", r"adam|multi_tensor_apply|foreach"))
+_ENCLOSED = (("attention", _ATTENTION), (LOSS, _LOSS), ("float8 amax/scale/cast", _FLOAT8))
+_THEN = ((LOSS, _LOSS), ("float8 amax/scale/cast", _FLOAT8), ("optimizer", r"adam|multi_tensor_apply|foreach"))
 _HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
 
 
@@ -156,7 +158,7 @@ def _parents(events: list[dict]) -> dict[int, dict | None]:
     return parent
 
 
-def kernel_breakdown(trace) -> dict:
+def kernel_breakdown(trace, vocab_size: int | None = None) -> dict:
     """Where a profiled step's time went, by CATEGORIES.
 
     trace: a chrome trace path (weft's [profiling] rank-R.json.gz) or a torch.profiler.profile.
@@ -165,29 +167,37 @@ def kernel_breakdown(trace) -> dict:
     optimizer phase's region takes all its kernels). CPU traces (no kernels): each CPU op's self
     time (its time minus its child ops'), categorised the same way. The name patterns are
     heuristics for torch's, cuBLAS/cuDNN's and inductor's names: look at `top` for what lands in
-    elementwise/other. Returns {"source": "kernels" | "cpu ops", "total_ms", "span_ms" (first
+    elementwise/other. `vocab_size`: a GEMM launched by an op with a dimension of that size is the
+    output projection's (or its gradients'), counted with the loss; needs the trace's shapes
+    (record_shapes, `[profiling] record_shapes`). Returns {"source": "kernels" | "cpu ops", "total_ms", "span_ms" (first
     start to last end), "ms": {category: ms}, "top": [(ms, category, name), ...] (20 largest)}.
     """
     events = trace_events(trace)
     host = [e for e in events if e.get("cat") in _HOST_CATS]
     parent = _parents(host)
 
-    def enclosing(e: dict | None) -> list[str]:
-        names = []
+    def enclosing(e: dict | None) -> list[dict]:
+        chain = []
         while e is not None:
-            names.append(e["name"])
+            chain.append(e)
             e = parent.get(id(e))
-        return names
+        return chain
+
+    def has_vocab_dim(chain: list[dict]) -> bool:
+        return vocab_size is not None and any(
+            vocab_size in (d for dims in e.get("args", {}).get("Input Dims", []) if isinstance(dims, list) for d in dims)
+            for e in chain)
 
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    timed: list[tuple[float, str, dict]] = []  # (microseconds, name, the event to categorise it by)
+    timed: list[tuple[float, str, list[dict], list[dict]]] = []  # (us, name, enclosing, where to look for shapes)
     if device:
         source = "kernels"
         launches = {e["args"]["correlation"]: e for e in host
                     if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
         for k in device:
             launch = launches.get(k.get("args", {}).get("correlation"))
-            timed.append((k.get("dur", 0), k["name"], enclosing(launch)))
+            chain = enclosing(launch)
+            timed.append((k.get("dur", 0), k["name"], chain, chain))
         span = max(e["ts"] + e.get("dur", 0) for e in device) - min(e["ts"] for e in device)
     else:
         source = "cpu ops"
@@ -199,12 +209,17 @@ def kernel_breakdown(trace) -> dict:
                 up = parent.get(id(up))
             if up is not None:
                 children[id(up)] = children.get(id(up), 0.0) + e.get("dur", 0)
-        timed = [(e.get("dur", 0) - children.get(id(e), 0.0), e["name"], enclosing(parent.get(id(e)))) for e in ops]
+        timed = []
+        for e in ops:
+            chain = enclosing(parent.get(id(e)))
+            timed.append((e.get("dur", 0) - children.get(id(e), 0.0), e["name"], chain, [e, *chain]))
         span = (max(e["ts"] + e.get("dur", 0) for e in ops) - min(e["ts"] for e in ops)) if ops else 0.0
     ms = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[tuple[str, str], float] = {}
-    for us, name, outer in timed:
-        cat = category(name, outer)
+    for us, name, outer, shaped in timed:
+        cat = category(name, [e["name"] for e in outer])
+        if cat == "GEMM" and has_vocab_dim(shaped):
+            cat = LOSS
         ms[cat] += us / 1e3
         by_name[(cat, name)] = by_name.get((cat, name), 0.0) + us / 1e3
     top = sorted(((t, cat, name) for (cat, name), t in by_name.items()), reverse=True)[:20]
@@ -225,6 +240,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--breakdown", nargs="+", type=Path, metavar="TRACE",
                         help="print each trace's time by category (kernel_breakdown) and exit")
+    parser.add_argument("--vocab-size", type=int, help="with --breakdown: count GEMMs with a dimension of this size "
+                        "(the output projection's; needs shapes in the trace) with the loss")
     parser.add_argument("--flavor", default="debugmodel", choices=sorted(flavors()))
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
@@ -236,7 +253,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.breakdown:
         for trace in args.breakdown:
-            print(format_breakdown(kernel_breakdown(trace), f"{trace}: "))
+            print(format_breakdown(kernel_breakdown(trace, args.vocab_size), f"{trace}: "))
         return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

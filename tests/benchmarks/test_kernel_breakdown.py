@@ -10,9 +10,12 @@ import json
 import pytest
 import torch
 
-from benchmarks.profiling import CATEGORIES, PhaseRegions, build_setup, category, format_breakdown, kernel_breakdown
+from benchmarks.profiling import CATEGORIES, LOSS, PhaseRegions, build_setup, category, format_breakdown, kernel_breakdown
 from weft.components.data import Batch
 from weft.recipe.step import train_step
+
+
+VOCAB = 2048  # debugmodel's (the Shakespeare tokenizer's); no other dimension of it is 2048
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,7 @@ def profiled_step():
     batch = Batch(tokens[:, :-1], tokens[:, 1:])
     train_step(setup, [batch])  # optimizer state exists before the profiled step
     regions = PhaseRegions()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         train_step(setup, [batch], on_phase=regions)
         regions.close()
     return prof
@@ -39,8 +42,15 @@ def test_cpu_profile_adds_up_as_the_profilers_self_times(profiled_step):
     assert got["total_ms"] == pytest.approx(sum(v for k, v in self_ms.items() if k not in regions), rel=1e-6)
     gemm = sum(self_ms.get(op, 0.0) for op in ("aten::mm", "aten::addmm", "aten::bmm"))
     assert gemm > 0 and got["ms"]["GEMM"] == pytest.approx(gemm, rel=1e-6)
+    # Given the vocabulary, the output projection's GEMMs (forward, both gradients) move to the loss.
+    by_shape = profiled_step.key_averages(group_by_input_shape=True)
+    output_gemms = sum(e.self_cpu_time_total / 1e3 for e in by_shape if e.key == "aten::mm"
+                       and any(VOCAB in dims for dims in e.input_shapes if isinstance(dims, list)))
+    with_vocab = kernel_breakdown(profiled_step, vocab_size=VOCAB)
+    assert output_gemms > 0 and with_vocab["ms"]["GEMM"] == pytest.approx(gemm - output_gemms, rel=1e-6)
+    assert with_vocab["ms"][LOSS] == pytest.approx(got["ms"][LOSS] + output_gemms, rel=1e-6)
     assert got["ms"]["optimizer"] >= self_ms["aten::_fused_adamw_"] > 0  # the fused AdamW of the optimizer phase
-    assert got["ms"]["attention"] > 0 and got["ms"]["loss"] > 0
+    assert got["ms"]["attention"] > 0 and got["ms"][LOSS] > 0
     assert got["ms"]["float8 amax/scale/cast"] == 0  # no float8 here (the logsumexp's amax is the loss's)
     assert got["span_ms"] >= got["total_ms"] * 0.5 and "GEMM" in format_breakdown(got)
 
@@ -52,8 +62,9 @@ def test_gpu_trace_kernels_by_name_and_launch(tmp_path):
 
     def launch(ts, name, kernel, us, *outer):
         corr = len(kernels) + 1
-        for i, (op, cat) in enumerate(outer):  # enclosing, outermost first, each 1 us inside the last
-            host.append({"ph": "X", "cat": cat, "name": op, "ts": ts + i, "dur": 10 - 2 * i, "pid": 1, "tid": 1})
+        for i, (op, cat, *shapes) in enumerate(outer):  # enclosing, outermost first, each 1 us inside the last
+            host.append({"ph": "X", "cat": cat, "name": op, "ts": ts + i, "dur": 10 - 2 * i, "pid": 1, "tid": 1,
+                         "args": {"Input Dims": shapes[0]} if shapes else {}})
         host.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts + len(outer), "dur": 1,
                      "pid": 1, "tid": 1, "args": {"correlation": corr}})
         kernels.append({"ph": "X", "cat": "kernel", "name": kernel, "ts": 1000 + ts, "dur": us, "pid": 0, "tid": 7,
@@ -71,14 +82,18 @@ def test_gpu_trace_kernels_by_name_and_launch(tmp_path):
            ("aten::_fused_adamw_", "cpu_op"))
     launch(160, "norm", "multi_tensor_apply_kernel<NormFunctor>", 3, ("optimizer", "user_annotation"))
     launch(180, "silu", "triton_poi_fused_mul_silu_3", 11, ("CompiledFunction", "cpu_op"))
+    launch(200, "output projection", "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", 40,
+           ("aten::linear", "cpu_op"), ("aten::mm", "cpu_op", [[8192, 4096], [4096, 128256]]))
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": host + kernels}, f)
     got = kernel_breakdown(path)
     assert got["source"] == "kernels"
-    assert got["ms"] == pytest.approx({"GEMM": 0.150, "float8 amax/scale/cast": 0.012, "attention": 0.030,
-                                       "loss": 0.011, "optimizer": 0.023, "elementwise/other": 0.011})
-    assert got["total_ms"] == pytest.approx(0.237) and got["span_ms"] == pytest.approx((180 + 11) / 1e3)
+    assert got["ms"] == pytest.approx({"GEMM": 0.190, "float8 amax/scale/cast": 0.012, "attention": 0.030,
+                                       LOSS: 0.011, "optimizer": 0.023, "elementwise/other": 0.011})
+    assert got["total_ms"] == pytest.approx(0.277) and got["span_ms"] == pytest.approx((200 + 40) / 1e3)
+    by_vocab = kernel_breakdown(path, vocab_size=128256)["ms"]  # the 4096 -> 128,256 GEMM is the output's
+    assert by_vocab["GEMM"] == pytest.approx(0.150) and by_vocab[LOSS] == pytest.approx(0.051)
 
 
 def test_category_rules():
