@@ -3,21 +3,28 @@
 # 10-minute call of a lent single-GPU machine. Every command's output goes, with the command at
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
 #   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
-#                                             observe, data, simulated
+#                                             observe, data, simulated; still to run (issues 37, 38,
+#                                             40): perf, perf_ab, moe_block, qwen3, qlora_moe
 # BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
+# PRINT=1 prints each step's command instead of running it (no GPU, nothing installed; the tests
+# parse what it prints: tests/benchmarks/test_gpu_checks.py).
 # Needs: torch with CUDA, torchao (PYTHONPATH may point at a folder of carried wheels' contents).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/tmp}
-mkdir -p "$OUT"
+PRINT=${PRINT:-}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
-python3 -m pip install -q --no-deps --no-build-isolation -e . || exit  # weft's one import root
 group=$1
 LOG=$OUT/$group.log
+if [[ -n $PRINT ]]; then LOG=/dev/null; else
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-deps --no-build-isolation -e . || exit  # weft's one import root
+fi
 
 BUDGET=${BUDGET:-100000}
 step() {  # step SECONDS COMMAND...: run it under a time limit, log its command and exit code
     local limit=$1; shift
+    if [[ -n $PRINT ]]; then printf '%q ' "$@"; echo; return; fi
     if (( SECONDS + 20 > BUDGET )); then echo "### skipped (budget): $*" >>"$LOG"; return; fi
     (( SECONDS + limit > BUDGET )) && limit=$(( BUDGET - SECONDS ))
     { echo; echo "### $(date -u +%FT%TZ) \$ $*"; } >>"$LOG"
@@ -25,7 +32,7 @@ step() {  # step SECONDS COMMAND...: run it under a time limit, log its command 
     echo "### exit $?" >>"$LOG"
 }
 
-{ echo "# group $group on $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)";
+[[ -n $PRINT ]] || { echo "# group $group on $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)";
   python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, 'cuda', torch.version.cuda)"; } >"$LOG" 2>&1
 
 # Two ranks sharing the one GPU (--parallelism.share_gpus) with tp, cp or pp > 1 crashed in gloo
@@ -38,6 +45,46 @@ Q="--job.config_file llama3_8b_qlora --checkpoint.initial_load_path '' --checkpo
    --training.gradient_accumulation_steps 1 --metrics.log_freq 1"
 
 case $group in
+perf)  # issue 40 items 1-2: the three rows the targets name and transformers, one step of each profiled
+    # (traces in /tmp: too large to carry back), each row's time by category, the targets
+    # --layers 7: the 2026-11-24 shape on any GPU (an H200 would fit 16 and double each row's time)
+    step 570 python3 benchmarks/gpu_throughput.py --layers 7 --steps 5 --warmup 2 --row-timeout 140 \
+        --configs bf16_compile float8_tensorwise_compile float8_rowwise_compile hf_compile \
+        --profile-dir /tmp/perf_traces --out "$OUT/perf.jsonl"
+    ;;
+perf_ab)  # issue 40: every candidate beside the row it changes, one run (the "/without variant" column)
+    step 580 python3 benchmarks/gpu_throughput.py --layers 7 --steps 4 --warmup 2 --row-timeout 110 --configs \
+        bf16_compile bf16_compile+reshard_never float8_tensorwise_compile float8_tensorwise_compile+float8_output \
+        float8_tensorwise_compile+auto_filter float8_tensorwise_compile+fsdp_float8 float8_rowwise_compile \
+        float8_rowwise_compile+float8_output float8_rowwise_compile+auto_filter --out "$OUT/perf_ab.jsonl"
+    ;;
+moe_block)  # issue 40 item 3: the Scout MoE block against the dense block of its active size
+    for variant in "" "--compile"; do
+        step 200 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10 \
+            --profile /tmp/moe_traces $variant
+    done
+    step 120 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10 --tokens 16384
+    ;;
+qwen3)  # issue 37 item 6: Qwen3-0.6B at its SFT shape (qwen3_0_6b_sft.toml: 2 x 4096) against transformers;
+    # the debug Qwen3 MoE under ep 2 as rank 0 of a simulated two-rank job (one GPU)
+    step 420 python3 benchmarks/gpu_throughput.py --flavor qwen3_0_6b --seq-len 4096 --batch-size 2 \
+        --steps 5 --warmup 2 --row-timeout 130 --configs bf16_compile autocast_compile hf_compile bf16_eager \
+        --out "$OUT/qwen3.jsonl"
+    step 120 python3 train.py --job.config_file debug_moe --model.flavor debugmodel_qwen3_moe \
+        --job.simulate_world_size 2 --parallelism.ep 2 --training.steps 10 --metrics.log_freq 1 \
+        --training.mixed_precision_param bfloat16 --checkpoint.enable false --job.dump_folder /tmp/qwen3_ep
+    ;;
+qlora_moe)  # issue 38 item 5: Scout cut to 2 blocks, QLoRA with and without expert adapters
+    S="--model.flavor llama4_scout --training.seq_len 2048 --training.local_batch_size 1
+       --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full"
+    eval step 300 python3 benchmarks/lora.py --layers 2 --modes lora qlora lora_experts qlora_experts -- $S
+    M="--job.config_file llama4_scout_qlora --checkpoint.initial_load_path '' --checkpoint.enable false
+       --model.tokenizer_path assets/tokenizer/shakespeare.model --data.format text
+       --data.dataset_path assets/data/shakespeare --validation.enable false --training.steps 4
+       --training.gradient_accumulation_steps 1 --metrics.log_freq 1"
+    eval step 120 python3 benchmarks/memory_check.py --layers 2 -- $M
+    eval step 120 python3 benchmarks/memory_check.py --layers 2 -- $M --lora.target_modules wq,wk,wv,wo,w1,w2,w3,experts
+    ;;
 moe)  # Llama 4: the grouped multiply and the MoE block on one Scout layer; the debug MoE on CUDA
     step 150 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10
     step 60 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape cpu --repeats 10
@@ -164,4 +211,4 @@ simulated)  # issue 22's one-GPU checks of two-rank layouts (a fake process grou
     ;;
 *) echo "unknown group $group" >&2; exit 2 ;;
 esac
-tail -c 6000 "$LOG"
+[[ -n $PRINT ]] || tail -c 6000 "$LOG"

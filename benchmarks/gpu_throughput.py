@@ -23,6 +23,22 @@ block compiled on its own):
                              model makes transformers build a dense causal mask, which loses the
                              causal fused kernel and grouped-query attention)
 
+Candidate changes (issue 40) run as variants of a row, `<row>+<variant>[+<variant>...]` (VARIANTS),
+in the same run as the row they change, so each is compared with its own baseline measured
+minutes apart on the same GPU:
+  +reshard_never   FSDP keeps each block's gathered bf16 weights from its forward to its backward
+  +float8_output   the output projection in float8 too (kept in bf16 by default)
+  +auto_filter     float8.auto_filter: torchao's size filter keeps the linears too small to gain
+  +fsdp_float8     float8 weights all-gathered by FSDP, scales precomputed after the optimizer step
+
+--profile-dir DIR: each row also profiles one step (CPU ops and CUDA kernels) into
+DIR/<row>.json.gz, and the summary prints where its time went (benchmarks/profiling.py's
+kernel_breakdown: GEMM, float8 amax/scale/cast, attention, loss and output projection, optimizer,
+elementwise/other).
+
+--flavor takes Qwen3's dense flavors too (issue 37): its hf rows are transformers'
+Qwen3ForCausalLM; `--layers` defaults there to the flavor's own depth.
+
 Honest by construction: by default each row runs in its own process (a crash, an OOM or a
 hang loses that row only), and each row is appended to the JSON-lines file --out as soon as it
 is measured. Each row reports tokens/s, the SDPA backend that actually ran (from the op names
@@ -36,6 +52,7 @@ only between rows of the same run (one run id).
 Run from the repository root, after the README's install:
   python -m benchmarks.gpu_throughput --out benchmarks/results/gpu_throughput.jsonl
   python -m benchmarks.gpu_throughput --dry-run    # CPU, tiny shapes: the code end to end
+  python -m benchmarks.gpu_throughput --configs bf16_compile bf16_compile+reshard_never   # an A/B pair
 """
 
 from __future__ import annotations
@@ -69,7 +86,7 @@ from weft.components.loss import token_loss
 from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
 from weft.components.optim import build_optimizer
 from weft.components.data import Batch
-from weft.models import spec_for_flavor
+from weft.models import flavors, spec_for_args, spec_for_flavor
 from weft.parallelisms.compile import CompileOptions
 from weft.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
 from weft.parallelisms.fsdp import FSDPOptions
@@ -77,21 +94,33 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
+from weft.benchmarks.profiling import CATEGORIES, PhaseRegions, kernel_breakdown
 
 REPO = Path(__file__).resolve().parent.parent
-# The dense Llama, compared with transformers' LlamaForCausalLM of the same shape.
+# The dense Llama, compared with transformers' LlamaForCausalLM of the same shape; Qwen3's dense
+# flavors likewise against Qwen3ForCausalLM.
 LLAMA = spec_for_flavor("llama3_8b")
+FLAVORS = sorted(name for name, args in flavors().items()
+                 if spec_for_flavor(name) is LLAMA or (name.startswith(("qwen3", "debugmodel_qwen3"))
+                                                       and getattr(args, "n_experts", 1) == 0))
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
 CONFIGS = tuple(f"{kind}_{mode}" for kind in KINDS for mode in ("eager", "compile"))
 # The rows of a full run; bf16_compile twice, first and last, to show the run-to-run noise.
 DEFAULT_CONFIGS = ("bf16_compile", "bf16_eager", "float8_tensorwise_compile", "float8_rowwise_compile",
                    "autocast_compile", "hf_compile", "bf16_compile")
-TARGETS = (  # (what, row, baseline row or None for MFU, target)
-    ("bf16 + compile MFU %", "bf16_compile", None, 50.0),
-    ("float8 tensorwise + compile / bf16 + compile", "float8_tensorwise_compile", "bf16_compile", 1.35),
-    ("weft autocast + compile / transformers (same recipe)", "autocast_compile", "hf_compile", 1.3),
-    ("weft bf16 + compile (FSDP) / transformers", "bf16_compile", "hf_compile", 1.3),
+TARGETS = (  # (what, row, baseline row or None for MFU, target): issue 40's
+    ("bf16 + compile MFU %", "bf16_compile", None, 55.0),
+    ("weft bf16 + compile (FSDP) / transformers (same recipe)", "bf16_compile", "hf_compile", 1.05),
+    ("float8 tensorwise + compile / bf16 + compile", "float8_tensorwise_compile", "bf16_compile", 1.3),
+    ("float8 rowwise + compile / bf16 + compile", "float8_rowwise_compile", "bf16_compile", 1.3),
 )
+# Candidate changes (issue 40): variant -> the row kinds it applies to.
+VARIANTS = {
+    "reshard_never": ("bf16", "float8_tensorwise", "float8_rowwise"),
+    "float8_output": ("float8_tensorwise", "float8_rowwise"),
+    "auto_filter": ("float8_tensorwise", "float8_rowwise"),
+    "fsdp_float8": ("float8_tensorwise",),
+}
 # Names of the aten ops scaled_dot_product_attention dispatches to, by backend.
 SDPA_OPS = {
     "_scaled_dot_product_flash_attention": "flash",
@@ -120,7 +149,22 @@ class Row:
     alloc_retries: int | None = None
     warmup_step_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # every step's, warm-up included (same batches every row)
     settings: dict = field(default_factory=dict)
+    breakdown_ms: dict = field(default_factory=dict)  # with --profile-dir: kernel_breakdown's ms by category
+
+
+def config_name(value: str) -> str:
+    """A row name: one of CONFIGS, optionally followed by +variant for each VARIANTS entry it applies."""
+    base, *variants = value.split("+")
+    if base not in CONFIGS:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(CONFIGS)}, optionally +variant")
+    kind = base.rsplit("_", 1)[0]
+    for variant in variants:
+        if kind not in VARIANTS.get(variant, ()):
+            known = ", ".join(f"{v} ({'/'.join(k)})" for v, k in VARIANTS.items())
+            raise argparse.ArgumentTypeError(f"{value!r}: +{variant} does not apply to {kind} rows; variants: {known}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,15 +175,18 @@ class Row:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --dry-run changes the defaults to tiny CPU settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flavor", default="llama3_8b", choices=sorted(LLAMA.flavors))
+    parser.add_argument("--flavor", default="llama3_8b", choices=FLAVORS)
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks (default: as many as fit in free GPU memory, see default_layers)")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3, help="steps run before timing (compilation happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIGS,
-                        help="rows, in order; a row named twice is measured twice")
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), type=config_name,
+                        help=f"rows, in order ({', '.join(CONFIGS)}, each optionally +variant: "
+                             f"{', '.join(VARIANTS)}); a row named twice is measured twice")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="profile one step of each row into DIR/<row>.json.gz and print its time by category")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--float8-min-dim", type=int, default=DEFAULT_MIN_DIM,
                         help="linear layers with a smaller dimension stay in bf16")
@@ -165,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_shape(opts: argparse.Namespace, layers: int) -> Any:
-    flavor = LLAMA.flavors[opts.flavor]
+    flavor = flavors()[opts.flavor]
     return replace(flavor, n_layers=layers, max_seq_len=max(opts.seq_len, flavor.max_seq_len))
 
 
@@ -206,33 +253,42 @@ def block_and_other_parameters(model_args: Any) -> tuple[int, int]:
 
 
 def build_weft_model(model_args: Any, device: torch.device, *, meshes: Meshes | None, compile: bool,
-                     float8_recipe: str | None, float8_min_dim: int) -> nn.Module:
+                     float8_recipe: str | None, float8_min_dim: int, variants: tuple[str, ...] = ()) -> nn.Module:
     """The weft model as train.py builds it, through the same `parallelize`: float8, compile and,
     given a one-rank mesh, FSDP (for its bf16 mixed precision) on the meta device, then weights
-    on `device`. meshes None: the plain single-device model (the autocast rows)."""
+    on `device`. meshes None: the plain single-device model (the autocast rows). `variants`: the
+    candidate changes (VARIANTS) this row makes."""
     with torch.device("meta"):
-        model = LLAMA.build(model_args)
-    float8 = Float8Options(float8_recipe, filter_fqns=("output",), min_dim=float8_min_dim) if float8_recipe else None
-    parallelize(model, meshes, ParallelizeOptions(float8=float8, compile=CompileOptions() if compile else None,
-                                                  fsdp=FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)))
+        model = spec_for_args(model_args).build(model_args)
+    float8 = None
+    if float8_recipe:
+        float8 = Float8Options(float8_recipe, filter_fqns=() if "float8_output" in variants else ("output",),
+                               min_dim=float8_min_dim, auto_filter="auto_filter" in variants,
+                               enable_fsdp_float8_all_gather="fsdp_float8" in variants)
+    fsdp = FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       reshard_after_forward="never" if "reshard_never" in variants else "default")
+    parallelize(model, meshes, ParallelizeOptions(float8=float8, compile=CompileOptions() if compile else None, fsdp=fsdp))
     materialize(model, device, seed=0)
     return model
 
 
 def build_hf_model(model_args: Any, device: torch.device, *, seq_len: int, compile: bool,
                    fullgraph: bool = True) -> nn.Module:
-    """transformers' LlamaForCausalLM of the same shape (checked by its parameter count): fp32
+    """transformers' LlamaForCausalLM (Qwen3ForCausalLM for a Qwen3 flavor) of the same shape
+    (checked by its parameter count): fp32
     weights, sdpa attention, each decoder layer compiled on its own when `compile` (in one graph,
     as weft's blocks are, unless not `fullgraph`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # The config weft exports for this shape (rotary settings included), sized for seq_len.
-    config = LlamaConfig(**{**LLAMA.hf.hf_config(model_args, torch.float32), "max_position_embeddings": max(seq_len, model_args.max_seq_len),
+    spec = spec_for_args(model_args)
+    fields = spec.hf.hf_config(model_args, torch.float32)
+    config = AutoConfig.for_model(**{**fields, "max_position_embeddings": max(seq_len, model_args.max_seq_len),
                             "attn_implementation": "sdpa", "use_cache": False})
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     with torch.device("meta"):
-        n_params = count_parameters(LLAMA.build(model_args))
+        n_params = count_parameters(spec.build(model_args))
     hf_params = count_parameters(model)
     if hf_params != n_params:
         raise RuntimeError(f"the transformers model has {hf_params:,} parameters, weft's {n_params:,}")
@@ -261,6 +317,25 @@ def sdpa_backends(step: Callable[[], None]) -> list[str]:
     return sorted({backend for op, backend in SDPA_OPS.items() if op in names})
 
 
+def profile_step(step: Callable[[Callable[[str], None]], None], device: torch.device, path: Path,
+                 vocab_size: int) -> dict[str, float]:
+    """Profile one call of `step(on_phase)` (CPU ops, and CUDA kernels on a GPU; its phases marked
+    as train.py marks them) into the chrome trace `path`; its time by category
+    (benchmarks/profiling.py's kernel_breakdown), with `total` and `span`."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    regions = PhaseRegions()
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        step(regions)
+        regions.close()
+        synchronize(device)
+    prof.export_chrome_trace(str(path))
+    breakdown = kernel_breakdown(path, vocab_size)  # the output projection's GEMMs counted with the loss
+    return {**breakdown["ms"], "total": breakdown["total_ms"], "span": breakdown["span_ms"]}
+
+
 def transformers_loss(logits: torch.Tensor, labels: torch.Tensor, count, grad_ranks: int = 1, *,
                       compiled: bool = False) -> torch.Tensor:
     """transformers' causal-LM loss: eager cross-entropy over fp32 logits (summed here and divided
@@ -273,7 +348,8 @@ def build_config(config: str, model_args: Any, device: torch.device, meshes: Mes
     """The model of one configuration in train.py's step (recipe/step.py): its forward (tokens ->
     logits; under bf16 autocast for the autocast_* and hf_* rows), its loss (weft's rows: train.py's
     `token_loss`; hf rows: transformers' own), clipping at norm 1 and fused AdamW."""
-    kind, mode = config.rsplit("_", 1)
+    base, *variants = config.split("+")
+    kind, mode = base.rsplit("_", 1)
     compile = mode == "compile"
     if kind == "hf":
         model = build_hf_model(model_args, device, seq_len=opts.seq_len, compile=compile, fullgraph=opts.hf_fullgraph)
@@ -281,7 +357,8 @@ def build_config(config: str, model_args: Any, device: torch.device, meshes: Mes
     else:
         recipe = kind.removeprefix("float8_") if kind.startswith("float8") else None
         model = build_weft_model(model_args, device, meshes=None if kind == "autocast" else meshes,
-                                 compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim)
+                                 compile=compile, float8_recipe=recipe, float8_min_dim=opts.float8_min_dim,
+                                 variants=tuple(variants))
         forward, loss_fn = model_forward, token_loss
     optimizer = build_optimizer(model, Optimizer(implementation="fused"))
     autocast = kind in ("hf", "autocast")
@@ -289,6 +366,7 @@ def build_config(config: str, model_args: Any, device: torch.device, meshes: Mes
         model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
         device=device, max_norm=1.0, compiled_loss=compile and kind != "hf", forward=forward, loss_fn=loss_fn,
         forward_context=(lambda: torch.autocast(device.type, torch.bfloat16)) if autocast else contextlib.nullcontext,
+        precompute_float8="fsdp_float8" in variants,
     )
 
 
@@ -303,14 +381,15 @@ def measure(config: str, model_args: Any, device: torch.device, meshes: Meshes |
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    times = []
+    times, losses = [], []
     for i in range(opts.warmup + opts.steps):
         synchronize(device)
         start = time.perf_counter()
-        train_step(setup, [batches[i % 2]])
+        result = train_step(setup, [batches[i % 2]])
         synchronize(device)
         times.append(time.perf_counter() - start)
-    row = Row(run_id, config, "ok", warmup_step_s=times[:opts.warmup], step_s=times[opts.warmup:])
+        losses.append(result.loss.item())  # after the clock stops
+    row = Row(run_id, config, "ok", warmup_step_s=times[:opts.warmup], step_s=times[opts.warmup:], losses=losses)
     row.tokens_per_s = opts.batch_size * opts.seq_len * len(row.step_s) / sum(row.step_s)
     row.median_step_s = statistics.median(row.step_s)
     if device.type == "cuda":
@@ -319,10 +398,13 @@ def measure(config: str, model_args: Any, device: torch.device, meshes: Meshes |
         row.peak_reserved_gib = stats["reserved_bytes.all.peak"] / 2**30
         row.alloc_retries = stats.get("num_alloc_retries", 0) - retries_before
     row.sdpa_backends = sdpa_backends(lambda: train_step(setup, [batches[0]]))
+    if opts.profile_dir is not None:
+        row.breakdown_ms = profile_step(lambda on_phase: train_step(setup, [batches[0]], on_phase=on_phase), device,
+                                        opts.profile_dir / f"{config}.json.gz", model_args.vocab_size)
     peak_flops = device_peak_flops(device)
     if peak_flops is not None:
         with torch.device("meta"):
-            n_params = count_parameters(LLAMA.build(model_args))
+            n_params = count_parameters(spec_for_args(model_args).build(model_args))
         row.mfu_percent = 100 * row.tokens_per_s * flops_per_token(model_args, n_params, opts.seq_len) / peak_flops
     return row
 
@@ -333,7 +415,8 @@ def reason_to_skip(config: str, device: torch.device) -> str | None:
         return "transformers is not installed"
     if config.startswith("float8"):
         try:
-            check_float8_support(device.type, None, recipe=config.split("_")[1])
+            check_float8_support(device.type, "nccl" if device.type == "cuda" else "gloo", recipe=config.split("_")[1],
+                                 enable_fsdp_float8_all_gather="+fsdp_float8" in config)
         except ValueError as error:
             return str(error)
     return None
@@ -471,19 +554,23 @@ def format_table(rows: list[dict]) -> str:
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    vs = ratios(rows)
-    lines = [f"{'config':<27} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'resv GiB':>8} {'retries':>7} "
-             f"{'sdpa':<12} {'/bf16_compile':>13} {'/hf_compile':>11}"]
+    vs, first = ratios(rows), first_measured(rows)
+    width = max([27] + [len(row["config"]) for row in rows])
+    lines = [f"{'config':<{width}} {'tokens/s':>10} {'MFU %':>6} {'alloc GiB':>9} {'resv GiB':>8} {'retries':>7} "
+             f"{'sdpa':<12} {'/bf16_compile':>13} {'/hf_compile':>11} {'/without variant':>16} {'last loss':>9}"]
     for row in rows:
         if row["status"] != "ok":
             continue
-        base = [row["tokens_per_s"] / first_measured(rows)[b]["tokens_per_s"] if b in vs else None
+        base = [row["tokens_per_s"] / first[b]["tokens_per_s"] if b in vs else None
                 for b in ("bf16_compile", "hf_compile")]
-        lines.append(f"{row['config']:<27} {row['tokens_per_s']:>10,.0f} {num(row['mfu_percent'], '.1f'):>6} "
+        plain = row["config"].split("+")[0]  # a candidate against the row it changes, same run
+        own = row["tokens_per_s"] / first[plain]["tokens_per_s"] if "+" in row["config"] and plain in first else None
+        lines.append(f"{row['config']:<{width}} {row['tokens_per_s']:>10,.0f} {num(row['mfu_percent'], '.1f'):>6} "
                      f"{num(row['peak_allocated_gib'], '.1f'):>9} {num(row['peak_reserved_gib'], '.1f'):>8} "
                      f"{num(row['alloc_retries'], 'd'):>7} {','.join(row['sdpa_backends']) or '-':<12} "
-                     f"{num(base[0], '.2f'):>13} {num(base[1], '.2f'):>11}")
-    lines += [f"{row['config']:<27} {row['status']}: {row['reason']}" for row in rows if row["status"] != "ok"]
+                     f"{num(base[0], '.2f'):>13} {num(base[1], '.2f'):>11} {num(own, '.3f'):>16} "
+                     f"{num((row.get('losses') or [None])[-1], '.4f'):>9}")
+    lines += [f"{row['config']:<{width}} {row['status']}: {row['reason']}" for row in rows if row["status"] != "ok"]
     repeats = {}
     for row in rows:
         if row["status"] == "ok":
@@ -495,8 +582,24 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_breakdowns(rows: list[dict]) -> str:
+    """The profiled rows' step time by category (ms; --profile-dir), one line per row, or ''."""
+    profiled = [row for row in rows if row["status"] == "ok" and row.get("breakdown_ms")]
+    if not profiled:
+        return ""
+    width = max(len(row["config"]) for row in profiled)
+    names = [c.split(" ")[0].replace("elementwise/other", "other") for c in CATEGORIES]
+    lines = ["time of one profiled step by category, ms (kernels on a GPU, CPU ops' self time on a CPU):",
+             f"{'config':<{width}} " + " ".join(f"{n:>10}" for n in names) + f" {'total':>10} {'span':>10}"]
+    for row in profiled:
+        ms = row["breakdown_ms"]
+        lines.append(f"{row['config']:<{width}} " + " ".join(f"{ms[c]:>10.2f}" for c in CATEGORIES)
+                     + f" {ms['total']:>10.2f} {ms['span']:>10.2f}")
+    return "\n".join(lines)
+
+
 def format_targets(rows: list[dict]) -> str:
-    """Issue 11's targets, each with the value this run measured."""
+    """Issue 40's targets, each with the value this run measured."""
     first = first_measured(rows)
     lines = []
     for what, config, base, target in TARGETS:
@@ -525,6 +628,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     device = probe_device(opts.device)
     layers = opts.layers
+    if layers is None and opts.flavor not in LLAMA.flavors:  # Qwen3: the flavor's own depth
+        layers = flavors()[opts.flavor].n_layers
     if layers is None:
         free = device["free"]
         if free is None:
@@ -533,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--layers {layers}: what fits in {free / 2**30:.1f} GiB free (see default_layers)")
     model_args = model_shape(opts, layers)
     with torch.device("meta"):
-        n_params = count_parameters(LLAMA.build(model_args))
+        n_params = count_parameters(spec_for_args(model_args).build(model_args))
     print(f"{device['name']}: {opts.flavor} with {layers} layers ({n_params:,} parameters), batch {opts.batch_size} "
           f"x seq {opts.seq_len}, {opts.warmup} warm-up + {opts.steps} timed steps; run {run_id}, rows -> {opts.out}")
     print(mfu_formula(model_args, n_params, opts.seq_len))
@@ -545,6 +650,9 @@ def main(argv: list[str] | None = None) -> None:
     with opts.out.open("a") as out:  # the ratios, from this run's rows only
         out.write(json.dumps({"run_id": run_id, "ratios": ratios(rows)}) + "\n")
     print(format_table(rows))
+    breakdowns = format_breakdowns(rows)
+    if breakdowns:
+        print(breakdowns)
     print(format_targets(rows))
     if dist.is_initialized():
         dist.destroy_process_group()

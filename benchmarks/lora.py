@@ -11,17 +11,26 @@ Prints one line per mode and the ratios to full fine-tuning.
         --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full   # one GPU
 
 Arguments after `--` are train.py options applied to every mode (debug_model.toml underneath).
+`--modes` picks the modes (the first is the one the others are compared with); `--layers` cuts the
+flavor to its first blocks (as benchmarks/memory_check.py does). A mode that fails prints its error
+and the others still run. Issue 38's MoE comparison, a Scout-shaped model cut to 2 blocks:
+
+    python benchmarks/lora.py --layers 2 --modes lora qlora lora_experts qlora_experts -- \
+        --model.flavor llama4_scout --training.seq_len 2048 --training.local_batch_size 1 \
+        --training.mixed_precision_param bfloat16 --activation_checkpoint.mode full
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 
 from weft.components.config import parse_args
 from weft.components.data import Batch
+from weft import models
 from weft.components.memory import local_tensor, measured_peak_bytes
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
@@ -32,6 +41,9 @@ MODES = {
     "lora": ["--lora.enable"],
     "qlora": ["--lora.enable", "--lora.quantize_base", "nf4"],
 }
+# Adapters on the routed experts too (issue 38), beside every block linear: MoE models only.
+EXPERT_TARGETS = ["--lora.target_modules", "wq,wk,wv,wo,w1,w2,w3,experts"]
+MODES.update(lora_experts=MODES["lora"] + EXPERT_TARGETS, qlora_experts=MODES["qlora"] + EXPERT_TARGETS)
 
 
 def held_bytes(model, optimizer) -> int:
@@ -81,18 +93,43 @@ def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[fl
     return seconds, peak
 
 
-def main() -> None:
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["full", "lora", "qlora"], choices=sorted(MODES),
+                        help="modes to run, in order; the first is the baseline of the ratios")
+    parser.add_argument("--layers", type=int, help="blocks of the flavor to keep (default: all)")
     parser.add_argument("overrides", nargs="*", help="train.py options after --")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_cli()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = {name: run_mode([*args.overrides, *extra], args.steps, device) for name, extra in MODES.items()}
-    full_time, full_peak = results["full"]
-    print(f"device {device.type}, {args.steps} steps after a warm-up, train.py options: {' '.join(args.overrides) or '(debug_model)'}")
-    for name, (seconds, peak) in results.items():
-        print(f"{name:6s} step {seconds * 1000:9.1f} ms ({seconds / full_time:5.2f}x full)   "
-              f"peak {peak / 2**20:9.1f} MiB ({peak / full_peak:5.2f}x full)")
+    specs = models.MODEL_SPECS
+    if args.layers:
+        from weft.benchmarks.memory_check import with_layers
+
+        specs = with_layers(parse_args(["--job.config_file", "debug_model", *args.overrides]).model.flavor, args.layers)
+    results: dict[str, tuple[float, int] | str] = {}
+    with mock.patch.object(models, "MODEL_SPECS", specs):
+        for name in args.modes:
+            try:
+                results[name] = run_mode([*args.overrides, *MODES[name]], args.steps, device)
+            except Exception as error:  # noqa: BLE001 - one mode's failure must not cost the others
+                results[name] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"[:300]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"device {device.type}, {args.steps} steps after a warm-up, train.py options: "
+          f"{' '.join(args.overrides) or '(debug_model)'}" + (f", {args.layers} layers" if args.layers else ""))
+    base = next((r for r in results.values() if not isinstance(r, str)), None)
+    for name, result in results.items():
+        if isinstance(result, str):
+            print(f"{name:13s} error: {result}")
+            continue
+        seconds, peak = result
+        print(f"{name:13s} step {seconds * 1000:9.1f} ms ({seconds / base[0]:5.2f}x {args.modes[0]})   "
+              f"peak {peak / 2**20:9.1f} MiB ({peak / base[1]:5.2f}x {args.modes[0]})")
 
 
 if __name__ == "__main__":

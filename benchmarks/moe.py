@@ -8,8 +8,15 @@
 Each is timed over forward + backward (median of --repeats after --warmup); memory is what
 autograd saves for the backward (any device) and, on CUDA, the allocator's peak above the start.
 
+Issue 40 (the block at <= 1.2x the dense one): `--compile` compiles both blocks as training does
+(each in one graph, inductor), so the router, the permutation and the un-permutation are fused as in
+a compiled run; `--profile DIR` also profiles one forward + backward of each block and prints its
+time by category (benchmarks/profiling.py's kernel_breakdown: the grouped multiply is GEMM, the
+permutation and index_add elementwise/other).
+
     OMP_NUM_THREADS=2 python benchmarks/moe.py                               # CPU, debug-sized
     python benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout    # one Scout layer
+    python benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --compile --profile /tmp/moe
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from weft.models.common.feed_forward import FeedForward
 from weft.models.moe import MoE, grouped, loop
+from weft.benchmarks.profiling import format_breakdown, kernel_breakdown
 
 # dim, expert hidden, experts, top_k, shared expert hidden, tokens
 SHAPES = {
@@ -61,6 +70,19 @@ def measure(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, r
     return {"s": statistics.median(times), "saved": sum(saved.values()), "peak": peak}
 
 
+def profile(fn: Callable[[], torch.Tensor], device: torch.device, path: Path, title: str) -> None:
+    """Profile one fn() + its backward into the chrome trace `path`; print its time by category."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn().float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    print(format_breakdown(kernel_breakdown(path), f"{title} ({path.name}), "))
+
+
 def grads(module: torch.nn.Module) -> list[torch.Tensor]:
     out = [p.grad.clone() for p in module.parameters()]
     module.zero_grad()
@@ -82,7 +104,7 @@ def row(name: str, a: dict, b: dict, a_name: str, b_name: str) -> str:
     return text
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -90,14 +112,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="tokens per step (default: the shape's)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--compile", action="store_true", help="compile both blocks (fullgraph, inductor) as training does")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also profile one forward + backward of each block into DIR and print its time by category")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     dim, hidden, n_experts, top_k, shared, tokens = SHAPES[args.shape]
     tokens = args.tokens or tokens
     torch.manual_seed(0)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# benchmarks/moe.py on {name}, torch {torch.__version__}, {args.dtype}: dim {dim}, "
-          f"expert hidden {hidden}, {n_experts} experts, top_k {top_k}, shared hidden {shared}, {tokens} tokens")
+          f"expert hidden {hidden}, {n_experts} experts, top_k {top_k}, shared hidden {shared}, {tokens} tokens"
+          + (", blocks compiled" if args.compile else ""))
 
     moe = MoE(dim, hidden, n_experts, top_k, shared_hidden_dim=shared).to(device, dtype)
     for p in moe.parameters():
@@ -126,11 +156,18 @@ def main() -> None:
     # 2. the MoE block against a dense block of the same active size
     dense = FeedForward(dim, top_k * hidden + shared).to(device, dtype)
     xb = x.detach().requires_grad_(True)
-    block = measure(lambda: moe(xb), device, args.warmup, args.repeats)
-    ref = measure(lambda: dense(xb), device, args.warmup, args.repeats)
+    moe_fn, dense_fn = moe, dense
+    if args.compile:  # as apply_compile compiles a block: one graph each
+        moe_fn, dense_fn = torch.compile(moe, fullgraph=True), torch.compile(dense, fullgraph=True)
+    block = measure(lambda: moe_fn(xb), device, args.warmup, args.repeats)
+    ref = measure(lambda: dense_fn(xb), device, args.warmup, args.repeats)
     print(row("MoE block vs dense block of the same active size", block, ref, "MoE", "dense"))
     print(f"  parameters: MoE {sum(p.numel() for p in moe.parameters()):,}, "
           f"dense {sum(p.numel() for p in dense.parameters()):,}")
+    if args.profile is not None:
+        suffix = "_compiled" if args.compile else ""
+        profile(lambda: moe_fn(xb), device, args.profile / f"moe_block{suffix}.json.gz", "MoE block")
+        profile(lambda: dense_fn(xb), device, args.profile / f"dense_block{suffix}.json.gz", "dense block")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,22 @@ bookkeeping out of it).
     python benchmarks/profiling.py --flavor llama3_1b --seq-len 2048 --batch 1   # on a GPU
 
 Target: ratio <= 1.02 (the profiler costs nothing measurable outside its windows).
+
+It also reads traces (issue 40): `kernel_breakdown` sums a trace's time by category (GEMM, float8
+amax/scale/cast, attention, loss, optimizer, elementwise/other): GPU kernel time where the trace has
+kernels, else CPU ops' self time. `--breakdown TRACE...` prints the table of each trace ([profiling]'s
+rank-R.json.gz, or any torch.profiler chrome trace; `--vocab-size` moves the output projection's GEMMs
+to the loss where the trace has shapes):
+
+    python benchmarks/profiling.py --breakdown outputs/debug_model/profile_traces/step-10/rank-0.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+import re
 import statistics
 import tempfile
 import time
@@ -29,7 +40,7 @@ from torch.profiler import ProfilerAction
 from weft.components.config import Profiling, parse_args
 from weft.components.data import Batch
 from weft.components.metrics import MetricsLogger
-from weft.components.profiling import StepProfiler, schedule_args
+from weft.components.profiling import PHASE_REGIONS, StepProfiler, schedule_args
 from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
@@ -60,8 +71,177 @@ def timed_pass(setup: StepSetup, batch: Batch, cfg: Profiling, steps: int, dump:
     return seconds
 
 
+# ---- what a trace's time went to ---------------------------------------------------------------
+
+CATEGORIES = ("GEMM", "float8 amax/scale/cast", "attention", "loss/output projection", "optimizer", "elementwise/other")
+LOSS = "loss/output projection"
+# Matched against lower-cased kernel / op names; heuristics for the names of torch's ops, cuBLAS's,
+# CUTLASS's and cuDNN's kernels and inductor's fused kernels (named after the ops they fuse).
+_ATTENTION = r"flash|fmha|attention|sdpa|scaled_dot_product"
+_GEMM = r"gemm|cutlass|nvjet|xmma|cublas|wgmma|(^|[^a-z])(mm|addmm|bmm|baddbmm|scaled_mm|grouped_mm)([^a-z]|$)"
+_LOSS = r"cross_?entropy|log_softmax|logsumexp|nll_loss"
+_FLOAT8 = r"float8|e4m3|e5m2|amax|abs_max|fused_abs|_to_copy_clamp|clamp_[a-z_]*to_copy"
+_OPTIMIZER = r"^optimizer$|adam|clip_grad"  # the optimizer phase's region (train_step's on_phase), its ops
+_FIRST = (("attention", _ATTENTION), ("GEMM", _GEMM))  # own name: cuDNN attention names wgmma too
+_ENCLOSED = (("attention", _ATTENTION), (LOSS, _LOSS), ("float8 amax/scale/cast", _FLOAT8))
+_THEN = ((LOSS, _LOSS), ("float8 amax/scale/cast", _FLOAT8), ("optimizer", r"adam|multi_tensor_apply|foreach"))
+_HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
+
+
+def category(name: str, enclosing: list[str]) -> str:
+    """The category of a kernel or op called `name`, launched inside `enclosing` ops and regions
+    (innermost first): everything in the optimizer phase is optimizer; then a GEMM or attention
+    kernel by its own name; then what encloses it (attention, else loss, else float8);
+    then its own name again; else elementwise/other."""
+    name, enclosing = name.lower(), [n.lower() for n in enclosing]
+    if any(re.search(_OPTIMIZER, n) for n in enclosing):
+        return "optimizer"
+    for cat, pattern in _FIRST:
+        if re.search(pattern, name):
+            return cat
+    for cat, pattern in _ENCLOSED:  # in this order: a fill inside an amax inside a logsumexp is the loss's
+        if any(re.search(pattern, n) for n in enclosing):
+            return cat
+    for cat, pattern in _THEN:
+        if re.search(pattern, name):
+            return cat
+    return "elementwise/other"
+
+
+class PhaseRegions:
+    """train_step's on_phase marking the phases as train.py's traces do (record_function regions
+    forward, backward, optimizer; components/profiling.py), so kernel_breakdown sees the optimizer
+    phase. `close()` ends the last region."""
+
+    def __init__(self) -> None:
+        self._open = None
+
+    def __call__(self, phase: str) -> None:
+        self.close()
+        self._open = torch.profiler.record_function(PHASE_REGIONS[phase])
+        self._open.__enter__()
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+
+def trace_events(trace) -> list[dict]:
+    """The complete events of a chrome trace: a path (.json or .json.gz) or a torch.profiler.profile
+    (torch exports a profile once: its events are kept on it for later calls)."""
+    if isinstance(trace, torch.profiler.profile):
+        if not hasattr(trace, "_weft_events"):
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "trace.json"
+                trace.export_chrome_trace(str(path))
+                trace._weft_events = trace_events(path)
+        return trace._weft_events
+    path = Path(trace)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _parents(events: list[dict]) -> dict[int, dict | None]:
+    """Each host event's enclosing event on its thread (by id()), from the intervals' nesting."""
+    parent: dict[int, dict | None] = {}
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in threads.values():
+        stack: list[dict] = []
+        for e in sorted(thread, key=lambda e: (e["ts"], -e.get("dur", 0))):
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < e["ts"] + e.get("dur", 0):
+                stack.pop()
+            parent[id(e)] = stack[-1] if stack else None
+            stack.append(e)
+    return parent
+
+
+def kernel_breakdown(trace, vocab_size: int | None = None) -> dict:
+    """Where a profiled step's time went, by CATEGORIES.
+
+    trace: a chrome trace path (weft's [profiling] rank-R.json.gz) or a torch.profiler.profile.
+    GPU traces: every kernel, memcpy and memset's device time; a kernel is categorised by its name,
+    then by the host ops and regions enclosing its launch (linked by the correlation id; the
+    optimizer phase's region takes all its kernels). CPU traces (no kernels): each CPU op's self
+    time (its time minus its child ops'), categorised the same way. The name patterns are
+    heuristics for torch's, cuBLAS/cuDNN's and inductor's names: look at `top` for what lands in
+    elementwise/other. `vocab_size`: a GEMM launched by an op with a dimension of that size is the
+    output projection's (or its gradients'), counted with the loss; needs the trace's shapes
+    (record_shapes, `[profiling] record_shapes`). Returns {"source": "kernels" | "cpu ops", "total_ms", "span_ms" (first
+    start to last end), "ms": {category: ms}, "top": [(ms, category, name), ...] (20 largest)}.
+    """
+    events = trace_events(trace)
+    host = [e for e in events if e.get("cat") in _HOST_CATS]
+    parent = _parents(host)
+
+    def enclosing(e: dict | None) -> list[dict]:
+        chain = []
+        while e is not None:
+            chain.append(e)
+            e = parent.get(id(e))
+        return chain
+
+    def has_vocab_dim(chain: list[dict]) -> bool:
+        return vocab_size is not None and any(
+            vocab_size in (d for dims in e.get("args", {}).get("Input Dims", []) if isinstance(dims, list) for d in dims)
+            for e in chain)
+
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    timed: list[tuple[float, str, list[dict], list[dict]]] = []  # (us, name, enclosing, where to look for shapes)
+    if device:
+        source = "kernels"
+        launches = {e["args"]["correlation"]: e for e in host
+                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        for k in device:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            chain = enclosing(launch)
+            timed.append((k.get("dur", 0), k["name"], chain, chain))
+        span = max(e["ts"] + e.get("dur", 0) for e in device) - min(e["ts"] for e in device)
+    else:
+        source = "cpu ops"
+        ops = [e for e in host if e.get("cat") == "cpu_op"]
+        children: dict[int, float] = {}
+        for e in ops:
+            up = parent.get(id(e))
+            while up is not None and up.get("cat") != "cpu_op":  # a region between op and child op
+                up = parent.get(id(up))
+            if up is not None:
+                children[id(up)] = children.get(id(up), 0.0) + e.get("dur", 0)
+        timed = []
+        for e in ops:
+            chain = enclosing(parent.get(id(e)))
+            timed.append((e.get("dur", 0) - children.get(id(e), 0.0), e["name"], chain, [e, *chain]))
+        span = (max(e["ts"] + e.get("dur", 0) for e in ops) - min(e["ts"] for e in ops)) if ops else 0.0
+    ms = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[tuple[str, str], float] = {}
+    for us, name, outer, shaped in timed:
+        cat = category(name, [e["name"] for e in outer])
+        if cat == "GEMM" and has_vocab_dim(shaped):
+            cat = LOSS
+        ms[cat] += us / 1e3
+        by_name[(cat, name)] = by_name.get((cat, name), 0.0) + us / 1e3
+    top = sorted(((t, cat, name) for (cat, name), t in by_name.items()), reverse=True)[:20]
+    return {"source": source, "total_ms": sum(ms.values()), "span_ms": span / 1e3, "ms": ms, "top": top}
+
+
+def format_breakdown(breakdown: dict, title: str = "", top: int = 8) -> str:
+    """The breakdown as a table: ms and share of the total per category, then the largest names."""
+    total = breakdown["total_ms"] or 1.0
+    lines = [f"{title}{breakdown['source']}: {breakdown['total_ms']:.2f} ms in all over a span of "
+             f"{breakdown['span_ms']:.2f} ms", f"  {'category':<24} {'ms':>10} {'share':>7}"]
+    lines += [f"  {cat:<24} {t:>10.2f} {100 * t / total:>6.1f}%" for cat, t in breakdown["ms"].items()]
+    lines += [f"  top: {t:8.2f} ms  {cat:<22} {name[:110]}" for t, cat, name in breakdown["top"][:top]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--breakdown", nargs="+", type=Path, metavar="TRACE",
+                        help="print each trace's time by category (kernel_breakdown) and exit")
+    parser.add_argument("--vocab-size", type=int, help="with --breakdown: count GEMMs with a dimension of this size "
+                        "(the output projection's; needs shapes in the trace) with the loss")
     parser.add_argument("--flavor", default="debugmodel", choices=sorted(flavors()))
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
@@ -71,6 +251,10 @@ def main() -> None:
     parser.add_argument("--active", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="passes of each kind")
     args = parser.parse_args()
+    if args.breakdown:
+        for trace in args.breakdown:
+            print(format_breakdown(kernel_breakdown(trace, args.vocab_size), f"{trace}: "))
+        return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     setup, plan = build_setup(args.flavor, args.seq_len, args.batch, device)

@@ -18,7 +18,9 @@ of `filter_fqns`, when it is a Mixture-of-Experts router, when its in or out fea
 requirement), or when either dimension is below `min_dim`: for small matmuls the casts to
 float8 (memory-bound passes over inputs and weights) cost more than the faster matmul saves.
 The default, 1024, converts every projection of Llama 3 8B and larger; tests on tiny models
-lower it.
+lower it. `auto_filter` (off by default) also keeps what torchao's per-recipe size filter
+(`_auto_filter_for_recipe`, thresholds from its H100 tables) says is too small to gain: with
+Llama 3 8B's shapes, wk and wv (4096 -> 1024) under either recipe.
 
 Where float8 can and cannot run (`check_float8_support` is called before any work):
   no torchao  torchao is imported by the functions that need it, never by importing this module,
@@ -85,7 +87,7 @@ def _torchao():
         log.setLevel(logging.ERROR)
     try:
         from torchao import float8 as ao_float8
-        from torchao.float8 import float8_linear, float8_tensor_parallel
+        from torchao.float8 import float8_linear, float8_linear_utils, float8_tensor_parallel
     except Exception as error:  # ImportError, or a torchao built for another torch failing inside
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         raise Float8Unavailable(
@@ -100,6 +102,8 @@ def _torchao():
         convert_to_float8_training=ao_float8.convert_to_float8_training,
         precompute_float8_dynamic_scale_for_fsdp=ao_float8.precompute_float8_dynamic_scale_for_fsdp,
         Float8Linear=float8_linear.Float8Linear,
+        # private in torchao 0.17/0.18; only float8.auto_filter reaches for it
+        auto_filter_for_recipe=getattr(float8_linear_utils, "_auto_filter_for_recipe", None),
         Float8ColwiseParallel=float8_tensor_parallel.Float8ColwiseParallel,
         Float8RowwiseParallel=float8_tensor_parallel.Float8RowwiseParallel,
         PrepareFloat8ModuleInput=float8_tensor_parallel.PrepareFloat8ModuleInput,
@@ -120,6 +124,7 @@ class Float8Options:
     filter_fqns: tuple[str, ...] = ()
     enable_fsdp_float8_all_gather: bool = False
     min_dim: int = DEFAULT_MIN_DIM
+    auto_filter: bool = False
 
 
 def check_float8_composes(lora: bool) -> None:
@@ -137,13 +142,15 @@ def apply_float8(
     filter_fqns: Iterable[str] = (),
     enable_fsdp_float8_all_gather: bool = False,
     min_dim: int = DEFAULT_MIN_DIM,
+    auto_filter: bool = False,
 ) -> nn.Module:
     """Swap the model's eligible `nn.Linear` layers for torchao `Float8Linear`, in place.
 
     filter_fqns: layers kept in high precision. An entry matches a layer when it is a run of
     whole dotted components of the layer's name: "output" matches `output`, "w2" every
     `layers.N.feed_forward.w2`, "layers.1" every linear of block 1 (but not of block 10).
-    Layers whose dimensions are not multiples of 16, or below `min_dim`, are kept too. No name
+    Layers whose dimensions are not multiples of 16, or below `min_dim`, are kept too, and with
+    `auto_filter` those torchao's size filter for the recipe would not convert. No name
     is filtered by default: pass the output projection's name (weft: "output", transformers:
     "lm_head") to keep it in high precision.
     Logs one line saying what was converted and what was kept, and why.
@@ -157,9 +164,17 @@ def apply_float8(
         raise ValueError(f"apply_float8: the model already has Float8Linear layers ({already[0]}, ...)")
     filter_fqns = tuple(filter_fqns)
     kept: dict[str, list[str]] = {}
+    torchao_filter = None
+    if auto_filter:
+        if _torchao().auto_filter_for_recipe is None:
+            raise ValueError("float8.auto_filter: this torchao has no _auto_filter_for_recipe (0.17 and 0.18 do); "
+                             "set float8.auto_filter = false")
+        torchao_filter = _torchao().auto_filter_for_recipe(recipe, [])
 
     def convert(linear: nn.Module, fqn: str) -> bool:
         reason = _reason_to_keep(fqn, linear, filter_fqns, min_dim)
+        if reason is None and torchao_filter is not None and not torchao_filter(linear, fqn):
+            reason = "torchao's auto_filter: too small to gain"
         if reason is not None:
             kept.setdefault(reason, []).append(fqn)
         return reason is None

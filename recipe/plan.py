@@ -153,6 +153,7 @@ ARGUMENT_KEYS = {
     "rank": "lora.rank", "alpha": "lora.alpha", "dropout": "lora.dropout", "target_modules": "lora.target_modules",
     "use_rslora": "lora.use_rslora", "quantize_base": "lora.quantize_base", "base_dtype": "training.mixed_precision_param",
     "recipe": "float8.recipe", "filter_fqns": "float8.filter_fqns", "min_dim": "float8.min_dim",
+    "auto_filter": "float8.auto_filter",
     "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather", "float8_all_gather": "float8.enable",
     "loss_parallel": "parallelism.loss_parallel", "mode": "activation_checkpoint.mode",
     "selective_option": "activation_checkpoint.selective_option", "compile": "compile.enable", "backend": "compile.enable",
@@ -250,7 +251,7 @@ def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) ->
                          quantize_base=lora.quantize_base or None, base_dtype=DTYPES[t.mixed_precision_param])
         if lora.enable else None,
         float8=Float8Options(recipe=f8.recipe, filter_fqns=tuple(f8.filter_fqns), min_dim=f8.min_dim,
-                             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather) if f8.enable else None,
+                             auto_filter=f8.auto_filter, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather) if f8.enable else None,
         tp=TPOptions(loss_parallel=p.loss_parallel, float8_all_gather=bool(all_gather)),
         ac=ACOptions(mode=ac.mode, selective_option=ac.selective_option),
         compile=CompileOptions() if cfg.compile.enable else None,

@@ -271,6 +271,8 @@ class Float8:
     filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
     min_dim: int = opt(1024, "Keep linear layers with a dimension below this in high precision (too small to gain)",
                        min=16)
+    auto_filter: bool = opt(False, "Also keep in high precision the linears torchao's size filter for the recipe "
+                                   "says are too small to gain (Llama 3 8B: wk, wv)")
 
 
 @dataclass

@@ -4,6 +4,7 @@ written as it is measured, one failing row loses that row only, ratios stay with
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -119,3 +120,52 @@ def test_a_row_whose_process_dies_gets_an_error_line(tmp_path, monkeypatch):
     assert [(r["config"], r["status"], r["reason"]) for r in rows] == [
         ("bf16_eager", "error", "exit code -9: Killed"), ("hf_eager", "error", "exit code -9: Killed")]
     assert all(c[c.index("--configs") + 1] in ("bf16_eager", "hf_eager") and "--child" in c for c in commands)
+
+
+def test_candidate_variants_beside_their_baselines_with_losses_and_profiles(tmp_path, capsys, monkeypatch):
+    """Issue 40's candidates as row variants in one run: each trains the same batches from the same
+    weights as the row it changes (FSDP's reshard policy: the same losses exactly; the output
+    projection in float8: within float8's distance), each profiled step is broken down by category,
+    and a variant the backend cannot run is skipped with its reason."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
+    out, traces = tmp_path / "rows.jsonl", tmp_path / "traces"
+    configs = ["bf16_eager", "bf16_eager+reshard_never", "float8_tensorwise_eager",
+               "float8_tensorwise_eager+float8_output", "float8_rowwise_eager+auto_filter+reshard_never",
+               "float8_tensorwise_eager+fsdp_float8"]
+    bench.main(["--dry-run", "--in-process", "--configs", *configs, "--out", str(out), "--profile-dir", str(traces)])
+    rows = {row["config"]: row for row in lines(out)[:-1]}
+    assert [rows[c]["status"] for c in configs] == ["ok"] * 5 + ["skipped"]
+    assert "gloo" in rows["float8_tensorwise_eager+fsdp_float8"]["reason"]  # float8 all-gather needs NCCL
+    bf16, float8 = rows["bf16_eager"]["losses"], rows["float8_tensorwise_eager"]["losses"]
+    assert len(bf16) == 3 and rows["bf16_eager+reshard_never"]["losses"] == bf16
+    # debugmodel with --float8-min-dim 16: the output (256 -> 2048) is the one layer +float8_output adds
+    for config in ("float8_tensorwise_eager", "float8_tensorwise_eager+float8_output"):
+        assert rows[config]["losses"] == pytest.approx(bf16, rel=0.02) and rows[config]["losses"] != bf16
+    assert rows["float8_tensorwise_eager+float8_output"]["losses"] != float8
+    # torchao's auto filter keeps every linear of the debug model: rowwise + auto_filter trains as bf16
+    assert rows["float8_rowwise_eager+auto_filter+reshard_never"]["losses"] == bf16
+    for config in configs[:5]:
+        ms = rows[config]["breakdown_ms"]
+        assert ms["GEMM"] > 0 and sum(ms[c] for c in bench.CATEGORIES) == pytest.approx(ms["total"])
+        assert (traces / f"{config}.json.gz").exists()
+    printed = capsys.readouterr().out
+    assert "time of one profiled step by category" in printed and "/without variant" in printed
+
+
+def test_config_names_and_variants_are_checked_when_parsed():
+    assert bench.parse_args(["--configs", "float8_rowwise_compile+auto_filter"]).configs == [
+        "float8_rowwise_compile+auto_filter"]
+    for bad in ("bf16_compile+float8_output", "hf_compile+reshard_never", "bf16_compile+nope", "bf17_compile"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--configs", bad])
+
+
+def test_qwen3_rows_against_transformers_qwen3(tmp_path):
+    """Issue 37's comparison: a Qwen3 flavor's weft rows and transformers' Qwen3ForCausalLM of the
+    same shape (the parameter counts are checked when it is built), at the flavor's own depth."""
+    out = tmp_path / "rows.jsonl"
+    bench.main(["--dry-run", "--in-process", "--flavor", "debugmodel_qwen3", "--layers", "1",
+                "--configs", "bf16_eager", "hf_eager", "--out", str(out)])
+    rows = lines(out)[:-1]
+    assert [(row["config"], row["status"]) for row in rows] == [("bf16_eager", "ok"), ("hf_eager", "ok")], rows
+    assert all(len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"]) for row in rows)

@@ -116,6 +116,34 @@ def test_min_dim_keeps_small_layers(caplog):
     assert converted_modules(default) == []
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_filter_keeps_what_torchaos_tables_say_is_too_small(recipe, caplog):
+    """float8.auto_filter (issue 40's candidate): torchao's H100 thresholds (its float8 README) keep
+    an (N out, K in) linear when, tensorwise, K <= 4096 and N <= 1024; rowwise, N <= 2048, K <= 1024,
+    or N <= 4096 and K <= 2048. Llama 3 8B's wk and wv (4096 -> 1024) are kept by both, the other
+    five projections converted; off (the default), all seven are converted as before."""
+    args = replace(LLAMA_FLAVORS["llama3_8b"], n_layers=1)
+    plain = meta_model(args)
+    apply_float8(plain, recipe=recipe, filter_fqns=["output"])
+    assert sorted(converted_modules(plain)) == sorted(block_names(args))
+    model = meta_model(args)
+    with caplog.at_level(logging.INFO, logger="weft"):
+        apply_float8(model, recipe=recipe, filter_fqns=["output"], auto_filter=True)
+    assert sorted(converted_modules(model)) == sorted(n for n in block_names(args) if not n.endswith(("wk", "wv")))
+    assert "layers.*.attention.wk, layers.*.attention.wv (torchao's auto_filter: too small to gain)" in caplog.messages[0]
+
+
+def test_auto_filter_leaves_kept_layers_computing_as_without_float8():
+    """On the debug model every block linear is below torchao's thresholds: with auto_filter nothing is
+    converted, and 3 steps' losses equal the run without float8 exactly."""
+    model = meta_model(TRAIN_ARGS)
+    options = Float8Options("tensorwise", filter_fqns=("output",), min_dim=16, auto_filter=True)
+    parallelize(model, None, ParallelizeOptions(float8=options))
+    materialize(model, "cpu", seed=0)
+    assert converted_modules(model) == []
+    assert train(model, 3) == train(build(None), 3)
+
+
 def test_filter_fqns_match_whole_name_components():
     args = ModelArgs(dim=64, n_layers=11, n_heads=4, vocab_size=64, multiple_of=16)
     model = meta_model(args)

@@ -112,3 +112,10 @@ def test_a_plan_that_writes_no_outputs_ignores_the_dump_folder(tmp_path):
         RunPlan.from_config(cfg, 1, device_type="cpu")
     assert RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False).cfg.training.seq_len == 64
     assert sorted(p.name for p in dump.iterdir()) == before
+
+
+def test_float8_auto_filter_reaches_apply_float8():
+    """float8.auto_filter (issue 40's candidate) is off unless asked, and the plan passes it on."""
+    off = plan_for("--float8.enable", "--float8.min_dim", "16", check_environment=False)
+    on = plan_for("--float8.enable", "--float8.auto_filter", check_environment=False)
+    assert off.options.float8.auto_filter is False and on.options.float8.auto_filter is True
