@@ -55,9 +55,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from weft.errors import UserError
+from weft.errors import Conflict, TransformError, UserError, refuse_data_parallel_model
 from weft.models.moe import ROUTER
-from weft.errors import Conflict, TransformError, refuse_data_parallel_model
 
 logger = logging.getLogger("weft")
 
@@ -167,8 +166,8 @@ def apply_float8(
     torchao_filter = None
     if auto_filter:
         if _torchao().auto_filter_for_recipe is None:
-            raise ValueError("float8.auto_filter: this torchao has no _auto_filter_for_recipe (0.17 and 0.18 do); "
-                             "set float8.auto_filter = false")
+            raise TransformError("apply_float8", "auto_filter", "this torchao has no _auto_filter_for_recipe (0.17 and "
+                                 "0.18 do); leave auto_filter off")
         torchao_filter = _torchao().auto_filter_for_recipe(recipe, [])
 
     def convert(linear: nn.Module, fqn: str) -> bool:
