@@ -399,8 +399,11 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         top_k = experts.top_k if experts else 0
         exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
-    if s.autocast:
-        buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
+    if s.autocast:  # of the fp32 (trainable) parameters that linears use; the experts' adapters are
+        # cast by the MoE layer itself, one layer at a time (models/moe.py: experts_matmul)
+        expert_adapters = sum(local_tensor(p).numel() * p.element_size() for name, p in model.named_parameters()
+                              if p.requires_grad and ".experts.lora_" in name)
+        buffers["autocast bf16 weight copies"] = (grads - expert_adapters) // 2
     dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype, s.ep)
     if dequantized:
         buffers["NF4 experts dequantized (1 projection of 1 layer)"] = dequantized
@@ -456,11 +459,13 @@ def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype,
     (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
     their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
     measured on torch 2.13 / torchao 0.18). Under expert parallelism (`ep`, applied before the
-    start-up) a rank holds and quantizes only its 1/ep of the routed experts. An upper bound: the
+    start-up) a rank holds and quantizes only its 1/ep of the routed experts (and of their adapters). An upper bound: the
     units after the one being quantized are not yet held."""
     planned = nf4_planned_numel(model)
     stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]
     others_experts = sum(planned_nf4_bytes(p.numel(), planned[id(p)]) for p in stacks) * (ep - 1) // ep
+    others_experts += sum(p.numel() * p.element_size() for name, p in model.named_parameters()  # their adapters
+                          if ".experts.lora_" in name) * (ep - 1) // ep
     whole = tp_fsdp_state_bytes(model, 1, 1)[0] - others_experts
     e = dtype_bytes(compute_dtype)
     routed = routed_experts_per_block(model) if ep > 1 else 0
