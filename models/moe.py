@@ -7,6 +7,9 @@ over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped
 included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
 bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism;
 `GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
+A weight may also come frozen in NF4 (models/nf4_experts.py) or with a low-rank adapter per
+expert (`LowRankAdapted`, which LoRA adds: parallelisms/lora.py); each projection is then its own
+grouped multiply, the adapter's x A_e^T B_e^T added to the base's output.
 
 Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
 training forwards since the training loop last read it; forwards in eval mode do not count) and holds a per-expert `expert_bias` added to the
