@@ -171,31 +171,36 @@ TARGETS = ["wq", "wv", "experts"]
 
 
 def layouts_and_one_process() -> dict[str, tuple]:
-    """Worker (2 ranks): LoRA on wq, wv and the experts of the debug MoE (2 layers) trained 10 steps by ep 2
-    (borrowed from fsdp 2) and by fsdp 2, each on its half of the batches, and by one process on
-    the whole ones: for each, (losses, expert biases, adapters gathered whole, one process's)."""
+    """Worker (2 ranks): LoRA on wq, wv and the experts of the debug MoE (2 layers) trained 10 steps
+    by ep 2 (borrowed from fsdp 2) and by fsdp 2, each on its half of the batches, and by one
+    process on the whole ones; and QLoRA (NF4 base and experts) so by ep 2 and one process. For
+    each: (losses, expert biases, adapters gathered whole)."""
+    from weft.components.moe_balance import moe_layers
     from weft.parallelisms.fsdp import FSDPOptions
     from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
     from tests.parallelisms.test_ep import BATCH, train
-    from weft.components.moe_balance import moe_layers
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    options = ParallelizeOptions(lora=LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS),
-                                 fsdp=FSDPOptions(param_dtype=torch.float32))
+    lora = LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
     results = {}
-    for name, ep in (("one process", 1), ("fsdp2", 1), ("ep2", 2)):
+    for name, ep, nf4 in (("one process", 1, False), ("fsdp2", 1, False), ("ep2", 2, False),
+                          ("one process nf4", 1, True), ("ep2 nf4", 2, True)):
+        options = ParallelizeOptions(lora=replace(lora, quantize_base="nf4" if nf4 else None),
+                                     fsdp=FSDPOptions(param_dtype=torch.float32))
         with torch.device("meta"):
             model = Transformer(ARGS)
-        if name == "one process":
-            apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+        if name.startswith("one process"):
+            apply_lora(model, **vars(options.lora))
+            materialize(model, "cpu", seed=0)
+            quantize_lora_base(model)
         else:
-            parallelize(model, ParallelDims.resolve(world_size=world, dp_shard=world, ep=ep).build_mesh("cpu"), options)
-        materialize(model, "cpu", seed=0)
+            meshes = ParallelDims.resolve(world_size=world, dp_shard=world, ep=ep).build_mesh("cpu")
+            parallelize(model, meshes, options, before_data_parallel=lambda m: materialize(m, "cpu", seed=0))
         share = BATCH // world
-        rows = slice(None) if name == "one process" else slice(rank * share, (rank + 1) * share)
-        losses = train(model, rows, world if name != "one process" else 1, fsdp=True)
+        rows = slice(None) if name.startswith("one process") else slice(rank * share, (rank + 1) * share)
+        losses = train(model, rows, 1 if name.startswith("one process") else world, fsdp=True)
         adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy()  # by value, not shared
                     for n, p in model.named_parameters() if ".experts.lora_" in n}
         results[name] = (losses, [layer.expert_bias.tolist() for _, layer in moe_layers(model)], adapters)
@@ -204,14 +209,19 @@ def layouts_and_one_process() -> dict[str, tuple]:
 
 @pytest.mark.slow
 def test_ep2_and_fsdp2_train_expert_adapters_as_one_process():
+    """Plain base: fp32 reduction order only (1e-5); NF4: every layout quantizes each expert alone
+    from the same seeded weights, so the base is the same bit for bit, and the same tolerance holds."""
     results = run_distributed(layouts_and_one_process, 2)[0]
-    losses, biases, adapters = results.pop("one process")
-    assert len(losses) == 10 and any(b != 0 for layer in biases for b in layer)  # the routing moves
-    assert len(adapters) == 6 and all(abs(a).sum() > 0 for n, a in adapters.items() if "lora_B" in n)  # B moved
-    for name, (their_losses, their_biases, theirs) in results.items():
-        assert max(abs(a - b) for a, b in zip(their_losses, losses)) < 1e-5, name
-        assert their_biases == biases, name  # the same routing all along
-        assert max(abs(theirs[n] - adapters[n]).max() for n in adapters) < 1e-4, name
+    for base in ("", " nf4"):
+        losses, biases, adapters = results.pop(f"one process{base}")
+        assert len(losses) == 10 and any(b != 0 for layer in biases for b in layer)  # the routing moves
+        assert len(adapters) == 6 and all(abs(a).sum() > 0 for n, a in adapters.items() if "lora_B" in n)  # B moved
+        for name in [n for n in results if n.endswith(base) and (base or "nf4" not in n)]:
+            their_losses, their_biases, theirs = results[name]
+            assert max(abs(a - b) for a, b in zip(their_losses, losses)) < 1e-5, name
+            assert their_biases == biases, name  # the same routing all along
+            assert max(abs(theirs[n] - adapters[n]).max() for n in adapters) < 1e-4, name
+    assert results["ep2 nf4"][0] != results["ep2"][0]  # NF4 changed the base: not the plain run twice
 
 
 @pytest.mark.slow
