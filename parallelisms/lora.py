@@ -145,8 +145,8 @@ def apply_lora(
     _check_arguments(rank, alpha, dropout, quantize_base)
     refuse_data_parallel_model(model, "apply_lora")
     expert_targets = lora_expert_targets(model, target_modules, allow_no_targets)
-    targets = (lora_targets(model, target_modules) if not (allow_no_targets or expert_targets)
-               or _matching(model, target_modules) else [])
+    # matching no linear is an error only where nothing else is adapted
+    targets = _matching(model, target_modules) if allow_no_targets or expert_targets else lora_targets(model, target_modules)
     for name, linear in targets:
         if isinstance(linear.weight, DTensor) or type(linear) is not nn.Linear:
             raise TransformError("apply_lora", "model", f"{name} is a {type(linear).__name__}"
