@@ -459,7 +459,8 @@ def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype,
     (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
     their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
     measured on torch 2.13 / torchao 0.18). Under expert parallelism (`ep`, applied before the
-    start-up) a rank holds and quantizes only its 1/ep of the routed experts (and of their adapters). An upper bound: the
+    start-up) a rank holds and quantizes only its 1/ep of the routed experts (and holds 1/ep of their
+    adapters). An upper bound: the
     units after the one being quantized are not yet held."""
     planned = nf4_planned_numel(model)
     stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]

@@ -12,9 +12,11 @@ expert when targeted (`experts`, `experts.w1`...): `<experts>.lora_A.<w>` [exper
 through the grouped multiply (`GroupedExperts.weights`), the sum never formed.
 
 A is initialised as PEFT does (kaiming-uniform, a = sqrt(5); per expert for the experts) and B to
-zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base (`lora_tp_style`), FSDP
-shards them like any parameter (frozen and trainable parameters share a unit), and
-`quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they hold real values.
+zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base
+(`lora_tp_style`; the experts' it refuses: models/moe_tp.py), expert parallelism spreads the
+experts' with their experts, FSDP shards them like any parameter (frozen and trainable parameters
+share a unit), and `quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they
+hold real values.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def apply_lora(
     refuse_data_parallel_model(model, "apply_lora")
     expert_targets = lora_expert_targets(model, target_modules, allow_no_targets)
     # matching no linear is an error only where nothing else is adapted
-    targets = _matching(model, target_modules) if allow_no_targets or expert_targets else lora_targets(model, target_modules)
+    optional = allow_no_targets or bool(expert_targets)
+    targets = _matching(model, target_modules) if optional else lora_targets(model, target_modules)
     for name, linear in targets:
         if isinstance(linear.weight, DTensor) or type(linear) is not nn.Linear:
             raise TransformError("apply_lora", "model", f"{name} is a {type(linear).__name__}"
@@ -199,8 +202,9 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules holding routed experts as stacked 3-D weights w1, w2, w3 (models/moe.py)."""
     return [(n, m) for n, m in model.named_modules()
-            if not isinstance(m, ExpertAdapters) and all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
-                   for w in EXPERT_WEIGHTS)]
+            if not isinstance(m, ExpertAdapters)
+            and all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
+                    for w in EXPERT_WEIGHTS)]
 
 
 def nf4_scaler_block(numel: int) -> int:
@@ -294,9 +298,9 @@ def lora_expert_targets(model: nn.Module, target_modules, allow_no_targets: bool
         if any(c in pattern for c in "*?[") or EXPERTS not in segments[-2:]:
             continue
         if segments[-1] != EXPERTS and segments[-1] not in EXPERT_WEIGHTS:
-            raise TransformError("apply_lora", "target_modules",
-                                 f"target_modules names {pattern!r}: routed experts take adapters on "
-                                 f"{', '.join(EXPERT_WEIGHTS)} ({EXPERTS}, {', '.join(f'{EXPERTS}.{w}' for w in EXPERT_WEIGHTS)})")
+            names = ", ".join([EXPERTS, *(f"{EXPERTS}.{w}" for w in EXPERT_WEIGHTS)])
+            raise TransformError("apply_lora", "target_modules", f"target_modules names {pattern!r}: routed experts "
+                                 f"take adapters on {', '.join(EXPERT_WEIGHTS)} ({names})")
         if not allow_no_targets and not any(_name_matches(n, pattern) or any(_projection_matches(f"{n}.{w}", pattern)
                                                                          for w in EXPERT_WEIGHTS) for n, _ in stacks):
             raise TransformError("apply_lora", "target_modules",

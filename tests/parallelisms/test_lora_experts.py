@@ -83,7 +83,8 @@ def test_adapted_experts_equal_their_hand_merged_weights_with_the_same_routing_a
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     (out * weights).sum().backward()
     (reference * weights).sum().backward()
-    got = {f"{f[-1]}.{w}": p.grad for f in ("lora_A", "lora_B") for w, p in getattr(model.experts, f).named_parameters()}
+    got = {f"{f[-1]}.{w}": p.grad for f in ("lora_A", "lora_B")
+           for w, p in getattr(model.experts, f).named_parameters()}
     assert got.keys() == leaves.keys() and len(got) == (6 if targets == ("experts",) else 4)
     for name, leaf in leaves.items():
         torch.testing.assert_close(got[name], leaf.grad, rtol=1e-4, atol=1e-5)

@@ -18,7 +18,8 @@ STEPS = 8
 def args(dump: Path, *extra: str) -> list[str]:
     return run_args(dump, "--lora.enable", "--lora.target_modules", "wq,wv,experts", "--lora.rank", "4",
                     "--checkpoint.initial_load_path=", "--no-validation.enable", "--optimizer.lr", "1e-2",
-                    "--lr_scheduler.warmup_steps", "2", *extra, config="debug_moe", steps=STEPS, seq_len=64, batch=4, checkpoint_every=4)
+                    "--lr_scheduler.warmup_steps", "2", *extra,
+                    config="debug_moe", steps=STEPS, seq_len=64, batch=4, checkpoint_every=4)
 
 
 @pytest.mark.slow
