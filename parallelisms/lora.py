@@ -13,8 +13,8 @@ through the grouped multiply (`GroupedExperts.weights`), the sum never formed.
 
 A is initialised as PEFT does (kaiming-uniform, a = sqrt(5); per expert for the experts) and B to
 zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base
-(`lora_tp_style`; the experts' it refuses: models/moe_tp.py), expert parallelism spreads the
-experts' with their experts, FSDP shards them like any parameter (frozen and trainable parameters
+(`lora_tp_style`; the experts' by hidden dimension: models/moe_tp.py), expert parallelism spreads
+the experts' with their experts, FSDP shards them like any parameter (frozen and trainable parameters
 share a unit), and `quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they
 hold real values.
 """

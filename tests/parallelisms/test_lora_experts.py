@@ -23,7 +23,6 @@ from weft.models.llama import LLAMA_FLAVORS
 from weft.models.llama import Transformer as Llama
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.models.moe import MoE
-from weft.models.moe_tp import moe_tp_plan
 from weft.models.nf4_experts import NF4Experts
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
@@ -157,12 +156,6 @@ def test_bad_expert_targets_are_refused_by_the_plan(tmp_path, config, targets, m
     assert not (tmp_path / "run").exists()
 
 
-def test_tensor_parallel_hidden_split_refuses_expert_adapters():
-    _, model = adapted_moe(False)
-    with pytest.raises(TransformError, match="moe.experts: LoRA adapters on routed experts cannot be split by hidden"):
-        moe_tp_plan("moe", model)
-
-
 # ---------------------------------------------------------------------------------------------
 # Layouts: ep 2 and fsdp 2 against one process; AC + compile against eager
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +166,8 @@ TARGETS = ["wq", "wv", "experts"]
 
 def layouts_and_one_process() -> dict[str, tuple]:
     """Worker (2 ranks): LoRA on wq, wv and the experts of the debug MoE (2 layers) trained 10 steps
-    by ep 2 (borrowed from fsdp 2) and by fsdp 2, each on its half of the batches, and by one
-    process on the whole ones; and QLoRA (NF4 base and experts) so by ep 2 and one process. For
+    by ep 2 (borrowed from fsdp 2) and by fsdp 2, each on its half of the batches, by tp 2 (the
+    experts and their adapters split by hidden dimension) and one process on the whole ones; and QLoRA (NF4 base and experts) so by ep 2 and one process. For
     each: (losses, expert biases, adapters gathered whole)."""
     from weft.components.moe_balance import moe_layers
     from weft.parallelisms.fsdp import FSDPOptions
@@ -186,7 +179,7 @@ def layouts_and_one_process() -> dict[str, tuple]:
     rank, world = dist.get_rank(), dist.get_world_size()
     lora = LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
     results = {}
-    for name, ep, nf4 in (("one process", 1, False), ("fsdp2", 1, False), ("ep2", 2, False),
+    for name, ep, nf4 in (("one process", 1, False), ("fsdp2", 1, False), ("ep2", 2, False), ("tp2", 1, False),
                           ("one process nf4", 1, True), ("ep2 nf4", 2, True)):
         options = ParallelizeOptions(lora=replace(lora, quantize_base="nf4" if nf4 else None),
                                      fsdp=FSDPOptions(param_dtype=torch.float32))
@@ -197,22 +190,29 @@ def layouts_and_one_process() -> dict[str, tuple]:
             materialize(model, "cpu", seed=0)
             quantize_lora_base(model)
         else:
-            meshes = ParallelDims.resolve(world_size=world, dp_shard=world, ep=ep).build_mesh("cpu")
+            tp = world if name == "tp2" else 1  # the experts split by hidden dimension, adapters with them
+            meshes = ParallelDims.resolve(world_size=world, dp_shard=world // tp, tp=tp, ep=ep).build_mesh("cpu")
             parallelize(model, meshes, options, before_data_parallel=lambda m: materialize(m, "cpu", seed=0))
         share = BATCH // world
-        rows = slice(None) if name.startswith("one process") else slice(rank * share, (rank + 1) * share)
-        losses = train(model, rows, 1 if name.startswith("one process") else world, fsdp=True)
+        whole = name.startswith("one process") or name == "tp2"  # tp's ranks read the same samples
+        rows = slice(None) if whole else slice(rank * share, (rank + 1) * share)
+        losses = train(model, rows, 1 if whole else world, fsdp=True)
         adapters = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy()  # by value, not shared
                     for n, p in model.named_parameters() if ".experts.lora_" in n}
         results[name] = (losses, [layer.expert_bias.tolist() for _, layer in moe_layers(model)], adapters)
+        if name == "tp2":
+            results["tp2 placements"] = {n.split("experts.")[1]: str(p.placements[-1]) for n, p in model.named_parameters()
+                                         if ".experts.lora_" in n}
     return results
 
 
 @pytest.mark.slow
-def test_ep2_and_fsdp2_train_expert_adapters_as_one_process():
+def test_ep2_fsdp2_and_tp2_train_expert_adapters_as_one_process():
     """Plain base: fp32 reduction order only (1e-5); NF4: every layout quantizes each expert alone
     from the same seeded weights, so the base is the same bit for bit, and the same tolerance holds."""
     results = run_distributed(layouts_and_one_process, 2)[0]
+    assert results.pop("tp2 placements") == {  # B of w1, w3 by rows, A of w2 by columns, the rest whole
+        "lora_A.w1": "R", "lora_A.w2": "S(2)", "lora_A.w3": "R", "lora_B.w1": "S(1)", "lora_B.w2": "R", "lora_B.w3": "S(1)"}
     for base in ("", " nf4"):
         losses, biases, adapters = results.pop(f"one process{base}")
         assert len(losses) == 10 and any(b != 0 for layer in biases for b in layer)  # the routing moves
