@@ -22,6 +22,11 @@ imbalance (`StepShape.ep_imbalance`, the busiest rank's tokens over the mean), a
 tokens are in flight in the all-to-all (sent, received, sent back: T·k·h·e·(2 + imbalance));
 under tp each rank routes its T/tp tokens to whole experts.
 Debug MoE on CPU: 0.95× the measured peak in one process, 0.97× under ep 2 at 1.25 planned.
+LoRA on the routed experts: their adapters and AdamW state are counted from the model like any
+parameter (1/ep of them per rank under expert parallelism), and FSDP's reduce-scatter from the
+model's trainable parameters per block; the activations they add (x·A^T, T·k·rank per adapted
+projection, below 1% of the experts' own at the shipped ranks) are left out. QLoRA with expert
+adapters on the debug MoE: 1.06× the measured CPU peak.
 
 Full AC keeps a block's input (T/tp·h·e) and recomputes one block at a time in backward;
 selective "op" keeps the matmul and attention outputs; selective N checkpoints every N-th
@@ -320,9 +325,14 @@ def block_numel(args: Any) -> int:
     return spec_for_args(args).block_numel(args)
 
 
-def lora_block_numel(args: Any, rank: int) -> int:
-    """Adapter parameters of one block with LoRA of `rank` on every block linear (its `ModelSpec`)."""
-    return spec_for_args(args).lora_block_numel(args, rank)
+def trainable_block_numel(model: nn.Module, ep: int = 1) -> int:
+    """Trainable parameters (LoRA's adapters, on whatever it targets: the routed experts' too) of a
+    block, averaged over the blocks of the whole model; the experts' adapters are 1/ep here under
+    expert parallelism, spread with their experts."""
+    blocks = transformer_blocks(whole_model(model), "estimate_memory")
+    numel = sum(p.numel() // (ep if ".experts.lora_" in name else 1)
+                for block in blocks for name, p in block.named_parameters() if p.requires_grad)
+    return numel // max(len(blocks), 1)
 
 
 def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int, int]:
@@ -353,8 +363,8 @@ def routed_experts_per_block(model: nn.Module) -> int:
     """Parameters of the stacked routed experts, averaged over the blocks of the whole model (a
     pipeline rank's stages: of the model they were split from; 0 without experts)."""
     blocks = transformer_blocks(whole_model(model), "estimate_memory")
-    routed = sum(p.numel() for block in blocks for m in block.modules()
-                 for name, p in m.named_parameters(recurse=False) if p.ndim == 3 and name in ("w1", "w2", "w3"))
+    routed = sum(p.numel() for block in blocks for _, m in stacked_experts(block)
+                 for name, p in m.named_parameters(recurse=False) if name in EXPERT_WEIGHTS)
     return routed // max(len(blocks), 1)
 
 
@@ -379,7 +389,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     buffers: dict[str, int] = {}
     gather = scatter = 0
     if s.fsdp > 1:
-        trainable = block if not s.lora_rank else lora_block_numel(s.args, s.lora_rank) // s.tp
+        trainable = block if not s.lora_rank else trainable_block_numel(model, s.ep) // s.tp
         gather, scatter = (s.gathered_blocks * block + root) * pb, trainable * (pb + rb)
         buffers[f"FSDP all-gather ({s.gathered_blocks} blocks + root, unsharded)"] = gather
         buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
@@ -389,8 +399,11 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         top_k = experts.top_k if experts else 0
         exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
-    if s.autocast:
-        buffers["autocast bf16 weight copies"] = grads // 2  # of the fp32 (trainable) parameters
+    if s.autocast:  # of the fp32 (trainable) parameters that linears use; the experts' adapters are
+        # cast by the MoE layer itself, one layer at a time (models/moe.py: experts_matmul)
+        expert_adapters = sum(local_tensor(p).numel() * p.element_size() for name, p in model.named_parameters()
+                              if p.requires_grad and ".experts.lora_" in name)
+        buffers["autocast bf16 weight copies"] = (grads - expert_adapters) // 2
     dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype, s.ep)
     if dequantized:
         buffers["NF4 experts dequantized (1 projection of 1 layer)"] = dequantized
@@ -446,11 +459,14 @@ def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype,
     (a scaled copy in the compute dtype, a byte a value for the codes, and for one chunk of values
     their distances to the 16 NF4 levels and the absolute values of those, in the compute dtype:
     measured on torch 2.13 / torchao 0.18). Under expert parallelism (`ep`, applied before the
-    start-up) a rank holds and quantizes only its 1/ep of the routed experts. An upper bound: the
+    start-up) a rank holds and quantizes only its 1/ep of the routed experts (and holds 1/ep of their
+    adapters). An upper bound: the
     units after the one being quantized are not yet held."""
     planned = nf4_planned_numel(model)
     stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]
     others_experts = sum(planned_nf4_bytes(p.numel(), planned[id(p)]) for p in stacks) * (ep - 1) // ep
+    others_experts += sum(p.numel() * p.element_size() for name, p in model.named_parameters()  # their adapters
+                          if ".experts.lora_" in name) * (ep - 1) // ep
     whole = tp_fsdp_state_bytes(model, 1, 1)[0] - others_experts
     e = dtype_bytes(compute_dtype)
     routed = routed_experts_per_block(model) if ep > 1 else 0

@@ -3,7 +3,8 @@
 
 The routed experts are split by their hidden dimension, each tp rank holding a slice of every
 expert (w1, w3: [experts, hidden/tp, dim]; w2: [experts, dim, hidden/tp]), as Megatron splits a
-dense SwiGLU: memory, the experts' weights being most of an MoE model, divides by tp like the
+dense SwiGLU (their LoRA adapters alike: B of w1 and w3 by rows, A of w2 by columns, the other
+factor whole): memory, the experts' weights being most of an MoE model, divides by tp like the
 rest of the block's. (Keeping the experts whole would repeat them on every tp rank.) The layer
 then runs like a dense feed-forward under sequence parallelism:
 
@@ -27,6 +28,8 @@ tokens and splits by hidden dimension as above, reduce-scattering its output bac
 
 from __future__ import annotations
 
+import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -43,6 +46,10 @@ from weft.errors import TransformError
 
 # Which dimension of each stacked expert weight is the hidden one.
 EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+# And of their LoRA adapters (parallelisms/lora.py): B of w1, w3 [experts, hidden, rank] by rows, A of
+# w2 [experts, rank, hidden] by columns; the other factor whole on every rank.
+ADAPTER_HIDDEN_DIMS = {("lora_B", "w1"): 1, ("lora_B", "w3"): 1, ("lora_A", "w2"): 2,
+                       ("lora_A", "w1"): None, ("lora_A", "w3"): None, ("lora_B", "w2"): None}
 
 
 def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
@@ -116,6 +123,12 @@ class ExpertHiddenParallel(ParallelStyle):
             weight = getattr(module, name)
             split = distribute_tensor(weight, device_mesh, [Shard(dim)])
             module.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
+        for (factor, name), dim in ADAPTER_HIDDEN_DIMS.items():  # LoRA's, where it adapted the experts
+            holder = getattr(module, factor, None)
+            if holder is not None and hasattr(holder, name):
+                weight = getattr(holder, name)
+                split = distribute_tensor(weight, device_mesh, [Shard(dim) if dim else Replicate()])
+                holder.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
         module.__class__ = _hidden_split_class(type(module))
         module.tp_mesh = device_mesh
         return module
@@ -123,9 +136,26 @@ class ExpertHiddenParallel(ParallelStyle):
 
 def _hidden_split_forward(self, x, counts):
     # The tokens are the same on every rank; each rank's slice of the experts gives part of the
-    # gradient of its input, summed over the ranks in backward (grad placement Partial).
+    # gradient of its input, summed over the ranks in backward (grad placement Partial). So does
+    # a whole adapter factor's gradient: each rank's comes through its slice of the hidden dimension.
     x = DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-    return self.compute(x, counts, *(getattr(self, name).to_local() for name in ("w1", "w2", "w3")))
+    group = self.tp_mesh.get_group()
+    local = lambda w: _SumGradient.apply(w.to_local(), group) if w.placements[0].is_replicate() else w.to_local()  # noqa: E731
+    return self.compute(x, counts, *self.weights(local))
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (a whole weight used with each
+    rank's hidden slice: each rank's gradient is a part of it)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
 
 
 def _hidden_split_class(cls: type) -> type:
