@@ -50,7 +50,7 @@ def peft_refusal(args: ModelArgs, adapted: list[str]) -> str | None:
             "(wq, wk, wv, wo)")
 
 
-QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
+QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES, expert_parameters=qwen3_hf.EXPERT_PARAMETERS)
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
                           block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
