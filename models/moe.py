@@ -19,6 +19,9 @@ load-balancing loss to the training loss's gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,23 +95,63 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""
-        return self.compute(x, counts, self.w1, self.w2, self.w3)
+        return self.compute(x, counts, *self.weights())
+
+    def weights(self, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list:
+        """w1, w2, w3 as `compute` takes them, each a `LowRankAdapted` where LoRA gave it adapters
+        (`lora_A.<w>`, `lora_B.<w>`: parallelisms/lora.py); `local` maps every tensor to the part
+        this rank computes with (a parallel transform's local shard)."""
+        adapted = getattr(self, "lora_A", None)
+        return [LowRankAdapted(local(getattr(self, w)), local(getattr(self.lora_A, w)), local(getattr(self.lora_B, w)),
+                               self.lora_scaling) if hasattr(adapted, w) else local(getattr(self, w))
+                for w in ("w1", "w2", "w3")]
 
     @staticmethod
-    def compute(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor) -> torch.Tensor:
+    def compute(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
         """The experts with these weights, in the dtype autocast gives a Linear (autocast does not
-        know `_grouped_mm`), else the weights'; grouped where the multiply applies."""
+        know `_grouped_mm`), else the weights'; grouped where the multiply applies. A weight may
+        also be a frozen NF4 stack (QLoRA) or carry low-rank adapters: then each projection is
+        its own multiply (`experts_matmul`)."""
         device = x.device.type
         x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
-        if isinstance(w1, NF4Experts):  # QLoRA: frozen NF4 stacks, dequantized per multiply
-            matmul = (grouped_matmul if grouped_mm_applies(x, w1) else
-                      masked_matmul if torch.compiler.is_compiling() else loop_matmul)
-            mm = lambda a, w: frozen_experts_matmul(a, counts, w, matmul)  # noqa: E731
+        if not all(isinstance(w, torch.Tensor) for w in (w1, w2, w3)):
+            mm = lambda a, w: experts_matmul(a, counts, w)  # noqa: E731
             return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
         if grouped_mm_applies(x, w1):
             return grouped(x, counts, w1, w2, w3)
         return (masked if torch.compiler.is_compiling() else loop)(x, counts, w1, w2, w3)
+
+
+class LowRankAdapted(NamedTuple):
+    """A stack of expert weights with a rank-r adapter per expert (LoRA, Hu et al., 2021): expert e
+    computes with base[e] + scaling · lora_B[e] @ lora_A[e], never formed (`experts_matmul`)."""
+
+    base: torch.Tensor | NF4Experts  # [experts, out, in], frozen
+    lora_A: torch.Tensor  # [experts, rank, in]
+    lora_B: torch.Tensor  # [experts, out, rank]
+    scaling: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+
+def experts_matmul(x: torch.Tensor, counts: torch.Tensor, w) -> torch.Tensor:
+    """Each expert's rows of x times its weight w[e]^T: w a stack [experts, out, in], an NF4 stack
+    (dequantized for the multiply, not kept) or a LowRankAdapted, whose adapter adds
+    scaling · (x A_e^T) B_e^T to the base's output; grouped where the multiply applies."""
+    if isinstance(w, LowRankAdapted):
+        low_rank = experts_matmul(experts_matmul(x, counts, w.lora_A), counts, w.lora_B)
+        return experts_matmul(x, counts, w.base) + w.scaling * low_rank
+    matmul = (grouped_matmul if grouped_mm_applies(x, w) else
+              masked_matmul if torch.compiler.is_compiling() else loop_matmul)
+    if isinstance(w, NF4Experts):
+        return frozen_experts_matmul(x, counts, w, matmul)
+    return matmul(x, counts, w.to(x.dtype))
 
 
 def grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -68,8 +68,12 @@ def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
 
 def check_moe_tp(path: str, module: nn.Module, expert_parallel: bool) -> None:
     """Refuse tensor parallelism for the MoE at `path` where it would split experts (no expert
-    parallelism holding them whole) whose outputs the scores weigh: the gradient of the scores
-    would be a partial sum."""
+    parallelism holding them whole) that carry LoRA adapters (not written), or whose outputs the
+    scores weigh (the gradient of the scores would be a partial sum)."""
+    if not expert_parallel and hasattr(module.experts, "lora_A"):
+        raise TransformError("apply_tp", "tp_mesh", f"{path}.experts: LoRA adapters on routed experts cannot be split "
+                             "by hidden dimension; spread the experts by expert parallelism (parallelism.ep) or leave "
+                             "experts out of the LoRA targets")
     if not expert_parallel and not module.score_before_experts:
         raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
                              "(score_before_experts False) cannot split its experts by hidden dimension; "

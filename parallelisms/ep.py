@@ -55,7 +55,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     Works on any model built with weft's MoE layer (`models/moe.py`: modules with stacked
     `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`). The
     experts must divide by the mesh size. Apply to the plain model on the meta device or on
-    real weights (after `apply_lora`, whose adapters leave the stacked experts frozen and whole),
+    real weights (after `apply_lora`: adapters on the experts, `lora_A.w1`..., spread with them),
     before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
     shards each layer's experts over the ranks holding the same ones). Under a pipeline, apply it
     to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
@@ -83,11 +83,12 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
         if n_experts % ep:
             raise TransformError("apply_ep", "ep_mesh", f"ep_mesh size {ep} does not divide {name}'s {n_experts} "
                                  "experts; each rank must hold as many experts as the others")
-    for _, module in experts:
-        for weight_name in EXPERT_WEIGHTS:
-            weight = getattr(module, weight_name)
-            module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
-                                                                requires_grad=weight.requires_grad))
+    for _, module in experts:  # the experts' weights and their LoRA adapters, if any, by expert
+        holders = [module] + [getattr(module, f) for f in ("lora_A", "lora_B") if hasattr(module, f)]
+        for holder in holders:
+            for weight_name, weight in list(holder.named_parameters(recurse=False)):
+                holder.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
+                                                                    requires_grad=weight.requires_grad))
         module.__class__ = _expert_parallel_class(type(module))
         module.ep_mesh, module.grad_scale = ep_mesh, sequence_shards / ep
     logger.info(f"apply_ep: the experts of {len(experts)} MoE layers over ep_mesh size {ep} "
@@ -101,9 +102,9 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters `apply_ep` spread over its mesh."""
-    return [(f"{name}.{w}", getattr(module, w)) for name, module in model.named_modules()
-            if getattr(type(module), "_expert_parallel", False) for w in EXPERT_WEIGHTS]
+    """The parameters `apply_ep` spread over its mesh (the experts' weights and LoRA adapters)."""
+    return [(f"{name}.{w}", p) for name, module in model.named_modules()
+            if getattr(type(module), "_expert_parallel", False) for w, p in module.named_parameters()]
 
 
 def _grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -127,7 +128,7 @@ def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> tor
     segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
                                       output_size=arrived.shape[0])
     order = ((segment % local) * ep + segment // local).argsort(stable=True)
-    weights = [_local_weight(getattr(self, w), self.grad_scale) for w in EXPERT_WEIGHTS]
+    weights = self.weights(lambda weight: _local_weight(weight, self.grad_scale))  # adapters alike
     computed = self.compute(arrived[order], received.sum(0), *weights)
     out = torch.empty_like(computed).index_copy(0, order, computed)  # back in arrival order
     # 4. the outputs home, in the order their tokens left

@@ -6,8 +6,13 @@ linears `lora_A` (in -> rank) and `lora_B` (rank -> out), the only parameters le
 
     y = x W^T + b + scaling * B(A(dropout(x))),   scaling = alpha / rank  (rslora: alpha / sqrt(rank))
 
-A is initialised as PEFT does (kaiming-uniform, a = sqrt(5)) and B to zero, so step 0 is the base
-model exactly. Tensor parallelism splits the adapters with their base (`lora_tp_style`), FSDP
+Routed experts (a stack [experts, out, in] per projection, models/moe.py) take one adapter per
+expert when targeted (`experts`, `experts.w1`...): `<experts>.lora_A.<w>` [experts, rank, in] and
+`<experts>.lora_B.<w>` [experts, out, rank], expert e computing with w[e] + scaling · B[e] A[e]
+through the grouped multiply (`GroupedExperts.weights`), the sum never formed.
+
+A is initialised as PEFT does (kaiming-uniform, a = sqrt(5); per expert for the experts) and B to
+zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base (`lora_tp_style`), FSDP
 shards them like any parameter (frozen and trainable parameters share a unit), and
 `quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they hold real values.
 """
@@ -36,6 +41,7 @@ logger = logging.getLogger("weft")
 
 QUANTIZE_BASE_CHOICES = ("nf4",)
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # a stack of routed experts' weights, [experts, out, in] each
+EXPERTS = "experts"  # the target name of every routed expert's projections
 # torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of at
 # most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
@@ -71,6 +77,28 @@ class LoRALinear(nn.Linear):
             f", base={self.quantize_base}" if self.quantize_base else "")
 
 
+class ExpertAdapters(nn.Module):
+    """One factor of the adapters of a stack of routed experts: a parameter per adapted projection
+    (`w1`, `w2`, `w3`), stacked by expert (lora_A: [experts, rank, in]; lora_B: [experts, out, rank])."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int, int]], *, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        for w, shape in shapes.items():
+            self.register_parameter(w, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+
+
+def add_expert_adapters(experts: nn.Module, projections: list[str], rank: int, alpha: float,
+                        use_rslora: bool) -> None:
+    """Give the stacked `experts` (GroupedExperts) a rank-`rank` adapter per expert on each of
+    `projections` (the layout of the module doc), A and B in the experts' dtype."""
+    weights = {w: getattr(experts, w) for w in projections}
+    factory = dict(device=weights[projections[0]].device, dtype=weights[projections[0]].dtype)
+    experts.lora_A = ExpertAdapters({w: (p.shape[0], rank, p.shape[2]) for w, p in weights.items()}, **factory)
+    experts.lora_B = ExpertAdapters({w: (p.shape[0], p.shape[1], rank) for w, p in weights.items()}, **factory)
+    experts.lora_rank, experts.lora_alpha, experts.lora_use_rslora = rank, alpha, use_rslora
+    experts.lora_scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
 @dataclass(frozen=True)
 class LoRAOptions:
     """`apply_lora`'s arguments, for `parallelize`."""
@@ -99,8 +127,10 @@ def apply_lora(
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
-    (`layers.*.attention.w?`); None: every nn.Linear but the output head and MoE routers. Stacked
-    routed experts (3-D weights, not linears) take no adapters: PEFT could not load them back.
+    (`layers.*.attention.w?`); `experts` puts an adapter on each routed expert's w1, w2 and w3
+    (stacked experts, models/moe.py), `experts.w1` (`.w2`, `.w3`, or a glob over the full name
+    `layers.*.feed_forward.experts.w1`) on that projection only. None: every nn.Linear but the
+    output head and MoE routers, and no routed experts.
     quantize_base "nf4": the targets' frozen weights, and every stack of routed experts (expert by
     expert, models/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
@@ -114,7 +144,9 @@ def apply_lora(
     """
     _check_arguments(rank, alpha, dropout, quantize_base)
     refuse_data_parallel_model(model, "apply_lora")
-    targets = lora_targets(model, target_modules) if not allow_no_targets or _matching(model, target_modules) else []
+    expert_targets = lora_expert_targets(model, target_modules, allow_no_targets)
+    targets = (lora_targets(model, target_modules) if not (allow_no_targets or expert_targets)
+               or _matching(model, target_modules) else [])
     for name, linear in targets:
         if isinstance(linear.weight, DTensor) or type(linear) is not nn.Linear:
             raise TransformError("apply_lora", "model", f"{name} is a {type(linear).__name__}"
@@ -130,6 +162,10 @@ def apply_lora(
         param.requires_grad_(False)
     for _, module in experts:
         module.quantize_base = quantize_base
+    for name, (module, projections) in expert_targets.items():
+        add_expert_adapters(module, projections, rank, alpha, use_rslora)
+        if not module.lora_A.get_parameter(projections[0]).is_meta:  # real: PEFT's init now, as for linears
+            reset_expert_adapters(module, seed=0, name=name)
     modules = dict(model.named_modules())
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
@@ -143,10 +179,13 @@ def apply_lora(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    adapted = sorted({w for _, projections in expert_targets.values() for w in projections})
+    on_experts = (f" and per expert on {sum(len(p) for _, p in expert_targets.values())} stacks of routed experts "
+                  f"({', '.join(adapted)}) of {len(expert_targets)} MoE layers" if expert_targets else "")
     logger.info(
         f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
-        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}), scaling {scaling:g}, "
-        f"dropout {dropout:g}{', base in NF4' if quantize_base else ''}"
+        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}){on_experts}, "
+        f"scaling {scaling:g}, dropout {dropout:g}{', base in NF4' if quantize_base else ''}"
         f"{f' (and the routed experts of {len(experts)} MoE layers)' if experts else ''}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.3f}%)"
     )
@@ -160,7 +199,7 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules holding routed experts as stacked 3-D weights w1, w2, w3 (models/moe.py)."""
     return [(n, m) for n, m in model.named_modules()
-            if all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
+            if not isinstance(m, ExpertAdapters) and all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
                    for w in EXPERT_WEIGHTS)]
 
 
@@ -232,14 +271,46 @@ def _matching(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
         return [(n, m) for n, m in linears
                 if n not in OUTPUT_HEADS and id(m) not in heads and n.rsplit(".", 1)[-1] != ROUTER]
     patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    for name, module in model.named_modules():
-        stacked = [p for p in module.parameters(recurse=False) if p.ndim == 3]
-        if stacked and any(_name_matches(name, p) for p in patterns):
-            raise TransformError("apply_lora", "target_modules",
-                                 f"target_modules {target_modules!r} names {name}, routed experts held as stacked "
-                                 "3-D weights: they take no adapters (PEFT could not load them back); target the "
-                                 "attention, shared expert and dense linears")
     return [(n, m) for n, m in linears if any(_name_matches(n, p) for p in patterns)]
+
+
+def lora_expert_targets(model: nn.Module, target_modules, allow_no_targets: bool = False
+                        ) -> dict[str, tuple[nn.Module, list[str]]]:
+    """The stacks of routed experts `target_modules` names: experts module name → (module, the
+    projections to adapt, of w1 w2 w3). A TransformError names a target such as `experts.w4`
+    (no such projection) or `experts` where the model has no routed experts."""
+    if target_modules is None:
+        return {}
+    patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    stacks = stacked_experts(model)
+    found: dict[str, tuple[nn.Module, list[str]]] = {}
+    for name, module in stacks:
+        projections = [w for w in EXPERT_WEIGHTS
+                       if any(_name_matches(name, p) or _projection_matches(f"{name}.{w}", p) for p in patterns)]
+        if projections:
+            found[name] = (module, projections)
+    for pattern in patterns:
+        segments = pattern.split(".")
+        if any(c in pattern for c in "*?[") or EXPERTS not in segments[-2:]:
+            continue
+        if segments[-1] != EXPERTS and segments[-1] not in EXPERT_WEIGHTS:
+            raise TransformError("apply_lora", "target_modules",
+                                 f"target_modules names {pattern!r}: routed experts take adapters on "
+                                 f"{', '.join(EXPERT_WEIGHTS)} ({EXPERTS}, {', '.join(f'{EXPERTS}.{w}' for w in EXPERT_WEIGHTS)})")
+        if not allow_no_targets and not any(_name_matches(n, pattern) or any(_projection_matches(f"{n}.{w}", pattern)
+                                                                         for w in EXPERT_WEIGHTS) for n, _ in stacks):
+            raise TransformError("apply_lora", "target_modules",
+                                 f"target_modules names {pattern!r}, and {type(model).__name__} has no routed experts "
+                                 "(stacked w1, w2, w3) of that name; target its linears")
+    return found
+
+
+def _projection_matches(name: str, pattern: str) -> bool:
+    """An expert projection's full name (`layers.1.feed_forward.experts.w1`) against a pattern:
+    a glob over it, the name itself, or its tail (`experts.w1`)."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or (name.endswith("." + pattern) and "." in pattern)
 
 
 def _name_matches(name: str, pattern: str) -> bool:
@@ -275,10 +346,37 @@ def reset_adapter(module: LoRALinear, *, seed: int, name: str) -> None:
     module.lora_B.weight.zero_()
 
 
-def init_lora_adapters(model: nn.Module, seed: int) -> None:
-    """Re-initialise every adapter (after the model's own init has filled them like any linear)."""
+@torch.no_grad()
+def reset_expert_adapters(experts: nn.Module, *, seed: int, name: str) -> None:
+    """`reset_adapter` for the adapters of a stack of routed experts: each A ([experts, rank, in])
+    drawn whole, expert after expert as PEFT draws one [rank, in] matrix (bound 1/sqrt(in)), from a
+    generator seeded by (seed, parameter name); each rank keeps its experts' slice. B = 0."""
+    for w, a in experts.lora_A.named_parameters():
+        device = a.device if not isinstance(a, DTensor) else a.to_local().device
+        key = f"{name}.lora_A.{w}"
+        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+        full = torch.empty(a.shape, dtype=a.dtype, device=device)
+        for expert in full:
+            nn.init.kaiming_uniform_(expert, a=math.sqrt(5), generator=generator)
+        with implicit_replication():
+            a.copy_(full)
+    for b in experts.lora_B.parameters():
+        b.zero_()
+
+
+def expert_lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stacks of routed experts holding adapters (`lora_A`, `lora_B`), by name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), ExpertAdapters)]
+
+
+def init_lora_adapters(model: nn.Module, seed: int, prefix: str = "") -> None:
+    """Re-initialise every adapter (after the model's own init has filled them like any linear);
+    prefix: `model`'s name in the whole model, whose names seed the draws."""
+    full = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)  # noqa: E731
     for name, module in lora_modules(model):
-        reset_adapter(module, seed=seed, name=name)
+        reset_adapter(module, seed=seed, name=full(name))
+    for name, module in expert_lora_modules(model):
+        reset_expert_adapters(module, seed=seed, name=full(name))
 
 
 # ---------------------------------------------------------------------------------------------

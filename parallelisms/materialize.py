@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from weft.parallelisms.lora import init_lora_adapters, lora_modules, reset_adapter
+from weft.parallelisms.lora import init_lora_adapters
 
 InitFn = Callable[[nn.Module], None]
 
@@ -88,8 +88,7 @@ def materialize_part(model: nn.Module, module_names: Sequence[str], device: torc
             for prefix, part in parts.items():
                 _init_module_by_module(part, device, seed, init_fn, prefix=prefix)
         for prefix, part in parts.items():
-            for name, module in lora_modules(part):
-                reset_adapter(module, seed=seed, name=f"{prefix}.{name}")
+            init_lora_adapters(part, seed, prefix)
 
 
 def materialize_devices(device: torch.device | str, cpu_offload: bool) -> tuple[torch.device, torch.device]:

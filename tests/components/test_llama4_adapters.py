@@ -1,8 +1,8 @@
 """LoRA on Llama 4 and its exports: adapters on the attention, the shared experts and the dense
 feed-forwards of a tiny model with every Llama 4 feature. PEFT loads the adapter folder onto
 transformers' Llama4ForCausalLM and transformers loads the merged folder, each with weft's
-logits; the adapter folder loads back onto weft's base for generation. Routers and the
-stacked routed experts take no adapters."""
+logits; the adapter folder loads back onto weft's base for generation. Routers take no
+adapters, routed experts only when targeted (tests/parallelisms/test_lora_experts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from weft.components.adapters import load_peft_adapter
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
-from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora, lora_modules
 from tests.models.test_llama4 import TINY, tiny_transformers_model, weft_from_transformers
 
@@ -45,12 +44,6 @@ def test_lora_targets_attention_shared_experts_and_dense_layers_not_routers():
                        "feed_forward.shared_expert.w1", "feed_forward.shared_expert.w2",
                        "feed_forward.shared_expert.w3"}
     assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
-
-
-def test_routed_experts_are_refused_as_targets():
-    model = weft_from_transformers(tiny_transformers_model())
-    with pytest.raises(TransformError, match="layers.1.feed_forward.experts, routed experts held as stacked 3-D"):
-        apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "experts"])
 
 
 def test_peft_loads_the_adapter_onto_transformers_llama4_with_weft_logits(trained, tmp_path):
