@@ -38,7 +38,7 @@ from weft.components.hf.safetensors_io import new_folder, plan_shards, write_sha
 from weft.components.model_state import full_tensors, model_parts, whole_model
 from weft.models import spec_for_args
 from weft.models.spec import HFMapping
-from weft.parallelisms.lora import lora_modules
+from weft.parallelisms.lora import expert_lora_modules, lora_modules
 
 logger = logging.getLogger("weft")
 
@@ -54,7 +54,7 @@ class ExportError(UserError):
 @dataclass(frozen=True)
 class Adapters:
     """The LoRA adapters of a model: the weft names of the adapted linears, of the adapted stacked
-    expert weights (`layers.1.feed_forward.experts.w1`, see `expert_adapters`) and their settings
+    expert weights (`layers.1.feed_forward.experts.w1`, see parallelisms/lora.py) and their settings
     (one rank, alpha and scaling for both; dropout is the linears', experts have none)."""
 
     modules: tuple[str, ...]
@@ -66,21 +66,14 @@ class Adapters:
     experts: tuple[str, ...] = ()
 
 
-def expert_adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The routed-expert modules carrying adapters (`<experts>.lora_A.<w>` [E, r, in] and
-    `<experts>.lora_B.<w>` [E, out, r] beside their stacked weights, with `lora_rank`,
-    `lora_alpha`, `lora_scaling` and `lora_use_rslora`)."""
-    return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "lora_rank") and isinstance(getattr(m, "lora_A", None), nn.Module)]
-
-
 def model_adapters(model: nn.Module) -> Adapters | None:
     """The adapters of a model, None without any. Under a pipeline each rank holds some stages'
     adapters: the pipeline ranks exchange theirs, so every rank returns the whole model's."""
     held = [(name, False, m.rank, m.alpha, _dropout(m), m.use_rslora, m.scaling)
             for part in model_parts(model) for name, m in lora_modules(part)]
     held += [(f"{name}.{w}", True, m.lora_rank, m.lora_alpha, None, m.lora_use_rslora, m.lora_scaling)
-             for part in model_parts(model) for name, m in expert_adapters(part) for w, _ in m.lora_A.named_parameters()]
+             for part in model_parts(model) for name, m in expert_lora_modules(part)
+             for w, _ in m.lora_A.named_parameters()]
     pp_group = getattr(model, "pp_group", None)
     if pp_group is not None:
         everyone: list = [None] * dist.get_world_size(pp_group)
