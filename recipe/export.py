@@ -86,7 +86,7 @@ def _one_process(cfg: JobConfig, *, base: bool) -> JobConfig:
     `base`, no base to load or quantize either."""
     cfg = copy.deepcopy(cfg)
     p = cfg.parallelism
-    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = 1, 1, 1, 1, 1
+    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep = 1, 1, 1, 1, 1, 1  # an ep run's experts all in one
     cfg.compile.enable, cfg.activation_checkpoint.mode, cfg.job.simulate_world_size = False, "none", 0
     cfg.export.peft_folder = cfg.export.hf_folder = ""  # the run's own end-of-run exports
     if not base:
