@@ -348,6 +348,14 @@ def save_hf_model(model: nn.Module, out: str | Path, *, dtype: torch.dtype = tor
                 max_shard_bytes=max_shard_bytes, hf_files=hf_files)
 
 
+def check_peft_export(model: nn.Module) -> None:
+    """ExportError, before a run trains, where its adapters could not be written as a PEFT folder
+    (expert adapters PEFT cannot hold); works on the meta device."""
+    adapters = model_adapters(model)
+    if adapters is not None and adapters.experts:
+        _PeftExperts(spec_for_args(whole_model(model).args).hf, adapters)
+
+
 def save_peft_adapter(model: nn.Module, out: str | Path, base_model_name_or_path: str | None = None) -> None:
     """A live weft model's LoRA adapters, in any layout, as a PEFT adapter folder. Every rank calls it."""
     adapters = model_adapters(model)

@@ -112,3 +112,15 @@ def test_a_qwen3_moe_folder_expert_lora_run_loads_in_peft_with_the_merged_logits
     base = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "source", attn_implementation="eager").float().eval()
     tokens = torch.randint(0, weft.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     _assert_agree(*_logits(base, tmp_path / "run" / "adapter", tmp_path / "run" / "merged", weft.eval(), tokens))
+
+
+def test_a_peft_export_of_expert_adapters_that_differ_by_layer_is_refused_before_training(tmp_path, capsys):
+    """PEFT's target_parameters adapt every layer's experts alike: w1 in one MoE layer and w3 in the
+    other cannot be written, so the run is refused in one line at start, not after training."""
+    argv = run_args(tmp_path / "run", *EXPERT_LORA, "--lora.target_modules",
+                    "layers.1.feed_forward.experts.w1,layers.3.feed_forward.experts.w3", config="debug_moe", steps=1)
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("weft: error: export.peft_folder = 'adapter': PEFT's target_parameters adapt every "
+                              "layer's feed_forward.experts.gate_up_proj alike")
+    assert not (tmp_path / "run" / "checkpoint").exists()
