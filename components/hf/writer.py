@@ -14,8 +14,13 @@ Pipeline stages are gathered to the writer rather than written by each rank: eac
 one pipeline rank, one broadcast brings it over, and one rank writing keeps the file plan, the
 index and the rename-into-place in one place, the same for every layout.
 
+Adapters on the routed experts (`<experts>.lora_A.w1` [E, r, in] ...) are merged expert by expert
+like a linear's; in a PEFT folder they are PEFT's `target_parameters` adapters of transformers'
+in-memory expert parameters (`_PeftExperts` gives the layout, verified against peft 0.21.2).
+
 Every model-specific fact (names, rotary row order, tensors that join several parameters such as
-Llama 4's experts' gate_up_proj, config.json) comes from the model's spec (models/spec.py).
+Llama 4's experts' gate_up_proj, how transformers holds the experts in memory, config.json) comes
+from the model's spec (models/spec.py).
 """
 
 from __future__ import annotations

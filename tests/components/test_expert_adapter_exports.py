@@ -85,3 +85,26 @@ def test_the_peft_folder_loads_back_onto_weft_base(trained):
     assert expert_lora_modules(model)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [_llama4, _qwen3_moe], ids=["llama4", "qwen3_moe"])
+def test_an_adapter_peft_itself_made_loads_onto_weft_with_peft_logits(build, tmp_path):
+    """PEFT's own adapter on the fused experts (one rank-3 gate_up adapter, no block structure) and
+    on v_proj, drawn at random: weft's read-back (the same A for gate and up, B split) computes
+    what PEFT computes."""
+    from peft import LoraConfig, get_peft_model
+
+    hf, model = build(tmp_path / "hf")
+    experts = "feed_forward.experts" if build is _llama4 else "mlp.experts"
+    peft_model = get_peft_model(hf, LoraConfig(r=3, lora_alpha=5, target_modules=["v_proj"], lora_dropout=0.0,
+                                               target_parameters=[f"{experts}.gate_up_proj", f"{experts}.down_proj"]))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        tokens = torch.randint(0, model.args.vocab_size, (2, 30), generator=generator)
+        theirs = peft_model.eval()(input_ids=tokens).logits
+        assert (theirs - model(tokens)).abs().max() > 1e-2, "the adapters must change the logits"
+        torch.testing.assert_close(load_peft_adapter(model, tmp_path / "adapter")(tokens), theirs, rtol=0, atol=1e-5)
