@@ -47,12 +47,12 @@ def blocks_imbalance(model: torch.nn.Module, blocks: int) -> dict[str, float]:
 
 
 def train(model: torch.nn.Module, rows: slice, ep: int, fsdp: bool = False,
-          imbalances: list | None = None) -> list[float]:
-    """10 steps on `rows` of each batch; the EP imbalance of each step into `imbalances` (ep_imbalance
-    under ep, else the one-process formula over 2 ranks' blocks)."""
+          imbalances: list | None = None, steps: int = STEPS) -> list[float]:
+    """`steps` (10) steps on `rows` of each batch; the EP imbalance of each step into `imbalances`
+    (ep_imbalance under ep, else the one-process formula over 2 ranks' blocks)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     losses = []
-    for tokens in batches():
+    for tokens in batches()[:steps]:
         tokens = tokens[rows]
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
