@@ -160,7 +160,7 @@ def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
                        base_model_name_or_path: str | None = None) -> None:
     """A PEFT adapter folder (`adapter_model.safetensors` under PEFT's names for the model's
     transformers class, `adapter_config.json`) of `adapters` from `source`: the adapted linears as
-    `target_modules`, the adapted routed experts as `target_parameters` (`_peft_experts`). Every
+    `target_modules`, the adapted routed experts as `target_parameters` (`_PeftExperts`). Every
     rank calls it; rank 0 writes."""
     hf = spec_for_args(args).hf
     # A acts on the layer's input (no rotary rows); B makes the layer's output rows, permuted as W's.

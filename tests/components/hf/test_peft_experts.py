@@ -69,7 +69,7 @@ def _hand_merged(hf, adapters: dict, scaling: float, hf_experts: str, x_at_w: bo
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("weights, rslora", [(("w1", "w2", "w3"), True), (("w2", "w3"), False)],
-                         ids=["all_three_rslora", "up_and_down"])
+                         ids=["all_three_rslora_and_wv", "up_and_down_alone"])
 def test_peft_loads_expert_adapters_with_the_hand_merged_logits(tmp_path, family, weights, rslora):
     from peft import PeftModel
 
@@ -91,17 +91,20 @@ def test_peft_loads_expert_adapters_with_the_hand_merged_logits(tmp_path, family
             adapters[(layer, w)] = (a, b)
             tensors[f"layers.{layer}.feed_forward.experts.lora_A.{w}"] = a
             tensors[f"layers.{layer}.feed_forward.experts.lora_B.{w}"] = b
-    a, b = torch.randn(RANK, args.dim, generator=g), torch.randn(args.kv_heads * args.head_dim, RANK, generator=g) * 0.1
-    adapters[("wv", 0)] = (a, b)  # a linear adapter beside them (no rotary rows in wv)
-    tensors["layers.0.attention.wv.lora_A.weight"], tensors["layers.0.attention.wv.lora_B.weight"] = a, b
+    linears = ("layers.0.attention.wv",) if len(weights) == 3 else ()  # and once the experts alone
+    if linears:  # a linear adapter beside them (no rotary rows in wv)
+        a, b = torch.randn(RANK, args.dim, generator=g), torch.randn(args.kv_heads * args.head_dim, RANK, generator=g) * 0.1
+        adapters[("wv", 0)] = (a, b)
+        tensors["layers.0.attention.wv.lora_A.weight"], tensors["layers.0.attention.wv.lora_B.weight"] = a, b
     alpha = 5.0
     scaling = alpha / math.sqrt(RANK) if rslora else alpha / RANK
     names = tuple(f"layers.{layer}.feed_forward.experts.{w}" for layer in moe_layers for w in weights)
     write_peft_adapter(tmp_path / "adapter", args, lambda wanted: ((n, tensors[n]) for n in wanted),
-                       Adapters(("layers.0.attention.wv",), RANK, alpha, 0.1, rslora, scaling, experts=names))
+                       Adapters(linears, RANK, alpha, 0.1, rslora, scaling, experts=names))
 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["v_proj"] and config["lora_dropout"] == 0.0  # PEFT refuses dropout here
+    assert config["target_modules"] == (["v_proj"] if linears else None)
+    assert config["lora_dropout"] == 0.0  # PEFT refuses dropout with target_parameters
     assert sorted(config["target_parameters"]) == sorted(
         {f"{hf_experts}.{'down_proj' if w == 'w2' else 'gate_up_proj'}" for w in weights})
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
