@@ -108,3 +108,32 @@ def test_an_adapter_peft_itself_made_loads_onto_weft_with_peft_logits(build, tmp
         theirs = peft_model.eval()(input_ids=tokens).logits
         assert (theirs - model(tokens)).abs().max() > 1e-2, "the adapters must change the logits"
         torch.testing.assert_close(load_peft_adapter(model, tmp_path / "adapter")(tokens), theirs, rtol=0, atol=1e-5)
+
+
+def test_qlora_merged_folder_folds_expert_adapters_into_the_nf4_experts(tmp_path):
+    """QLoRA with expert adapters: the merged folder holds the NF4 experts as the weights they hold
+    plus each expert's scaling · B_e A_e, and transformers reads it with weft's QLoRA logits."""
+    from transformers import Llama4ForCausalLM
+
+    from weft.parallelisms.lora import dequantize_experts, quantize_lora_base
+
+    nf4_sized = dict(hidden_size=256, head_dim=64, intermediate_size=128)  # whole groups of NF4 scales
+    model = apply_lora(weft_from_transformers(tiny_transformers_model(seed=5, **nf4_sized)), rank=4, alpha=8.0,
+                       target_modules=TARGETS, quantize_base="nf4")
+    quantize_lora_base(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, module in expert_lora_modules(model):
+            for b in module.lora_B.parameters():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+        tokens = torch.randint(0, model.args.vocab_size, (2, 20), generator=generator)
+        logits = model(tokens)
+    save_hf_model(dequantize_experts(model), tmp_path / "merged")
+    merged = Llama4ForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
+    with torch.no_grad():
+        # 5e-5 on logits up to 6: fp32 rounding at dim 256, as for QLoRA's merged folder without expert adapters
+        torch.testing.assert_close(merged(input_ids=tokens).logits, logits, rtol=0, atol=5e-5)
+        for _, module in expert_lora_modules(model):
+            for b in module.lora_B.parameters():
+                b.zero_()
+        assert (model(tokens) - logits).abs().max() > 1e-3, "the expert adapters must change the logits"
