@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.models.common.hf_names import HFNames
+from weft.models.common.hf_names import ExpertParameters, HFNames
 
 
 class HFConfigError(ValueError):
@@ -40,6 +40,8 @@ class HFMapping:
     split: Callable[[str, torch.Tensor, Any], torch.Tensor] | None = None
     hf_shape: Callable[[str, torch.Size], list[int]] | None = None  # weft name, its shape -> the HF tensor's
     weight_prefix: Callable[[dict[str, Any]], str] | None = None  # config.json -> what precedes tensor names
+    # transformers' in-memory expert parameters, which PEFT's target_parameters adapt; None: no routed experts
+    expert_parameters: ExpertParameters | None = None
 
     def weft_to_hf_name(self, name: str) -> str:
         """A weft parameter's Hugging Face tensor name (ValueError for one it has no place for)."""

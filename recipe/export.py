@@ -39,7 +39,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
     tokenizer and generation config."""
     from weft.components.checkpoint import load_adapter_weights, require_complete_checkpoint
-    from weft.parallelisms.lora import dequantize_experts, lora_modules
+    from weft.parallelisms.lora import dequantize_experts, expert_lora_modules, lora_modules
     from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
@@ -51,7 +51,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
                                check_environment=False)
     if merged_out is None:  # the adapters alone: the base never leaves the meta device
         model = build_model(plan, None, None)
-        for _, module in lora_modules(model):
+        for _, module in lora_modules(model) + expert_lora_modules(model):
             module.lora_A.to_empty(device="cpu")
             module.lora_B.to_empty(device="cpu")
     else:
@@ -86,7 +86,7 @@ def _one_process(cfg: JobConfig, *, base: bool) -> JobConfig:
     `base`, no base to load or quantize either."""
     cfg = copy.deepcopy(cfg)
     p = cfg.parallelism
-    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = 1, 1, 1, 1, 1
+    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep = 1, 1, 1, 1, 1, 1  # an ep run's experts all in one
     cfg.compile.enable, cfg.activation_checkpoint.mode, cfg.job.simulate_world_size = False, "none", 0
     cfg.export.peft_folder = cfg.export.hf_folder = ""  # the run's own end-of-run exports
     if not base:

@@ -23,6 +23,7 @@ from weft.components.data import DataError, load_tokenizer
 from weft.components.ft import check_fault_tolerance
 from weft.components.distributed import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
+from weft.components.hf.writer import ExportError, check_peft_export
 from weft.components.profiling import check_profiling
 from weft.components.shipped import SHIPPED_TOKENIZER
 from weft.components.wandb_logger import check_wandb
@@ -285,6 +286,11 @@ def check_lora(plan: RunPlan) -> None:
             refusal = spec.peft_refusal(plan.model_args, [name for name, _ in lora_modules(model)])
             if refusal is not None:
                 raise ConfigError(f"export.peft_folder = {plan.cfg.export.peft_folder!r}: {refusal}")
+        if plan.cfg.export.peft_folder:
+            try:
+                check_peft_export(model)
+            except ExportError as e:
+                raise ConfigError(f"export.peft_folder = {plan.cfg.export.peft_folder!r}: {e}") from None
         shards = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
         for name, module in lora_modules(model) if lora.quantize_base else []:
             check_nf4_shape(name, module.weight.shape, shards)

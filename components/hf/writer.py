@@ -14,14 +14,20 @@ Pipeline stages are gathered to the writer rather than written by each rank: eac
 one pipeline rank, one broadcast brings it over, and one rank writing keeps the file plan, the
 index and the rename-into-place in one place, the same for every layout.
 
+Adapters on the routed experts (`<experts>.lora_A.w1` [E, r, in] ...) are merged expert by expert
+like a linear's; in a PEFT folder they are PEFT's `target_parameters` adapters of transformers'
+in-memory expert parameters (`_PeftExperts` gives the layout, verified against peft 0.21.2).
+
 Every model-specific fact (names, rotary row order, tensors that join several parameters such as
-Llama 4's experts' gate_up_proj, config.json) comes from the model's spec (models/spec.py).
+Llama 4's experts' gate_up_proj, how transformers holds the experts in memory, config.json) comes
+from the model's spec (models/spec.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +43,7 @@ from weft.components.hf.safetensors_io import new_folder, plan_shards, write_sha
 from weft.components.model_state import full_tensors, model_parts, whole_model
 from weft.models import spec_for_args
 from weft.models.spec import HFMapping
-from weft.parallelisms.lora import lora_modules
+from weft.parallelisms.lora import expert_lora_modules, lora_modules
 
 logger = logging.getLogger("weft")
 
@@ -52,7 +58,9 @@ class ExportError(UserError):
 
 @dataclass(frozen=True)
 class Adapters:
-    """The LoRA adapters of a model: the weft names of the adapted linears and their settings."""
+    """The LoRA adapters of a model: the weft names of the adapted linears, of the adapted stacked
+    expert weights (`layers.1.feed_forward.experts.w1`, see parallelisms/lora.py) and their settings
+    (one rank, alpha and scaling for both; dropout is the linears', experts have none)."""
 
     modules: tuple[str, ...]
     rank: int
@@ -60,13 +68,17 @@ class Adapters:
     dropout: float
     use_rslora: bool
     scaling: float
+    experts: tuple[str, ...] = ()
 
 
 def model_adapters(model: nn.Module) -> Adapters | None:
     """The adapters of a model, None without any. Under a pipeline each rank holds some stages'
     adapters: the pipeline ranks exchange theirs, so every rank returns the whole model's."""
-    held = [(name, m.rank, m.alpha, _dropout(m), m.use_rslora, m.scaling)
+    held = [(name, False, m.rank, m.alpha, _dropout(m), m.use_rslora, m.scaling)
             for part in model_parts(model) for name, m in lora_modules(part)]
+    held += [(f"{name}.{w}", True, m.lora_rank, m.lora_alpha, None, m.lora_use_rslora, m.lora_scaling)
+             for part in model_parts(model) for name, m in expert_lora_modules(part)
+             for w, _ in m.lora_A.named_parameters()]
     pp_group = getattr(model, "pp_group", None)
     if pp_group is not None:
         everyone: list = [None] * dist.get_world_size(pp_group)
@@ -75,8 +87,14 @@ def model_adapters(model: nn.Module) -> Adapters | None:
     if not held:
         return None
     position = {name: i for i, (name, _) in enumerate(whole_model(model).named_modules())}
-    names = sorted({name for name, *_ in held}, key=lambda name: position[name])
-    return Adapters(tuple(names), *held[0][1:])
+
+    def names(experts: bool) -> tuple[str, ...]:
+        chosen = {name for name, is_experts, *_ in held if is_experts == experts}
+        return tuple(sorted(chosen, key=lambda name: (position[name.rsplit(".", 1)[0] if experts else name], name)))
+
+    rank, alpha, _, use_rslora, scaling = held[0][2:]
+    dropout = next((d for _, is_experts, _, _, d, *_ in held if not is_experts), 0.0)
+    return Adapters(names(False), rank, alpha, dropout, use_rslora, scaling, experts=names(True))
 
 
 def _dropout(module: nn.Module) -> float:
@@ -98,9 +116,10 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
                 dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
                 hf_files: Path | None = None) -> None:
     """A Hugging Face model folder of the model `args` from `source`: every base tensor of `shapes`
-    in `dtype`, each adapted linear as W + scaling * B A (computed in float32), in files of at most
-    `max_shard_bytes` with an index if several; config.json from `hf_files` (a run's recorded
-    files, with its tokenizer) or from `args`. Every rank calls it; rank 0 writes."""
+    in `dtype`, each adapted linear as W + scaling * B A (computed in float32; an adapted stacked
+    expert weight likewise, expert by expert, before the Hugging Face layout joins or splits it),
+    in files of at most `max_shard_bytes` with an index if several; config.json from `hf_files` (a
+    run's recorded files, with its tokenizer) or from `args`. Every rank calls it; rank 0 writes."""
     hf = spec_for_args(args).hf
     bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == "output.weight")]
     # Each group of weft parameters and the HF tensors it makes (Llama 4: w1 and w3 make one
@@ -110,9 +129,8 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     if left_out and is_writer():
         logger.info(f"export: left out {len(left_out)} tensors the Hugging Face model has no place for "
                     f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})")
-    adapted = {f"{m}.weight" for m in (adapters.modules if adapters else ())}
-    order = [x for group, _ in units for n in group
-             for x in ([n, _lora(n, "A"), _lora(n, "B")] if n in adapted else [n])]
+    adapted = _adapted(adapters)
+    order = [x for group, _ in units for n in group for x in ([n, *adapted[n]] if n in adapted else [n])]
     itemsize = torch.empty((), dtype=dtype).element_size()
     files = plan_shards(((hf_name, sum(shapes[n].numel() for n in group) * itemsize // len(hf_names))
                          for group, hf_names in units for hf_name in hf_names), max_shard_bytes)
@@ -124,7 +142,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
             for name, tensor in (next(stream) for _ in group):
                 if name in adapted:
                     (_, a), (_, b) = next(stream), next(stream)
-                    if is_writer():
+                    if is_writer():  # stacked experts: [E, out, r] @ [E, r, in], expert by expert
                         tensor = tensor.float() + adapters.scaling * (b.float() @ a.float())
                 parts.append(tensor)
             yield from zip(hf_names, _to_hf_parts(hf, group, parts, args, dtype, len(hf_names)))
@@ -140,30 +158,148 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
 
 def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
                        base_model_name_or_path: str | None = None) -> None:
-    """A PEFT adapter folder (`adapter_model.safetensors` under PEFT's names for the transformers
-    Llama, `adapter_config.json`) of `adapters` from `source`. Every rank calls it; rank 0 writes."""
+    """A PEFT adapter folder (`adapter_model.safetensors` under PEFT's names for the model's
+    transformers class, `adapter_config.json`) of `adapters` from `source`: the adapted linears as
+    `target_modules`, the adapted routed experts as `target_parameters` (`_PeftExperts`). Every
+    rank calls it; rank 0 writes."""
     hf = spec_for_args(args).hf
     # A acts on the layer's input (no rotary rows); B makes the layer's output rows, permuted as W's.
     layout_of = {_lora(f"{m}.weight", w): (f"{m}.weight" if w == "B" else _lora(f"{m}.weight", w), _hf_module(hf, m), w)
                  for m in adapters.modules for w in "AB"}
     peft_names = {name: f"{PEFT_PREFIX}{hf_module}.lora_{w}.weight" for name, (_, hf_module, w) in layout_of.items()}
+    experts = _PeftExperts(hf, adapters) if adapters.experts else None
 
     def tensors():
         for name, tensor in source(list(layout_of)):
             yield peft_names[name], _to_hf(hf, [layout_of[name][0]], [tensor], args, None)
+        if experts is not None:
+            yield from experts.tensors(source)
 
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": adapters.rank, "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout,
         "use_rslora": adapters.use_rslora, "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "target_modules": sorted({_hf_module(hf, m).rsplit(".", 1)[-1] for m in adapters.modules}),
+        "target_modules": sorted({_hf_module(hf, m).rsplit(".", 1)[-1] for m in adapters.modules}) or None,
         "inference_mode": True, "modules_to_save": None,
     }
+    if experts is not None:
+        config |= experts.config()
+        if adapters.dropout and is_writer():
+            logger.info(f"export: lora_dropout {adapters.dropout} written as 0 (PEFT refuses dropout with "
+                        "target_parameters; dropout does not change what the adapters compute)")
 
     def finish(folder: Path) -> None:
         (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
-    _write(out, [list(peft_names.values())], tensors(), finish, single_file=ADAPTER_WEIGHTS)
+    names = list(peft_names.values()) + (experts.names if experts is not None else [])
+    _write(out, [names], tensors(), finish, single_file=ADAPTER_WEIGHTS)
+
+
+class _PeftExperts:
+    """Expert adapters in PEFT's `target_parameters` layout (checked with peft 0.21.2).
+
+    PEFT adapts a 3-D parameter P [E, d1, d2] of transformers' experts module (the family's
+    `ExpertParameters`) with lora_A [r'·E, d2] and lora_B [d1, r'·E]: expert e's P[e] gains
+    scaling' · B_e @ A_e, where A_e is lora_A's rows e·r' .. e·r'+r'-1 (expert-major) and B_e is
+    lora_B's columns k·E + e for k < r' (rank-major). weft's adapter of w_p adds
+    scaling · B_p[e] @ A_p[e] ([out, in]); on a parameter used as x @ W (x_at_w) that is its
+    transpose A_p[e]ᵀ @ B_p[e]ᵀ. The weft weights joined in P (gate and up in gate_up_proj) stack
+    along P's output features, so B_e @ A_e is exact with rank r' = r × (projections joined):
+    F.linear layout: B_e = blockdiag(B_p[e]), A_e = [A_p[e] stacked]; x @ W layout:
+    B_e = [A_p[e]ᵀ side by side], A_e = blockdiag(B_p[e]ᵀ). Such a P gets rank_pattern r' and
+    alpha_pattern alpha·r'/r (rsLoRA: alpha·sqrt(r'/r)), so PEFT's scaling is weft's; PEFT honours
+    both for target_parameters (peft 0.21.2 also warns that these keys "did not match any targeted
+    module", looking at module names only; the adapters load with them all the same).
+
+    PEFT wraps the targeted parameters of one module in order of definition, each wrapper around
+    the last, so the first's tensors sit under `base_layer.` once per later target."""
+
+    def __init__(self, hf: HFMapping, adapters: Adapters):
+        self.experts = ep = hf.expert_parameters
+        if ep is None or not all(ep.covers(name) for name in adapters.experts):
+            raise ExportError(f"the model's Hugging Face mapping has no PEFT layout for the expert adapters "
+                              f"({adapters.experts[0]})")
+        self.rank, self.alpha, self.use_rslora = adapters.rank, adapters.alpha, adapters.use_rslora
+        adapted = set(adapters.experts)
+        # Each targeted parameter: the weft weights of every layer that make it, adapted in every layer alike.
+        self.parameters: dict[str, list[tuple[str, bool]]] = {}
+        slots: dict[str, list[str]] = {}
+        for name in adapters.experts:
+            self.parameters[ep.parameter(name)] = [(n, n in adapted) for n in ep.joined(name)]
+            short = [n.rsplit(".", 1)[-1] for n in ep.joined(name) if n in adapted]
+            if slots.setdefault(ep.target(name), short) != short:
+                raise ExportError(f"PEFT's target_parameters adapt every layer's {ep.target(name)} alike, but "
+                                  f"{name.rsplit('.', 1)[0]} adapts {', '.join(short)} of it and another layer "
+                                  f"{', '.join(slots[ep.target(name)])}; adapt the same expert weights in every layer")
+        self.targets = sorted(slots, key=lambda target: ep.order.index(target.rsplit(".", 1)[-1]))
+        self.ranks = {target: self.rank * len(short) for target, short in slots.items()}
+        self.names = [self._peft_name(param, w) for param in self.parameters for w in "AB"]
+
+    def _peft_name(self, parameter: str, which: str) -> str:
+        module, short = parameter.rsplit(".", 1)
+        later = [t for t in self.targets if self.experts.order.index(t.rsplit(".", 1)[-1]) > self.experts.order.index(short)]
+        return f"{PEFT_PREFIX}{module}{'.base_layer' * len(later)}.lora_{which}.weight"
+
+    def config(self) -> dict:
+        wider = {target.rsplit(".", 1)[-1]: r for target, r in self.ranks.items() if r != self.rank}
+        factor = (lambda r: math.sqrt(r / self.rank)) if self.use_rslora else (lambda r: r / self.rank)
+        return {"target_parameters": self.targets, "lora_dropout": 0.0,
+                "rank_pattern": wider, "alpha_pattern": {short: self.alpha * factor(r) for short, r in wider.items()}}
+
+    def tensors(self, source: Source) -> Iterator[tuple[str, torch.Tensor | None]]:
+        order = [f"{n.rsplit('.', 1)[0]}.lora_{w}.{n.rsplit('.', 1)[1]}" for members in self.parameters.values()
+                 for n, adapted in members if adapted for w in "AB"]
+        stream = source(order)
+        for parameter, members in self.parameters.items():
+            pairs = [(next(stream)[1], next(stream)[1]) if adapted else None for _, adapted in members]
+            a_name, b_name = self._peft_name(parameter, "A"), self._peft_name(parameter, "B")
+            if not is_writer() or any(t is None for pair in pairs if pair is not None for t in pair):
+                yield a_name, None
+                yield b_name, None
+                continue
+            lora_a, lora_b = peft_expert_factors([pair and (pair[0].detach().cpu(), pair[1].detach().cpu())
+                                                  for pair in pairs], self.experts.x_at_w)
+            yield a_name, lora_a
+            yield b_name, lora_b
+
+
+def peft_expert_factors(pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
+                        x_at_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's (lora_A [r'·E, d2], lora_B [d1, r'·E]) of one transformers expert parameter from weft's
+    (A [E, r, in], B [E, out, r]) of each weight joined in it, in order; None for one without an
+    adapter, whose output features (as wide as the others', gate_up_proj's halves) stay as they are
+    (see `_PeftExperts`)."""
+    some_a, some_b = next(pair for pair in pairs if pair is not None)
+    experts, width, inputs = some_b.shape[0], some_b.shape[1], some_a.shape[2]
+    none_a, none_b = some_a.new_zeros(experts, 0, inputs), some_b.new_zeros(experts, width, 0)
+    a_s, b_s = zip(*((none_a, none_b) if pair is None else pair for pair in pairs))
+    if x_at_w:
+        left = torch.cat([a.transpose(1, 2) for a in a_s], dim=2)  # [E, in, r']
+        right = _block_diagonal([b.transpose(1, 2) for b in b_s])  # [E, r', out]
+    else:
+        left = _block_diagonal(list(b_s))  # [E, out, r']
+        right = torch.cat(a_s, dim=1)  # [E, r', in]
+    rank, d1 = left.shape[2], left.shape[1]
+    return right.reshape(experts * rank, -1).contiguous(), left.permute(1, 2, 0).reshape(d1, rank * experts).contiguous()
+
+
+def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Per expert, the block-diagonal matrix of `blocks` ([E, m_i, n_i] each)."""
+    out = blocks[0].new_zeros(blocks[0].shape[0], sum(b.shape[1] for b in blocks), sum(b.shape[2] for b in blocks))
+    row = col = 0
+    for block in blocks:
+        out[:, row:row + block.shape[1], col:col + block.shape[2]] = block
+        row, col = row + block.shape[1], col + block.shape[2]
+    return out
+
+
+def _adapted(adapters: Adapters | None) -> dict[str, tuple[str, str]]:
+    """Each adapted weight's name -> the names of its A and B (a linear's or a stacked expert weight's)."""
+    if adapters is None:
+        return {}
+    linears = {f"{m}.weight": (_lora(f"{m}.weight", "A"), _lora(f"{m}.weight", "B")) for m in adapters.modules}
+    return linears | {n: tuple(f"{n.rsplit('.', 1)[0]}.lora_{w}.{n.rsplit('.', 1)[1]}" for w in "AB")
+                      for n in adapters.experts}
 
 
 def _lora(weight_name: str, which: str) -> str:
@@ -215,6 +351,14 @@ def save_hf_model(model: nn.Module, out: str | Path, *, dtype: torch.dtype = tor
     shapes, source = live_source(model)
     write_model(Path(out), whole_model(model).args, shapes, source, adapters=model_adapters(model), dtype=dtype,
                 max_shard_bytes=max_shard_bytes, hf_files=hf_files)
+
+
+def check_peft_export(model: nn.Module) -> None:
+    """ExportError, before a run trains, where its adapters could not be written as a PEFT folder
+    (expert adapters PEFT cannot hold); works on the meta device."""
+    adapters = model_adapters(model)
+    if adapters is not None and adapters.experts:
+        _PeftExperts(spec_for_args(whole_model(model).args).hf, adapters)
 
 
 def save_peft_adapter(model: nn.Module, out: str | Path, base_model_name_or_path: str | None = None) -> None:

@@ -156,3 +156,42 @@ def unpermute_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of `permute_for_hf`: HF q_proj/k_proj rows back to weft's adjacent-pair order."""
     head_dim = weight.shape[0] // n_heads
     return weight.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+class ExpertParameters:
+    """How transformers holds the routed experts in memory, which is what PEFT's `target_parameters`
+    name and adapt, whatever the files hold (Qwen3-MoE's files keep one tensor per expert, its
+    model one stacked `gate_up_proj`). `table`: weft pattern of a stacked expert weight ->
+    transformers' 3-D parameter; several weft patterns naming one parameter are joined along its
+    output features in table order (gate, then up; as wide as each other), and the parameters come
+    in the table in the order their module defines them (PEFT nests its wrappers in that order).
+    `x_at_w`: each expert's matrix is [in, out], used as x @ W (Llama 4), not [out, in] as in
+    F.linear (Qwen3-MoE)."""
+
+    def __init__(self, table: Mapping[str, str], *, x_at_w: bool):
+        self.names = HFNames(table)
+        self.x_at_w = x_at_w
+        self.order = list(dict.fromkeys(hf.rsplit(".", 1)[-1] for hf in table.values()))
+
+    def covers(self, name: str) -> bool:
+        """Whether `name` is a stacked expert weight of the table."""
+        return any(weft.fullmatch(name) for weft, *_ in self.names._entries)
+
+    def parameter(self, name: str) -> str:
+        """`layers.1.feed_forward.experts.w1` -> `model.layers.1.feed_forward.experts.gate_up_proj`."""
+        return self.names.to_hf(name)
+
+    def joined(self, name: str) -> list[str]:
+        """The weft weights, in table order, that make the parameter holding `name` (`name` among them)."""
+        _, fields, _, _ = self.names._entry(name)
+        hf = self.parameter(name)
+        return [weft.format(**fields) for weft, their_hf in self.names.table.items() if their_hf.format(**fields) == hf]
+
+    def target(self, name: str) -> str:
+        """PEFT's `target_parameters` entry for the parameter holding `name`, the same in every layer
+        (`feed_forward.experts.gate_up_proj`)."""
+        return self.parameter(name).split(".layers.", 1)[-1].split(".", 1)[-1]
+
+    def position(self, name: str) -> int:
+        """Where the parameter holding `name` comes among its module's parameters."""
+        return self.order.index(self.parameter(name).rsplit(".", 1)[-1])

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, rope_scaling
-from weft.models.common.hf_names import DECODER_BLOCK, HFNames, decoder_table, swiglu
+from weft.models.common.hf_names import DECODER_BLOCK, ExpertParameters, HFNames, decoder_table, swiglu
 from weft.models.llama4.args import ModelArgs
 from weft.models.spec import HFConfigError
 
@@ -45,6 +45,14 @@ NAMES = HFNames(
 weft_to_hf_name = NAMES.to_hf  # `layers.3.feed_forward.experts.w1` → `model.layers.3.feed_forward.experts.gate_up_proj`
 hf_to_weft_name = NAMES.to_weft  # gate_up_proj: its w1
 hf_groups = NAMES.groups  # gate_up_proj: [w1, w3]; the balancing bias left out
+
+# The experts as transformers' Llama4TextExperts holds them (files and memory alike): gate_up_proj
+# [experts, dim, 2·hidden] and down_proj [experts, hidden, dim], each expert's matrix used as x @ W.
+EXPERT_PARAMETERS = ExpertParameters({
+    "layers.{layer}.feed_forward.experts.w1": "model.layers.{layer}.feed_forward.experts.gate_up_proj",
+    "layers.{layer}.feed_forward.experts.w3": "model.layers.{layer}.feed_forward.experts.gate_up_proj",
+    "layers.{layer}.feed_forward.experts.w2": "model.layers.{layer}.feed_forward.experts.down_proj",
+}, x_at_w=True)
 
 
 def to_hf_tensor(weft_names: list[str], weights: list[torch.Tensor], args: ModelArgs | None = None) -> torch.Tensor:

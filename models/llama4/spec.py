@@ -50,7 +50,8 @@ def experts(args: ModelArgs) -> Experts:
 
 
 LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_hf_tensor, split=llama4_hf.from_hf_tensor,
-                       hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix)
+                       hf_shape=llama4_hf.hf_shape, weight_prefix=llama4_hf.weight_prefix,
+                       expert_parameters=llama4_hf.EXPERT_PARAMETERS)
 
 LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
                            flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, required, rope_scaling
-from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, HFNames, decoder_table, swiglu
+from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, ExpertParameters, HFNames, decoder_table, swiglu
 from weft.models.qwen3.args import ModelArgs
 from weft.models.spec import HFConfigError
 
@@ -41,6 +41,15 @@ NAMES = HFNames(
     rotary_rows=ROTARY_ROWS | {"attention.q_norm.weight": 1, "attention.k_norm.weight": 1},
     weft_only=["layers.{layer}.feed_forward.expert_bias"],  # weft's balancing state; transformers has none
 )
+
+# The experts as transformers 5's Qwen3MoeExperts holds them in memory, fused although the files keep
+# one tensor per expert: gate_up_proj [experts, 2·hidden, dim] and down_proj [experts, dim, hidden],
+# each expert's matrix used as in F.linear (x @ W.T).
+EXPERT_PARAMETERS = ExpertParameters({
+    "layers.{layer}.feed_forward.experts.w1": "model.layers.{layer}.mlp.experts.gate_up_proj",
+    "layers.{layer}.feed_forward.experts.w3": "model.layers.{layer}.mlp.experts.gate_up_proj",
+    "layers.{layer}.feed_forward.experts.w2": "model.layers.{layer}.mlp.experts.down_proj",
+}, x_at_w=False)
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 

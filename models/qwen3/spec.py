@@ -41,7 +41,9 @@ def experts(args: ModelArgs) -> Experts | None:
 def peft_refusal(args: ModelArgs, adapted: list[str]) -> str | None:
     """PEFT (0.21, with transformers 5) reads a Qwen3-MoE adapter's gate_proj / up_proj / down_proj
     targets as the fused routed experts', so adapters on a dense layer's SwiGLU (mlp_only_layers)
-    would not load there; dense Qwen3 loads any adapter."""
+    would not load there (checked again with peft 0.21.2: `gate_proj` alone is refused as "fused into
+    gate_up_proj"); dense Qwen3 loads any adapter. Adapters on the routed experts themselves are not
+    in `adapted` (LoRALinear names only) and go out as `target_parameters` (components/hf/writer.py)."""
     dense_mlp = [name for name in adapted if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")]
     if not args.n_experts or not dense_mlp:
         return None
@@ -50,7 +52,7 @@ def peft_refusal(args: ModelArgs, adapted: list[str]) -> str | None:
             "(wq, wk, wv, wo)")
 
 
-QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES)
+QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES, expert_parameters=qwen3_hf.EXPERT_PARAMETERS)
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
                           block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
