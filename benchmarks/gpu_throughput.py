@@ -99,10 +99,9 @@ from weft.benchmarks.profiling import CATEGORIES, PhaseRegions, kernel_breakdown
 REPO = Path(__file__).resolve().parent.parent
 # The dense Llama, compared with transformers' LlamaForCausalLM of the same shape; Qwen3's dense
 # flavors likewise against Qwen3ForCausalLM.
-LLAMA = spec_for_flavor("llama3_8b")
+LLAMA, QWEN3 = spec_for_flavor("llama3_8b"), spec_for_flavor("qwen3_0_6b")
 FLAVORS = sorted(name for name, args in flavors().items()
-                 if spec_for_flavor(name) is LLAMA or (name.startswith(("qwen3", "debugmodel_qwen3"))
-                                                       and getattr(args, "n_experts", 1) == 0))
+                 if spec_for_flavor(name) is LLAMA or (spec_for_flavor(name) is QWEN3 and QWEN3.experts(args) is None))
 KINDS = ("bf16", "float8_tensorwise", "float8_rowwise", "autocast", "hf")
 CONFIGS = tuple(f"{kind}_{mode}" for kind in KINDS for mode in ("eager", "compile"))
 # The rows of a full run; bf16_compile twice, first and last, to show the run-to-run noise.
