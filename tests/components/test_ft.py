@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.support import REPO
-from tests.support.dist_utils import free_port
+from tests.support.dist_utils import free_port, run_distributed
+from tests.support.train_runs import run as run_train
 from weft.components.config import ConfigError, parse_args
 from weft.components.ft import check_fault_tolerance, config_identity
 
@@ -63,6 +64,13 @@ def finish(run: subprocess.Popen, timeout: float = 150) -> str:
         pytest.fail(f"timed out:\n{err[-4000:]}")
     assert run.returncode == 0, err[-4000:]
     return out + err
+
+
+def hsdp_reference(world: int, args: list[str]) -> None:
+    """Plain HSDP, the groups' reference: train.py's train on `world` gloo ranks, each forked from
+    this process (torch already imported) rather than started by torchrun; its losses land in
+    metrics.jsonl as a torchrun job's do."""
+    run_distributed(run_train, world, args, timeout=240)
 
 
 def records(dump: Path) -> list[dict]:
@@ -377,15 +385,16 @@ def test_two_groups_equal_hsdp_and_resume_after_all_killed(tmp_path, lighthouse)
     from its step-4 checkpoint and logs the losses of the uninterrupted groups, bit for bit."""
     together, killed = lighthouse(min_replicas=2), lighthouse(min_replicas=2)
     checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "4"]
-    runs = [launch([*train_args(tmp_path / "hsdp"), "--parallelism.dp_replicate", "2"], nproc=2, script="train.py")]
-    runs += [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, together)]) for g in (0, 1)]
+    runs = [launch([*train_args(tmp_path / f"g{g}"), *ft_args(g, together)]) for g in (0, 1)]
     runs += [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)],
                     env={"WEFT_TEST_KILL": "between:6"}) for g in (0, 1)]
-    for run in runs[3:]:
+    for run in runs[2:]:
         run.communicate(timeout=150)
         assert run.returncode != 0  # SIGKILLed, no restarts
     resumed = [launch([*train_args(tmp_path / f"k{g}"), *checkpoints, *ft_args(g, killed)]) for g in (0, 1)]
-    for run in runs[:3]:
+    # The reference (dp_replicate 2), while the groups run.
+    hsdp_reference(2, [*train_args(tmp_path / "hsdp"), "--parallelism.dp_replicate", "2"])
+    for run in runs[:2]:
         finish(run)
     for run in resumed:
         assert "checkpoint: resumed from step 4" in finish(run)
@@ -408,10 +417,10 @@ def test_two_groups_of_two_fsdp_ranks_equal_hsdp(tmp_path, lighthouse):
     """Groups with a mesh inside (FSDP over 2 ranks each): the gradient shards of rank r are averaged
     with rank r of the other group, which is HSDP (dp_replicate 2 x dp_shard 2) across the groups."""
     address, steps = lighthouse(min_replicas=2), 5
-    runs = [launch([*train_args(tmp_path / "hsdp", steps), "--parallelism.dp_replicate", "2",
-                    "--parallelism.dp_shard", "2"], nproc=4, script="train.py")]
-    runs += [launch([*train_args(tmp_path / f"g{g}", steps), "--parallelism.dp_shard", "2", *ft_args(g, address)],
-                    nproc=2, script="train.py") for g in (0, 1)]
+    runs = [launch([*train_args(tmp_path / f"g{g}", steps), "--parallelism.dp_shard", "2", *ft_args(g, address)],
+                   nproc=2, script="train.py") for g in (0, 1)]
+    hsdp_reference(4, [*train_args(tmp_path / "hsdp", steps), "--parallelism.dp_replicate", "2",
+                       "--parallelism.dp_shard", "2"])
     for run in runs:
         finish(run, timeout=240)
     reference = [r["train/loss"] for r in records(tmp_path / "hsdp")]

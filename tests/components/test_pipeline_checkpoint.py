@@ -1,7 +1,7 @@
 """Checkpoints under pipeline parallelism: exact resume, and resume into layouts without a pipeline.
 
-pp 2 × fsdp 2 trains 20 steps, saving after step 10 and 20. Resumed from its step-10 checkpoint,
-the same layout repeats steps 11-20 bit for bit; fsdp 4 and one process continue them within 1e-5
+pp 2 × fsdp 2 trains 10 steps, saving after step 5 and 10. Resumed from its step-5 checkpoint,
+the same layout repeats steps 6-10 bit for bit; fsdp 4 and one process continue them within 1e-5
 (only the order of reductions differs). The other direction, from a one-process checkpoint into
 pp 2 × fsdp 2, too. The pipeline run's Hugging Face export at its end holds the tensors that the
 offline export of its last checkpoint writes. Runs train.py's `train`, on gloo.
@@ -21,14 +21,15 @@ from tests.support.dist_utils import run_distributed
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",
              "--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_microbatches", "2"]
 FSDP4 = ["--parallelism.dp_shard", "4", "--training.local_batch_size", "2"]
+STEPS, HALF = 10, 5  # a checkpoint after HALF and STEPS; the resumed runs repeat the steps after HALF
 
 
 def args(dump: Path, extra: list[str]) -> list[str]:
-    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", "20",
+    return ["--job.config_file", "debug_model", "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
             "--training.seq_len", "32", "--training.local_batch_size", "8",
             "--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "float32",
             "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
-            "--checkpoint.enable", "--checkpoint.interval", "10", *extra]
+            "--checkpoint.enable", "--checkpoint.interval", str(HALF), *extra]
 
 
 def resume_copy(source: Path, dump: Path, step: int) -> Path:
@@ -47,9 +48,9 @@ def four_ranks(root: str, single_dump: str) -> dict[str, list[float]]:
     runs["straight"] = train.train(parse_args(args(root_path / "pp", PP2_FSDP2 + ["--export.hf_folder", "hf"])))
     dist.barrier()
     if dist.get_rank() == 0:
-        resume_copy(root_path / "pp", root_path / "pp_resumed", 10)
-        resume_copy(root_path / "pp", root_path / "fsdp4", 10)
-        resume_copy(Path(single_dump), root_path / "from_single", 10)
+        resume_copy(root_path / "pp", root_path / "pp_resumed", HALF)
+        resume_copy(root_path / "pp", root_path / "fsdp4", HALF)
+        resume_copy(Path(single_dump), root_path / "from_single", HALF)
     dist.barrier()
     runs["resumed"] = train.train(parse_args(args(root_path / "pp_resumed", PP2_FSDP2)))
     dist.barrier()
@@ -67,7 +68,7 @@ def runs(tmp_path_factory) -> dict[str, list[float]]:
     single = train.train(parse_args(args(root / "single", [])))
     runs = run_distributed(four_ranks, 4, str(root), str(root / "single"), timeout=1200)[0]
     runs["single"] = single
-    shutil.copytree(root / "pp" / "checkpoint" / "step-10", root / "single_resumed" / "checkpoint" / "step-10")
+    resume_copy(root / "pp", root / "single_resumed", HALF)
     runs["single_resumed"] = train.train(parse_args(args(root / "single_resumed", [])))
     runs["root"] = root
     return runs
@@ -75,13 +76,13 @@ def runs(tmp_path_factory) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_pp_fsdp_resumes_bit_for_bit(runs):
-    assert len(runs["straight"]) == 20 and runs["resumed"] == runs["straight"][10:]
+    assert len(runs["straight"]) == STEPS and runs["resumed"] == runs["straight"][HALF:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp4", "single_resumed"])
 def test_pp_checkpoint_resumes_in_another_layout(runs, layout):
-    assert runs[layout] == pytest.approx(runs["straight"][10:], rel=1e-5)
+    assert runs[layout] == pytest.approx(runs["straight"][HALF:], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -91,7 +92,7 @@ def test_pp_run_exports_what_its_checkpoint_holds(runs, tmp_path):
     from weft.components.hf import export_to_hf
 
     root = runs["root"]
-    export_to_hf(root / "pp" / "checkpoint" / "step-20", tmp_path / "offline", flavor="debugmodel")
+    export_to_hf(root / "pp" / "checkpoint" / f"step-{STEPS}", tmp_path / "offline", flavor="debugmodel")
     live, offline = load_file(root / "pp" / "hf" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
     assert sorted(live) == sorted(offline) and len(live) == 2 + 9 * 4 + 1
     for name, tensor in offline.items():
@@ -101,4 +102,4 @@ def test_pp_run_exports_what_its_checkpoint_holds(runs, tmp_path):
 @pytest.mark.slow
 def test_one_process_checkpoint_resumes_under_pp(runs):
     assert runs["straight"] == pytest.approx(runs["single"], rel=1e-5)  # the two layouts train alike
-    assert runs["from_single"] == pytest.approx(runs["single"][10:], rel=1e-5)
+    assert runs["from_single"] == pytest.approx(runs["single"][HALF:], rel=1e-5)

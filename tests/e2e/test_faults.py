@@ -33,6 +33,7 @@ from weft import train
 from weft.components import checkpoint as checkpoint_module
 from tests.support.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
 from tests.support.failure_checks import python_path
+from tests.support.dist_utils import free_port
 from tests.support.train_runs import run_args
 
 # The injections go into the step's loss function (set up by recipe.build.build_step, which
@@ -289,10 +290,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch(dump: Path, *extra: str, max_restarts: int = 0) -> subprocess.Popen:
+def launch(dump: Path, *extra: str, max_restarts: int = 0, port: list[str] = ()) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **RESTARTABLE}
-    return subprocess.Popen([*TORCHRUN, "--max-restarts", str(max_restarts), "train.py",
-                             *saving_args(dump, *extra)], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([*TORCHRUN, *port, "--max-restarts", str(max_restarts),
+                             "train.py", *saving_args(dump, *extra)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -367,19 +368,21 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path):
     """SIGKILL rank 1 under --max-restarts 1: the job restarts, resumes from the newest complete
     checkpoint, and logs the same losses, bit for bit, as a run never interrupted."""
     steps = ("--training.steps", "10")
-    uninterrupted = launch(tmp_path / "whole", *steps)
-    _, err = uninterrupted.communicate(timeout=300)
-    assert uninterrupted.returncode == 0, err[-3000:]
-
     dump = tmp_path / "killed"
+    # The two jobs are independent (own dump folders; the reference on a port of its own, the job
+    # that restarts on torchrun's default): they run at the same time.
+    uninterrupted = launch(tmp_path / "whole", *steps, port=["--master_port", str(free_port())])
     run = launch(dump, *steps, max_restarts=1)
     try:
         wait_for_step(run, dump, 5)
         worker(run, 1).kill()  # SIGKILL
         out, err = run.communicate(timeout=300)
+        _, whole_err = uninterrupted.communicate(timeout=300)
     finally:
-        if run.poll() is None:
-            run.kill()
+        for job in (run, uninterrupted):
+            if job.poll() is None:
+                job.kill()
+    assert uninterrupted.returncode == 0, whole_err[-3000:]
     assert run.returncode == 0, err[-3000:]
     assert "checkpoint: resumed from step" in out + err  # torchrun restarted the job, which resumed
     assert losses(dump) == losses(tmp_path / "whole")

@@ -116,6 +116,21 @@ def build_wheel(source: Path, dist: Path) -> Path:
     return wheel
 
 
+def together(*commands: tuple[list[str], dict]) -> list[subprocess.CompletedProcess]:
+    """Each (argv, Popen keywords) started at once, then all waited for (600 s): an install's command
+    and the checkout's reference are independent processes, so their start-ups overlap."""
+    started = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+               for argv, kw in commands]
+    try:
+        outputs = [p.communicate(timeout=600) for p in started]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(started, outputs)]
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def files(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in folder.iterdir()}
 
@@ -129,39 +144,36 @@ def test_weft_trains_samples_and_exports_from_any_folder_as_the_checkout_does(in
     elsewhere = tmp_path / "elsewhere"  # no assets/, no train_configs/: only the install has them
     elsewhere.mkdir()
     steps = ["--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "3"]
-    run = subprocess.run([str(install.weft), "train", "--job.config_file", "debug_model", *steps], cwd=elsewhere,
-                         env=install.env(), capture_output=True, text=True, timeout=600)
+    # The reference, run beside it: the checkout's train.py (the fork path), run from the checkout.
+    checkout = tmp_path / "checkout-run"
+    run, reference = together(
+        ([str(install.weft), "train", "--job.config_file", "debug_model", *steps], dict(cwd=elsewhere, env=install.env())),
+        ([sys.executable, "train.py", "--job.config_file", "debug_model", *steps, "--job.dump_folder", str(checkout)],
+         dict(cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})))
     assert run.returncode == 0, run.stderr[-3000:]
     dump = elsewhere / "outputs" / "debug_model"  # the config's dump_folder, relative to where it ran
     recorded = read_toml(dump / "config.toml")
     for used, shipped in ((recorded["model"]["tokenizer_path"], "assets/tokenizer/shakespeare.model"),
                           (recorded["data"]["dataset_path"], "assets/data/shakespeare")):
         assert Path(used).is_relative_to(install.venv.resolve()) and used.endswith(f"/weft/{shipped}"), used
-
-    # The reference: the checkout's train.py (the fork path), run from the checkout.
-    checkout = tmp_path / "checkout-run"
-    reference = subprocess.run([sys.executable, "train.py", "--job.config_file", "debug_model", *steps,
-                                "--job.dump_folder", str(checkout)], cwd=REPO, capture_output=True, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert len(run_losses(dump)) == 3 and run_losses(dump) == run_losses(checkout)
 
     prompt = ["--checkpoint", str(dump / "checkpoint" / "step-3"), "--flavor", "debugmodel", "--prompt", "ROMEO:",
               "--max-new-tokens", "12"]
-    sampled = subprocess.run([str(install.weft), "generate", *prompt], cwd=elsewhere, env=install.env(),
-                             capture_output=True, text=True, timeout=600)
+    step = ["--checkpoint", str(dump / "checkpoint" / "step-3")]
+    # Sampling and export read the same finished checkpoint: all four commands at once.
+    sampled, expected, exported, reference = together(
+        ([str(install.weft), "generate", *prompt], dict(cwd=elsewhere, env=install.env())),
+        ([sys.executable, "generate.py", *prompt], dict(cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})),
+        ([str(install.weft), "export", *step, "--out", "hf"], dict(cwd=elsewhere, env=install.env())),
+        ([sys.executable, "-m", "weft.components.hf", "export", *step, "--out", str(tmp_path / "hf")],
+         dict(cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})))
     assert sampled.returncode == 0, sampled.stderr[-3000:]
-    expected = subprocess.run([sys.executable, "generate.py", *prompt], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert expected.returncode == 0, expected.stderr[-3000:]
     assert sampled.stdout == expected.stdout and sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > 8
 
-    step = ["--checkpoint", str(dump / "checkpoint" / "step-3")]
-    exported = subprocess.run([str(install.weft), "export", *step, "--out", "hf"], cwd=elsewhere, env=install.env(),
-                              capture_output=True, text=True, timeout=600)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    reference = subprocess.run([sys.executable, "-m", "weft.components.hf", "export", *step, "--out",
-                                str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert files(elsewhere / "hf") == files(tmp_path / "hf") and "model.safetensors" in files(tmp_path / "hf")
 
@@ -171,11 +183,11 @@ def test_weft_prepare_tokenizes_shipped_assets_from_any_folder_as_the_checkout_d
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     argv = ["--source", "assets/data/shakespeare/hamlet.txt", "--tokenizer", "assets/tokenizer/shakespeare.model"]
-    run = subprocess.run([str(install.weft), "prepare", *argv, "--out", "shards"], cwd=elsewhere, env=install.env(),
-                         capture_output=True, text=True, timeout=600)
+    run, reference = together(
+        ([str(install.weft), "prepare", *argv, "--out", "shards"], dict(cwd=elsewhere, env=install.env())),
+        ([sys.executable, "-m", "weft.components.data.prepare", *argv, "--out", str(tmp_path / "shards")],
+         dict(cwd=REPO)))
     assert run.returncode == 0, run.stderr[-3000:]
-    reference = subprocess.run([sys.executable, "-m", "weft.components.data.prepare", *argv, "--out",
-                                str(tmp_path / "shards")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert files(elsewhere / "shards") == files(tmp_path / "shards") and len(files(tmp_path / "shards")) == 3
 

@@ -37,19 +37,23 @@ def losses(dump: Path) -> list[float]:
 def test_two_node_hsdp_matches_single_node(tmp_path):
     """Two launchers meet through a c10d rendezvous on loopback; HSDP replicates across them."""
     hsdp = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
-    single = launch("--nproc_per_node", "4", *train_args(tmp_path / "single", *hsdp))
-    out, err = single.communicate(timeout=600)
-    assert single.returncode == 0, err[-3000:]
-
+    # The one-node reference and the two nodes are independent jobs (own ports, own dump folders):
+    # they start together, so their start-ups and rendezvous overlap.
+    single = launch("--nproc_per_node", "4", "--master_port", str(free_port()), *train_args(tmp_path / "single", *hsdp))
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         launch("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--rdzv_backend", "c10d",
                "--rdzv_endpoint", endpoint, "--rdzv_id", "weft-test", *train_args(tmp_path / "multi", *hsdp))
         for node in (0, 1)
     ]
-    for node in nodes:
-        out, err = node.communicate(timeout=600)
-        assert node.returncode == 0, err[-3000:]
+    try:
+        for job in (single, *nodes):
+            out, err = job.communicate(timeout=600)
+            assert job.returncode == 0, err[-3000:]
+    finally:
+        for job in (single, *nodes):
+            if job.poll() is None:
+                job.kill()
     assert losses(tmp_path / "multi") == pytest.approx(losses(tmp_path / "single"), rel=1e-6)
     assert len(losses(tmp_path / "multi")) == 5
 

@@ -69,6 +69,32 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path, monkeypatch):
 SLOW = pytest.mark.slow  # each starts python train.py (4-5 s); three stay in the fast tier
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Each selected case of the bad-input test as its own `python train.py`, up to 4 at once (a
+    process spends its 4-5 s importing, on one thread): case id -> (its dump folder, the result)."""
+    cases = [item.callspec for item in request.session.items if item.module is request.module
+             and getattr(item, "originalname", "") == "test_bad_input_is_one_line_nonzero_and_writes_nothing"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results, running = {}, []
+    try:
+        for number, case in enumerate(cases):
+            dump = tmp_path_factory.mktemp(f"bad_input_{number}") / "out"
+            command = [sys.executable, "train.py", "--job.config_file", "debug_model", "--job.dump_folder", str(dump),
+                       *case.params["args"]]
+            running.append((case.id, dump, subprocess.Popen(command, cwd=REPO, env=env, text=True,
+                                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+            while len(running) == 4 or (running and number == len(cases) - 1):
+                case_id, folder, process = running.pop(0)
+                out, err = process.communicate(timeout=600)
+                results[case_id] = folder, subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    finally:
+        for _, _, process in running:
+            process.kill()
+            process.communicate()
+    return results
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -88,10 +114,8 @@ SLOW = pytest.mark.slow  # each starts python train.py (4-5 s); three stay in th
         pytest.param(["--activation_checkpoint.mode", "fulll"], "expected one of none, full, selective", marks=SLOW),
     ],
 )
-def test_bad_input_is_one_line_nonzero_and_writes_nothing(tmp_path, args, message):
-    dump = tmp_path / "out"
-    base = ["--job.config_file", "debug_model", "--job.dump_folder", str(dump)]
-    result = run_train_py(*base, *args)
+def test_bad_input_is_one_line_nonzero_and_writes_nothing(request, bad_input_runs, args, message):
+    dump, result = bad_input_runs[request.node.callspec.id]
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("weft: error: "), result.stderr

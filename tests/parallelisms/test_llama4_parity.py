@@ -5,7 +5,9 @@ routing bias moving after every step, so that a token routed differently anywher
 losses), within 1e-5 relative at every step.
 
 seq_len 128 is two of the flavor's 64-token attention chunks: under cp 2 each rank holds two
-32-token pieces of the sequence and the chunked layers' masks span the ranks.
+32-token pieces of the sequence and the chunked layers' masks span the ranks. The Qwen3 flavors
+attend over the whole sequence (no chunks), so their layouts and references train at seq_len 64:
+under cp 2 each rank still holds two 16-token pieces.
 
 The same sweep runs Qwen3 (`debugmodel_qwen3`) and Qwen3-MoE (`debugmodel_qwen3_moe`, softmax
 routing renormalised over the chosen experts, their scores weighing the experts' outputs) under
@@ -20,7 +22,7 @@ from weft.components.config import parse_args
 from tests.parallelisms.test_parity import data_parallel_degree
 from tests.support.dist_utils import run_by_world_size
 
-STEPS, GLOBAL_BATCH, SEQ = 10, 4, 128
+STEPS, GLOBAL_BATCH, SEQ, QWEN3_SEQ = 10, 4, 128, 64
 
 LORA = ["--lora.enable", "--lora.rank", "4"]  # adapters on attention, shared experts and dense layers
 # name -> (world size, overrides); a layout with LoRA is compared with LoRA in one process.
@@ -72,9 +74,10 @@ def reference_of(overrides: list[str]) -> str:
 
 
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
+    seq = QWEN3_SEQ if reference_of(overrides).startswith("debugmodel_qwen3") else SEQ
     return [
         "--job.config_file", "debug_moe", "--job.dump_folder", dump_folder,
-        "--training.steps", str(STEPS), "--training.seq_len", str(SEQ),
+        "--training.steps", str(STEPS), "--training.seq_len", str(seq),
         "--training.local_batch_size", str(GLOBAL_BATCH // dp),
         "--moe.bias_update_rate", "0.01", "--lr_scheduler.warmup_steps", "2",
         "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *overrides,
