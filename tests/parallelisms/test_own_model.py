@@ -39,7 +39,7 @@ LAYOUTS = {
     "hf_tp2": ("hf", 2, 1, 1, 2),
     "hf_cp2": ("hf", 2, 1, 2, 1),
     "nanogpt_fsdp2": ("nanogpt", 2, 2, 1, 1),
-    # hf under fsdp 2 x tp 2 (4 ranks): the README example's test trains it (tests/e2e/test_readme_example.py)
+    # hf under fsdp 2 x tp 2 (4 ranks): the README example's test trains it (tests/e2e/test_install.py)
 }
 
 
