@@ -14,7 +14,7 @@ from torch import nn
 from weft.components.hf.writer import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, ExportError
 from weft.models import spec_for_model
 from weft.models.common.hf_names import ExpertParameters
-from weft.parallelisms.lora import apply_lora
+from weft.parallelisms.lora import apply_lora, lora_scaling
 
 
 def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
@@ -37,7 +37,7 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     if config.get("peft_type") != "LORA":
         raise ExportError(f"adapter folder {folder}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
     rank, alpha, use_rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora"))
-    scaling_of = lambda r, a: a / math.sqrt(r) if use_rslora else a / r  # noqa: E731
+    scaling_of = lambda r, a: lora_scaling(a, r, use_rslora)  # noqa: E731
     pairs: dict[str, dict[str, torch.Tensor]] = {}  # PEFT module (and base_layer nesting) -> A, B
     for key, tensor in tensors.items():
         hf_module, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import fnmatch
 import logging
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from weft.models.common.init import param_seed
 from weft.models.moe import ROUTER
 from weft.models.nf4_experts import NF4Experts
 from weft.errors import TransformError, refuse_data_parallel_model
@@ -53,6 +53,11 @@ NF4_MIN_SCALER_BLOCK, NF4_GROUPS_MULTIPLE = 32, 8
 OUTPUT_HEADS = ("output", "lm_head")
 
 
+def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """What an adapter's output is multiplied by: alpha / rank (rsLoRA: alpha / sqrt(rank))."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
 class LoRALinear(nn.Linear):
     """An nn.Linear with a frozen base (`weight`, `bias`) plus trainable `lora_A`, `lora_B`."""
 
@@ -67,7 +72,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
-        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.scaling = lora_scaling(alpha, rank, use_rslora)
         self.quantize_base = quantize_base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +103,7 @@ def add_expert_adapters(experts: nn.Module, projections: list[str], rank: int, a
     experts.lora_A = ExpertAdapters({w: (p.shape[0], rank, p.shape[2]) for w, p in weights.items()}, **factory)
     experts.lora_B = ExpertAdapters({w: (p.shape[0], p.shape[1], rank) for w, p in weights.items()}, **factory)
     experts.lora_rank, experts.lora_alpha, experts.lora_use_rslora = rank, alpha, use_rslora
-    experts.lora_scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    experts.lora_scaling = lora_scaling(alpha, rank, use_rslora)
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ def apply_lora(
             param.data = param.data.to(base_dtype)  # in place: tied parameters stay one
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    scaling = lora_scaling(alpha, rank, use_rslora)
     adapted = sorted({w for _, projections in expert_targets.values() for w in projections})
     on_experts = (f" and per expert on {sum(len(p) for _, p in expert_targets.values())} stacks of routed experts "
                   f"({', '.join(adapted)}) of {len(expert_targets)} MoE layers" if expert_targets else "")
@@ -340,13 +345,7 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
 def reset_adapter(module: LoRALinear, *, seed: int, name: str) -> None:
     """A drawn whole as PEFT does (kaiming-uniform, a = sqrt(5)) from a generator seeded by
     (seed, module name), each rank keeping its slice; B = 0. The same values in every layout."""
-    a = module.lora_A.weight
-    device = a.device if not isinstance(a, DTensor) else a.to_local().device
-    generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    full = torch.empty(a.shape, dtype=a.dtype, device=device)
-    nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-    with implicit_replication():
-        a.copy_(full)
+    _draw_peft_a(module.lora_A.weight, param_seed(seed, name), [slice(None)])
     module.lora_B.weight.zero_()
 
 
@@ -356,16 +355,22 @@ def reset_expert_adapters(experts: nn.Module, *, seed: int, name: str) -> None:
     drawn whole, expert after expert as PEFT draws one [rank, in] matrix (bound 1/sqrt(in)), from a
     generator seeded by (seed, parameter name); each rank keeps its experts' slice. B = 0."""
     for w, a in experts.lora_A.named_parameters():
-        device = a.device if not isinstance(a, DTensor) else a.to_local().device
-        key = f"{name}.lora_A.{w}"
-        generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
-        full = torch.empty(a.shape, dtype=a.dtype, device=device)
-        for expert in full:
-            nn.init.kaiming_uniform_(expert, a=math.sqrt(5), generator=generator)
-        with implicit_replication():
-            a.copy_(full)
+        _draw_peft_a(a, param_seed(seed, f"{name}.lora_A.{w}"), range(a.shape[0]))
     for b in experts.lora_B.parameters():
         b.zero_()
+
+
+def _draw_peft_a(a: torch.Tensor, seed: int, matrices) -> None:
+    """Fill `a` (whole, or this rank's slice of it) with PEFT's kaiming-uniform draw of each of its
+    `matrices` (indices of its leading dimension; a linear's A is one matrix), in turn from one
+    generator seeded by `seed`."""
+    device = a.device if not isinstance(a, DTensor) else a.to_local().device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    full = torch.empty(a.shape, dtype=a.dtype, device=device)
+    for matrix in matrices:
+        nn.init.kaiming_uniform_(full[matrix], a=math.sqrt(5), generator=generator)
+    with implicit_replication():
+        a.copy_(full)
 
 
 def expert_lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

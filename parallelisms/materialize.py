@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from weft.models.common.init import param_seed
 from weft.parallelisms.lora import init_lora_adapters
 
 InitFn = Callable[[nn.Module], None]
@@ -166,7 +166,7 @@ def _init_module_by_module(model: nn.Module, device: torch.device, seed: int, in
         params = dict(module.named_parameters(recurse=False))
         full = {n: torch.empty(p.shape, dtype=p.dtype, device=device) for n, p in params.items()}
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            torch.manual_seed(param_seed(seed, name))
             for n, tensor in full.items():
                 module._parameters[n] = nn.Parameter(tensor, requires_grad=params[n].requires_grad)
             try:

@@ -191,7 +191,3 @@ class ExpertParameters:
         """PEFT's `target_parameters` entry for the parameter holding `name`, the same in every layer
         (`feed_forward.experts.gate_up_proj`)."""
         return self.parameter(name).split(".layers.", 1)[-1].split(".", 1)[-1]
-
-    def position(self, name: str) -> int:
-        """Where the parameter holding `name` comes among its module's parameters."""
-        return self.order.index(self.parameter(name).rsplit(".", 1)[-1])
