@@ -65,15 +65,31 @@ def full_tensors(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torc
     for name in names:
         tensor = state.get(name)
         if tensor is not None:
-            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-            if hasattr(tensor, "get_original_weight"):  # torchao's NF4Tensor (QLoRA's base): dequantized
-                tensor = tensor.get_original_weight()
+            tensor = _whole(tensor)
         if pp_group is not None:
             owner, shape, dtype = owners[name]
             if tensor is None:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, group=pp_group, group_src=owner)
         yield name, tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A state tensor gathered whole; torchao's NF4Tensor (QLoRA's base) as the weight it holds.
+
+    A sharded NF4 weight is dequantized where it lies and its plain shards gathered: gathering the
+    NF4 shards themselves (three asynchronous gathers of its inner tensors) corrupted the heap under
+    gloo within a few hundred gathers (torch 2.13, torchao 0.18), killing a rank mid-export. The
+    values are the same either way: NF4's quantization blocks never cross a shard's rows."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        if hasattr(local, "get_original_weight"):
+            local = local.get_original_weight()
+            tensor = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                        shape=tensor.shape, stride=tensor.stride())
+        return tensor.full_tensor()
+    tensor = tensor.detach()
+    return tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
 
 
 def _prefixed_names(model: nn.Module) -> dict[str, str]:
