@@ -62,7 +62,8 @@ from weft.components.model_state import whole_model
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.fsdp import fsdp_shard_dim
-from weft.parallelisms.lora import EXPERT_WEIGHTS, NF4_BLOCK, lora_modules, nf4_scaler_block, stacked_experts
+from weft.parallelisms.lora import (EXPERT_WEIGHTS, NF4_BLOCK, expert_adapter_ids, lora_modules, nf4_scaler_block,
+                                   stacked_experts)
 
 GIB = 1024**3
 
@@ -330,8 +331,9 @@ def trainable_block_numel(model: nn.Module, ep: int = 1) -> int:
     block, averaged over the blocks of the whole model; the experts' adapters are 1/ep here under
     expert parallelism, spread with their experts."""
     blocks = transformer_blocks(whole_model(model), "estimate_memory")
-    numel = sum(p.numel() // (ep if ".experts.lora_" in name else 1)
-                for block in blocks for name, p in block.named_parameters() if p.requires_grad)
+    adapters = expert_adapter_ids(whole_model(model))
+    numel = sum(p.numel() // (ep if id(p) in adapters else 1)
+                for block in blocks for p in block.parameters() if p.requires_grad)
     return numel // max(len(blocks), 1)
 
 
@@ -401,8 +403,9 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:  # of the fp32 (trainable) parameters that linears use; the experts' adapters are
         # cast by the MoE layer itself, one layer at a time (models/moe.py: experts_matmul)
-        expert_adapters = sum(local_tensor(p).numel() * p.element_size() for name, p in model.named_parameters()
-                              if p.requires_grad and ".experts.lora_" in name)
+        adapters = expert_adapter_ids(model)
+        expert_adapters = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()
+                              if p.requires_grad and id(p) in adapters)
         buffers["autocast bf16 weight copies"] = (grads - expert_adapters) // 2
     dequantized = nf4_experts_dequant_bytes(model, s.compute_dtype, s.ep)
     if dequantized:
@@ -465,8 +468,8 @@ def qlora_startup_bytes(model: nn.Module, args: Any, compute_dtype: torch.dtype,
     planned = nf4_planned_numel(model)
     stacks = [p for p in model.parameters() if id(p) in planned and planned[id(p)] != p.numel()]
     others_experts = sum(planned_nf4_bytes(p.numel(), planned[id(p)]) for p in stacks) * (ep - 1) // ep
-    others_experts += sum(p.numel() * p.element_size() for name, p in model.named_parameters()  # their adapters
-                          if ".experts.lora_" in name) * (ep - 1) // ep
+    adapters = expert_adapter_ids(model)
+    others_experts += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in adapters) * (ep - 1) // ep
     whole = tp_fsdp_state_bytes(model, 1, 1)[0] - others_experts
     e = dtype_bytes(compute_dtype)
     routed = routed_experts_per_block(model) if ep > 1 else 0

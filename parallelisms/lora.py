@@ -378,6 +378,11 @@ def expert_lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), ExpertAdapters)]
 
 
+def expert_adapter_ids(module: nn.Module) -> set[int]:
+    """The ids of the routed experts' adapter parameters in `module` (spread with their experts by EP)."""
+    return {id(p) for m in module.modules() if isinstance(m, ExpertAdapters) for p in m.parameters()}
+
+
 def init_lora_adapters(model: nn.Module, seed: int, prefix: str = "") -> None:
     """Re-initialise every adapter (after the model's own init has filled them like any linear);
     prefix: `model`'s name in the whole model, whose names seed the draws."""
