@@ -371,14 +371,23 @@ def load_initial_weights(model: nn.Module, path: Path, names: Collection[str] | 
         logger.info(f"weights loaded from {path}")
 
 
-def log_summary(plan: RunPlan, model: nn.Module) -> None:
-    """The start-up summary: the model, its parameters per rank, precision, the global batch."""
-    cfg, args, t = plan.cfg, plan.model_args, plan.cfg.training
-    n_params = count_parameters(whole_model(model))  # a pipeline rank: of the whole model, not its stages
-    n_active = active_parameters(whole_model(model))
+def model_line(plan: RunPlan, model: nn.Module) -> str:
+    """'model <flavor>: N parameters (A active per token), L on each rank'. N and A are the flavor's
+    own (a plain meta model of it: a LoRA run's adapters are apply_lora's line, NF4 weights count as
+    the weights they hold); L is what this rank holds, its shards and adapters included."""
+    with torch.device("meta"):
+        plain = spec_for_args(plan.model_args).build(plan.model_args)
+    n_params, n_active = count_parameters(plain), active_parameters(plain)
     active = f" ({n_active:,} active per token)" if n_active != n_params else ""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank "
+    adapters = " (the LoRA adapters included)" if plan.cfg.lora.enable else ""
+    return f"model {plan.cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank{adapters}"
+
+
+def log_summary(plan: RunPlan, model: nn.Module) -> None:
+    """The start-up summary: the model, its parameters per rank, precision, the global batch."""
+    args, t = plan.model_args, plan.cfg.training
+    logger.info(f"{model_line(plan, model)} "
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
                 f"{args.kv_heads} kv heads, vocab {args.vocab_size})")
     logger.info(plan.precision.describe())

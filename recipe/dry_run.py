@@ -29,8 +29,7 @@ from weft.components.memory import (
     tp_fsdp_state_bytes,
 )
 from weft.components.ft import describe_groups
-from weft.components.metrics import active_parameters, count_parameters, setup_logging
-from weft.components.model_state import whole_model
+from weft.components.metrics import setup_logging
 from weft.components.moe_balance import moe_layers
 from weft.models import spec_for_args
 from weft.models.moe_tp import check_moe_tp
@@ -47,7 +46,7 @@ from weft.parallelisms.pipeline import (
     default_split,
     split_model,
 )
-from weft.recipe.build import build_model
+from weft.recipe.build import build_model, model_line
 from weft.recipe.plan import RunPlan, check_expert_parallel, check_model_support, pipeline_layout
 
 logger = logging.getLogger("weft")
@@ -140,13 +139,8 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     # Every transform a real start applies, compile included (it only wraps forwards until their first
     # call), so the dry run refuses exactly what a real start refuses (compile + TP on torch 2.13).
     model = build_model(plan, meshes, device=None)
-    n_params = count_parameters(whole_model(model))  # a pipeline rank: of the whole model, not its stages
-
+    logger.info(model_line(plan, model))
     t = cfg.training
-    local = sum(x.numel() for x in map(_local, model.parameters()))
-    n_active = active_parameters(whole_model(model))
-    active = f" ({n_active:,} active per token)" if n_active != n_params else ""
-    logger.info(f"model {cfg.model.flavor}: {n_params:,} parameters{active}, {local:,} on each rank")
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
                 f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
                 f"(seq_len {t.seq_len})")
@@ -344,10 +338,6 @@ def _memory_limit(text: str) -> float | None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,6 +1,8 @@
 """The dry run of every published Qwen3 flavor prints its parameter counts (total, and active per
 token for Qwen3-MoE) as issue 37 gives them from transformers and the model cards."""
 
+import re
+
 import pytest
 
 from weft import train
@@ -58,3 +60,16 @@ def test_pp_refuses_the_tied_debug_flavor_in_one_line_and_plans_the_untied_one(c
     assert train.main([*argv, "--model.flavor", "debugmodel_qwen3_untied"]) == 0
     cfg = parse_args(["--job.config_file", "debug_model", "--training.seq_len", "128"])
     assert {d.pp for d in candidate_layouts(cfg, QWEN3_FLAVORS["debugmodel_qwen3_untied"], 4)} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("config", ["qwen3_8b_lora", "qwen3_30b_a3b_qlora"])
+def test_a_lora_dry_run_prints_the_flavors_counts_and_the_adapters_apart(config, capsys):
+    """The model line counts the flavor's own weights (the published counts); the adapters are
+    apply_lora's trainable parameters, and the rank holds both."""
+    assert train.main(["--job.config_file", config, "--job.dry_run", "--job.dry_run_device_memory_gib", "100000"]) == 0
+    out = capsys.readouterr().out
+    flavor = "qwen3_8b" if config == "qwen3_8b_lora" else "qwen3_30b_a3b"
+    total, active = PUBLISHED[flavor]
+    trainable = int(re.search(r"trainable ([\d,]+) of", out).group(1).replace(",", ""))
+    counts = f"{total:,} parameters" + (f" ({active:,} active per token)" if active != total else "")
+    assert f"model {flavor}: {counts}, {total + trainable:,} on each rank (the LoRA adapters included)" in out
