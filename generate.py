@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.components.adapters import load_peft_adapter
-from weft.components.checkpoint import load_model_weights, model_tensor_metadata, require_complete_checkpoint
+from weft.components.hf.adapters import load_peft_adapter
+from weft.components.checkpoint.checkpointer import load_model_weights, model_tensor_metadata, require_complete_checkpoint
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.export import run_hf_files
-from weft.components.shipped import SHIPPED_TOKENIZER, shipped_path
+from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.precision import DTYPES
 

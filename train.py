@@ -17,12 +17,12 @@ import torch
 
 from weft.components.config import JobConfig, parse_args, to_toml
 from weft.components.data.mixture import source_tokens
-from weft.components.distributed import Preemption, all_reduce_mean
+from weft.components.distributed.processes import Preemption, all_reduce_mean
 from weft.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
-from weft.components.metrics import StepStats
-from weft.components.profiling import StepProfiler
-from weft.components.timeouts import collective_failure
+from weft.components.observe.metrics import StepStats
+from weft.components.observe.profiling import StepProfiler
+from weft.components.distributed.timeouts import collective_failure
 from weft.recipe.build import (
     build_checkpointer,
     build_fault_guards,

@@ -33,13 +33,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weft.components.config import Optimizer, parse_args
-from weft.components.distributed import all_reduce_mean
+from weft.components.distributed.processes import all_reduce_mean
 from weft.components.data import Batch
 from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import train_step
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 
 ARGS = flavors()["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank
@@ -363,7 +363,7 @@ def theory(layout: Layout, args: Any = ARGS, batch: int = BATCH, seq: int = SEQ,
     for group in grad_dims:
         expected.append(Expected("step", "all_reduce", group, 1, n_tensors * FP32,
                                  f"grad-norm: {n_tensors} per-tensor norms"))
-    # The loss is normalised by the supervised tokens of the global batch (components/loss.py): one
+    # The loss is normalised by the supervised tokens of the global batch (components/training/loss.py): one
     # float counted over the data-parallel ranks before the first forward.
     expected.append(Expected("forward", "all_reduce", "dp", 1, FP32, "supervised-token count of the global batch"))
     # train.py averages the logged loss over the data-parallel ranks with one c10d all-reduce of a

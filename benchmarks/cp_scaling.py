@@ -28,7 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from weft.models import spec_for_flavor
 from weft.parallelisms.cp import apply_cp, shard_sequence
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 
 SEQ_LEN = 1024
 BATCH = 1

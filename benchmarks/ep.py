@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from weft.components.config import parse_args
 from weft.components.data import Batch
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import train_step

@@ -6,7 +6,7 @@ sequence of 8192 random tokens per step. Every row trains with train.py's own st
 1, fused AdamW over fp32 master weights, timed
 over steady-state steps (warm-up and compilation excluded, the device synchronised around every
 step). The loss is each library's own: weft's rows call train.py's `token_loss` (compiled with
-the row, else chunked: components/loss.py), transformers' rows the eager
+the row, else chunked: components/training/loss.py), transformers' rows the eager
 `F.cross_entropy(logits.float())` its causal-LM loss runs. Rows (`<kind>_<eager|compile>`, compile = each decoder
 block compiled on its own):
 
@@ -82,9 +82,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.components.config import Optimizer
-from weft.components.loss import token_loss
-from weft.components.metrics import count_parameters, device_peak_flops, flops_per_token
-from weft.components.optim import build_optimizer
+from weft.components.training.loss import token_loss
+from weft.components.observe.metrics import count_parameters, device_peak_flops, flops_per_token
+from weft.components.training.optim import build_optimizer
 from weft.components.data import Batch
 from weft.models import flavors, spec_for_args, spec_for_flavor
 from weft.parallelisms.compile import CompileOptions

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from weft.components.loss import chunked_cross_entropy, compiled_cross_entropy
+from weft.components.training.loss import chunked_cross_entropy, compiled_cross_entropy
 from weft.components.memory import GIB, measured_peak_bytes
 
 

@@ -21,7 +21,7 @@ import time
 
 from weft.components.config import parse_args
 from weft.components.config.schema import PIPELINE_SCHEDULES
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 
 PP, MICROBATCHES, WARMUP, TIMED = 2, 4, 1, 3
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "256", "--training.local_batch_size", "8",

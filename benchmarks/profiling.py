@@ -2,7 +2,7 @@
 
 One process builds train.py's plan, model, optimizer and step (recipe/plan.py, build.py, step.py)
 once, then runs passes of `--steps` steps of train_step, each wrapped as train.py wraps it
-(components/profiling.py's StepProfiler, its on_phase hook passed to train_step): with profiling
+(components/observe/profiling.py's StepProfiler, its on_phase hook passed to train_step): with profiling
 off, then on (a window of --warmup + --active steps every --freq steps, traces written to a
 temporary folder). Passes alternate (off, on, off, on, ...) so drift in the machine's speed hits
 both alike. Each step's train_step is timed; with profiling on only the steps outside a window
@@ -39,8 +39,8 @@ from torch.profiler import ProfilerAction
 
 from weft.components.config import Profiling, parse_args
 from weft.components.data import Batch
-from weft.components.metrics import MetricsLogger
-from weft.components.profiling import PHASE_REGIONS, StepProfiler, schedule_args
+from weft.components.observe.metrics import MetricsLogger
+from weft.components.observe.profiling import PHASE_REGIONS, StepProfiler, schedule_args
 from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
@@ -110,7 +110,7 @@ def category(name: str, enclosing: list[str]) -> str:
 
 class PhaseRegions:
     """train_step's on_phase marking the phases as train.py's traces do (record_function regions
-    forward, backward, optimizer; components/profiling.py), so kernel_breakdown sees the optimizer
+    forward, backward, optimizer; components/observe/profiling.py), so kernel_breakdown sees the optimizer
     phase. `close()` ends the last region."""
 
     def __init__(self) -> None:

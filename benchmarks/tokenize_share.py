@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 from assets.make_chat_data import speeches
 from weft.components.data import Tokenizer, build_loader, find_text_files
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"

@@ -42,7 +42,7 @@ Transient buffers: FSDP all-gathers ~2 blocks unsharded in the param dtype (the 
 the one prefetched) and reduce-scatters one block's gradients in the reduce dtype; the root's
 parameters (embedding, output) stay unsharded from the output projection's forward to its
 backward. Logits and loss (`loss_bytes`): T × vocab (/ tp under loss parallel) in the compute
-dtype, alive until backward has used them, and the loss's own work (components/loss.py): under
+dtype, alive until backward has used them, and the loss's own work (components/training/loss.py): under
 loss parallel the eager fp32 copy and its log-softmax (kept for backward) and their fp32
 gradients; compiled, only the logits' gradient; chunked, the logits' gradient plus the fp32 work
 of one chunk of rows.
@@ -57,8 +57,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from weft.components.loss import CHUNK_BYTES
-from weft.components.model_state import whole_model
+from weft.components.training.loss import CHUNK_BYTES
+from weft.components.checkpoint.state import whole_model
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.fsdp import fsdp_shard_dim
@@ -163,7 +163,7 @@ def nf4_bytes(numel: int) -> int:
 def planned_nf4_bytes(numel: int, quantized_numel: int) -> int:
     """NF4 bytes of `numel` values quantized `quantized_numel` at a time: a linear's weight whole,
     or a stack of experts (or a rank's share of them), each expert alone and its scales' mean
-    (fp32) kept beside (models/nf4_experts.py)."""
+    (fp32) kept beside (models/common/nf4_experts.py)."""
     if numel == quantized_numel:
         return nf4_bytes(numel)
     experts = max(numel // quantized_numel, 1)
@@ -193,7 +193,7 @@ class StepShape:
     ac_option: str = "op"
     float8: bool = False
     loss_parallel: bool = True
-    compiled_loss: bool = False  # components/loss.py: compiled cross-entropy, else chunked (eager)
+    compiled_loss: bool = False  # components/training/loss.py: compiled cross-entropy, else chunked (eager)
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
     foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
     lora_rank: int = 0  # LoRA on every block linear: frozen norms keep no output, adapters keep A x
@@ -402,7 +402,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
         buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
     if s.autocast:  # of the fp32 (trainable) parameters that linears use; the experts' adapters are
-        # cast by the MoE layer itself, one layer at a time (models/moe.py: experts_matmul)
+        # cast by the MoE layer itself, one layer at a time (models/common/moe.py: experts_matmul)
         adapters = expert_adapter_ids(model)
         expert_adapters = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()
                               if p.requires_grad and id(p) in adapters)
@@ -440,7 +440,7 @@ NF4_DEQUANT_INT_BYTES, NF4_DEQUANT_COPIES = 8, 2
 
 
 def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype, ep: int = 1) -> int:
-    """The largest stack of NF4 experts dequantized for its multiply (models/nf4_experts.py): this
+    """The largest stack of NF4 experts dequantized for its multiply (models/common/nf4_experts.py): this
     rank's experts of one projection (all gathered by FSDP, 1/ep of them under expert parallelism)
     in the compute dtype, and torchao's work on one expert."""
     e = dtype_bytes(compute_dtype)

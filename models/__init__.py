@@ -1,4 +1,4 @@
-"""weft's models and the registry of their specs (`models/spec.py`): the rest of weft finds a
+"""weft's models and the registry of their specs (`models/common/spec.py`): the rest of weft finds a
 model family here, never by importing its folder."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 from weft.models.llama.spec import LLAMA_SPEC
 from weft.models.llama4.spec import LLAMA4_SPEC
 from weft.models.qwen3.spec import QWEN3_SPEC
-from weft.models.spec import Experts, HFConfigError, HFMapping, ModelSpec
+from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 
 MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC)
 

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from weft.errors import TransformError, refuse_data_parallel_model
-from weft.models.nf4_experts import NF4Experts
+from weft.models.common.nf4_experts import NF4Experts
 
 logger = logging.getLogger("weft")
 
@@ -52,7 +52,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     """Spread the routed experts of every MoE layer over `ep_mesh` (each weight a Shard(0) DTensor:
     checkpoints and exports still see whole tensors) and exchange tokens by all-to-all.
 
-    Works on any model built with weft's MoE layer (`models/moe.py`: modules with stacked
+    Works on any model built with weft's MoE layer (`models/common/moe.py`: modules with stacked
     `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`). The
     experts must divide by the mesh size. Apply to the plain model on the meta device or on
     real weights (after `apply_lora`: adapters on the experts, `lora_A.w1`..., spread with them),
@@ -61,7 +61,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
     schedule, so their all-to-alls pair up micro-batch by micro-batch). Before `apply_tp`, whose
     MoE plan then keeps the spread experts whole and each tp rank's tokens its own
-    (models/moe_tp.py). Not with compile (the split sizes are read on the host).
+    (models/common/moe_tp.py). Not with compile (the split sizes are read on the host).
 
     sequence_shards: how many ranks of each ep group hold parts of the same samples (tensor
     parallelism's sequence shards, when ep borrows tp's ranks: then each tp rank routes its own

@@ -6,14 +6,14 @@ linears `lora_A` (in -> rank) and `lora_B` (rank -> out), the only parameters le
 
     y = x W^T + b + scaling * B(A(dropout(x))),   scaling = alpha / rank  (rslora: alpha / sqrt(rank))
 
-Routed experts (a stack [experts, out, in] per projection, models/moe.py) take one adapter per
+Routed experts (a stack [experts, out, in] per projection, models/common/moe.py) take one adapter per
 expert when targeted (`experts`, `experts.w1`...): `<experts>.lora_A.<w>` [experts, rank, in] and
 `<experts>.lora_B.<w>` [experts, out, rank], expert e computing with w[e] + scaling · B[e] A[e]
 through the grouped multiply (`GroupedExperts.weights`), the sum never formed.
 
 A is initialised as PEFT does (kaiming-uniform, a = sqrt(5); per expert for the experts) and B to
 zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base
-(`lora_tp_style`; the experts' by hidden dimension: models/moe_tp.py), expert parallelism spreads
+(`lora_tp_style`; the experts' by hidden dimension: models/common/moe_tp.py), expert parallelism spreads
 the experts' with their experts, FSDP shards them like any parameter (frozen and trainable parameters
 share a unit), and `quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they
 hold real values.
@@ -34,8 +34,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.models.common.init import param_seed
-from weft.models.moe import ROUTER
-from weft.models.nf4_experts import NF4Experts
+from weft.models.common.moe import ROUTER
+from weft.models.common.nf4_experts import NF4Experts
 from weft.errors import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
@@ -135,11 +135,11 @@ def apply_lora(
 
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
     (`layers.*.attention.w?`); `experts` puts an adapter on each routed expert's w1, w2 and w3
-    (stacked experts, models/moe.py), `experts.w1` (`.w2`, `.w3`, or a glob over the full name
+    (stacked experts, models/common/moe.py), `experts.w1` (`.w2`, `.w3`, or a glob over the full name
     `layers.*.feed_forward.experts.w1`) on that projection only. None: every nn.Linear but the
     output head and MoE routers, and no routed experts.
     quantize_base "nf4": the targets' frozen weights, and every stack of routed experts (expert by
-    expert, models/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
+    expert, models/common/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
     parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
     allow_no_targets: a part of a model (a pipeline stage of only the output, say) may hold none of
@@ -205,7 +205,7 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 
 def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules holding routed experts as stacked 3-D weights w1, w2, w3 (models/moe.py)."""
+    """The modules holding routed experts as stacked 3-D weights w1, w2, w3 (models/common/moe.py)."""
     return [(n, m) for n, m in model.named_modules()
             if not isinstance(m, ExpertAdapters)
             and all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3

@@ -1,7 +1,7 @@
 """Tensor parallelism: Megatron-style column/row splits of a model's linear layers over a TP mesh.
 
 A plan maps module paths (`*` matches any one path component, e.g. every block) to PyTorch's
-`ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/spec.py`; Llama's
+`ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/common/spec.py`; Llama's
 uses sequence parallelism) and builds one for Hugging Face transformers models from the plan
 their config declares; any other model passes `plan=`.
 """
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from weft.models import spec_for_model
-from weft.models.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
+from weft.models.common.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.errors import Conflict
 from weft.errors import TransformError, refuse_data_parallel_model
 from weft.float8 import converted_modules, float8_tp_styles

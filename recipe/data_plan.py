@@ -5,7 +5,7 @@
 validation files; checks that each file is readable in its format (the start of each text file,
 every record of a JSONL chat or prompt/completion file, a Parquet/Arrow file's footer, a shard
 folder's manifest and sizes); and compares them with the fingerprint of the checkpoint the run
-resumes from (components/fingerprint.py).
+resumes from (components/data/fingerprint.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from weft.components.data import DataError, HFTokenizer, build_loader, check_tex
 from weft.components.data.mixture import MixtureEntry, parse_mixture
 from weft.components.data.shards import (are_shards, check_shard_format, check_tokenizer, is_shard_folder,
                                          read_manifest, tokenizer_identity)
-from weft.components.fingerprint import check_resumed_data, data_fingerprint
+from weft.components.data.fingerprint import check_resumed_data, data_fingerprint
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from weft.components.config import ConfigError, JobConfig
-from weft.components.distributed import init_fake_distributed, launched_world_size
+from weft.components.distributed.processes import init_fake_distributed, launched_world_size
 from weft.components.memory import (
     GIB,
     MemoryEstimate,
@@ -28,11 +28,11 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
-from weft.components.ft import describe_groups
-from weft.components.metrics import setup_logging
-from weft.components.moe_balance import moe_layers
+from weft.components.ft.groups import describe_groups
+from weft.components.observe.metrics import setup_logging
+from weft.components.training.moe_balance import moe_layers
 from weft.models import spec_for_args
-from weft.models.moe_tp import check_moe_tp
+from weft.models.common.moe_tp import check_moe_tp
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
@@ -77,7 +77,7 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
         reduce_dtype=DTYPES[t.mixed_precision_reduce], ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
-        foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/optim.py)
+        foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/training/optim.py)
         lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
     )
 

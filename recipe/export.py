@@ -38,7 +38,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     base stays on the meta device), the merged one loads the base from the run's
     checkpoint.initial_load_path (QLoRA: quantized as in training) and the run's recorded
     tokenizer and generation config."""
-    from weft.components.checkpoint import load_adapter_weights, require_complete_checkpoint
+    from weft.components.checkpoint.checkpointer import load_adapter_weights, require_complete_checkpoint
     from weft.parallelisms.lora import dequantize_experts, expert_lora_modules, lora_modules
     from weft.recipe.build import build_model, load_lora_base
 

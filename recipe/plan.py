@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from weft.components.checkpoint import check_resume, resume_folder
-from weft.components.comm_trace import check_trace_folder
+from weft.components.checkpoint.checkpointer import check_resume, resume_folder
+from weft.components.distributed.flight_recorder import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, load_tokenizer
-from weft.components.ft import check_fault_tolerance
-from weft.components.distributed import collective_backend, launched_world_size, restart_warning
+from weft.components.ft.groups import check_fault_tolerance
+from weft.components.distributed.processes import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.hf.writer import ExportError, check_peft_export
-from weft.components.profiling import check_profiling
-from weft.components.shipped import SHIPPED_TOKENIZER
-from weft.components.wandb_logger import check_wandb
+from weft.components.observe.profiling import check_profiling
+from weft.components.config.shipped import SHIPPED_TOKENIZER
+from weft.components.observe.wandb_logger import check_wandb
 from weft.models import spec_for_args
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
@@ -54,7 +54,7 @@ class RunPlan:
     precision: PrecisionPolicy
     options: ParallelizeOptions = field(default_factory=ParallelizeOptions)  # parallelize's, from the config
     warnings: list[str] = field(default_factory=list)
-    data_fingerprint: str = ""  # JSON saved with each checkpoint (components/fingerprint.py)
+    data_fingerprint: str = ""  # JSON saved with each checkpoint (components/data/fingerprint.py)
     data_sources: list[DataSource] = field(default_factory=list)  # data.mixture's (recipe/data_plan.py)
     pipeline: PipelineLayout | None = None  # with parallelism.pp > 1
 

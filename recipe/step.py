@@ -3,7 +3,7 @@ these same functions.
 
 The loss of a step is the mean over the supervised tokens of the whole global batch: their
 number is counted over all micro-batches and data/context-parallel ranks first, then each
-micro-batch contributes its sum of token losses divided by it (components/loss.py), so
+micro-batch contributes its sum of token losses divided by it (components/training/loss.py), so
 gradient accumulation and every layout give the same gradients as one big batch on one device.
 """
 
@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from weft.components.data import Batch, batches
-from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
-from weft.components.moe_balance import balance_experts, ep_imbalance
-from weft.components.optim import clip_grad_norm_
+from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.training.moe_balance import balance_experts, ep_imbalance
+from weft.components.training.optim import clip_grad_norm_
 from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
 
@@ -58,7 +58,7 @@ class StepSetup:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # loss parallel
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # autocast
     compiled_loss: bool = False
-    moe_bias_rate: float = 0.0  # MoE layers' routing bias step after each update (components/moe_balance.py)
+    moe_bias_rate: float = 0.0  # MoE layers' routing bias step after each update (components/training/moe_balance.py)
     precompute_float8: bool = False  # one fused amax all-reduce after the update, for float8 all-gather
     forward: Callable[[nn.Module, Batch], torch.Tensor] = model_forward  # model, batch -> logits
     loss_fn: Callable[..., torch.Tensor] = token_loss  # as token_loss: logits, labels, count, grad_ranks, compiled=
@@ -67,7 +67,7 @@ class StepSetup:
     pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
     ep_group: torch.distributed.ProcessGroup | None = None  # under ep: the ranks holding different experts
     routing_group: torch.distributed.ProcessGroup | None = None  # MoE routing counts summed: dp × cp (× tp under ep)
-    # [fault_tolerance]: averages the gradients over the live replica groups before clipping (components/ft.py)
+    # [fault_tolerance]: averages the gradients over the live replica groups before clipping (components/ft/groups.py)
     average_gradients: Callable[[list[nn.Parameter]], None] | None = None
 
     @property
@@ -91,7 +91,7 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     MoE layers' routing biases towards equal load (none without MoE layers).
     on_phase("forward" | "backward" | "step") is called as each phase begins (benchmarks/comm.py
     counts collectives per phase with it). allow_update(grad_norm, loss), asked after clipping,
-    may leave out the update and the schedule's advance (components/nonfinite.py: a NaN step)."""
+    may leave out the update and the schedule's advance (components/training/nonfinite.py: a NaN step)."""
     on_phase("forward")
     setup.optimizer.zero_grad()
     micro_batches = [place(setup, batch) for batch in micro_batches]

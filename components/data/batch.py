@@ -4,7 +4,7 @@ the global micro-batch it is this rank's block of (`BatchShape`).
 Text windows carry inputs and labels alone (one causal sequence per row) unless document masking
 gives them positions and document ids from their BOS tokens, or EOS ones where the tokenizer has
 none (`document_layout`); packed samples
-always carry both. Labels are the inputs shifted by one; IGNORE_INDEX (-100, components/loss.py) marks a
+always carry both. Labels are the inputs shifted by one; IGNORE_INDEX (-100, components/training/loss.py) marks a
 token that is not supervised.
 """
 

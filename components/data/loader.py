@@ -29,7 +29,7 @@ from weft.components.data.files import DocStart, RawDoc
 from weft.components.data.packing import PackedSamples
 from weft.components.data.shards import ShardWindows, are_shards, check_shard_format, read_manifest
 from weft.components.data.windows import TextWindows
-from weft.components.distributed import shared_gloo_group
+from weft.components.distributed.processes import shared_gloo_group
 
 
 class Strategy(Protocol):

@@ -29,7 +29,7 @@ from weft.components.data.errors import DataError
 from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, file_documents,
                                           is_plain_text, position_state, record_of, where)
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
-from weft.components.loss import IGNORE_INDEX
+from weft.components.training.loss import IGNORE_INDEX
 
 LONG_SAMPLES = ("truncate", "drop")
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from weft.components.data.batch import Batch
 from weft.components.data.loader import Loader
-from weft.components.distributed import shared_gloo_group
+from weft.components.distributed.processes import shared_gloo_group
 
 __all__ = ["Prefetcher", "prefetch"]
 

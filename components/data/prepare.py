@@ -32,8 +32,8 @@ from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE
 from weft.components.data.tokenizers import load_tokenizer
 from weft.components.data.windows import TextWindows
 from weft.errors import OneLineParser, UserError, report_user_error
-from weft.components.fingerprint import data_fingerprint
-from weft.components.shipped import shipped_path
+from weft.components.data.fingerprint import data_fingerprint
+from weft.components.config.shipped import shipped_path
 
 SHARD_BYTES = 256 * 2**20  # of a .jsonl source per shard, so one large file is tokenized by many workers
 _windows: TextWindows | None = None  # each worker's tokenizer, loaded once

@@ -7,7 +7,7 @@ when the vocabulary fits, else `uint32`; each document already wrapped in BOS/EO
 `shard_NNNNN.offsets`, the documents' boundaries (`uint64`, documents + 1 entries, the first 0).
 The manifest names its format version, the dtype, the tokenizer (name, vocabulary size, SHA-256
 of its file's bytes), the totals, each shard with its token and document counts, and each source
-file with its size and fingerprint (components/fingerprint.py).
+file with its size and fingerprint (components/data/fingerprint.py).
 
 `ShardWindows` is `TextWindows` over shards: a document is the ids of one document of a shard, in
 the same order as the text loader reads the source, so windows, document masking, the cursor,

@@ -14,7 +14,7 @@ stream of tensors), `export` (a DCP checkpoint -> a folder; `export.hf_folder` a
 `model_files` (config.json, tokenizer and generation_config.json, recorded by a run in
 <dump_folder>/hf_files), `cli`. What is a model's own (its name table, the rotary row order,
 config.json) lives with the model (`models/<family>/hf_mapping.py`, on `models/common/`); these
-modules reach it through the model's spec (`ModelSpec.hf`, models/spec.py).
+modules reach it through the model's spec (`ModelSpec.hf`, models/common/spec.py).
 """
 
 from weft.components.hf.cli import main

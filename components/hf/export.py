@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from weft.components.checkpoint import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from weft.components.checkpoint.checkpointer import dcp_call, model_tensor_metadata, require_complete_checkpoint
 from weft.components.config import Export
 from weft.components.hf.model_files import HF_FILES, write_hf_files
 from weft.components.hf.safetensors_io import (

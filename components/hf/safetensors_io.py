@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from weft.components.checkpoint import CheckpointError
+from weft.components.checkpoint.checkpointer import CheckpointError
 from weft.errors import one_line
 
 SAFETENSORS = "model.safetensors"

@@ -20,7 +20,7 @@ in-memory expert parameters (`_PeftExperts` gives the layout, verified against p
 
 Every model-specific fact (names, rotary row order, tensors that join several parameters such as
 Llama 4's experts' gate_up_proj, how transformers holds the experts in memory, config.json) comes
-from the model's spec (models/spec.py).
+from the model's spec (models/common/spec.py).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from weft.errors import UserError
 from weft.components.hf.model_files import finish_hf_folder
 from weft.components.hf.safetensors_io import new_folder, plan_shards, write_shards
-from weft.components.model_state import full_tensors, model_parts, whole_model
+from weft.components.checkpoint.state import full_tensors, model_parts, whole_model
 from weft.models import spec_for_args
-from weft.models.spec import HFMapping
+from weft.models.common.spec import HFMapping
 from weft.parallelisms.lora import expert_lora_modules, lora_modules
 
 logger = logging.getLogger("weft")

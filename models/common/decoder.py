@@ -16,7 +16,7 @@ from torch import nn
 from weft.models.common.init import param_seed, trunc_normal
 from weft.models.common.norms import RMSNorm
 from weft.models.common.rotary import rope_rotations
-from weft.models.moe import MoE
+from weft.models.common.moe import MoE
 
 # Parameters that write into the residual stream (attention's output, the feed-forwards' down
 # projections, routed experts' included): initialised with std scaled by 1/√(2·n_layers).

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from weft.models.common.rotary import RopeScaling
-from weft.models.spec import HFConfigError, HFMapping
+from weft.models.common.spec import HFConfigError, HFMapping
 
 
 def hf_mapping(family: ModuleType, model_types: Iterable[str], **tensor_layout) -> HFMapping:

@@ -24,7 +24,7 @@ from weft.models.common.hf_names import (
     unpermute_from_hf,
 )
 from weft.models.llama.args import ModelArgs
-from weft.models.spec import HFConfigError
+from weft.models.common.spec import HFConfigError
 
 __all__ = [
     "HFConfigError",

@@ -1,4 +1,4 @@
-"""weft's Llama as the rest of weft sees it (models/spec.py): flavors, build, TP plan, pipeline
+"""weft's Llama as the rest of weft sees it (models/common/spec.py): flavors, build, TP plan, pipeline
 units, Hugging Face mapping, FLOPs per token."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""weft's Llama 4 as the rest of weft sees it (models/spec.py): flavors, build, pipeline units
+"""weft's Llama 4 as the rest of weft sees it (models/common/spec.py): flavors, build, pipeline units
 (the decoder's: the embedding, each block, the norm with the output), Hugging Face mapping (with the
 experts' joined gate_up_proj and Meta's `language_model.` prefix), tensor-parallel plan, FLOPs per
 token, LoRA adapters per block."""
@@ -12,7 +12,7 @@ from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.spec import Experts
+from weft.models.common.spec import Experts
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:

@@ -1,6 +1,6 @@
 """How tensor parallelism splits weft's Llama 4: the decoder plan for attention and the dense
 feed-forwards (the attention's third input, the NoPE temperature, passes through whole), and
-the MoE layer's own entries for each MoE feed-forward (models/moe_tp.py: the router
+the MoE layer's own entries for each MoE feed-forward (models/common/moe_tp.py: the router
 replicated, the routed and shared experts split by their hidden dimension, which says why).
 The model file knows nothing of it."""
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.models.common.tp_plan import decoder_tp_plan
-from weft.models.moe_tp import moe_tp_plan
+from weft.models.common.moe_tp import moe_tp_plan
 
 Plan = dict[str, ParallelStyle]
 

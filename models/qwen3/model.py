@@ -11,7 +11,7 @@ feed-forward:
   to 1 where `norm_topk_prob`), each expert's output weighed by its score, no shared expert.
 
 Norms, rotary, grouped-query attention (with its q/k norm), masks, SwiGLU, the MoE layer and the
-decoder frame with its initialisation are the shared ones of `models/common/` and `models/moe.py`.
+decoder frame with its initialisation are the shared ones of `models/common/` and `models/common/moe.py`.
 Nothing here knows about parallelism.
 """
 
@@ -21,8 +21,8 @@ from weft.models.common.decoder import Decoder, PreNormBlock
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.norms import RMSNorm
-from weft.models.moe import MoE
-from weft.models.nf4_experts import weight_numel
+from weft.models.common.moe import MoE
+from weft.models.common.nf4_experts import weight_numel
 from weft.models.qwen3.args import ModelArgs
 
 

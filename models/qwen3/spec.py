@@ -1,4 +1,4 @@
-"""weft's Qwen3 and Qwen3-MoE as the rest of weft sees it (models/spec.py), one spec for both:
+"""weft's Qwen3 and Qwen3-MoE as the rest of weft sees it (models/common/spec.py), one spec for both:
 flavors, build, pipeline units (the decoder's), Hugging Face mapping (per-head q/k norm rows,
 per-expert tensors), tensor-parallel plan, FLOPs per token, LoRA adapters per block, and what
 differs between its dense and MoE models: experts and routing, active parameters, NF4, PEFT targets."""
@@ -12,7 +12,7 @@ from weft.models.qwen3 import hf_mapping as qwen3_hf
 from weft.models.qwen3.args import QWEN3_FLAVORS, ModelArgs
 from weft.models.qwen3.model import Transformer
 from weft.models.qwen3.tp_plan import tp_plan
-from weft.models.spec import Experts
+from weft.models.common.spec import Experts
 
 
 def block_numel(args: ModelArgs) -> int:

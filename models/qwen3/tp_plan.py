@@ -1,7 +1,7 @@
 """How tensor parallelism splits weft's Qwen3: the decoder plan for attention and the dense
 feed-forwards, the per-head q/k norms (whose input is this rank's heads: their weights stay whole,
 their gradient summed over the ranks), and the MoE layer's own entries for each MoE feed-forward
-(models/moe_tp.py, which refuses Qwen3-MoE's score-after-experts layer unless expert
+(models/common/moe_tp.py, which refuses Qwen3-MoE's score-after-experts layer unless expert
 parallelism holds its experts). The model file knows nothing of it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from weft.models.common.tp_plan import decoder_tp_plan
-from weft.models.moe_tp import moe_tp_plan
+from weft.models.common.moe_tp import moe_tp_plan
 
 Plan = dict[str, ParallelStyle]
 

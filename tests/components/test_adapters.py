@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from weft.components.adapters import load_peft_adapter
+from weft.components.hf.adapters import load_peft_adapter
 from weft.errors import UserError
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.models.llama.hf_mapping import hf_config

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from weft.recipe import build as recipe_build
-from weft.components import checkpoint as checkpoint_module
-from weft.components.checkpoint import COMPLETE, CheckpointError, complete_steps
+from weft.components.checkpoint import checkpointer as checkpoint_module
+from weft.components.checkpoint.checkpointer import COMPLETE, CheckpointError, complete_steps
 from weft.components.config import ConfigError
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
@@ -263,7 +263,7 @@ def test_a_data_position_of_another_kind_is_refused_in_one_line(tmp_path):
     refusal says which is which (DCP alone would name a missing key)."""
     import torch.distributed.checkpoint as dcp
 
-    from weft.components.checkpoint import check_loader_state
+    from weft.components.checkpoint.checkpointer import check_loader_state
 
     single = {"epoch": 0, "file_index": 1, "byte_offset": 0, "line_number": 0, "token_offset": 5}
     mixture = {"mixture": json.dumps({"web": {"tokens": 64, **single}})}

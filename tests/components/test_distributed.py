@@ -1,10 +1,10 @@
-"""components/distributed.py: which collective backend a rank gets, and what start-up says about GPUs."""
+"""components/distributed/processes.py: which collective backend a rank gets, and what start-up says about GPUs."""
 
 from __future__ import annotations
 
 import pytest
 
-from weft.components.distributed import collective_backend, gpu_binding_line
+from weft.components.distributed.processes import collective_backend, gpu_binding_line
 
 
 @pytest.mark.parametrize("device_type, share_gpus, cpu_offload, expected", [

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from weft.components.adapters import load_peft_adapter
+from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
 from weft.parallelisms.lora import apply_lora, expert_lora_modules, lora_modules

@@ -1,4 +1,4 @@
-"""Fault tolerance across replica groups (components/ft.py): each group a torchrun job of its own,
+"""Fault tolerance across replica groups (components/ft/groups.py): each group a torchrun job of its own,
 a torchft lighthouse started here on loopback, workers really SIGKILLed (tests/support/ft_worker.py).
 
 The references: plain HSDP (parallelism.dp_replicate 2) for the losses of groups without faults;
@@ -21,7 +21,7 @@ from tests.support import REPO
 from tests.support.dist_utils import free_port, run_distributed
 from tests.support.train_runs import run as run_train
 from weft.components.config import ConfigError, parse_args
-from weft.components.ft import check_fault_tolerance, config_identity
+from weft.components.ft.groups import check_fault_tolerance, config_identity
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse started here: its line per quorum, off
 pytest.importorskip("torchft")
@@ -160,7 +160,7 @@ def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from weft.components.ft import _local, training_state
+    from weft.components.ft.groups import _local, training_state
     from weft.models.llama import LLAMA_FLAVORS, Transformer
     from weft.parallelisms.fsdp import apply_fsdp
     from weft.parallelisms.materialize import materialize
@@ -216,7 +216,7 @@ def test_groups_with_different_configs_stop_at_their_first_step():
     """The config's hash rides in the gradient all-reduce: averaged with a group of another config
     it comes back changed, and the group stops with one line (here torchft's all-reduce is a stub
     that averages with one peer holding `peer_identity` and zero gradients)."""
-    from weft.components.ft import FaultToleranceError, ReplicaGroups
+    from weft.components.ft.groups import FaultToleranceError, ReplicaGroups
 
     class Work:
         def __init__(self, tensor, peer_identity):
@@ -257,9 +257,9 @@ def test_per_step_groups_move_moe_routing_biases_as_hsdp():
     balance_experts on those sums). torchft's all-reduce is a stub averaging with one peer."""
     import copy
 
-    from weft.components.ft import ReplicaGroups
-    from weft.components.moe_balance import balance_experts
-    from weft.models.moe import MoE
+    from weft.components.ft.groups import ReplicaGroups
+    from weft.components.training.moe_balance import balance_experts
+    from weft.models.common.moe import MoE
 
     own = [torch.tensor([5.0, 1.0, 0.0, 2.0]), torch.tensor([0.0, 3.0, 3.0, 2.0])]
     peer = [torch.tensor([0.0, 1.0, 6.0, 1.0]), torch.tensor([2.0, 0.0, 3.0, 3.0])]
@@ -303,8 +303,8 @@ def test_diloco_sync_averages_moe_routing_biases_and_checks_the_config():
     """Under diloco the MoE routing biases (buffers, which DiLoCo's sync of the parameters leaves
     out) are averaged over the groups at each sync and kept only if the sync commits; the config's
     hash rides with them. torchft's all-reduce is a stub averaging with one peer's biases."""
-    from weft.components.ft import FaultToleranceError, ReplicaGroups
-    from weft.models.moe import MoE
+    from weft.components.ft.groups import FaultToleranceError, ReplicaGroups
+    from weft.models.common.moe import MoE
 
     class Work:
         def __init__(self, tensor, peer):
@@ -352,7 +352,7 @@ def test_steps_that_never_commit_stop_the_run():
     """Too few groups for min_replica_groups while the lighthouse still forms quorums: every step is
     refused, and after MAX_UNCOMMITTED_IN_A_ROW of them the run stops with one line instead of
     burning the data (a stub stands for torchft's should_commit)."""
-    from weft.components.ft import MAX_UNCOMMITTED_IN_A_ROW, FaultToleranceError, ReplicaGroups
+    from weft.components.ft.groups import MAX_UNCOMMITTED_IN_A_ROW, FaultToleranceError, ReplicaGroups
 
     class Manager:
         def num_participants(self):
@@ -472,7 +472,7 @@ def test_killed_group_rejoins_and_heals(tmp_path, lighthouse):
 
 def test_lighthouse_that_does_not_answer():
     """No lighthouse at the address: one line naming it and the time waited, within bounds."""
-    from weft.components.ft import FaultToleranceError, ReplicaGroups
+    from weft.components.ft.groups import FaultToleranceError, ReplicaGroups
 
     cfg = parse_args([*ft_args(0, f"http://127.0.0.1:{free_port()}"), "--fault_tolerance.connect_timeout_seconds", "2",
                       "--fault_tolerance.quorum_timeout_seconds", "2"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.components.adapters import load_peft_adapter
+from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
 from weft.parallelisms.lora import apply_lora, lora_modules
 from tests.models.test_llama4 import TINY, tiny_transformers_model, weft_from_transformers
@@ -82,7 +82,7 @@ def test_qlora_merged_folder_writes_the_nf4_experts_as_the_weights_they_hold(tmp
     logits of weft's QLoRA forward."""
     from transformers import Llama4ForCausalLM
 
-    from weft.models.nf4_experts import NF4Experts
+    from weft.models.common.nf4_experts import NF4Experts
     from weft.parallelisms.lora import dequantize_experts, quantize_lora_base
 
     nf4_sized = dict(hidden_size=256, head_dim=64, intermediate_size=128)  # whole groups of NF4 scales

@@ -1,4 +1,4 @@
-"""components/loss.py: the chunked and compiled cross-entropies against eager fp32 F.cross_entropy,
+"""components/training/loss.py: the chunked and compiled cross-entropies against eager fp32 F.cross_entropy,
 and what the chunked one saves, measured against the bytes the formula allows it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.components.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
+from weft.components.training.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
 from weft.components.memory import measured_peak_bytes
 
 

@@ -56,8 +56,8 @@ def measure_layouts(names: list[str]) -> dict[str, dict[str, int]]:
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from weft.components.loss import token_loss
-    from weft.components.optim import build_optimizer
+    from weft.components.training.loss import token_loss
+    from weft.components.training.optim import build_optimizer
     from weft.parallelisms.cp import shard_sequence
     from weft.recipe.build import build_model
     from weft.recipe.plan import RunPlan
@@ -148,8 +148,8 @@ def test_ep_estimate_within_10_percent_of_the_measured_peak(measured):
 def measure_one_process(extra: list[str]) -> dict[str, int]:
     """One process, debug model (or `--model.flavor`), fp32: the dry run's estimate beside the
     measured peak of a step."""
-    from weft.components.loss import token_loss
-    from weft.components.optim import build_optimizer
+    from weft.components.training.loss import token_loss
+    from weft.components.training.optim import build_optimizer
     from weft.recipe.build import build_model
     from weft.recipe.plan import RunPlan
 
@@ -228,7 +228,7 @@ def test_qlora_debug_moe_estimate_within_10_percent_of_its_measured_peak():
     lora = measure_one_process(["--model.flavor", "debugmodel_moe", "--lora.enable"])
     assert r["est_params"] == r["params"]
     from weft.models import spec_for_args
-    from weft.models.moe import GroupedExperts
+    from weft.models.common.moe import GroupedExperts
     args = flavors()["debugmodel_moe"]
     with torch.device("meta"):
         experts = sum(p.numel() for m in spec_for_args(args).build(args).modules()

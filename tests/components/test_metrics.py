@@ -1,10 +1,10 @@
-"""components/metrics.py: FLOPs per token, each GPU's peak, and what the throughput and memory figures count."""
+"""components/observe/metrics.py: FLOPs per token, each GPU's peak, and what the throughput and memory figures count."""
 
 import pytest
 import torch
 
-from weft.components import metrics as metrics_module
-from weft.components.metrics import (
+from weft.components.observe import metrics as metrics_module
+from weft.components.observe.metrics import (
     PEAK_BF16_FLOPS,
     MetricsLogger,
     StepStats,

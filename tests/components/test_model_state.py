@@ -26,7 +26,7 @@ def _gathered_under_fsdp2_equal_one_process() -> dict[str, bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from weft.components.model_state import full_tensors
+    from weft.components.checkpoint.state import full_tensors
 
     reference = [layer.weight.get_original_weight() for layer in _nf4_layers()]
     layers = _nf4_layers()

@@ -1,10 +1,10 @@
-"""components/moe_balance.py: the load imbalance it reports, and that its bias evens the load."""
+"""components/training/moe_balance.py: the load imbalance it reports, and that its bias evens the load."""
 
 import pytest
 import torch
 
-from weft.components.moe_balance import balance_experts, moe_layers
-from weft.models.moe import MoE, route
+from weft.components.training.moe_balance import balance_experts, moe_layers
+from weft.models.common.moe import MoE, route
 
 
 def skewed() -> tuple[MoE, torch.Tensor]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from weft.components.nonfinite import NonFiniteError, NonFinitePolicy
+from weft.components.training.nonfinite import NonFiniteError, NonFinitePolicy
 
 
 def test_skip_counts_consecutive_steps_and_stops_at_the_limit():

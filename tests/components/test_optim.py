@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from weft.components.config import LRScheduler, Optimizer
-from weft.components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_multiplier
+from weft.components.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, lr_multiplier
 
 
 def schedule(decay_type: str, min_lr_ratio: float = 0.0) -> list[float]:

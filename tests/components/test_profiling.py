@@ -1,4 +1,4 @@
-"""components/profiling.py: the profiler's schedule, the trace and snapshot paths, the CUDA memory
+"""components/observe/profiling.py: the profiler's schedule, the trace and snapshot paths, the CUDA memory
 recording's calls (stubbed on this CPU machine), the out-of-memory snapshot, profiled steps left
 out of the throughput, and the bad inputs [profiling] refuses at plan time."""
 
@@ -16,11 +16,11 @@ import torch
 from torch.profiler import ProfilerAction
 
 from weft import train
-from weft.components import profiling
+from weft.components.observe import profiling
 from weft.components.config import dump_folder
 from weft.components.config.schema import Profiling
-from weft.components.metrics import MetricsLogger, StepStats
-from weft.components.profiling import (
+from weft.components.observe.metrics import MetricsLogger, StepStats
+from weft.components.observe.profiling import (
     MEMORY_VIZ,
     StepProfiler,
     memory_history_args,

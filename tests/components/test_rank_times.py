@@ -18,7 +18,7 @@ from tests.support.failure_checks import assert_clean_failure, run_in_process, s
 from tests.support.train_runs import run_args
 from weft import train
 from weft.components.config import parse_args
-from weft.components.rank_times import gather_device, rank_scalars, slow_rank_note, slowest_rank
+from weft.components.observe.rank_times import gather_device, rank_scalars, slow_rank_note, slowest_rank
 from weft.recipe.build import build_training
 
 DELAY_S = 0.3

@@ -1,4 +1,4 @@
-"""components/shipped.py: a shipped config's `assets/...` paths mean the current folder's where it
+"""components/config/shipped.py: a shipped config's `assets/...` paths mean the current folder's where it
 has them (a checkout, a project with its own assets/) and weft's own copy elsewhere; and
 pyproject.toml's package data holds every file a shipped config names."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from weft.components.config import parse_args
-from weft.components.shipped import shipped_path
+from weft.components.config.shipped import shipped_path
 from tests.support import ASSETS, REPO
 
 if sys.version_info >= (3, 11):

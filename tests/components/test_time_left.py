@@ -12,8 +12,8 @@ import pytest
 
 from tests.support.train_runs import run_args
 from weft import train
-from weft.components.checkpoint import Checkpointer
-from weft.components.time_left import TimeLeft, clock
+from weft.components.checkpoint.checkpointer import Checkpointer
+from weft.components.observe.time_left import TimeLeft, clock
 from weft.recipe.step import train_step
 
 STEP_S, SAVE_S, STEPS = 0.15, 0.3, 12

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from weft.components.timeouts import CommTimeouts, keep_long_timeout
+from weft.components.distributed.timeouts import CommTimeouts, keep_long_timeout
 
 
 @pytest.fixture

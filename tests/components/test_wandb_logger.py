@@ -77,7 +77,7 @@ def test_enable_wandb_without_the_package_exits_2_writing_nothing(tmp_path, caps
 def test_a_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from weft.errors import UserError
-    from weft.components.wandb_logger import WandbLogger
+    from weft.components.observe.wandb_logger import WandbLogger
 
     def refuse(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")

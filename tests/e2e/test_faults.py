@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import weft.recipe.build as build_module
 from weft import train
-from weft.components import checkpoint as checkpoint_module
+from weft.components.checkpoint import checkpointer as checkpoint_module
 from tests.support.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
 from tests.support.failure_checks import python_path
 from tests.support.dist_utils import free_port

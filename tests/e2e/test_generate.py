@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from weft.components.checkpoint import load_model_weights
+from weft.components.checkpoint.checkpointer import load_model_weights
 from weft.components.data import Tokenizer
 from weft.components.hf import export_to_hf, load_hf_into_model, model_args_from_hf_folder
 from weft.generate import main, sample

@@ -121,7 +121,7 @@ def test_export_has_transformers_logits(runs, name, tmp_path):
     equal weft's on the checkpoint within 1e-5."""
     from safetensors.torch import load_file
 
-    from weft.components.checkpoint import load_model_weights
+    from weft.components.checkpoint.checkpointer import load_model_weights
     from weft.components.hf import main, model_args_from_hf_folder
     from weft.models.llama import Transformer
 

@@ -5,7 +5,7 @@ on the same global batch."""
 import pytest
 
 from weft.components.config import parse_args
-from weft.components.testing import run_distributed
+from weft.components.distributed.cpu_ranks import run_distributed
 
 STEPS, GLOBAL_BATCH = 6, 8
 

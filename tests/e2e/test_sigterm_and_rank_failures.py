@@ -20,7 +20,7 @@ from tests.support.failure_checks import REPO, assert_clean_failure, python, pyt
 # as a rank blocked in a collective after another rank failed, or in a long allocation.
 BLOCKED = """
 import time
-from weft.components.distributed import Preemption
+from weft.components.distributed.processes import Preemption
 preemption = Preemption(grace_s=2.0)
 print("ready", flush=True)
 while True:
@@ -79,7 +79,7 @@ def test_single_process_checkpoint_io_prints_nothing(tmp_path):
     script = (
         "import torch\n"
         "from pathlib import Path\n"
-        "from weft.components.checkpoint import dcp_call\n"
+        "from weft.components.checkpoint.checkpointer import dcp_call\n"
         f"folder = Path({str(tmp_path / 'step-1')!r})\n"
         "dcp_call('save', {'x': torch.ones(3)}, folder)\n"
         "state = {'x': torch.zeros(3)}\n"

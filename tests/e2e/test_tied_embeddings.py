@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from weft import train
-from weft.components.checkpoint import load_model_weights
+from weft.components.checkpoint.checkpointer import load_model_weights
 from weft.components.hf import export_to_hf
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.materialize import materialize

@@ -212,7 +212,7 @@ def test_cuda_flex_attention_masks_give_the_cpu_logits_and_a_backward():
 
 
 def test_flops_count_active_parameters_and_chunked_context():
-    from weft.components.metrics import flops_per_token
+    from weft.components.observe.metrics import flops_per_token
 
     args = LLAMA4_FLAVORS["debugmodel_moe"]  # layers 0, 2 rotary (chunks of 64), 1, 3 NoPE
     with torch.device("meta"):

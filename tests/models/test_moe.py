@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.models import moe as moe_module
-from weft.models.moe import MoE, load_balance_loss, route
+from weft.models.common import moe as moe_module
+from weft.models.common.moe import MoE, load_balance_loss, route
 
 
 def moe(score_func="sigmoid", score_before_experts=True, dtype=torch.float32) -> MoE:

@@ -1,4 +1,4 @@
-"""NF4 routed experts (models/nf4_experts.py, QLoRA's quantize_lora_base): each expert quantized
+"""NF4 routed experts (models/common/nf4_experts.py, QLoRA's quantize_lora_base): each expert quantized
 as torchao quantizes a 2-D weight, and the MoE layer computing with them exactly as a plain one
 holding their dequantized values, routing included, without keeping a dequantized stack for the
 backward."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchao.quantization import to_nf4
 
-from weft.models.moe import MoE
+from weft.models.common.moe import MoE
 from weft.parallelisms.lora import EXPERT_WEIGHTS, NF4_BLOCK, nf4_scaler_block, quantize_experts, quantize_lora_base, apply_lora
 
 DIM, HIDDEN, EXPERTS = 256, 128, 4
@@ -54,7 +54,7 @@ def test_each_expert_dequantizes_as_torchao_quantizes_it_alone(dtype):
 @pytest.mark.parametrize("dtype,grouped", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
 def test_the_layer_with_nf4_experts_computes_as_the_dequantized_plain_layer(dtype, grouped, monkeypatch):
     if not grouped:  # the loop over experts (rows not multiples of 16 bytes, float32 on CUDA)
-        monkeypatch.setattr("weft.models.moe.grouped_mm_applies", lambda x, w1: False)
+        monkeypatch.setattr("weft.models.common.moe.grouped_mm_applies", lambda x, w1: False)
     quantized, reference = quantized_and_reference(dtype)
     assert all(p.dtype == torch.uint8 for p in [quantized.experts.w1.codes, quantized.experts.w2.codes])
     torch.manual_seed(1)
@@ -91,7 +91,7 @@ def test_no_dequantized_stack_is_kept_for_the_backward():
 def test_parameter_counts_see_the_weights_nf4_experts_hold():
     """The model's parameter count (and from it MFU) counts an NF4 stack as its [experts, out, in]
     values, as for an unquantized layer with the same adapters."""
-    from weft.models.nf4_experts import weight_numel
+    from weft.models.common.nf4_experts import weight_numel
     quantized, reference = quantized_and_reference(torch.float32)
     adapters = sum(p.numel() for n, p in quantized.named_parameters() if ".lora_" in n)
     assert weight_numel(quantized) == sum(p.numel() for p in reference.parameters()) + adapters

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qw
 from weft.components.hf import ConversionError, load_hf_into_model, model_args_from_hf_folder, save_hf_model
 from weft.models import spec_for_flavor, spec_for_hf_config
 from weft.models.common.hf_names import permute_for_hf
-from weft.models.moe import route
+from weft.models.common.moe import route
 from weft.models.qwen3 import QWEN3_FLAVORS, Transformer
 from weft.models.qwen3.hf_mapping import hf_config, model_args_from_hf_config
 from tests.support.hf_folders import tiny_qwen3_hf_folder
@@ -206,8 +206,8 @@ def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
     routed experts' share a token skips, and that both dense Qwen3 and Qwen3-MoE (its stacked
     experts in NF4, expert by expert) can be QLoRA's base. The memory estimate's block
     and adapter counts against the model's, and its adapters as apply_lora makes them."""
-    from weft.components.metrics import active_parameters
-    from weft.models.moe import MoE
+    from weft.components.observe.metrics import active_parameters
+    from weft.models.common.moe import MoE
 
     spec = spec_for_flavor(flavor)
     args = spec.flavors[flavor]

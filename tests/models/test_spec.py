@@ -1,4 +1,4 @@
-"""The model spec (models/spec.py): the registry finds Llama's by flavor, model, args and config.json;
+"""The model spec (models/common/spec.py): the registry finds Llama's by flavor, model, args and config.json;
 what it declares holds for the model it builds; and the packages that read specs import no model
 folder and no module of theirs imports itself back."""
 
@@ -229,8 +229,8 @@ def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
     """experts(), active_parameters and nf4_refusal against the built model: its MoE layers (router
     width, top_k, expert widths), its parameters (the active ones: all but the routed experts' share
     a token skips) and that QLoRA takes the whole family, stacked experts included."""
-    from weft.components.metrics import active_parameters
-    from weft.models.moe import MoE
+    from weft.components.observe.metrics import active_parameters
+    from weft.models.common.moe import MoE
 
     spec = spec_for_flavor(flavor)
     args = spec.flavors[flavor]
@@ -248,4 +248,4 @@ def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
         assert experts.routed_hidden_dim == len(moes) * experts.top_k * widths.pop() // args.n_layers
         routed = sum(p.numel() for m in moes for p in m.experts.parameters())
         assert active_parameters(model) == total - routed + routed * experts.top_k // experts.n_experts
-    assert spec.nf4_refusal is None  # QLoRA holds stacked experts too (models/nf4_experts.py)
+    assert spec.nf4_refusal is None  # QLoRA holds stacked experts too (models/common/nf4_experts.py)

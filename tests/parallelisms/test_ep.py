@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from weft.components.moe_balance import balance_experts, ep_imbalance, moe_layers
+from weft.components.training.moe_balance import balance_experts, ep_imbalance, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.ep import apply_ep, expert_parameters
@@ -111,7 +111,7 @@ def skewed_routing() -> dict[str, float]:
     """Worker: an MoE layer (top 1) whose bias sends every token to expert 0 (on rank 0), so the
     other experts, rank 1's among them, receive nothing: outputs, input gradients and expert
     gradients against the whole layer on both ranks' tokens. Returns the largest difference of each."""
-    from weft.models.moe import MoE
+    from weft.models.common.moe import MoE
 
     rank = dist.get_rank()
     torch.manual_seed(0)

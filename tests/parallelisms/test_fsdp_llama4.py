@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from weft.components.moe_balance import balance_experts, moe_layers
+from weft.components.training.moe_balance import balance_experts, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.materialize import materialize
@@ -84,7 +84,7 @@ def test_fsdp_on_more_ranks_than_experts_splits_each_expert():
     dimension), not ranks 0-3 a whole expert each and ranks 4-7 none; other weights along dim 0."""
     from torch.distributed.tensor import Shard
 
-    from weft.components.distributed import init_fake_distributed
+    from weft.components.distributed.processes import init_fake_distributed
 
     with torch.device("meta"):
         model = Transformer(LLAMA4_FLAVORS["debugmodel_moe"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.components.moe_balance import balance_experts, moe_layers
+from weft.components.training.moe_balance import balance_experts, moe_layers
 from weft.models import llama4, qwen3
 from weft.parallelisms import ParallelizeOptions, parallelize
 from weft.parallelisms.ac import ACOptions

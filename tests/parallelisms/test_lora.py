@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.components.hf.writer import save_peft_adapter
-from weft.components.distributed import set_determinism
+from weft.components.distributed.processes import set_determinism
 from weft.models.llama import ModelArgs, Transformer
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError

@@ -1,4 +1,4 @@
-"""LoRA on the routed experts (parallelisms/lora.py, models/moe.py): a rank-r adapter per expert in
+"""LoRA on the routed experts (parallelisms/lora.py, models/common/moe.py): a rank-r adapter per expert in
 the layout of the expert-adapter spec (`<experts>.lora_A.<w>` [E, r, in], `.lora_B.<w>` [E, out, r]).
 
 References: the same MoE with each expert's weight merged by hand, w + scaling · B @ A (outputs,
@@ -22,8 +22,8 @@ from weft.components.config import ConfigError, parse_args
 from weft.models.llama import LLAMA_FLAVORS
 from weft.models.llama import Transformer as Llama
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
-from weft.models.moe import MoE
-from weft.models.nf4_experts import NF4Experts
+from weft.models.common.moe import MoE
+from weft.models.common.nf4_experts import NF4Experts
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
@@ -169,7 +169,7 @@ def layouts_and_one_process() -> dict[str, tuple]:
     by ep 2 (borrowed from fsdp 2) and by fsdp 2, each on its half of the batches, by tp 2 (the
     experts and their adapters split by hidden dimension) and one process on the whole ones; and QLoRA (NF4 base and experts) so by ep 2 and one process. For
     each: (losses, expert biases, adapters gathered whole)."""
-    from weft.components.moe_balance import moe_layers
+    from weft.components.training.moe_balance import moe_layers
     from weft.parallelisms.fsdp import FSDPOptions
     from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallel_dims import ParallelDims

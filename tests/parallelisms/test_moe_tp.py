@@ -1,4 +1,4 @@
-"""Tensor parallelism on the MoE layer (models/moe_tp.py): over 2 gloo ranks, an MoE split
+"""Tensor parallelism on the MoE layer (models/common/moe_tp.py): over 2 gloo ranks, an MoE split
 by its experts' hidden dimension computes what the whole layer computes in one process, forward
 and backward (output, input gradient, every weight's gradient), and refuses what it cannot split."""
 
@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from weft.models.moe import MoE
+from weft.models.common.moe import MoE
 from weft.parallelisms.common import TransformError
-from weft.models.moe_tp import moe_tp_plan
+from weft.models.common.moe_tp import moe_tp_plan
 from tests.support.dist_utils import run_distributed
 
 DIM, HIDDEN, EXPERTS, TOP_K, SEQ = 16, 32, 4, 2, 12

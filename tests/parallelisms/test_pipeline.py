@@ -254,7 +254,7 @@ def test_a_transformers_llama_trains_under_pp_2_like_the_unsplit_model():
     """pp 2 with 1F1B (one stage a rank) and Interleaved1F1B (two, in loop order): every step's loss
     and every final weight equal the unsplit transformers model's in one process."""
     pytest.importorskip("transformers")
-    from weft.components.testing import run_distributed
+    from weft.components.distributed.cpu_ranks import run_distributed
 
     want_losses, want_weights = train_hf_in_one_process()
     assert want_losses[-1] < want_losses[0] - 0.3, "the reference must learn"

@@ -72,7 +72,7 @@ def config(dump_folder: str, overrides: list[str]):
 def train_and_gather(cfg) -> tuple[list[float], dict[str, np.ndarray]]:
     """Train as train.py does (plan, build, step); return the global loss of every step and, on
     one rank per stage, its stages' final weights gathered whole."""
-    from weft.components.distributed import all_reduce_mean
+    from weft.components.distributed.processes import all_reduce_mean
     from weft.recipe.build import build_training
     from weft.recipe.plan import RunPlan
     from weft.recipe.step import train_step

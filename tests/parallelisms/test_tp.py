@@ -98,7 +98,7 @@ def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:
 def test_transformers_model_under_apply_tp_keeps_its_output_type():
     """By default apply_tp keeps a model's outputs what they were (the declared plan gathers the
     LM head), so the model's own loss works; loss parallelism is an explicit argument."""
-    from weft.components.testing import run_distributed
+    from weft.components.distributed.cpu_ranks import run_distributed
 
     for plain, loss, reference in run_distributed(hf_loss_with_and_without_tp, 2):
         assert plain

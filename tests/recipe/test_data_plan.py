@@ -11,7 +11,7 @@ import pytest
 from weft import train
 from weft.components.config import parse_args
 from weft.components.data import DataError, Tokenizer
-from weft.components.fingerprint import DataChangedError
+from weft.components.data.fingerprint import DataChangedError
 from weft.recipe.data_plan import plan_data
 from weft.recipe.plan import tokenizer_path
 

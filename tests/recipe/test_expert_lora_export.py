@@ -43,7 +43,7 @@ def _logits(base, adapter: Path, merged: Path, weft_base, tokens) -> tuple[torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from weft.components.adapters import load_peft_adapter
+    from weft.components.hf.adapters import load_peft_adapter
 
     with torch.no_grad():
         plain = base(input_ids=tokens).logits

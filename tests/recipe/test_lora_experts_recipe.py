@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from weft.components.checkpoint import complete_steps
+from weft.components.checkpoint.checkpointer import complete_steps
 from tests.support.train_runs import run, run_args
 
 STEPS = 8

@@ -94,7 +94,7 @@ def test_peft_on_the_base_equals_the_merged_folder_and_weft(base, pp2):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from weft.components.adapters import load_peft_adapter
+    from weft.components.hf.adapters import load_peft_adapter
     from weft.components.hf import load_hf_into_model
     from weft.models.llama import LLAMA_FLAVORS, Transformer
 

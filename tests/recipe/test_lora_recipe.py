@@ -1,4 +1,4 @@
-"""LoRA through train.py (recipe/plan.py, recipe/build.py, components/checkpoint.py): adapter-only
+"""LoRA through train.py (recipe/plan.py, recipe/build.py, components/checkpoint/checkpointer.py): adapter-only
 checkpoints, exact resume (also from fsdp 2 x tp 2 into one process), the base recorded and
 checked, and every bad [lora] input refused in one line before anything is written."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weft import train
-from weft.components.checkpoint import complete_steps
+from weft.components.checkpoint.checkpointer import complete_steps
 from weft.components.config import ConfigError, parse_args
 from weft.models.llama import LLAMA_FLAVORS
 from weft.recipe.plan import RunPlan

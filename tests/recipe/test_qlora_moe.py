@@ -1,4 +1,4 @@
-"""QLoRA on the debug MoE through train.py: the routed experts in NF4 (models/nf4_experts.py), the
+"""QLoRA on the debug MoE through train.py: the routed experts in NF4 (models/common/nf4_experts.py), the
 adapters learn, resume exactly, and fsdp 2 and ep 2 train as one process does.
 
 Tolerance across layouts: every layout quantizes each expert alone from the same seeded weights
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weft.components.checkpoint import complete_steps
+from weft.components.checkpoint.checkpointer import complete_steps
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

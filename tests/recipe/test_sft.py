@@ -15,7 +15,7 @@ import torch
 from assets.make_chat_data import speeches
 from weft.components.config import parse_args
 from weft.components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
-from weft.components.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from weft.models.llama import ModelArgs, Transformer
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import tiny_hf_folder
@@ -343,7 +343,7 @@ def test_hf_finetune_end_to_end(sft_runs):
     """HF folder imported under fsdp 2 x tp 2 (its tokenizer by default), fine-tuned on packed chats,
     validation loss falls, exported back: transformers' logits equal weft's."""
     transformers = pytest.importorskip("transformers")
-    from weft.components.checkpoint import load_model_weights
+    from weft.components.checkpoint.checkpointer import load_model_weights
     from weft.components.hf import export_to_hf
     from weft.models.llama import LLAMA_FLAVORS
 

@@ -13,7 +13,7 @@ import weft.recipe.build as build_module
 from weft.recipe.plan import check_launch
 from weft import train
 from weft.components.config import ConfigError, parse_args
-from weft.components.distributed import init_fake_distributed, is_fake_distributed
+from weft.components.distributed.processes import init_fake_distributed, is_fake_distributed
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.parallel_dims import ParallelDims

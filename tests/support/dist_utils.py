@@ -1,9 +1,9 @@
-"""The tests' name for the library's multi-process helpers (components/testing.py), and the layout
+"""The tests' name for the library's multi-process helpers (components/distributed/cpu_ranks.py), and the layout
 sweeps' runner."""
 
 from collections.abc import Callable
 
-from weft.components.testing import free_port, run_distributed
+from weft.components.distributed.cpu_ranks import free_port, run_distributed
 
 __all__ = ["free_port", "run_by_world_size", "run_distributed"]
 

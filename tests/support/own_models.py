@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.models.moe import MoE
+from weft.models.common.moe import MoE
 
 SEQ_LEN, VOCAB = 16, 96
 

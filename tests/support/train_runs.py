@@ -7,7 +7,7 @@ from pathlib import Path
 
 from weft import train
 from weft.components.config import parse_args
-from weft.components.distributed import Preemption
+from weft.components.distributed.processes import Preemption
 
 
 def run_args(dump: Path | str, *extra: str, config: str = "debug_model", steps: int = 4, seq_len: int = 32,

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from weft.components.checkpoint import CheckpointError
+from weft.components.checkpoint.checkpointer import CheckpointError
 from weft.components.hf import ConversionError, export_to_hf, load_hf_into_model, main
 from weft.models.llama.hf_mapping import (
     hf_config,
@@ -48,7 +48,7 @@ def tiny_model(args: ModelArgs, seed: int) -> Transformer:
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], folder: Path, *, complete: bool = True) -> Path:
-    """A model-only DCP checkpoint in the format of components/checkpoint.py."""
+    """A model-only DCP checkpoint in the format of components/checkpoint/checkpointer.py."""
     dcp.save({"model": state}, checkpoint_id=str(folder), no_dist=True)
     if complete:
         (folder / "COMPLETE").write_text("done\n")

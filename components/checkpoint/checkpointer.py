@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from weft.components.config import Checkpoint
-from weft.components.distributed import shared_gloo_group
+from weft.components.distributed.processes import shared_gloo_group
 from weft.errors import UserError, one_line
-from weft.components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
-from weft.components.timeouts import keep_long_timeout
-from weft.components.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
+from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
+from weft.components.distributed.timeouts import keep_long_timeout
+from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
 
 logger = logging.getLogger("weft")
 

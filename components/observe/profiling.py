@@ -30,7 +30,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from weft.components.config import ConfigError, JobConfig, check_creatable_folder
 from weft.components.config.schema import Profiling
-from weft.components.metrics import MetricsLogger
+from weft.components.observe.metrics import MetricsLogger
 
 logger = logging.getLogger("weft")
 

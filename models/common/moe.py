@@ -7,14 +7,14 @@ over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped
 included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
 bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism;
 `GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
-A weight may also come frozen in NF4 (models/nf4_experts.py) or with a low-rank adapter per
+A weight may also come frozen in NF4 (models/common/nf4_experts.py) or with a low-rank adapter per
 expert (`LowRankAdapted`, which LoRA adds: parallelisms/lora.py); each projection is then its own
 grouped multiply, the adapter's x A_e^T B_e^T added to the base's output.
 
 Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
 training forwards since the training loop last read it; forwards in eval mode do not count) and holds a per-expert `expert_bias` added to the
 router logits for the choice only, never to the scores that weigh the outputs. The training loop
-nudges the bias towards equal load after each step (components/moe_balance.py: DeepSeek-V3's
+nudges the bias towards equal load after each step (components/training/moe_balance.py: DeepSeek-V3's
 auxiliary-loss-free balancing). With the bias zero the choice is the unbiased one exactly.
 Optionally (`load_balance_coeff` > 0, in training) the layer also adds Switch Transformer's
 load-balancing loss to the training loss's gradient.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.models.common.feed_forward import FeedForward
-from weft.models.nf4_experts import NF4Experts, frozen_experts_matmul
+from weft.models.common.nf4_experts import NF4Experts, frozen_experts_matmul
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 # The router's attribute name: LoRA and float8 leave layers of this name as they are (an adapter or
@@ -88,7 +88,7 @@ class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts, stacked: expert e computes w2[e](silu(w1[e] x) ⊙ w3[e] x).
 
     `compute` takes the weights as arguments, so that a parallel transform can run it on its
-    rank's part of them (models/moe_tp.py: a hidden-dimension slice of every expert)."""
+    rank's part of them (models/common/moe_tp.py: a hidden-dimension slice of every expert)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()

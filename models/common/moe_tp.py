@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Mixture-of-Experts layer (models/moe.py): the plan entries of one
+"""Tensor parallelism for the Mixture-of-Experts layer (models/common/moe.py): the plan entries of one
 `MoE` module, which a model's tensor-parallel plan adds for each of its MoE layers.
 
 The routed experts are split by their hidden dimension, each tp rank holding a slice of every

@@ -6,7 +6,7 @@ a rank that stops responding (a hung GPU, a stopped process, a dead node) ends t
 minutes instead of torch's default half hour. A rank whose collective times out raises
 CollectiveTimeoutError: one line naming the step, the limit and, when the store can tell, the
 ranks that did not respond and, on gloo, the step and phase each of them last entered
-(components/comm_trace.py); torchrun then stops the others.
+(components/distributed/flight_recorder.py); torchrun then stops the others.
 
 On gloo (CPU) a timed-out collective raises, and that line is printed. On NCCL the same limit
 applies, but NCCL's watchdog aborts the process itself with its own message.
@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from weft.components.comm_trace import PhaseRecord, last_phases
+from weft.components.distributed.flight_recorder import PhaseRecord, last_phases
 from weft.errors import UserError, one_line
 
 # What gloo and the c10d store say when a peer never answered, or went away.

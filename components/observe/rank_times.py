@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from weft.components.distributed import is_fake_distributed
+from weft.components.distributed.processes import is_fake_distributed
 
 # Per-rank scalars (ranks/<figure>/<rank>) are written for worlds up to this size; bigger worlds get
 # only the max, median and argmax of each figure, so metrics.jsonl and TensorBoard stay small.

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.components.model_state import model_parts
-from weft.models.moe import MoE
+from weft.components.checkpoint.state import model_parts
+from weft.models.common.moe import MoE
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -105,7 +105,7 @@ def config_identity(cfg: JobConfig) -> int:
 
 @dataclass
 class GroupStats:
-    """What the log line, TensorBoard and metrics.jsonl show of the groups (components/metrics.py)."""
+    """What the log line, TensorBoard and metrics.jsonl show of the groups (components/observe/metrics.py)."""
 
     participating: int  # groups in this step's quorum
     groups: int  # fault_tolerance.replica_groups
@@ -308,7 +308,7 @@ class ReplicaGroups:
         out, in one all-reduce: the MoE layers' routing biases (buffers), averaged over the groups,
         and the config's hash (the check average_gradients makes every step). Returns what puts
         the averaged biases in place once the sync commits."""
-        from weft.components.moe_balance import moe_layers
+        from weft.components.training.moe_balance import moe_layers
 
         biases = [_local(layer.expert_bias) for _, layer in moe_layers(self._model)]
         flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
@@ -336,7 +336,7 @@ class ReplicaGroups:
         config's hash: groups started with different configs stop at their first step together;
         and the MoE layers' token counts, so that every group moves its routing bias as HSDP does
         (by the mean of the groups' counts: the sign of mean minus load is that of their sum)."""
-        from weft.components.moe_balance import moe_layers
+        from weft.components.training.moe_balance import moe_layers
 
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if self._model is not None:  # the routing counts, summed over every replica as HSDP's are
@@ -389,7 +389,7 @@ class ReplicaGroups:
     def state_dict(self) -> dict[str, Any]:
         """The global weights of the last sync (laid out as the model's, so that DCP reshards them),
         the outer optimizer (its momentum), the steps taken in this sync window, the syncs so far."""
-        from weft.components.model_state import optimizer_state
+        from weft.components.checkpoint.state import optimizer_state
 
         kept = self._diloco._fragments[0].original_parameters
         weights = {name: _like(kept[raw], param) for raw, name, param in self._named_weights()}
@@ -397,7 +397,7 @@ class ReplicaGroups:
                 "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from weft.components.model_state import load_optimizer_state
+        from weft.components.checkpoint.state import load_optimizer_state
 
         kept = self._diloco._fragments[0].original_parameters
         with torch.no_grad():
@@ -408,8 +408,8 @@ class ReplicaGroups:
 
     def _named_weights(self) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
         """(DiLoCo's name, the checkpoint's name, parameter) of each weight DiLoCo syncs."""
-        from weft.components.checkpoint import _saved_name
-        from weft.components.model_state import _prefixed_names
+        from weft.components.checkpoint.checkpointer import _saved_name
+        from weft.components.checkpoint.state import _prefixed_names
 
         plain = {prefixed: name for name, prefixed in _prefixed_names(self._model).items()}
         for raw, param in self._model.named_parameters():
@@ -420,7 +420,7 @@ def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], di
     """(save, load) of what a healing group copies from a peer: model, optimizer, schedule and the
     data position (a position in the global stream, the same in every group at the same step).
     Loaded shards become DTensors again in this rank's layout, which the peer's rank shares."""
-    from weft.components.model_state import load_model_state, load_optimizer_state, model_state, optimizer_state
+    from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state
 
     def save() -> dict:
         return {"model": model_state(model), "optimizer": optimizer_state(model, optimizer),

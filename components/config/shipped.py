@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_CONFIGS = PACKAGE_ROOT / "train_configs"
 SHIPPED_TOKENIZER = PACKAGE_ROOT / "assets" / "tokenizer" / "shakespeare.model"
 

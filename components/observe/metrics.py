@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from weft.components.rank_times import gather_rank_times, rank_scalars, slow_rank_note
-from weft.components.time_left import TimeLeft, clock
+from weft.components.observe.rank_times import gather_rank_times, rank_scalars, slow_rank_note
+from weft.components.observe.time_left import TimeLeft, clock
 from weft.models import spec_for_args, spec_for_model
-from weft.models.nf4_experts import weight_numel
+from weft.models.common.nf4_experts import weight_numel
 
 logger = logging.getLogger("weft")
 
@@ -138,7 +138,7 @@ class MetricsLogger:
     `start_step` too, so each step has exactly one record.
 
     Every rank calls `log` at the same steps: it gathers each rank's step time and data wait (time
-    in `next_batches`) in one collective (components/rank_times.py) and names the slowest rank when
+    in `next_batches`) in one collective (components/observe/rank_times.py) and names the slowest rank when
     its ratio to the median exceeds `slow_rank_threshold` (0: never). `last_step` is the run's
     final step, for the time left.
     """
