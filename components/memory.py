@@ -119,7 +119,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def state_bytes(model: nn.Module) -> tuple[int, int, int]:
+def training_state_bytes(model: nn.Module) -> tuple[int, int, int]:
     """(parameters, gradients, AdamW state) bytes this rank holds, from the local shards.
 
     Gradients take the shape and dtype of the local parameter (FSDP casts reduced gradients back
@@ -338,7 +338,7 @@ def trainable_block_numel(model: nn.Module, ep: int = 1) -> int:
 
 
 def tp_fsdp_state_bytes(model: nn.Module, tp: int, fsdp: int) -> tuple[int, int, int]:
-    """`state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
+    """`training_state_bytes` of rank 0 computed from the unparallelised `model`'s shapes, for layouts not
     built: tensor parallelism splits wq/wk/wv/w1/w3, the output and the embedding by rows and
     wo/w2 by columns (norms whole), FSDP then splits dim 0 of each local piece (rank 0 holds the
     ceil; stacked experts on more ranks than experts: their largest dim, `fsdp_shard_dim`). Checked against the real transforms in tests/components/test_memory.py. With LoRA (apply_lora on
@@ -373,7 +373,7 @@ def routed_experts_per_block(model: nn.Module) -> int:
 def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] | None = None) -> MemoryEstimate:
     """The estimate for one rank of the parallelised meta-device `model` running steps of shape `s`
     (`state`: parameter, gradient and optimizer bytes if already known, else counted from `model`)."""
-    params, grads, optimizer = state or state_bytes(model)
+    params, grads, optimizer = state or training_state_bytes(model)
     if s.tp > 1 and s.fsdp == 1 and not s.args.tie_embeddings:
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the gradient of the vocabulary-
         # split embedding comes back Replicate, so each rank holds the whole fp32 embedding gradient.

@@ -34,13 +34,15 @@ from weft.components.observe.metrics import (
     active_parameters,
     count_parameters,
     flops_per_token,
-    setup_logging,
 )
+from weft.components.observe.log import setup_logging
 from weft.components.checkpoint.state import whole_model
 from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.training.optim import build_lr_scheduler, build_optimizer
 from weft.components.data.fingerprint import FINGERPRINT_FILE
-from weft.components.ft.groups import NoFaultTolerance, ReplicaGroups, describe_groups, training_state
+from weft.components.ft.checks import describe_groups
+from weft.components.ft.diloco import DiLoCoGroups
+from weft.components.ft.groups import NoFaultTolerance, ReplicaGroups, training_state
 from weft.components.training.nonfinite import NonFinitePolicy
 from weft.components.distributed.flight_recorder import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.distributed.timeouts import CommTimeouts, set_collective_timeout
@@ -321,8 +323,9 @@ def build_fault_tolerance(plan: RunPlan, run: Training, checkpointer: Checkpoint
         return NoFaultTolerance()
     if run.rank == 0:
         logger.info(describe_groups(plan.cfg, plan.dims.world_size))
-    groups = ReplicaGroups(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
-                           run.model, run.optimizer, run.scheduler)
+    kind = DiLoCoGroups if plan.cfg.fault_tolerance.semi_sync_method == "diloco" else ReplicaGroups
+    groups = kind(plan.cfg, run.device, training_state(run.model, run.optimizer, run.scheduler, run.loader),
+                  run.model, run.optimizer, run.scheduler)
     if not groups.diloco:  # diloco syncs weights every fault_tolerance.sync_steps, from the optimizer's hook
         run.step.average_gradients = groups.average_gradients
         return groups

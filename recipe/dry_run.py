@@ -28,8 +28,8 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
-from weft.components.ft.groups import describe_groups
-from weft.components.observe.metrics import setup_logging
+from weft.components.ft.checks import describe_groups
+from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
 from weft.models import spec_for_args
 from weft.models.common.moe_tp import check_moe_tp

@@ -20,7 +20,7 @@ from weft.components.checkpoint.checkpointer import check_resume, resume_folder
 from weft.components.distributed.flight_recorder import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
 from weft.components.data import DataError, load_tokenizer
-from weft.components.ft.groups import check_fault_tolerance
+from weft.components.ft.checks import check_fault_tolerance
 from weft.components.distributed.processes import collective_backend, launched_world_size, restart_warning
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.hf.writer import ExportError, check_peft_export

@@ -5,6 +5,7 @@ import tempfile
 import pytest
 
 from tests.support import ASSETS, slow_scaled_mm
+from weft.components.distributed.cpu_ranks import preload
 from weft.components.data import Tokenizer
 
 # The "weft" logger as Python creates it, before any test runs train.py in-process.
@@ -34,6 +35,7 @@ def pytest_configure(config):
     if os.environ.get(slow_scaled_mm.ENV) and not os.environ.get(slow_scaled_mm.LOG_ENV):
         os.environ[slow_scaled_mm.LOG_ENV] = tempfile.mkstemp(prefix="weft-scaled-mm-", suffix=".log")[1]
     slow_scaled_mm.install()
+    preload("weft.train")  # what nearly every rank a test starts imports: once, in the fork server
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -33,7 +33,7 @@ from weft.components.distributed.processes import shared_gloo_group
 from weft.errors import UserError, one_line
 from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
 from weft.components.distributed.timeouts import keep_long_timeout
-from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, state_bytes, write_failure
+from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, held_bytes, write_failure
 
 logger = logging.getLogger("weft")
 
@@ -339,7 +339,7 @@ class Checkpointer:
         if previous and "optimizer" in state:
             return folder_bytes(step_folder(self.root, previous[-1])), f"the size of step-{previous[-1]}"
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return state_bytes(state) * world, "the size of the state to save"
+        return held_bytes(state) * world, "the size of the state to save"
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (a collective on the agreement group)."""

@@ -27,16 +27,16 @@ class SaveError(UserError):
     """A checkpoint that could not be written; its partial folder is gone, earlier ones untouched."""
 
 
-def state_bytes(state: Any) -> int:
+def held_bytes(state: Any) -> int:
     """Bytes of the tensors this rank holds in a (nested) state dict: its shards of sharded ones."""
     if isinstance(state, DTensor):
-        return state_bytes(state.to_local())
+        return held_bytes(state.to_local())
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
-        return sum(state_bytes(value) for value in state.values())
+        return sum(held_bytes(value) for value in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(state_bytes(value) for value in state)
+        return sum(held_bytes(value) for value in state)
     return 0
 
 

@@ -3,7 +3,7 @@
 For tests and benchmarks: each rank is a fresh process with one thread; results come back in rank
 order, and a failure on any rank is raised in the caller with that rank's traceback.
 
-Ranks are forked from multiprocessing's fork server, which imports torch and weft once, not spawned
+Ranks are forked from multiprocessing's fork server, which imports torch (and what `preload` names) once, not spawned
 as new interpreters that import them again for every rank of every run: on 2 CPU cores that is
 about 4 s less per 4-rank run. A rank sees the caller's environment variables as they were when
 the first run started the server."""
@@ -23,8 +23,14 @@ import torch.multiprocessing as mp
 
 
 # What every rank imports anyway, imported once by the fork server (not its callers' modules: a
-# test's own module is imported by each rank, as before).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "weft.train"]
+# test's own module is imported by each rank, as before); `preload` adds to it.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import `modules` too (the suite's conftest names weft's recipe), once,
+    before the first run; later calls are too late for a server already started."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
 def free_port() -> int:

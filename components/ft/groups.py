@@ -10,10 +10,7 @@ without restarting. A group that comes back (torchrun --max-restarts) is behind 
 step: torchft copies model, optimizer, schedule and data position from a live peer into it
 before its first forward ("healing"), over the process group across groups.
 
-Under semi_sync_method = diloco, torchft's DiLoCo syncs the groups every sync_steps steps instead
-(the mean of their pseudo-gradients through an outer Nesterov SGD); joining, healing and
-committing happen at those syncs.
-
+Under semi_sync_method = diloco, `DiLoCoGroups` (diloco.py) syncs weights every sync_steps instead.
 Off, `NoFaultTolerance` keeps the loop as it was.
 """
 
@@ -33,74 +30,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from weft.components.config import ConfigError, JobConfig, to_toml
-from weft.errors import UserError, one_line
+from weft.components.config import JobConfig
+from weft.components.ft.checks import FaultToleranceError, config_identity, lighthouse_address
+from weft.errors import one_line
 
 logger = logging.getLogger("weft")
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # Steps (or DiLoCo syncs) not committed in a row before the run stops: a dying group costs one, so
 # more in a row is something that will not pass (fewer live groups than min_replica_groups while the
 # lighthouse's --min_replicas lets a quorum form) and would only burn data.
 MAX_UNCOMMITTED_IN_A_ROW = 10
-INSTALL = 'pip install "weft[ft]"'
-
-
-class FaultToleranceError(UserError):
-    """A replica group that cannot join the others: lighthouse unreachable, configs that differ."""
-
-
-def lighthouse_address(cfg: JobConfig) -> str:
-    return cfg.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
-
-
-def check_fault_tolerance(cfg: JobConfig, dp_replicate: int, device_type: str, *, check_environment: bool = True) -> None:
-    """What fault tolerance cannot run with, one line each, before any process starts;
-    check_environment=False (the dry run) leaves out the lighthouse's address and the package."""
-    ft = cfg.fault_tolerance
-    if not ft.enable:
-        return
-    if ft.replica_id >= ft.replica_groups:
-        raise ConfigError(f"fault_tolerance.replica_id = {ft.replica_id}: outside the {ft.replica_groups} replica "
-                          f"groups (0 .. {ft.replica_groups - 1})")
-    if ft.min_replica_groups > ft.replica_groups:
-        raise ConfigError(f"fault_tolerance.min_replica_groups = {ft.min_replica_groups}: more than the "
-                          f"{ft.replica_groups} replica groups, no step could commit")
-    if dp_replicate > 1:
-        raise ConfigError(f"parallelism.dp_replicate = {dp_replicate}: under fault tolerance the replica groups are "
-                          "the replicas (fault_tolerance.replica_groups); set parallelism.dp_replicate = 1")
-    if cfg.job.simulate_world_size:
-        raise ConfigError("fault_tolerance.enable: job.simulate_world_size fakes every collective, the ones "
-                          "across groups too; measure one group without fault tolerance")
-    if not check_environment:
-        return
-    if ft.process_group == "nccl" and device_type != "cuda":
-        raise ConfigError("fault_tolerance.process_group = 'nccl': needs GPUs, and this run has none; use 'gloo'")
-    if not lighthouse_address(cfg):
-        raise ConfigError(f"fault_tolerance.lighthouse: empty and {LIGHTHOUSE_ENV} is not set; give the "
-                          "lighthouse's address, http://host:port (start one with torchft_lighthouse)")
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(f"fault_tolerance.enable: torchft is not installed ({INSTALL})")
-
-
-def describe_groups(cfg: JobConfig, group_world_size: int) -> str:
-    """The layout across groups in one line, for the start-up log and the dry run."""
-    ft = cfg.fault_tolerance
-    sync = (f"weights synced by DiLoCo every {ft.sync_steps} steps (outer SGD lr {ft.outer_lr:g}, momentum "
-            f"{ft.outer_momentum:g}{', Nesterov' if ft.outer_nesterov else ''})" if ft.semi_sync_method == "diloco"
-            else "gradients averaged across the live groups every step")
-    return (f"fault tolerance: replica group {ft.replica_id} of {ft.replica_groups}, each a torchrun job of "
-            f"{group_world_size} ranks with this mesh ({ft.replica_groups * group_world_size} ranks in all); {sync}; "
-            f"a step commits with {ft.min_replica_groups}+ groups; data: share {ft.replica_id} of {ft.replica_groups}")
-
-
-def config_identity(cfg: JobConfig) -> int:
-    """A 20-bit hash of what every group must agree on: the config less what names the group
-    (replica_id, hostname, dump folder, description). Small enough that a float32 sum of it over
-    many groups is exact."""
-    same = replace(cfg, job=replace(cfg.job, dump_folder="", description="", config_file=""),
-                   fault_tolerance=replace(cfg.fault_tolerance, replica_id=0, hostname=""))
-    return int.from_bytes(hashlib.sha256(to_toml(same).encode()).digest()[:4], "big") >> 12
 
 
 @dataclass
@@ -147,10 +86,11 @@ class ReplicaGroups:
 
     state: (save, load) of what a healing group copies from a peer, a dict of tensors and plain
     values (DTensors travel as their local shards: the peer of rank r is rank r of another group,
-    with the same layout). Under diloco, model, optimizer and scheduler are the inner ones torchft's
-    DiLoCo wraps: its hook on the optimizer joins the quorum and syncs every sync_steps steps."""
+    with the same layout). model: its MoE layers' token counts ride the gradients' all-reduce."""
 
     _model: torch.nn.Module | None = None
+    diloco = False  # components/ft/diloco.py's DiLoCoGroups: weights synced every sync_steps instead
+    _uncommitted_means = "; trying it again with the next batch"
 
     def __init__(self, cfg: JobConfig, device: torch.device, state: tuple[Callable[[], dict], Callable[[dict], None]],
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -161,7 +101,7 @@ class ReplicaGroups:
 
         logging.getLogger("torchft.manager").addFilter(_without_flight_recorder_note)
         ft = cfg.fault_tolerance
-        self.cfg, self.groups, self.diloco = ft, ft.replica_groups, ft.semi_sync_method == "diloco"
+        self.cfg, self.groups = ft, ft.replica_groups
         self.lighthouse = lighthouse_address(cfg)
         self.identity = float(config_identity(cfg))
         (self._save, self._load), self._scheduler = state, scheduler
@@ -190,17 +130,6 @@ class ReplicaGroups:
         self._start_quorum, self._should_commit = self.manager.start_quorum, self.manager.should_commit
         self.manager.start_quorum, self.manager.should_commit = self._timed_quorum, self._counted_commit
         self._model = model
-        if self.diloco:  # its hooks on the optimizer's step: a sync after every sync_steps of them
-            from torchft.local_sgd import DiLoCo
-
-            self._outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
-                                          nesterov=ft.outer_nesterov)
-            self._diloco = DiLoCo(self.manager, [model], optimizer, self._outer, sync_every=ft.sync_steps)
-            self._diloco.__enter__()
-            self._resumed: dict | None = None  # DiLoCo's state as a checkpoint held it (load_state_dict)
-            self._syncs_at_join = self._training = False
-            self._inner_at_join = 0  # steps into the sync window this group joins at
-            self._peer: dict = {}  # what the peer this group healed from was doing (_state_for_peer)
 
     def _unreachable(self, error: Exception) -> FaultToleranceError:
         return FaultToleranceError(f"fault_tolerance.lighthouse = {self.lighthouse}: no answer within "
@@ -210,12 +139,8 @@ class ReplicaGroups:
     def steps(self, start_step: int, last_step: int) -> Iterator[int]:
         """The steps to train. Averaging gradients, each joins the quorum first (healing if this
         group is behind), and is the number of committed steps plus one: an uncommitted step is
-        tried again. Under diloco the steps run alone; a group healed at a sync goes on from the
-        peer's step."""
+        tried again."""
         self.step = start_step
-        if self.diloco:
-            yield from self._diloco_steps(start_step, last_step)
-            return
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         first = True
         while first or self.manager.current_step() < last_step:
@@ -227,35 +152,6 @@ class ReplicaGroups:
             self.step = self.manager.current_step() + 1
             if self.step > last_step:
                 return
-            yield self.step
-
-    def _diloco_steps(self, start_step: int, last_step: int) -> Iterator[int]:
-        """The steps under diloco. A fresh start syncs once at its join (a no-op: no group has moved
-        yet) so that a group restarted afresh takes part in the live groups' next sync. A group
-        resumed from a checkpoint goes on inside its sync window with the global weights and outer
-        momentum it saved, and counts itself one sync behind what it saved: groups resumed together
-        stay even and none syncs out of turn, while a live group ahead heals it at its next sync."""
-        window, resumed = self.cfg.sync_steps, self._resumed
-        syncs = 1 if resumed is None else max(resumed["syncs"] - 1, 0)
-        self.manager.load_state_dict({"step": syncs, "batches_committed": 0})
-        self._syncs_at_join = resumed is None
-        self._inner_at_join = 0 if resumed is None else resumed["inner_steps"]
-        self._diloco._local_step = 0  # (not yet: the empty step of a heal must not reach a sync)
-        self._join()
-        sync = self._syncs_at_join
-        self._diloco._local_step = self._inner_at_join
-        if self._healed_step is not None:  # the peer's state, and its place in the sync window
-            self._diloco._local_step = self._peer["inner_steps"] % window  # (torch counted the empty step
-            if self._peer["training"]:  # that set up the optimizer) the peer sent from inside its
-                self._scheduler.step()  # optimizer step (DiLoCo syncs there), before its schedule's step
-            sync = self._peer["training"] or self._peer["syncs_at_join"]
-        if sync:  # the sync the live groups are in (all of them at a fresh start)
-            self._diloco._fragments[0].prepare_sync()
-            self._diloco._fragments[0].perform_sync()
-        self._training = True
-        while self.step < last_step:  # a heal inside a step (at a sync) moves self.step to the peer's
-            self.step += 1
-            self._healed_step = None
             yield self.step
 
     def _join(self) -> None:
@@ -285,7 +181,7 @@ class ReplicaGroups:
 
     def _counted_commit(self, *args, **kwargs) -> bool:
         """torchft's should_commit (ours, or DiLoCo's at a sync), counting the steps it refused."""
-        apply = self._average_at_sync() if self.diloco else None
+        apply = self._before_commit()
         committed = self._should_commit(*args, **kwargs)
         if committed and apply is not None:
             apply()
@@ -295,33 +191,13 @@ class ReplicaGroups:
             groups = f"{self.manager.num_participants()} of {self.groups} groups"
             logger.warning(f"fault tolerance: step {self.step} not committed ({groups}; "
                            f"{self.manager.errored() or 'too few groups'})"
-                           + ("; the sync window is dropped" if self.diloco else "; trying it again with the next batch"))
+                           + self._uncommitted_means)
             if self.in_a_row >= MAX_UNCOMMITTED_IN_A_ROW:
                 raise FaultToleranceError(
                     f"fault_tolerance: {self.in_a_row} steps in a row not committed (last: {groups}, "
                     f"fault_tolerance.min_replica_groups = {self.cfg.min_replica_groups}); start the missing groups, "
                     "or give the lighthouse --min_replicas the same value so that it waits for them")
         return committed
-
-    def _average_at_sync(self) -> Callable[[], None]:
-        """Under diloco, at a sync, before its commit: what DiLoCo's sync of the parameters leaves
-        out, in one all-reduce: the MoE layers' routing biases (buffers), averaged over the groups,
-        and the config's hash (the check average_gradients makes every step). Returns what puts
-        the averaged biases in place once the sync commits."""
-        from weft.components.training.moe_balance import moe_layers
-
-        biases = [_local(layer.expert_bias) for _, layer in moe_layers(self._model)]
-        flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
-        self.manager.allreduce(flat).wait()
-        self._check_identity(flat[-1].item(), self.step)
-
-        def apply() -> None:
-            offset = 0
-            for bias in biases:
-                bias.copy_(flat[offset:offset + bias.numel()].view_as(bias))
-                offset += bias.numel()
-
-        return apply
 
     def _check_identity(self, averaged: float, step: int) -> None:
         if self.manager.errored() is None and averaged != self.identity:
@@ -360,61 +236,26 @@ class ReplicaGroups:
             self._check_identity(check, self.manager.current_step() + 1)
 
     def should_commit(self) -> bool:
-        """Whether every group of the quorum finished the step's all-reduce (asked of all of them);
-        under diloco every inner step commits (the syncs are committed or dropped by DiLoCo)."""
-        self.committed = True if self.diloco else self.manager.should_commit()
+        """Whether every group of the quorum finished the step's all-reduce (asked of all of them)."""
+        self.committed = self.manager.should_commit()
         return self.committed
 
     def stats(self) -> GroupStats:
         return GroupStats(self.manager.num_participants(), self.groups, self.uncommitted, self.heal_seconds)
 
     def close(self) -> None:
-        if self.diloco:
-            self._diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
 
+    def _before_commit(self) -> Callable[[], None] | None:
+        """What must ride with a commit and take effect only if it commits (nothing, per step)."""
+        return None
+
     def _state_for_peer(self) -> dict[str, Any]:
-        where = ({"training": self._training, "syncs_at_join": self._syncs_at_join,
-                  "inner_steps": self._diloco._local_step if self._training else self._inner_at_join}
-                 if self.diloco else {})
-        return {"step": self.step, "diloco": where, **_local(self._save())}
+        return {"step": self.step, **_local(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
         self.step = self._healed_step = state["step"]
-        self._peer = state["diloco"]
-
-    # DiLoCo's part of a checkpoint (Checkpointer.states["diloco"]): without it a resume would
-    # start a new sync window from the local weights and lose the outer momentum.
-    def state_dict(self) -> dict[str, Any]:
-        """The global weights of the last sync (laid out as the model's, so that DCP reshards them),
-        the outer optimizer (its momentum), the steps taken in this sync window, the syncs so far."""
-        from weft.components.checkpoint.state import optimizer_state
-
-        kept = self._diloco._fragments[0].original_parameters
-        weights = {name: _like(kept[raw], param) for raw, name, param in self._named_weights()}
-        return {"global_weights": weights, "outer_optimizer": optimizer_state(self._model, self._outer),
-                "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from weft.components.checkpoint.state import load_optimizer_state
-
-        kept = self._diloco._fragments[0].original_parameters
-        with torch.no_grad():
-            for raw, name, _ in self._named_weights():
-                kept[raw].copy_(_local(state["global_weights"][name]))
-        load_optimizer_state(self._model, self._outer, state["outer_optimizer"])
-        self._resumed = {"inner_steps": state["inner_steps"], "syncs": state["syncs"]}
-
-    def _named_weights(self) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-        """(DiLoCo's name, the checkpoint's name, parameter) of each weight DiLoCo syncs."""
-        from weft.components.checkpoint.checkpointer import _saved_name
-        from weft.components.checkpoint.state import _prefixed_names
-
-        plain = {prefixed: name for name, prefixed in _prefixed_names(self._model).items()}
-        for raw, param in self._model.named_parameters():
-            yield raw, _saved_name(plain.get(raw, raw)), param
-
 
 def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], dict], Callable[[dict], None]]:
     """(save, load) of what a healing group copies from a peer: model, optimizer, schedule and the

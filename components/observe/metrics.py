@@ -9,7 +9,6 @@ import logging
 import math
 import re
 import resource
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,16 +53,6 @@ def peak_flops_for(device_name: str) -> float | None:
         if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
             return peak
     return None
-
-
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO; other ranks only warnings and errors, each line tagged with its rank."""
-    fmt = "[weft %(asctime)s] %(message)s" if rank == 0 else f"[weft rank {rank} %(asctime)s] %(message)s"
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
-    logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logger.propagate = False
 
 
 def count_parameters(model: torch.nn.Module) -> int:

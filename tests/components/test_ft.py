@@ -21,7 +21,7 @@ from tests.support import REPO
 from tests.support.dist_utils import free_port, run_distributed
 from tests.support.train_runs import run as run_train
 from weft.components.config import ConfigError, parse_args
-from weft.components.ft.groups import check_fault_tolerance, config_identity
+from weft.components.ft.checks import check_fault_tolerance, config_identity
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse started here: its line per quorum, off
 pytest.importorskip("torchft")
@@ -303,7 +303,8 @@ def test_diloco_sync_averages_moe_routing_biases_and_checks_the_config():
     """Under diloco the MoE routing biases (buffers, which DiLoCo's sync of the parameters leaves
     out) are averaged over the groups at each sync and kept only if the sync commits; the config's
     hash rides with them. torchft's all-reduce is a stub averaging with one peer's biases."""
-    from weft.components.ft.groups import FaultToleranceError, ReplicaGroups
+    from weft.components.ft.checks import FaultToleranceError
+    from weft.components.ft.diloco import DiLoCoGroups
     from weft.models.common.moe import MoE
 
     class Work:
@@ -326,8 +327,8 @@ def test_diloco_sync_averages_moe_routing_biases_and_checks_the_config():
     model = torch.nn.ModuleList([MoE(8, 16, 4, 2), MoE(8, 16, 4, 2)])
     own = [torch.tensor([0.1, -0.2, 0.3, 0.0]), torch.tensor([-0.5, 0.25, 0.0, 0.125])]
     peer_biases = [torch.tensor([0.3, 0.2, -0.1, 0.5]), torch.tensor([0.5, 0.75, -1.0, 0.125])]
-    groups = object.__new__(ReplicaGroups)
-    groups.manager, groups._model, groups.diloco, groups.step, groups.groups = Manager(), model, True, 6, 2
+    groups = object.__new__(DiLoCoGroups)
+    groups.manager, groups._model, groups.step, groups.groups = Manager(), model, 6, 2
     groups.identity = peer_identity = float(config_identity(parse_args([])))
     groups.cfg = parse_args(["--fault_tolerance.enable"]).fault_tolerance
     groups.uncommitted, groups.in_a_row = 0, 0
@@ -362,7 +363,7 @@ def test_steps_that_never_commit_stop_the_run():
             return None
 
     groups = object.__new__(ReplicaGroups)
-    groups.manager, groups.step, groups.groups, groups.diloco = Manager(), 5, 2, False
+    groups.manager, groups.step, groups.groups = Manager(), 5, 2
     groups.cfg = parse_args(["--fault_tolerance.enable", "--fault_tolerance.min_replica_groups", "2"]).fault_tolerance
     groups.uncommitted, groups.in_a_row = 0, 0
     answers = iter([False, True] + [False] * MAX_UNCOMMITTED_IN_A_ROW)

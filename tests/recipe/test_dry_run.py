@@ -15,7 +15,7 @@ import torch.distributed as dist
 from weft import train
 from weft.components.config import parse_args
 from weft.components.distributed.processes import init_fake_distributed
-from weft.components.memory import device_memory_gib, state_bytes, tp_fsdp_state_bytes
+from weft.components.memory import device_memory_gib, training_state_bytes, tp_fsdp_state_bytes
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import parallelize
@@ -152,7 +152,7 @@ def test_layouts_table_counts_parameters_like_the_real_transforms(flavor, world_
         parallelize(model, dims.build_mesh("cpu"), plan.options)
     finally:
         dist.destroy_process_group()
-    assert tp_fsdp_state_bytes(plain, tp, fsdp) == state_bytes(model)
+    assert tp_fsdp_state_bytes(plain, tp, fsdp) == training_state_bytes(model)
 
 
 # Shipped configs and the world size their comments plan for.
