@@ -129,7 +129,8 @@ def module_docstring_lines(path: Path) -> int:
 
 def library_modules() -> list[Path]:
     """Every Python file of the package: the repository less tests/, benchmarks/ and hidden folders."""
-    return [p for p in sorted(REPO.rglob("*.py")) if not p.relative_to(REPO).parts[0].startswith((".", "tests", "benchmarks"))]
+    top = lambda p: p.relative_to(REPO).parts[0]  # noqa: E731
+    return [p for p in sorted(REPO.rglob("*.py")) if top(p) not in ("tests", "benchmarks") and not top(p).startswith(".")]
 
 
 def test_docstring_lines_count_the_quotes(tmp_path):
