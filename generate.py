@@ -1,26 +1,12 @@
 """Sample text from a trained weft model: a DCP checkpoint step folder or a Hugging Face folder.
 
-    python generate.py --checkpoint outputs/checkpoint/step-1000 --prompt "ROMEO:"
     python generate.py --checkpoint outputs/debug_moe/checkpoint/step-100 --flavor debugmodel_moe --prompt "ROMEO:"
     python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
     python generate.py --hf Llama-3.1-8B-Instruct --chat --prompt "Who wrote Hamlet?"
 
-The model is any registered family's (weft.models), built by its spec: a --hf folder's
-config.json names it (LlamaForCausalLM, Llama4ForCausalLM, ...); a --checkpoint's is --flavor, by
-default the model its run recorded (<dump_folder>/hf_files/config.json, as the export command
-reads it), else debugmodel.
-
-With --chat the prompt is a user message: the tokenizer's chat template renders it (after an
-optional --system message) with the assistant's header, and generation stops at the end of the
-assistant's turn (Llama 3's <|eot_id|>, or EOS); only the reply is printed. The tokenizer is a
-SentencePiece model file or a Hugging Face tokenizer folder; a --hf folder's own tokenizer is the
-default.
-
-One process, one device (CUDA if available, else the CPU), in --dtype: bfloat16 by default on a
-GPU (float32 with grouped-query attention would fall to SDPA's slow math kernel there), float32
-on the CPU. The weights are read on the CPU, cast, then moved to the device, so the GPU never
-holds an fp32 copy. Every step runs the full forward over the whole context: no KV cache, which
-keeps the loop obviously correct and is fast enough for small models.
+Any registered family's model, built by its spec (a --hf folder's config.json, or a --checkpoint's
+--flavor, by default the model its run recorded); --chat renders a user message with the chat
+template and stops at the end of the assistant's turn. One process, one device (docs/checkpoints.md).
 """
 
 from __future__ import annotations

@@ -2,16 +2,10 @@
 
     python assets/make_chat_data.py            # writes assets/data/shakespeare_chat/ and assets/tokenizer/shakespeare_hf/
 
-Each example is one exchange of a scene: the user says a speech, the assistant answers with the
-next speaker's reply, and a system message names the part and the play. Replies run from one
-word to a dozen lines, so the supervised lengths differ widely. Every 20th exchange goes to
-`validation.jsonl`, the rest to `train.jsonl`.
-
-The tokenizer is a byte-level BPE trained with the `tokenizers` library on the plays, with
-Llama 3's special tokens (<|begin_of_text|>, <|end_of_text|>, <|start_header_id|>,
-<|end_header_id|>, <|eot_id|>), a post-processor that prepends BOS as Llama 3's does, and a
-Llama 3-style chat template in tokenizer_config.json: what a real Llama 3 folder holds, small.
-The tests build the same folder.
+Each example is one exchange of a scene (a speech, the next speaker's reply, a system message naming
+the part and play); every 20th goes to `validation.jsonl`. The tokenizer is a byte-level BPE with
+Llama 3's special tokens, BOS post-processor and a Llama 3-style chat template: what a real Llama 3
+folder holds, small (docs/fine-tuning.md). The tests build the same folder.
 """
 
 from __future__ import annotations

@@ -3,15 +3,8 @@
     python assets/make_corpus.py      # only if assets/data/shakespeare/ is missing
     python assets/train_tokenizer.py
 
-Writes `assets/tokenizer/shakespeare.model` (no .vocab file: the model holds the pieces).
-Training reads every non-empty line of the corpus in file order on one thread, so the
-model is byte-identical on every run.
-
-The tokenizer is lossless, `decode(encode(text)) == text` for any string: the identity
-normalizer keeps text as is, extra whitespace is not squeezed, and characters outside the
-vocabulary (newlines included) fall back to byte tokens. No dummy space is prefixed, so a
-word at the start of a line tokenizes the same in training (one line at a time) and in
-whole documents (after a newline byte).
+Writes `assets/tokenizer/shakespeare.model`, byte-identical on every run, and lossless for any
+string (identity normalizer, byte fallback, no dummy space prefix): why, in docs/data.md.
 """
 
 from __future__ import annotations

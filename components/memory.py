@@ -1,51 +1,10 @@
-"""Memory per device of one training step, estimated without a device.
+"""Memory per device of one training step, estimated without a device: what the dry run prints.
 
-Persistent state is counted exactly from the parallelised (meta-device) model: each parameter's
-local shard (DTensor `to_local()`, or the plain tensor) × its dtype's bytes; gradients have the
-shape and dtype of the (sharded) parameters; AdamW keeps two fp32 states per element.
-
-Activations come from an analytic formula per transformer block (`block_activation_bytes`):
-the tensors autograd saves in weft's Llama block, written out term by term for T = local batch
-× seq_len / cp tokens, dim h, query width hq = n_heads·head_dim / tp, key/value width
-hkv = kv_heads·head_dim / tp, SwiGLU width f = ffn_dim / tp, compute bytes e:
-
-    norms (sequence-parallel, T/tp tokens):   2 × T/tp·h·(4 + e)    fp32 upcast, normed
-    norm outputs (all-gathered under tp > 1): 2 × T·h·e           inputs of wq/wk/wv and w1/w3
-    attention: q, k, v, output, wo input:     T·e·(3·hq + 2·hkv)
-    feed-forward: w1 out, silu, w3 out, product:  4 × T·f·e
-
-MoE blocks (Llama 4): f is the shared expert's width plus top_k routed experts', averaged over
-the blocks, and each routed token's hidden state is kept twice (gathered in expert order, and
-weighted by its score as the experts' input: 2 × T·k·h·e). Under expert parallelism the experts
-compute the tokens they receive: the routed part of f and the experts' input scale by the planned
-imbalance (`StepShape.ep_imbalance`, the busiest rank's tokens over the mean), and one MoE layer's
-tokens are in flight in the all-to-all (sent, received, sent back: T·k·h·e·(2 + imbalance));
-under tp each rank routes its T/tp tokens to whole experts.
-Debug MoE on CPU: 0.95× the measured peak in one process, 0.97× under ep 2 at 1.25 planned.
-LoRA on the routed experts: their adapters and AdamW state are counted from the model like any
-parameter (1/ep of them per rank under expert parallelism), and FSDP's reduce-scatter from the
-model's trainable parameters per block; the activations they add (x·A^T, T·k·rank per adapted
-projection, below 1% of the experts' own at the shipped ranks) are left out. QLoRA with expert
-adapters on the debug MoE: 1.06× the measured CPU peak.
-
-Full AC keeps a block's input (T/tp·h·e) and recomputes one block at a time in backward;
-selective "op" keeps the matmul and attention outputs; selective N checkpoints every N-th
-block fully. float8 saves the linear inputs in 1 byte instead of e (and the fp8 weight copies).
-Known error: it leaves out tensors below T·h (rsqrt statistics, attention log-sum-exp, RoPE
-tables) and allocator fragmentation. On the debug model on CPU (tests/components/test_memory.py) the total
-is 0.94–1.03× the measured peak (fsdp, tp, cp, fsdp × tp, hsdp; fp32, full AC, selective op in
-bf16); tp without FSDP is the low end (DTensor redistribution buffers not modelled). Not yet
-measured: float8, GPU kernels' workspaces (flash attention), long-sequence CP. CP's ring attention keeps its gathered
-key/value chunks (2·T·cp·hkv·e per block, the whole sequence's keys and values) in addition.
-
-Transient buffers: FSDP all-gathers ~2 blocks unsharded in the param dtype (the one running and
-the one prefetched) and reduce-scatters one block's gradients in the reduce dtype; the root's
-parameters (embedding, output) stay unsharded from the output projection's forward to its
-backward. Logits and loss (`loss_bytes`): T × vocab (/ tp under loss parallel) in the compute
-dtype, alive until backward has used them, and the loss's own work (components/training/loss.py): under
-loss parallel the eager fp32 copy and its log-softmax (kept for backward) and their fp32
-gradients; compiled, only the logits' gradient; chunked, the logits' gradient plus the fp32 work
-of one chunk of rows.
+Parameters, gradients and AdamW state are counted exactly from the parallelised meta model's local
+shards; activations come from an analytic formula per block (`block_activation_bytes`: dense and
+MoE blocks, expert parallelism, AC modes, float8, CP), transient buffers from FSDP's all-gathers
+and reduce-scatters and from the logits and the loss (`loss_bytes`). The formula, what it leaves
+out and how close it comes: docs/memory.md.
 """
 
 from __future__ import annotations

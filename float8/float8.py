@@ -1,44 +1,11 @@
 """Float8 training: run Llama's linear layers on float8 matmuls through torchao's `Float8Linear`.
 
-`apply_float8` swaps the eligible `nn.Linear` layers of a model for torchao `Float8Linear`
-(`convert_to_float8_training`). Master weights, optimizer state and every other op keep their
-precision; inputs, weights and output gradients are cast to float8 with dynamic scales just
-before each matmul. Apply it first among the transforms, on the meta-device model, so that
-tensor parallelism and FSDP see `Float8Linear` layers.
-
-Recipes (scaling granularity):
-  tensorwise  one scale per tensor; the fastest. Its weights can be all-gathered by FSDP in
-              float8 (`enable_fsdp_float8_all_gather`), and with tensor parallelism the
-              activations are all-gathered in float8 too (`float8_tp_styles`).
-  rowwise     one scale per row, rounded down to a power of two; more accurate, and all
-              communication stays in high precision.
-
-Which layers are converted: a layer is kept in high precision when its name matches an entry
-of `filter_fqns`, when it is a Mixture-of-Experts router, when its in or out features are not multiples of 16 (a float8 matmul
-requirement), or when either dimension is below `min_dim`: for small matmuls the casts to
-float8 (memory-bound passes over inputs and weights) cost more than the faster matmul saves.
-The default, 1024, converts every projection of Llama 3 8B and larger; tests on tiny models
-lower it. `auto_filter` (off by default) also keeps what torchao's per-recipe size filter
-(`_auto_filter_for_recipe`, thresholds from its H100 tables) says is too small to gain: with
-Llama 3 8B's shapes, wk and wv (4096 -> 1024) under either recipe.
-
-Where float8 can and cannot run (`check_float8_support` is called before any work):
-  no torchao  torchao is imported by the functions that need it, never by importing this module,
-              so runs without float8 work where torchao is missing or broken; float8 there is a
-              one-line error (`Float8Unavailable`) saying what to install.
-  CPU         torch._scaled_mm has a CPU kernel, so Float8Linear trains on CPU for real, forward
-              and backward, both recipes: slow, but with the same float8 numerics as a GPU. No
-              emulation mode is needed, and the tests train on CPU.
-  old GPUs    float8 matmuls need NVIDIA compute capability 8.9 (Ada) or newer: error.
-  gloo        (the CPU backend) cannot all-gather float8 tensors: "Invalid scalar type". Hence:
-              - `enable_fsdp_float8_all_gather` with gloo: error, because the user asked for it
-                explicitly and turning it off would quietly change the run.
-              - tensor parallelism with tensorwise float8: torchao's float8 TP styles are an
-                optimisation that no option asks for. Without float8 collectives the plain
-                styles are used (activations all-gathered in high precision, the same float8
-                matmuls with the same global scales), announced by one warning line.
-  rowwise + `enable_fsdp_float8_all_gather`: error (float8 all-gather is tensorwise only).
-  `precompute_float8_dynamic_scale_for_fsdp` without float8 all-gather: error (it would do nothing).
+`apply_float8` swaps the eligible `nn.Linear` layers of a model for torchao's `Float8Linear`
+(recipes tensorwise and rowwise), first among the transforms, on the meta-device model. A layer
+stays in high precision when `filter_fqns` names it, it is a router, its features are not
+multiples of 16 or below `min_dim` (and, with `auto_filter`, by torchao's size filter).
+`check_float8_support` refuses, before any work, what cannot run (no torchao, GPUs before 8.9,
+float8 all-gather over gloo); torchao is imported only when needed. Why: docs/float8.md.
 """
 
 from __future__ import annotations

@@ -1,58 +1,11 @@
 """Context parallelism: split the sequence of every sample across the ranks of a CP group.
 
-Design (the approach of the Llama 3 paper)
-------------------------------------------
-Layout. A sequence of length S is cut into 2·cp chunks of c = S / (2·cp) tokens. CP rank r
-holds chunks r and 2·cp − 1 − r, in that order. Under a causal mask, query chunk j sees j whole
-chunks of keys plus the lower half of its own, so rank r does (r + ½) + (2·cp − 1 − r + ½) =
-2·cp chunk-blocks of attention work: the load is balanced whatever r is. `shard_sequence`
-cuts the inputs this way and returns the global position of every local token, which
-`Transformer.forward(tokens, positions)` needs for its rotary embeddings. Everything outside
-attention is per token and runs unchanged on a shard.
-
-Attention. `ContextParallelAttention` replaces the model's `CausalAttention` core:
-
-1. all-gather K and V across the CP group. Only the key/value heads travel, so with grouped-
-   query attention the traffic is n_kv_heads / n_heads of what gathering Q would cost. Each
-   rank receives (cp − 1)/cp · S · n_kv_heads · head_dim · 2 values per layer;
-2. put the gathered chunks back in global order;
-3. for each local query chunk (global index j) run scaled_dot_product_attention against the
-   keys [0, (j + 1)·c) with a causal mask aligned to the bottom-right corner, so that query i
-   of the chunk sees keys up to j·c + i (`causal_lower_right`, with `enable_gqa`, so K and V
-   are never expanded to n_heads). SDPA keeps a fused kernel: on CUDA, flash attention takes
-   the lower-right mask natively (half precision); on CPU, its flash kernel takes the mask
-   materialised as an additive float [c, (j + 1)·c] tensor, which it saves for backward.
-
-The all-gather is autograd-aware: its backward reduce-scatters (sums) the gradients that every
-rank computed for each K/V chunk back to the chunk's owner, so forward and backward are exact
-attention, with no approximation and no hand-written backward.
-
-Gradients. Each rank computes the loss over its own tokens; averaging the parameter gradients
-over the CP group (as data parallelism does) gives the gradient of the loss over the whole
-sequence, provided each rank's loss is the mean over its equally many tokens.
-
-Masks. The core computes causal attention over the whole sequence, or, given `document_ids`
-(packed samples), block-causal attention: the ids are sharded with `shard_sequence` like the
-tokens, all-gathered once per micro-batch (they are small integers, no gradient) when the model
-asks the core for its masks before the blocks (`ContextParallelAttention.document_mask`), and
-each query chunk is masked against the keys' ids (`document_mask` of the model, with the same
-lower-right alignment). Nothing else (no sliding window): `apply_cp` therefore only replaces cores that are
-exactly `CausalAttention`, and refuses subclasses, which may mask differently.
-
-Other models. A transformers model looks its attention function up by name
-(`config._attn_implementation`) in transformers' attention registry. `apply_cp` registers the
-context-parallel core there under "weft_context_parallel", gives each attention layer its own
-core, and points the model's config at it; the mask transformers would build is skipped, since
-the core is causal over global positions. Pass the global positions as `position_ids`. Models
-whose attention transformers does not dispatch, and hand-written ones, route their attention
-through weft's `CausalAttention` module to become context-parallel.
-
-Compilation. The core compiles with fullgraph=True (the all-gather is a traceable functional
-collective) once `shard_sequence` has run for the sequence length: it builds this rank's masks,
-which PyTorch cannot create inside a compiled region.
-
-PyTorch's experimental `context_parallel` does not run on CPU; this version runs anywhere a
-process group does, gloo included.
+`shard_sequence` cuts a sequence into 2·cp chunks, rank r holding chunks r and 2·cp − 1 − r (equal
+causal work), and returns each token's global position. `ContextParallelAttention` replaces the
+model's `CausalAttention` core: it all-gathers K and V (autograd-aware), runs SDPA per local query
+chunk with a lower-right causal mask, and masks packed documents by their gathered ids. `apply_cp`
+serves transformers models through their attention registry; it runs on any process group, gloo
+included. The design (Llama 3's approach), its traffic, masks and compile: docs/parallelism.md.
 """
 
 from __future__ import annotations

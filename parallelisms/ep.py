@@ -1,30 +1,11 @@
 """Expert parallelism: each rank of an EP mesh holds a share of every MoE layer's routed experts,
 and tokens travel to the rank that holds their expert and back by all-to-all.
 
-The ranks of the EP mesh are data-parallel: each routes its own tokens (the router, the shared
-expert and the rest of the model are whole on every rank, or sharded by a data-parallel
-transform as usual). In each MoE layer, after routing, `GroupedExperts` receives this rank's
-tokens sorted by expert, `counts[e]` of them for expert e. Under `apply_ep` it
-
-1. exchanges the counts (all-to-all of n_experts integers), so that each rank knows how many
-   tokens every other rank sends to each of its experts;
-2. sends each token to the rank holding its expert (all-to-all with those split sizes: rank r
-   holds experts r·E/ep … (r+1)·E/ep − 1, so tokens sorted by expert are already grouped by
-   destination);
-3. regroups what arrived by local expert, runs the grouped multiply over its own experts, puts
-   the outputs back in arrival order and sends them home by the reverse all-to-all.
-
-Both all-to-alls are autograd-aware (their backward is the reverse exchange), so backward is
-exact. No token is dropped or padded: the split sizes are whatever the routing gives.
-
-Gradients: a rank's expert weights serve the tokens of every rank of the EP mesh, so their
-gradient is a sum over the ranks' losses, where every other parameter's comes from this rank's
-tokens alone. The experts' gradient is therefore scaled by 1/ep in backward: it comes out as the
-mean over the EP ranks, as data parallelism's average gives the others, and a data-parallel
-transform over the same ranks (FSDP over the ranks holding the same experts, or the caller's own
-average of the other gradients) makes every parameter's gradient the mean over the same tokens.
-When the EP mesh also holds tensor parallelism's ranks, each routing its own sequence shard of
-the same samples, those shards make one data-parallel rank's tokens: the scale is then tp/ep.
+The EP ranks are data-parallel, each routing its own tokens. `apply_ep` makes `GroupedExperts`
+exchange the token counts, send each token to its expert's rank, run the grouped multiply over its
+own experts and send the outputs home (autograd-aware all-to-alls; nothing dropped or padded). The
+experts' gradient is scaled by 1/ep (tp/ep when the EP mesh holds tp ranks) so that it is the mean
+over the same tokens as the other parameters'. The steps and the reasoning: docs/moe.md.
 """
 
 from __future__ import annotations

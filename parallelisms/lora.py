@@ -1,22 +1,12 @@
 """Low-rank adapters (LoRA) and their NF4-quantized base (QLoRA) as a transform.
 
-`apply_lora` turns each targeted `nn.Linear` into a `LoRALinear`: still an `nn.Linear` (its frozen
-`weight` and `bias` keep their names, so loading a base checkpoint is unchanged) with two child
-linears `lora_A` (in -> rank) and `lora_B` (rank -> out), the only parameters left trainable:
+`apply_lora` turns each targeted `nn.Linear` into a `LoRALinear` (still an `nn.Linear`, its frozen
+`weight` and `bias` keeping their names) with trainable `lora_A` and `lora_B`:
 
     y = x W^T + b + scaling * B(A(dropout(x))),   scaling = alpha / rank  (rslora: alpha / sqrt(rank))
 
-Routed experts (a stack [experts, out, in] per projection, models/common/moe.py) take one adapter per
-expert when targeted (`experts`, `experts.w1`...): `<experts>.lora_A.<w>` [experts, rank, in] and
-`<experts>.lora_B.<w>` [experts, out, rank], expert e computing with w[e] + scaling · B[e] A[e]
-through the grouped multiply (`GroupedExperts.weights`), the sum never formed.
-
-A is initialised as PEFT does (kaiming-uniform, a = sqrt(5); per expert for the experts) and B to
-zero, so step 0 is the base model exactly. Tensor parallelism splits the adapters with their base
-(`lora_tp_style`; the experts' by hidden dimension: models/common/moe_tp.py), expert parallelism spreads
-the experts' with their experts, FSDP shards them like any parameter (frozen and trainable parameters
-share a unit), and `quantize_lora_base` stores the frozen weights as torchao NF4 tensors once they
-hold real values.
+Targeted routed experts get one adapter per expert; A starts as PEFT's, B at zero.
+`quantize_lora_base` stores the frozen weights as NF4. Layouts: docs/lora.md, docs/lora-moe.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The N-D device mesh: how the world's ranks split into pipeline, data, context and tensor parallel groups.
 
-Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost so
-its (most frequent, latency-bound) collectives stay between neighbouring ranks, i.e. inside a
-node; pipeline parallelism is outermost, since it only sends one activation per micro-batch
-between neighbouring stages, which the slow links between nodes can afford. Besides the five
-named dims, the mesh carries the flattened groups the transforms need (each within one pipeline
-stage):
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp; ep regroups dp_shard × cp × tp as
+(dp_shard_mod_ep, ep), adding no rank. The flattened groups the transforms need, within a stage:
 
     dp           = dp_replicate × dp_shard        ranks that read different data
     dp_shard_cp  = dp_shard × cp                  ranks that shard parameters (FSDP)
     dp_cp        = dp_replicate × dp_shard × cp   ranks whose losses are averaged
-
-Expert parallelism borrows its ranks from FSDP's, and from tensor parallelism's: ep divides
-dp_shard × cp × tp (and is a multiple of tp), whose ranks are regrouped as (dp_shard_mod_ep, ep).
-An MoE layer's experts are spread over `ep` (each rank E/ep of them, whole) and FSDP-sharded over
-`dp_shard_mod_ep`, the ranks that hold the same experts; everything else is sharded over
-dp_shard × cp (and split over tp) as without it. Under tp each tp rank routes its own sequence
-shard's tokens to the experts. No rank is added.
 """
 
 from __future__ import annotations

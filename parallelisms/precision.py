@@ -1,25 +1,9 @@
 """One mixed-precision policy for every layout.
 
-What `training.mixed_precision_param = bfloat16` means, whatever the parallelism:
-
-- master weights, gradients and optimizer state stay in fp32;
-- the matrix multiplies (every Linear, hence attention projections, feed-forward and output)
-  run in bf16;
-- the rotary embedding is computed in fp32 from full-precision tables (bf16 angles lose whole
-  positions at long context), as are the norms' statistics and the loss.
-
-Two mechanisms deliver it, because no single one exists for every layout:
-
-- under FSDP / HSDP the wrapper all-gathers parameters already cast to bf16
-  (`MixedPrecisionPolicy.param_dtype`): the cast is fused with the communication, halving it.
-  Its `cast_forward_inputs` is off (parallelisms/fsdp.py): it would cast every real floating
-  input of each block, real-valued rotary tables included; the hidden state is bf16 anyway,
-  since it comes out of the bf16 embedding;
-- with no FSDP (one device, DDP via `replicate`, TP only, CP only) nothing casts parameters, so
-  the forward runs under `torch.autocast`, which computes the matmuls in bf16 and leaves the
-  explicit fp32 rotary and norm arithmetic in fp32.
-
-With `float32`, everything runs in fp32 and no mechanism is used.
+`training.mixed_precision_param = bfloat16`: fp32 master weights, gradients and optimizer state;
+matmuls in bf16; rotary, norm statistics and the loss in fp32. Under FSDP / HSDP the wrapper
+all-gathers parameters already cast to bf16 (`cast_forward_inputs` off); with no FSDP the forward
+runs under `torch.autocast`. With `float32` no mechanism is used. Why two mechanisms: docs/install.md.
 """
 
 from __future__ import annotations

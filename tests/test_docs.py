@@ -1,9 +1,11 @@
 """The documentation holds together: every relative link of README.md, docs/*.md and
 benchmarks/results/README.md points at a file that exists (and, with a #anchor, at a heading of
-it, slugged as GitHub slugs headings), the README stays short, and it links every docs page."""
+it, slugged as GitHub slugs headings), the README and every docs page stay short, the README links
+every docs page, and library module docstrings say what a module is for while docs/ keep the prose."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -11,7 +13,10 @@ import pytest
 
 from tests.support import REPO
 
-README_LIMIT = 25_600  # bytes: a README read in one sitting; the rest lives in docs/
+README_LIMIT = 20_000  # bytes: a README read in one sitting; the rest lives in docs/
+PAGE_LIMIT = 20_000  # bytes: a docs page on one topic; a longer one splits by topic
+DOCSTRING_LINES = 10  # a module docstring says what the module is for; measured figures and reasoning go to docs/
+LONG_DOCSTRINGS: dict[str, str] = {}  # module -> why its docstring is longer (at most 5; the reason is in it too)
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", flags=re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
@@ -106,3 +111,39 @@ def test_the_readme_links_every_docs_page():
     pages = sorted((REPO / "docs").glob("*.md"))
     assert pages, "docs/ holds the topic pages"
     assert [p.name for p in pages if p.resolve() not in linked] == []
+
+
+def test_every_docs_page_is_short():
+    sizes = {p.name: p.stat().st_size for p in sorted((REPO / "docs").glob("*.md"))}
+    assert {name: size for name, size in sizes.items() if size >= PAGE_LIMIT} == {}, "split the page by topic"
+
+
+def module_docstring_lines(path: Path) -> int:
+    """The lines a module's docstring spans in its file, its quotes included (0 without one)."""
+    body = ast.parse(path.read_text()).body
+    first = body[0] if body else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+        return 0
+    return first.end_lineno - first.lineno + 1
+
+
+def library_modules() -> list[Path]:
+    """Every Python file of the package: the repository less tests/, benchmarks/ and hidden folders."""
+    top = lambda p: p.relative_to(REPO).parts[0]  # noqa: E731
+    return [p for p in sorted(REPO.rglob("*.py")) if top(p) not in ("tests", "benchmarks") and not top(p).startswith(".")]
+
+
+def test_docstring_lines_count_the_quotes(tmp_path):
+    (tmp_path / "a.py").write_text('"""One line."""\nx = 1\n')
+    (tmp_path / "b.py").write_text('"""First.\n\nThird.\n"""\n')
+    (tmp_path / "c.py").write_text("x = 1\n")
+    assert [module_docstring_lines(tmp_path / n) for n in ("a.py", "b.py", "c.py")] == [1, 4, 0]
+
+
+def test_module_docstrings_are_short():
+    assert len(LONG_DOCSTRINGS) <= 5
+    lines = {str(p.relative_to(REPO)): module_docstring_lines(p) for p in library_modules()}
+    assert len(lines) > 100 and "parallelisms/cp.py" in lines and not any(n.startswith("tests/") for n in lines)
+    too_long = {name: n for name, n in lines.items() if n > DOCSTRING_LINES and name not in LONG_DOCSTRINGS}
+    assert too_long == {}, "move measured figures and design reasoning to the docs page of the topic"
+    assert [name for name in LONG_DOCSTRINGS if lines.get(name, 0) <= DOCSTRING_LINES] == []  # no stale entry

@@ -1,23 +1,11 @@
 """The cooperative cursor: where the global document stream stands, and the documents ahead of it
 whose token lengths every rank knows, counted by the ranks together.
 
-Every rank follows the whole stream (components/data/loader.py), which takes the token length of
-every document, but a rank needs the tokens of only the documents its own windows hold. So the
-ranks count lengths together, in rounds: the next documents, about what the micro-batch still
-lacks, are shared out (each to the rank whose share of the micro-batch it is expected to fall in,
-by the tokens per byte so far); each rank tokenizes its own and keeps the result, and the ranks
-all-gather the lengths over a gloo group (`components.distributed.shared_gloo_group`). The
-strategy then asks for the tokens its own windows need; the cursor builds those it does not hold
-already. A rank thus tokenizes about 1/world of the documents plus its replica's share (1/dp,
-mostly the same documents), not all of them. Documents counted but not yet consumed carry over to
-the next micro-batch. Every decision rests on lengths and sizes all ranks know, so they all make
-the same ones, and a document that cannot be read is reported in the same exchange: every rank
-raises the same DataError (naming file:line) when the stream reaches it, after the same batches
-as a single loader. Without a group (no process group, one rank, or the fake group of
-job.simulate_world_size) one process counts everything itself.
-
-What a document becomes (its "unit": a text's tokens, a record's `Sample`) and its length are the
-strategy's: the cursor takes them as functions.
+The ranks share out the next documents in rounds, each tokenizes its own and the lengths are
+all-gathered over a gloo group, so a rank tokenizes about 1/world of the documents plus its
+replica's share rather than all of them; every decision rests on lengths all ranks know, so a bad
+document raises the same DataError on every rank. Without a group one process counts everything.
+What a document becomes (a text's tokens, a record's `Sample`) is the strategy's (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """A fingerprint of the training data, kept with each checkpoint, so a resume notices changed data.
 
-The fingerprint names every data file (relative to data.dataset_path), its size and the SHA-256
-of its first 64 KiB, or of a Parquet file its footer (the metadata start-up reads anyway: every row
-group's rows, each column chunk's size and statistics), so that a folder of small Parquet files is
-fingerprinted without reading their data pages: enough to notice a file edited, appended to,
-replaced, added or removed, at the cost of reading one block per file. (An edit past the first
-64 KiB that keeps the size, or of Parquet rows that keeps every column chunk's size and
-statistics, is not noticed. A checkpoint saved before footer hashes holds a Parquet file's head
-hash: against it only the size is compared.) The data cursor a
-checkpoint holds counts samples of this exact stream, so resuming over different data silently
-trains on other samples than the interrupted run would have; that stops the run unless
-`data.allow_changed_data` says to go on.
+It names every data file (relative to data.dataset_path), its size and the SHA-256 of its first
+64 KiB, or of a Parquet file its footer. A resume over different data would train on other
+samples than the interrupted run, so a changed fingerprint stops the run unless
+`data.allow_changed_data` says to go on. What it notices and what it cannot: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Records of the supervised formats, and the samples they become.
 
-`data.format = "chat"`: a JSONL line `{"messages": [{"role", "content"}, ...]}`, rendered with the
-tokenizer's chat template; the assistant turns (content and end-of-turn token) are supervised.
-`"prompt_completion"`: `{"prompt", "completion"}` or Alpaca's `{"instruction", "input", "output"}`,
-as [BOS] prompt completion [EOS]; the completion and EOS are supervised. A record becomes a
-`Sample`: its token ids and, per token, whether the model is trained to predict it. Each format
-has a check of the record alone (run before training over every line of a JSONL file), a check
-of a Parquet/Arrow file's schema (run before training instead of reading its rows: the columns
-the records need, of the right types), and a builder of its sample (run by the rank that
-tokenizes the record, which checks the record too: a bad row is named `file row N` there).
+`data.format = "chat"` (`{"messages": [...]}`, rendered with the chat template; assistant turns
+supervised) and `"prompt_completion"` (`{"prompt", "completion"}` or Alpaca's; completion and EOS
+supervised). A record becomes a `Sample`: token ids and, per token, whether it is supervised. Each
+format has a check of the record alone, a check of a Parquet/Arrow schema (before training) and
+a builder of its sample (on the rank that tokenizes it, naming a bad row `file row N`).
 """
 
 from __future__ import annotations

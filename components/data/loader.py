@@ -1,17 +1,11 @@
 """The loader: one class for every data format, which the format's strategy fills with batches,
 and `build_loader`, the one factory train.py calls for training and validation data.
 
-A loader streams the documents of its files (components/data/files.py) through a cooperative
-cursor (components/data/cursor.py) and lets its strategy turn them into this rank's block of each
-global micro-batch: `TextWindows` (components/data/windows.py) for plain text, `PackedSamples`
-(components/data/packing.py) for chat and prompt/completion records. Iterating yields `Batch`es
-forever; each `iter()` continues where the loader stands. `state_dict()` is a position in the
-global stream, identical on all ranks, so a run resumes on exactly the next sample, also under
-another data-parallel degree.
-
-With a process group, every rank of the job must iterate its loader alike: they count document
-lengths together over a gloo group, `exchange_group` for `iter(loader)`, or the one given to
-`stream` (a thread of its own needs a group of its own: components/data/prefetch.py).
+A loader streams its files' documents through the cooperative cursor and lets its strategy
+(`TextWindows` for text, `PackedSamples` for records) build this rank's block of each global
+micro-batch. `state_dict()` is a position in the global stream, identical on all ranks, so a run
+resumes on exactly the next sample, also under another data-parallel degree. Every rank of the
+job iterates its loader alike, over a gloo group (`exchange_group`, or the one given to `stream`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Weighted mixtures: several sources, each a loader of its own, drawn from in proportion to weights.
+"""Weighted mixtures (`data.mixture`): several sources, each a loader of its own, drawn from in
+proportion to their weights.
 
-`data.mixture = ["data/web:3", "data/code:1"]` names each source by a path (anything
-`data.dataset_path` takes: a file, a folder of text/JSONL/Parquet/Arrow files, a folder of token
-shards) and a weight. Each source is a `Loader` (components/data/loader.py) of one window per
-rank: a *draw* gives every data-parallel rank the next window of one source, `dp * seq_len`
-tokens in all. A rank's micro-batch of `local_batch_size` rows is that many consecutive draws,
-row j of every rank from draw j.
-
-Which source each draw takes is decided by the tokens drawn so far, the same on every rank, by
-Tijdeman's rule for the chairman assignment problem (R. Tijdeman, 1980): with n sources, of those
-at least 1/(2n - 2) draws behind their share (weight / sum of weights) once this draw is counted,
-the one that would first fall 1 - 1/(2n - 2) behind (the first on a tie). So after every draw
-each source's total is within 1 - 1/(2n - 2) draws (under one window per rank; half a window for
-two sources) of its share of all tokens drawn, the best bound any order can keep, and over any
-stretch of the run within two.
-
-The state is every source's loader state and its tokens drawn, all global: a resume continues
-each source exactly where it stood, and a resume under another data-parallel degree reshards
-each source as a plain loader does, the shares still counted in tokens.
+A *draw* gives every data-parallel rank the next window of one source; a rank's micro-batch is
+`local_batch_size` consecutive draws. Which source each draw takes follows the tokens drawn so far
+by Tijdeman's rule for the chairman assignment problem (R. Tijdeman, 1980), the same on every rank.
+The state is every source's loader state and tokens drawn, so a resume, also under another
+data-parallel degree, continues each source exactly. The bounds the rule keeps: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Packed samples, the loader's strategy for `data.format = "chat"` and `"prompt_completion"`.
 
-Each record becomes a sample (components/data/formats.py). Samples are packed whole, in file
-order, into windows of `seq_len` inputs; each keeps its own positions (0, 1, ... from its first
-token) and a document id of its own, so attention can be block-causal (models/common/attention.py), and
-the rest of a window is padding that supervises nothing. A sample longer than a window is cut to
-`seq_len + 1` tokens (`truncate`) or skipped (`drop`); either is counted.
-
-Which samples fill which window depends only on their token counts, which the ranks count together
-(components/data/cursor.py; a record is the unit here); a rank builds the samples of its own
-windows only, mostly ones it built while counting. The state is the position of the next record
-not yet placed in a window: identical on all ranks, so a run resumes mid-epoch in any
-data-parallel layout.
+Each record becomes a sample (formats.py); samples are packed whole, in file order, into windows of
+`seq_len` inputs, each with its own positions and document id (block-causal attention), the rest
+padding. A longer sample is cut (`truncate`) or skipped (`drop`), and counted. Which samples fill
+which window depends only on token counts the ranks count together (cursor.py); the state is the
+next record not yet placed, identical on all ranks, so a run resumes mid-epoch in any layout.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Micro-batches prepared ahead of the training step, in a background thread.
 
-`prefetch(loader, ...)` returns a `Prefetcher`: an iterator of `Batch`es (components/data/batch.py)
-that a daemon thread builds up to `depth` ahead while the step runs: reading and tokenizing (with
-the other ranks: components/data/cursor.py) and, on CUDA, copying into pinned memory, from which
-`Batch.to(device, non_blocking=True)` copies without stalling the step.
-
-It stands in for the loader wherever the loader's state is used: `state_dict()` is the loader's
-state before the first batch the caller has not taken yet (recorded with each queued batch), so a
-checkpoint resumes on exactly the batch the loop would have used next, whatever the thread has
-built beyond it; `load_state_dict()` loads the loader (closing the thread first if it runs; the
-next batch starts it again). The loader's counts of truncated and dropped samples are reported
-as of the batches taken, likewise.
-
-The thread communicates over a gloo group of its own (`exchange_group`, given to the constructor;
-`prefetch` creates it), so its exchanges never meet the training loop's collectives or those of a
-loader read in the main thread (validation); the loader itself is left as it was built. The thread
-builds a batch whenever the queue has room and stops only once the queue is full, so every rank's
-thread makes the same exchanges whatever the timing, and `close()` never leaves one rank waiting
-for another.
-An exception in the thread (a DataError from a bad record) is raised by `next()` as itself.
-If the caller never closes it (the loop raised), the thread is stopped at interpreter exit, before
-the interpreter finalizes: a daemon thread cut inside a torch call there aborts the process
-("terminate called without an active exception", exit 134) in place of the caller's error.
+`prefetch(loader, ...)` returns a `Prefetcher`: an iterator of `Batch`es that a daemon thread builds
+up to `depth` ahead (on CUDA in pinned memory), over a gloo exchange group of its own. It stands in
+for the loader: `state_dict()` is the loader's state before the first batch not yet taken, so a
+resume continues on exactly that batch. An exception in the thread is raised by `next()`. Why the
+thread fills its queue whatever the timing, and stops at interpreter exit: docs/data.md.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
     python -m weft.components.data.prepare --source <file or folder of .txt/.jsonl> \\
         --tokenizer <path> --out <folder> [--workers N] [--text-field text] [--shard-bytes N]
 
-Documents, their order and their BOS/EOS wrapping are exactly the text loader's
-(`data.format = "text"`: `TextWindows.build`). Each .txt file becomes one shard, each .jsonl file
-one shard per `--shard-bytes` of it (cut at line starts), in file order, each tokenized by one of
-`--workers` processes; the shards and the manifest are the same bytes whatever the number of
-workers. Everything is written into a temporary folder beside `--out`, renamed to `--out` at
-the end, so a failed prepare leaves nothing; an existing `--out` is refused. A bad input is one
-line `weft: error: ...` and exit status 2.
+Documents, their order and BOS/EOS are exactly the text loader's; the output is the same bytes for
+any `--workers`, written into a temporary folder renamed to `--out` at the end (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Token shards: a corpus tokenized once, ahead of training (`python -m weft.components.data.prepare`),
 read memory-mapped by the run with no tokenizer work.
 
-A shard folder holds `manifest.json` and, per source file (in the text loader's file order), a
-shard: `shard_NNNNN.tokens`, the token ids of its documents back to back (little-endian `uint16`
-when the vocabulary fits, else `uint32`; each document already wrapped in BOS/EOS), and
-`shard_NNNNN.offsets`, the documents' boundaries (`uint64`, documents + 1 entries, the first 0).
-The manifest names its format version, the dtype, the tokenizer (name, vocabulary size, SHA-256
-of its file's bytes), the totals, each shard with its token and document counts, and each source
-file with its size and fingerprint (components/data/fingerprint.py).
-
-`ShardWindows` is `TextWindows` over shards: a document is the ids of one document of a shard, in
-the same order as the text loader reads the source, so windows, document masking, the cursor,
-resume and resharding are the text loader's. A position's `file_index` is the shard,
-`line_number` the 1-based document in it and `byte_offset` where its ids start in the shard.
+A shard folder holds `manifest.json` and, per source file, `shard_NNNNN.tokens` (the documents' ids
+back to back, uint16 or uint32) and `shard_NNNNN.offsets` (their boundaries, uint64); the layout
+and the manifest's fields are in docs/data.md. `ShardWindows` is `TextWindows` over shards, so
+windows, document masking, the cursor and resume are the text loader's; a position's `file_index`
+is the shard, `line_number` the document in it and `byte_offset` where its ids start.
 """
 
 from __future__ import annotations

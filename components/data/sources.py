@@ -1,26 +1,11 @@
 """Parquet, Arrow and compressed sources: what files.py reads besides `.txt` and `.jsonl`.
 
-`.txt.gz`, `.jsonl.gz` (stdlib gzip), `.txt.zst` and `.jsonl.zst` (the `zstandard` package) are
-text or JSONL files read through a decompressing stream: a compressed `.txt` is one document, as a
-`.txt` is, and a compressed JSONL file's lines are documents exactly as a `.jsonl` file's,
-positioned by their offset in the decompressed bytes. A compressed stream cannot seek, so reaching
-an offset decompresses (and discards) everything before it. A stream that is cut short or corrupt
-raises when the read reaches the damage, never ends early: gzip checks its end marker and CRC;
-a zstd file must end where a frame ends (`_ZstdFrames`), and a frame's content checksum (which
-the zstd command line writes by default) is verified, so a changed byte is caught where the
-file has one. Those checks come at the end of a stream, so a compressed JSONL file is read
-whole once (`check_whole`) before its first line is handed out.
-
-`.parquet` and `.arrow` (Arrow IPC, file or stream format) files hold one document or record per
-row, read with pyarrow in batches of at most ROWS_PER_BATCH rows, only the columns a record
-uses, so memory stays bounded by a row group whatever the file's size. Row r is found without
-reading earlier rows' data: Parquet's row-group metadata (and an Arrow file's batch lengths) say
-which group holds it, and reading starts there. The start-up checks read a file's footer only
-(`read_footer`: its schema, a Parquet file's row count; a record format's check also builds the
-very first record); the loader reads rows when it reaches them, and names a bad one `file row N`.
-
-pyarrow and zstandard are optional (`pip install "weft[data]"`): `check_readable` names the
-missing one, before any run starts.
+`.txt.gz`, `.jsonl.gz`, `.txt.zst` and `.jsonl.zst` are read through a decompressing stream; a cut
+or corrupt stream raises where the read reaches the damage (a zstd file must end where a frame
+ends, `_ZstdFrames`), and a compressed JSONL file is read whole once (`check_whole`) before its
+first line is handed out. `.parquet` and `.arrow` files hold one document or record per row, read
+in batches of at most ROWS_PER_BATCH rows; start-up reads footers only (`read_footer`).
+`check_readable` names a missing optional package (weft[data]). Why: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Tokenizers: a SentencePiece `.model` file or a Hugging Face tokenizer folder, and chat templates.
 
-Both give `encode(text, bos, eos)`, `decode(ids)`, `vocab_size`, `bos_id` and `eos_id`, so the
-loaders take either. `load_tokenizer(path)` picks by what `path` is: a file is a SentencePiece
-model (`Tokenizer`); a folder is a Hugging Face tokenizer (`HFTokenizer`: `tokenizer.json` +
-`tokenizer_config.json`, as shipped with Llama 2 / 3 / 3.1 / 3.2 checkpoints), loaded with the
-`tokenizers` library. Its BOS, EOS and pad tokens, and its chat template, come from the folder's
-own `tokenizer_config.json`.
-
-Chat templates are Jinja; `render_chat` renders them the way transformers' `apply_chat_template`
-does (a sandboxed environment with `trim_blocks`, `lstrip_blocks`, the loop-controls extension,
-`raise_exception`, a `tojson` filter, and the special tokens as variables), so any model's chat
-format works, and `encode_chat` returns the same ids as `apply_chat_template(..., tokenize=True)`.
-
-`tokenizers` and `jinja2` are the optional extra `weft[hf]`: they are imported only when a folder is
-loaded, and their absence is a one-line `DataError` saying what to install.
+Both give `encode(text, bos, eos)`, `decode(ids)`, `vocab_size`, `bos_id` and `eos_id`;
+`load_tokenizer(path)` picks `Tokenizer` for a file and `HFTokenizer` (`tokenizer.json` +
+`tokenizer_config.json`: BOS, EOS, pad and chat template) for a folder. `render_chat` renders a
+Jinja chat template as transformers' `apply_chat_template` does, so `encode_chat` returns its ids.
+`tokenizers` and `jinja2` (weft[hf]) are imported only when a folder is loaded; their absence is a
+one-line `DataError`.
 """
 
 from __future__ import annotations

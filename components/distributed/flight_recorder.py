@@ -1,18 +1,11 @@
 """What a hung job leaves behind to say where each rank was: torch's flight recorder (NCCL), and on
 gloo weft's own record of the phase each rank last entered.
 
-The flight recorder is torch's: a ring buffer of each rank's last collectives, written per rank
-to `<prefix><rank>` when NCCL's watchdog sees a collective time out. weft only sets the
-environment torch reads for it (`flight_recorder_env`), before the process group exists: torch
-2.13 reads TORCH_FR_BUFFER_SIZE (older releases TORCH_NCCL_TRACE_BUFFER_SIZE) and
-TORCH_FR_DUMP_TEMP_FILE (older: TORCH_NCCL_DEBUG_INFO_TEMP_FILE), and both spellings are set.
-Read the dumps with torch's analyzer: `torchfrtrace <folder>` (python -m
-torch.distributed.flight_recorder.fr_trace).
-
-Gloo records collectives too but never writes them on a timeout, and a rank stopped by SIGSTOP can
-say nothing once it is stopped. So each rank of a gloo job publishes, in the job's c10d store,
-the step and phase it enters (`PhaseRecord`), before it enters it; the timeout line reads the
-silent ranks' last entries back (`last_phases`).
+`flight_recorder_env` sets the environment torch reads for its flight recorder (both spellings of
+torch 2.13 and older releases) before the process group exists; read the dumps with `torchfrtrace`.
+Gloo never writes its record on a timeout, so each rank of a gloo job publishes in the c10d store
+the step and phase it enters (`PhaseRecord`), and the timeout line reads the silent ranks' last
+entries back (`last_phases`; docs/observability.md).
 """
 
 from __future__ import annotations

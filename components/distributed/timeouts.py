@@ -1,15 +1,10 @@
 """How long a collective may wait for the other ranks, and what a rank says when one never answers.
 
-Two limits (`[comm]`): a long one while the ranks start, load, run their first step (where
-torch.compile compiles), save and validate, and a short one for ordinary training steps, so that
-a rank that stops responding (a hung GPU, a stopped process, a dead node) ends the job within
-minutes instead of torch's default half hour. A rank whose collective times out raises
-CollectiveTimeoutError: one line naming the step, the limit and, when the store can tell, the
-ranks that did not respond and, on gloo, the step and phase each of them last entered
-(components/distributed/flight_recorder.py); torchrun then stops the others.
-
-On gloo (CPU) a timed-out collective raises, and that line is printed. On NCCL the same limit
-applies, but NCCL's watchdog aborts the process itself with its own message.
+Two limits (`[comm]`): a long one while the ranks start, load, compile, save and validate, and a
+short one for ordinary steps, so that a rank that stops responding ends the job within minutes.
+A timed-out collective raises CollectiveTimeoutError on gloo: one line naming the step, the limit
+and the ranks that did not respond, with their last phase (flight_recorder.py). On NCCL the
+watchdog aborts the process at the same limit (docs/troubleshooting.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Fault tolerance across replica groups, on torchft ([fault_tolerance]).
 
-Each replica group is one torchrun job with its own mesh (FSDP, TP, CP, PP, EP inside it). A
-torchft Manager in every process joins the group to a quorum of live groups through the
-lighthouse at the start of each step, and averages each gradient shard with the same rank of the
-other live groups before clipping (so the step equals HSDP's over the groups taking part). The
-optimizer steps only if every group of the quorum finished its all-reduce: a step in which a
-group died is committed nowhere and retried with the next batch, and the live groups go on
-without restarting. A group that comes back (torchrun --max-restarts) is behind the quorum's
-step: torchft copies model, optimizer, schedule and data position from a live peer into it
-before its first forward ("healing"), over the process group across groups.
-
-Under semi_sync_method = diloco, `DiLoCoGroups` (diloco.py) syncs weights every sync_steps instead.
-Off, `NoFaultTolerance` keeps the loop as it was.
+Each replica group is one torchrun job with its own mesh. A torchft Manager joins the group to a
+quorum of live groups at each step, averages each gradient shard with the other live groups, and
+steps only if every group of the quorum finished its all-reduce; a group that comes back heals
+from a live peer before its first forward. Under semi_sync_method = diloco, `DiLoCoGroups`
+(diloco.py) syncs every sync_steps steps instead. Off, `NoFaultTolerance` keeps the loop as it
+was. How a step runs and why: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The one Hugging Face writer: a full model, a model with its LoRA adapters merged, or a PEFT
 adapter folder, written from a stream of (weft name, whole tensor) pairs one tensor at a time.
 
-A source is any function `names -> iterator of (name, tensor)` that yields the named tensors whole,
-in that order: a live model in any layout (`live_source`: DTensor shards gathered with
-`full_tensor`, pipeline stages broadcast by the rank holding them, see model_state.full_tensors)
-or a DCP checkpoint read one tensor at a time (export.py). Every rank iterates the same stream
-(the gathers are collectives); the writing rank maps names and rotary rows to Hugging Face's,
-merges `W + scaling * B A` for a LoRA layer as its three tensors arrive, and writes a safetensors
-file whenever one is full. So the writer holds one layer's tensors plus one file's buffer; the
-other ranks hold what their layout holds.
-
-Pipeline stages are gathered to the writer rather than written by each rank: each tensor lives on
-one pipeline rank, one broadcast brings it over, and one rank writing keeps the file plan, the
-index and the rename-into-place in one place, the same for every layout.
-
-Adapters on the routed experts (`<experts>.lora_A.w1` [E, r, in] ...) are merged expert by expert
-like a linear's; in a PEFT folder they are PEFT's `target_parameters` adapters of transformers'
-in-memory expert parameters (`_PeftExperts` gives the layout, verified against peft 0.21.2).
-
-Every model-specific fact (names, rotary row order, tensors that join several parameters such as
-Llama 4's experts' gate_up_proj, how transformers holds the experts in memory, config.json) comes
-from the model's spec (models/common/spec.py).
+A source is any function `names -> iterator of (name, tensor)`: a live model in any layout
+(`live_source`: shards gathered, pipeline stages broadcast to the writer) or a DCP checkpoint
+(export.py). Every rank iterates the stream; the writing rank maps names to Hugging Face's, merges
+`W + scaling * B A` (expert by expert for routed experts; in a PEFT folder they are
+`target_parameters`, `_PeftExperts`) and writes a file whenever one is full. Model facts come from
+the model's spec (models/common/spec.py). Why one writer rank: docs/checkpoints.md.
 """
 
 from __future__ import annotations

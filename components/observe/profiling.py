@@ -1,20 +1,11 @@
 """[profiling]: torch.profiler traces of a window of steps, and CUDA memory snapshots.
 
-Traces: one torch.profiler.profile, its schedule driven by the training step (train.py wraps
-each step in `StepProfiler.step` and passes `StepProfiler.on_phase` to train_step). A window
-is `warmup` steps the profiler runs without keeping, then `active` recorded steps, ending at the
-steps divisible by `freq`; each rank writes the window as a gzipped Chrome trace,
-<dump>/<folder>/step-N/rank-R.json.gz (N: the window's last step), with the step's phases marked
-as record_function regions forward, backward and optimizer. Steps of a window, and the
-profiler's own bookkeeping, are left out of the throughput the log reports.
-
-Memory snapshots (CUDA only): the caching allocator records every allocation and free with its
-Python stack (torch.cuda.memory._record_memory_history, the latest `max_entries` of them) from
-the first step; each rank dumps a pickle every `memory_snapshot_freq` steps, and when a training
-step runs out of memory, to <dump>/memory_snapshot/step-N[-oom]/rank-R.pickle.
-
-The decisions (schedule, paths, when to dump, the recording's arguments) are pure functions,
-tested without a GPU. With both off, `StepProfiler` creates nothing and its hooks do nothing.
+Traces: one torch.profiler.profile driven by the training step (`StepProfiler.step`, phases through
+`StepProfiler.on_phase`); each rank writes a window of `warmup` + `active` steps ending at a multiple
+of `freq` as <dump>/<folder>/step-N/rank-R.json.gz, kept out of the logged throughput. Memory
+snapshots (CUDA only): each rank dumps the allocator's history every `memory_snapshot_freq` steps
+and on out-of-memory. The decisions are pure functions, tested without a GPU; with both off
+`StepProfiler` does nothing (docs/observability.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Slow ranks: every rank's step time and data wait, gathered at each log step, and the rank that
 holds the others back.
 
-In synchronous training every rank's step takes the same wall time: a rank that is early waits
-for the late one inside the step's collectives. What differs between ranks is the work each does
-on its own before it joins them; the part weft can time on every rank without instrumenting the
-collectives is the data wait (`next(loader)`). So a rank's *own* step time is estimated as
+Ranks in synchronous training take the same wall time per step, so a rank's own step time is
+estimated from the data wait, the part timed on every rank without instrumenting collectives:
 
     own[r] = min over ranks of (step - data wait)  +  data_wait[r]
 
-(the compute of the rank that waited for nobody's data, plus r's own wait), and the slowest rank
-is the one with the largest own time, reported with its ratio to the median rank's. A rank slow
-in compute (a throttled GPU) makes every step slower by the same amount and is not named here.
+The slowest rank has the largest own time, reported with its ratio to the median's (docs/observability.md).
 """
 
 from __future__ import annotations

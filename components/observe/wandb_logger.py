@@ -1,14 +1,10 @@
 """Weights & Biases as an optional logger (`[metrics] enable_wandb`): rank 0 sends the scalars that
 go to TensorBoard, at the same steps, with the run's config; a resumed run continues its wandb run.
 
-The package is optional (`pip install "weft[wandb]"`); `check_wandb` refuses a run that asks for
-it without it, at plan time; a wandb that cannot start its run (not logged in, no network without
-WANDB_MODE=offline) stops the run at its first log with one line. The wandb run id is kept in
-<dump_folder>/wandb_run_id, so every run in that folder (a resume, a restart) logs to the same
-wandb run (`resume="allow"`). wandb's own
-files go to $WANDB_DIR if set, else the dump folder (its `wandb/` subfolder). A resume logs the
-steps after its checkpoint again; wandb ignores a step below its run's latest, so on wandb those
-keep the interrupted run's values.
+`check_wandb` refuses a run that asks for it without the package (weft[wandb]), at plan time; a
+wandb that cannot start stops the run at its first log with one line. The run id is kept in
+<dump_folder>/wandb_run_id (`resume="allow"`); wandb's files go to $WANDB_DIR, else the dump
+folder. What a resume shows there: docs/observability.md.
 """
 
 from __future__ import annotations

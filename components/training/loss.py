@@ -1,22 +1,11 @@
 """The training loss: mean cross-entropy over the supervised tokens of the whole global batch.
 
-With loss masks (chat, prompt/completion) micro-batches and ranks hold different numbers of
-supervised tokens. Averaging per-rank or per-micro-batch means would weight a token of a short
-answer more than one of a long answer, and would change with the layout. Instead every token
-counts once: each step first counts the supervised tokens of all its micro-batches on all
-data- and context-parallel ranks (one all-reduce, before any backward), and each micro-batch's
-loss is its *sum* of token losses divided by that global count.
-
-Gradients are averaged (not summed) over the data- and context-parallel ranks by FSDP / DDP and
-by the CP recipe, so each rank scales its loss by their number, `grad_ranks`: the averaged
-gradient is then exactly the gradient of sum(all token losses) / global count.
-
-The cross-entropy is computed in fp32, but fp32 logits are never materialised whole: for a 128K
-vocabulary the fp32 copy of one 8192-token sequence's logits is 4 GiB, and eager
-`F.cross_entropy(logits.float())` keeps that copy's log-softmax for backward and makes two more
-of its size there. Compiled runs use `compiled_cross_entropy` (inductor fuses the upcast into its
-kernels and keeps one log-sum-exp per row); eager runs use `chunked_cross_entropy` (fp32 for a
-chunk of rows at a time). benchmarks/loss_memory.py measures all three.
+Each step counts the supervised tokens of all its micro-batches on all data- and context-parallel
+ranks (one all-reduce, before backward); each micro-batch's loss is its sum of token losses over
+that count, scaled by `grad_ranks` since FSDP / DDP / CP average gradients, so every token counts
+once whatever the layout. The fp32 cross-entropy never holds fp32 logits whole:
+`compiled_cross_entropy` when compiled, `chunked_cross_entropy` otherwise. Why, and what each
+costs (benchmarks/loss_memory.py): docs/memory.md and docs/fine-tuning.md.
 """
 
 from __future__ import annotations

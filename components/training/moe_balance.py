@@ -1,16 +1,10 @@
 """Keeping a Mixture-of-Experts model's experts evenly loaded, and measuring how even they are.
 
-Auxiliary-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after every optimizer step, each
-MoE layer's `expert_bias` (added to the router logits for the choice only) moves by
-`rate · sign(mean load − load)`: an expert that received more than its share of tokens becomes a
-little less likely to be chosen, one that received less a little more. The loads are the tokens
-the layer's experts received in the step (`MoE.tokens_per_expert`, all micro-batches), summed
-over the ranks that saw other tokens, so every rank keeps the same bias and routes alike.
-
-A layer's load imbalance is its busiest expert's tokens over the mean (1: perfectly even;
-n_experts: every token to one expert). Under expert parallelism what costs time is the tokens each
-rank's experts receive from its EP group: the EP imbalance is the busiest rank's over the mean (1:
-even; ep: every token to one rank's experts), the worst over the EP groups.
+Auxiliary-loss-free balancing (Wang et al., 2024; DeepSeek-V3): after every optimizer step each MoE
+layer's `expert_bias` moves by `rate · sign(mean load − load)`, the loads summed over the ranks so
+every rank routes alike. A layer's load imbalance is its busiest expert's tokens over the mean;
+under expert parallelism the EP imbalance is the busiest rank's tokens over its EP group's mean,
+the worst over the groups. `set_load_balance_loss` adds the load-balancing loss (docs/moe.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """weft parameter names ↔ Hugging Face tensor names, both ways from one table of patterns, and the
 row order Hugging Face's rotary needs.
 
-A pattern's `{field}` stands for an integer: `{layer}` in block names, and on the Hugging Face side
-alone `{expert}` where one weft parameter (the stacked routed experts, [experts, out, in]) is held
-as one tensor per expert (Qwen3-MoE's `mlp.experts.{expert}.gate_proj.weight`); `hf_parts` names
-them in stacking order. Several weft patterns naming one Hugging Face pattern make that one
-tensor together, in table order (Llama 4's gate_up_proj of w1 and w3); `groups` says so.
-
-Rotary rows: weft (like Meta's reference code) rotates adjacent channels (x[2i], x[2i+1]) of each
-head; transformers' `rotate_half` rotates channel i with channel i + head_dim/2. Attention agrees
-when the rows of wq and wk (and of per-head q/k norm weights, a single "head") are reordered
-within each head, evens first then odds (`permute_for_hf`), and back on import.
+A pattern's `{layer}` and, on the Hugging Face side, `{expert}` (one tensor per expert of a stacked
+weft parameter; `hf_parts` names them) stand for integers; several weft patterns naming one Hugging
+Face pattern make that tensor together, in table order (`groups`). `permute_for_hf` reorders the
+rows of wq and wk (and per-head q/k norm weights) within each head, evens first then odds, since
+weft rotates adjacent channels and transformers' `rotate_half` halves (docs/checkpoints.md).
 """
 
 from __future__ import annotations

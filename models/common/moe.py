@@ -2,22 +2,11 @@
 each token to its top-k SwiGLU experts, whose outputs are summed with the token's scores, beside a
 shared expert every token passes through.
 
-The routed experts are held stacked, one [experts, out, in] weight per projection, and computed
-over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped_mm`, CPU
-included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
-bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism;
-`GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
-A weight may also come frozen in NF4 (models/common/nf4_experts.py) or with a low-rank adapter per
-expert (`LowRankAdapted`, which LoRA adds: parallelisms/lora.py); each projection is then its own
-grouped multiply, the adapter's x A_e^T B_e^T added to the base's output.
-
-Balance: each layer counts the tokens its experts received (`tokens_per_expert`, summed over the
-training forwards since the training loop last read it; forwards in eval mode do not count) and holds a per-expert `expert_bias` added to the
-router logits for the choice only, never to the scores that weigh the outputs. The training loop
-nudges the bias towards equal load after each step (components/training/moe_balance.py: DeepSeek-V3's
-auxiliary-loss-free balancing). With the bias zero the choice is the unbiased one exactly.
-Optionally (`load_balance_coeff` > 0, in training) the layer also adds Switch Transformer's
-load-balancing loss to the training loss's gradient.
+The routed experts are held stacked ([experts, out, in] per projection) and computed as one grouped
+multiply over the tokens sorted by expert, or a loop where it does not apply; a weight may be
+frozen in NF4 (nf4_experts.py) or carry per-expert adapters (`LowRankAdapted`). Each layer counts
+its experts' tokens (`tokens_per_expert`), holds an `expert_bias` for the choice only, and may add
+the load-balancing loss. Nothing here knows about parallelism. When which path runs: docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Tensor parallelism for the Mixture-of-Experts layer (models/common/moe.py): the plan entries of one
 `MoE` module, which a model's tensor-parallel plan adds for each of its MoE layers.
 
-The routed experts are split by their hidden dimension, each tp rank holding a slice of every
-expert (w1, w3: [experts, hidden/tp, dim]; w2: [experts, dim, hidden/tp]), as Megatron splits a
-dense SwiGLU (their LoRA adapters alike: B of w1 and w3 by rows, A of w2 by columns, the other
-factor whole): memory, the experts' weights being most of an MoE model, divides by tp like the
-rest of the block's. (Keeping the experts whole would repeat them on every tp rank.) The layer
-then runs like a dense feed-forward under sequence parallelism:
-
-- its input is all-gathered along the sequence, so every tp rank routes every token of the
-  micro-batch, alike: the router is replicated and its choice is the same on every rank;
-- each rank runs its hidden slice of the chosen experts (and of the shared expert, split like
-  Llama's feed-forward) on all the routed tokens, giving a partial sum of the output;
-- the partial sums are reduce-scattered back to the sequence shards.
-
-In backward the gradient of the experts' input is a partial sum as well, and is all-reduced
-where the tokens enter the experts, before it reaches the router's scores. The score must
-therefore weigh the token before the experts (`score_before_experts`, Llama 4's placement):
-weighed after them, the gradient of the scores would be partial.
-
-Under expert parallelism (`apply_ep` first, over ranks that include the tp ranks) the experts stay
-whole instead, each rank holding its own, and the layer keeps its input's sequence sharding: each
-tp rank routes the tokens of its own shard (the router replicated, its gradient summed over the tp
-ranks) and sends them to the experts' ranks by all-to-all; only the shared expert all-gathers the
-tokens and splits by hidden dimension as above, reduce-scattering its output back to the shards.
+The routed experts are split by their hidden dimension (w1, w3: [experts, hidden/tp, dim]; w2:
+[experts, dim, hidden/tp]; their LoRA adapters alike), as Megatron splits a dense SwiGLU: the
+input is all-gathered along the sequence, every tp rank routes every token alike and the partial
+outputs are reduce-scattered back. This needs the score before the experts (`score_before_experts`).
+Under expert parallelism the experts stay whole and only the shared expert splits. Why, and the
+backward: docs/moe.md.
 """
 
 from __future__ import annotations

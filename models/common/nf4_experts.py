@@ -1,15 +1,11 @@
 """Routed experts stored in NF4 (QLoRA's 4-bit NormalFloat, Dettmers et al., 2023), expert by expert.
 
-torchao's `NF4Tensor` holds a 2-D weight. A stack of experts [experts, out, in] is quantized one
-expert at a time (each its own blocks of 64 values and its own groups of scales) and the pieces of
-every expert's NF4 tensor are kept stacked along a leading expert dimension: the 4-bit codes, the
-int8 block scales, the groups' factors and the scales' mean. Splitting dim 0 (FSDP, expert
-parallelism) therefore hands out whole experts and never a piece of a quantization group.
-
-`NF4Experts` stands where `GroupedExperts` keeps a projection's weight; `GroupedExperts.compute`
-multiplies by it through `frozen_experts_matmul`, which dequantizes the whole stack to the compute
-dtype for the multiply and drops it, and dequantizes again in the backward (the weight is frozen:
-only the input's gradient is needed), so a layer's dequantized experts never outlive its matmul.
+A stack of experts [experts, out, in] is quantized one expert at a time by torchao, and the pieces of
+every expert's NF4 tensor (codes, block scales, the groups' factors, the scales' mean) are kept
+stacked along the expert dimension, so FSDP and expert parallelism hand out whole experts.
+`NF4Experts` stands where `GroupedExperts` keeps a weight; `frozen_experts_matmul` dequantizes the
+stack for the multiply and again in the backward, so no dequantized stack outlives its matmul
+(docs/lora-moe.md).
 """
 
 from __future__ import annotations

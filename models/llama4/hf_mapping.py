@@ -1,16 +1,11 @@
 """Llama 4 in Hugging Face's terms: parameter names, the stacked experts, and config.json
 (`Llama4ForCausalLM`, model_type `llama4_text`; also the text part of a
-`Llama4ForConditionalGeneration`, model_type `llama4`, whose text config sits in `text_config`
-and whose weights carry the prefix `language_model.`).
+`Llama4ForConditionalGeneration`, model_type `llama4`: `text_config`, weights under `language_model.`).
 
-Unlike Llama 3's mapping, query and key rows keep their order: transformers' Llama 4 rotates
-adjacent channel pairs as complex numbers, as weft does. The one tensor that is not one weft
-parameter is the experts' `gate_up_proj` [experts, dim, 2·hidden], the gate (weft's w1) and up
-(w3) projections side by side, gate first: the name table (`NAMES`) says which weft parameters
-make each Hugging Face tensor, `to_hf_tensor` joins them (the spec's `join`), `from_hf_tensor`
-takes one back out (its `split`).
-
-Nothing here reads or writes files; components/hf does, through the family's `HFMapping`.
+Query and key rows keep their order (transformers' Llama 4 rotates adjacent pairs, as weft does).
+The experts' `gate_up_proj` [experts, dim, 2·hidden] holds w1 and w3 side by side, gate first:
+`NAMES` says which weft parameters make it, `to_hf_tensor` joins them, `from_hf_tensor` splits
+them. Nothing here reads or writes files; components/hf does, through the family's `HFMapping`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The Llama 4 text transformer (Scout, Maverick), written to read like Meta's description.
 
-A pre-norm decoder like Llama 3 with four changes to attention and one to the feed-forward:
-
-- interleaved positions (iRoPE): most layers rotate queries and keys (rotary layers) and attend
-  only within chunks of `attention_chunk_size` positions; every `nope_every`-th layer has no
-  position encoding (NoPE) and attends over the whole causal context;
-- on rotary layers, queries and keys are L2-normalised per head after the rotation (QK norm);
-- on NoPE layers, queries are scaled by 1 + attn_scale·log(1 + ⌊(position + 1) / floor_scale⌋)
-  (attention temperature tuning), sharpening attention at long range;
-- every `moe_every`-th layer's feed-forward is a Mixture of Experts (top-k routed SwiGLU
-  experts with a shared expert beside them); the others are dense SwiGLU.
-
-Norms, rotary, grouped-query attention's projections and core, masks, the dense SwiGLU and the
-decoder frame with its initialisation are the shared ones of `models/common/`.
-Nothing here knows about parallelism.
+A pre-norm decoder like Llama 3 with interleaved positions (iRoPE: rotary layers attend within
+chunks of `attention_chunk_size`, every `nope_every`-th layer has no position encoding and attends
+over the whole causal context), QK norm on rotary layers, attention temperature tuning on NoPE
+layers, and a Mixture of Experts every `moe_every`-th layer. The shared layers are those of
+`models/common/`; nothing here knows about parallelism (docs/moe.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Qwen3 and Qwen3-MoE in Hugging Face's terms (`Qwen3ForCausalLM`, model_type `qwen3`;
 `Qwen3MoeForCausalLM`, model_type `qwen3_moe`): the name table and config.json.
 
-Three things differ from the names alone: the rotary row order of wq and wk, and of the q/k norm
-weights, a single head of head_dim rows each (left in Hugging Face's order, the logits are off);
-tied embeddings (no `lm_head.weight` in the folder); and the routed experts, held by weft as one
-stacked [experts, out, in] parameter per projection and on disk as one 2-D tensor per expert
-(`mlp.experts.{j}.gate_proj.weight`): the table's `{expert}` field names them, components/hf
-stacks them on load and splits them on export.
-
-Nothing here reads or writes files; components/hf does, through the family's `HFMapping`.
+Beyond the names: the rotary row order of wq, wk and the q/k norm weights; tied embeddings (no
+`lm_head.weight`); and the routed experts, one stacked parameter per projection in weft and one
+2-D tensor per expert on disk (the table's `{expert}` field). Nothing here reads or writes files;
+components/hf does, through the family's `HFMapping` (docs/qwen3.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Qwen3 and Qwen3-MoE (Qwen Team, 2025), written to read like the report.
 
-A pre-norm decoder like Llama 3 with two changes to attention and, in the MoE models, one to the
-feed-forward:
-
-- queries and keys pass a per-head RMSNorm with weights over head_dim (`q_norm`, `k_norm`)
-  *before* rotary (QK norm, in place of Qwen2's q/k/v biases);
-- head_dim is its own hyper-parameter, not dim / n_heads;
-- in Qwen3-MoE every `decoder_sparse_step`-th layer not in `mlp_only_layers` is a Mixture of
-  Experts: a softmax router chooses top_k routed SwiGLU experts (their scores renormalised to sum
-  to 1 where `norm_topk_prob`), each expert's output weighed by its score, no shared expert.
-
-Norms, rotary, grouped-query attention (with its q/k norm), masks, SwiGLU, the MoE layer and the
-decoder frame with its initialisation are the shared ones of `models/common/` and `models/common/moe.py`.
-Nothing here knows about parallelism.
+A pre-norm decoder like Llama 3 with a per-head RMSNorm on queries and keys before rotary
+(`q_norm`, `k_norm`), head_dim its own hyper-parameter and, in Qwen3-MoE, Mixture-of-Experts layers
+(every `decoder_sparse_step`-th not in `mlp_only_layers`: softmax router, scores renormalised where
+`norm_topk_prob`, no shared expert). The shared layers are those of `models/common/`; nothing here
+knows about parallelism (docs/qwen3.md).
 """
 
 from __future__ import annotations
