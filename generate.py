@@ -43,12 +43,12 @@ from weft.components.checkpoint.checkpointer import load_model_weights, model_te
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.components.hf.export import run_hf_files
+from weft.components.hf.export import holds_adapters, run_hf_files
 from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.components.hf.writer import ExportError
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.precision import DTYPES
-from weft.recipe.export import export_adapter_checkpoint, holds_adapters
+from weft.recipe.export import export_adapter_checkpoint
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:

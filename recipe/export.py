@@ -17,9 +17,9 @@ from torch import nn
 from weft.components.config import JobConfig, parse_args
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import flavors
-from weft.components.checkpoint.checkpointer import read_dcp_metadata, require_complete_checkpoint
+from weft.components.checkpoint.checkpointer import require_complete_checkpoint
 from weft.components.hf import export_at_end
-from weft.components.hf.export import export_run_checkpoint
+from weft.components.hf.export import export_run_checkpoint, holds_adapters
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.model_files import HF_FILES
 from weft.components.hf.safetensors_io import check_output_folder
@@ -63,11 +63,6 @@ def export_checkpoint(checkpoint: Path, out: Path | None, peft_out: Path | None 
         raise ExportError(f"--flavor: {folder} holds a LoRA run's adapters; the model is the one its run's "
                           "config.toml names")
     export_adapter_checkpoint(folder, peft_out, out, DTYPES[dtype], base=base, max_shard_bytes=max_shard_bytes)
-
-
-def holds_adapters(checkpoint: Path) -> bool:
-    """Whether a checkpoint holds a LoRA run's adapters (and so no base) rather than a whole model."""
-    return any(key.startswith("model.") and ".lora_" in key for key in read_dcp_metadata(checkpoint).state_dict_metadata)
 
 
 def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_out: Path | None,

@@ -10,7 +10,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from weft.components.checkpoint.checkpointer import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from weft.components.checkpoint.checkpointer import (
+    dcp_call,
+    model_tensor_metadata,
+    read_dcp_metadata,
+    require_complete_checkpoint,
+)
 from weft.components.config import Export
 from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES, write_hf_files
@@ -83,6 +88,9 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
                           dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> None:
     """`export_to_hf` of a run's checkpoint as the model `flavor`, by default the model its run
     recorded (<dump_folder>/hf_files/config.json), written with the run's recorded files."""
+    if holds_adapters(require_complete_checkpoint(checkpoint_dir)):
+        raise ConversionError(f"checkpoint {checkpoint_dir} holds a LoRA run's adapters, not a whole model; "
+                              "`weft export` merges them into the run's base")
     hf_files = run_hf_files(checkpoint_dir)
     if flavor is None and hf_files is None:
         raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
@@ -93,6 +101,11 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
     export_to_hf(checkpoint_dir, out_dir, flavor=flavor, model_args=args,
                  dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[dtype],
                  max_shard_bytes=max_shard_bytes, hf_files=hf_files)
+
+
+def holds_adapters(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds a LoRA run's adapters (and so no base) rather than a whole model."""
+    return any(key.startswith("model.") and ".lora_" in key for key in read_dcp_metadata(checkpoint).state_dict_metadata)
 
 
 def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:

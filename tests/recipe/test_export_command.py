@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from weft import train
 from weft.cli import main as weft
 from weft.components.config import parse_args
+from weft.components.hf import main as hf_main
 from weft.parallelisms.lora import NF4_BLOCK, nf4_scaler_block
 from tests.support import REPO
 from tests.support.hf_folders import tiny_qwen3_hf_folder
@@ -102,15 +103,20 @@ def nf4_base(base: Path, out: Path, moe: bool) -> Path:
     return out
 
 
+def load(folder: Path):
+    """A Hugging Face folder in transformers, fp32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
+
+
 @pytest.mark.parametrize("name", ALL_RUNS)
 def test_the_peft_folder_on_the_base_in_peft_has_the_merged_folders_logits(runs, name, tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     moe, qlora = RUNS[name]
     run, source = runs(name), runs.base(moe)
     base_folder = nf4_base(source, tmp_path / "nf4_base", moe) if qlora else source
-    load = lambda folder: AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()  # noqa: E731
     tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         peft = PeftModel.from_pretrained(load(base_folder), run / "adapter").eval()(input_ids=tokens).logits
@@ -147,8 +153,8 @@ def test_a_moved_base_is_one_line_naming_it_and_found_again_with_base(runs, tmp_
                      ["generate", "--checkpoint", str(checkpoint(run)), "--tokenizer", TOKENIZER]):
             assert weft(argv) == 2
             err = capsys.readouterr().err.strip().splitlines()
-            assert err == [f"weft: error: checkpoint.initial_load_path = '{base}' in {run / 'config.toml'}: the run's "
-                           "base is not there (moved or removed); `weft export --base` reads it from where it is now"]
+            assert err == [(f"weft: error: checkpoint.initial_load_path = '{base}' in {run / 'config.toml'}: the run's "
+                            "base is not there (moved or removed); `weft export --base` reads it from where it is now")]
         assert out.is_dir() and not any(out.iterdir())
         assert weft(["export", "--checkpoint", str(checkpoint(run)), "--out", str(out), "--base", str(moved)]) == 0
     finally:
@@ -171,6 +177,15 @@ def test_a_refused_export_writes_nothing_and_leaves_existing_folders_as_they_wer
     for extra, message in cases:
         capsys.readouterr()
         assert weft(["export", "--checkpoint", str(checkpoint(run)), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("weft: error: ") and message in err[0], err
+    others = [  # the whole-model export alone, and generate, name the command and the option
+        (hf_main, ["export", "--checkpoint", str(checkpoint(run)), "--out", str(new)],
+         "holds a LoRA run's adapters, not a whole model; `weft export` merges them into the run's base"),
+        (weft, ["generate", "--checkpoint", str(checkpoint(run)), "--flavor", "debugmodel_qwen3"], "--flavor: "),
+    ]
+    for main, argv, message in others:
+        assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("weft: error: ") and message in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"] and (full / "keep.txt").read_text() == "mine"
