@@ -8,8 +8,7 @@
 The model is any registered family's (weft.models), built by its spec: a --hf folder's
 config.json names it (LlamaForCausalLM, Llama4ForCausalLM, ...); a --checkpoint's is --flavor, by
 default the model its run recorded (<dump_folder>/hf_files/config.json, as the export command
-reads it), else debugmodel. A LoRA or QLoRA run's --checkpoint (adapters only) is its recorded
-base with the adapters merged, as `weft export` writes it (into a temporary folder).
+reads it), else debugmodel.
 
 With --chat the prompt is a user message: the tokenizer's chat template renders it (after an
 optional --system message) with the assistant's header, and generation stops at the end of the
