@@ -2,8 +2,8 @@
 
     weft train        train.py: --job.config_file NAME also finds a shipped config (debug_model, ...)
     weft generate     generate.py: sample from a checkpoint or a Hugging Face folder
-    weft export       a checkpoint to a Hugging Face folder (python -m weft.components.hf export)
-    weft export-lora  a LoRA checkpoint to PEFT and/or merged folders (python -m weft.recipe.export)
+    weft export       a checkpoint to a Hugging Face folder; a LoRA run's merged and/or as PEFT (python -m weft.recipe.export)
+    weft export-lora  an alias of weft export
     weft prepare      a corpus to token shards (python -m weft.components.data.prepare)
 
 `weft <command> --help` lists its options. Under torchrun: `torchrun ... -m weft train ...`.
@@ -34,11 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "generate":
         from weft.generate import main as generate
         return generate(rest, prog=prog)
-    if command == "export":
-        from weft.components.hf.cli import main as export
-        return export(["export", *rest], prog="weft")
-    if command == "export-lora":
-        from weft.recipe.export import main as export_lora
-        return export_lora(rest, prog=prog)
+    if command in ("export", "export-lora"):
+        from weft.recipe.export import main as export
+        return export(rest, prog=prog)
     from weft.components.data.prepare import main as prepare
     return prepare(rest, prog=prog)

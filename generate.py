@@ -12,8 +12,10 @@ template and stops at the end of the assistant's turn. One process, one device (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
+import tempfile
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,12 @@ from weft.components.checkpoint.checkpointer import load_model_weights, model_te
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.components.hf.export import run_hf_files
+from weft.components.hf.export import holds_adapters, run_hf_files
 from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
+from weft.components.hf.writer import ExportError
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.precision import DTYPES
+from weft.recipe.export import export_adapter_checkpoint
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
@@ -121,24 +125,38 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     """Command line entry point (`weft generate`); prints the prompt and its continuation."""
     opts = _parse_args(argv, prog)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with contextlib.ExitStack() as stack:
+        return _generate(opts, device, stack)
+
+
+def _generate(opts: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack) -> int:
     try:
         tokenizer = load_tokenizer(_tokenizer_path(opts))
         if opts.chat and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
             raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
                             "(a Hugging Face folder whose tokenizer_config.json has one)")
-        if opts.hf is not None:
-            args = model_args_from_hf_folder(opts.hf)
+        hf, checkpoint = opts.hf, opts.checkpoint
+        if checkpoint is not None and holds_adapters(require_complete_checkpoint(checkpoint)):
+            if opts.flavor is not None:
+                raise ExportError(f"--flavor: {checkpoint} holds a LoRA run's adapters; the model is the one "
+                                  "its run's config.toml names")
+            # base + adapters: the merged folder `weft export` writes, in a folder that goes when done
+            hf = str(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="weft-generate-"))) / "merged")
+            export_adapter_checkpoint(Path(checkpoint), None, Path(hf), torch.float32)
+            checkpoint = None
+        if hf is not None:
+            args = model_args_from_hf_folder(hf)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
-            args, source = checkpoint_model(opts.checkpoint, opts.flavor)
+            args, source = checkpoint_model(checkpoint, opts.flavor)
             with torch.device("meta"):
                 shapes = spec_for_args(args).build(args)
-            model_tensor_metadata(require_complete_checkpoint(opts.checkpoint), shapes, source)
+            model_tensor_metadata(require_complete_checkpoint(checkpoint), shapes, source)
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")
-        model = load_model(args, hf=opts.hf, checkpoint=opts.checkpoint, device=device,
+        model = load_model(args, hf=hf, checkpoint=checkpoint, device=device,
                            dtype=DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")])
         if opts.adapter is not None:  # base + adapter: LoRA layers compute W x + scaling * B A x
             load_peft_adapter(model, opts.adapter)

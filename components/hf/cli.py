@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 
 from weft.errors import OneLineParser, UserError, report_user_error
-from weft.components.hf.export import export_to_hf, run_hf_files
-from weft.components.hf.load import hf_model_args
-from weft.components.hf.model_files import HF_FILES
-from weft.components.hf.safetensors_io import DTYPE_NAMES, ConversionError, read_json
+from weft.components.hf.export import export_run_checkpoint
 from weft.models import flavors
 
 
@@ -29,27 +24,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m weft.components.h
     if not (math.isfinite(opts.max_shard_gb) and opts.max_shard_gb > 0):
         parser.error(f"--max-shard-gb: expected a positive number, got {opts.max_shard_gb}")
     try:
-        hf_files = run_hf_files(opts.checkpoint)
-        if opts.flavor is None and hf_files is None:
-            raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
-                                  f"{opts.checkpoint} (a checkpoint of an older weft, or moved); give --flavor")
-        # A --flavor given wins over the run's record (its shapes are checked against the checkpoint).
-        args = flavors()[opts.flavor] if opts.flavor else model_args_from_hf_config_file(hf_files)
-        export_to_hf(
-            opts.checkpoint,
-            opts.out,
-            flavor=opts.flavor,
-            model_args=None if opts.flavor else args,
-            dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[opts.dtype],
-            max_shard_bytes=int(opts.max_shard_gb * 2**30),
-            hf_files=hf_files,
-        )
+        export_run_checkpoint(opts.checkpoint, opts.out, flavor=opts.flavor, dtype=opts.dtype,
+                              max_shard_bytes=int(opts.max_shard_gb * 2**30))
     except UserError as e:
         return report_user_error(e)
     print(f"exported {opts.checkpoint} ({opts.flavor or 'as recorded by the run'}, {opts.dtype}) to {opts.out}")
     return 0
 
-
-def model_args_from_hf_config_file(hf_files: Path):
-    """The model of a run's recorded config.json."""
-    return hf_model_args(read_json(hf_files / "config.json", str(hf_files)), str(hf_files / "config.json"))

@@ -10,13 +10,20 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from weft.components.checkpoint.checkpointer import dcp_call, model_tensor_metadata, require_complete_checkpoint
+from weft.components.checkpoint.checkpointer import (
+    dcp_call,
+    model_tensor_metadata,
+    read_dcp_metadata,
+    require_complete_checkpoint,
+)
 from weft.components.config import Export
+from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES, write_hf_files
 from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
     check_output_folder,
+    read_json,
 )
 from weft.components.hf.writer import save_hf_model, write_model
 from weft.models import flavors, spec_for_args
@@ -75,6 +82,30 @@ def export_to_hf(
     write_model(out, args, {name: meta.size for name, meta in stored.items()},
                 lambda names: ((name, _read_dcp_tensor(folder, name, stored[name])) for name in names),
                 dtype=dtype, max_shard_bytes=max_shard_bytes, hf_files=hf_files)
+
+
+def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, flavor: str | None = None,
+                          dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> None:
+    """`export_to_hf` of a run's checkpoint as the model `flavor`, by default the model its run
+    recorded (<dump_folder>/hf_files/config.json), written with the run's recorded files."""
+    if holds_adapters(require_complete_checkpoint(checkpoint_dir)):
+        raise ConversionError(f"checkpoint {checkpoint_dir} holds a LoRA run's adapters, not a whole model; "
+                              "`weft export` merges them into the run's base")
+    hf_files = run_hf_files(checkpoint_dir)
+    if flavor is None and hf_files is None:
+        raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
+                              f"{checkpoint_dir} (a checkpoint of an older weft, or moved); give --flavor")
+    # A flavor given wins over the run's record (its shapes are checked against the checkpoint).
+    args = None if flavor else hf_model_args(read_json(hf_files / "config.json", str(hf_files)),
+                                             str(hf_files / "config.json"))
+    export_to_hf(checkpoint_dir, out_dir, flavor=flavor, model_args=args,
+                 dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[dtype],
+                 max_shard_bytes=max_shard_bytes, hf_files=hf_files)
+
+
+def holds_adapters(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds a LoRA run's adapters (and so no base) rather than a whole model."""
+    return any(key.startswith("model.") and ".lora_" in key for key in read_dcp_metadata(checkpoint).state_dict_metadata)
 
 
 def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:

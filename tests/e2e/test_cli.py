@@ -34,6 +34,15 @@ def test_a_subcommand_is_its_entry_point_under_its_own_name(command, capsys):
     assert out.startswith(f"usage: weft {command} ") and OWN_OPTION[command] in out
 
 
+def test_export_lora_is_an_alias_of_export(capsys):
+    assert status(["export-lora", "--help"]) == 0
+    alias = " ".join(capsys.readouterr().out.split())
+    assert status(["export", "--help"]) == 0
+    assert "`weft export-lora` is an alias of `weft export`." in alias
+    assert alias.replace("weft export-lora", "weft export").replace(" `weft export` is an alias of `weft export`.", "") \
+        == " ".join(capsys.readouterr().out.split())
+
+
 def test_train_is_train_py(capsys):
     assert status(["train", "--help"]) == 0
     assert capsys.readouterr().out == help_text() + "\n"

@@ -1,4 +1,4 @@
-"""recipe/export.py: a LoRA run's checkpoint exported after the fact (`python -m weft.recipe.export`).
+"""recipe/export.py: a checkpoint exported after the fact (`weft export`, `python -m weft.recipe.export`).
 
 The reference is the run's own end-of-run export ([export] peft_folder / hf_folder) of the same
 adapters, itself checked against PEFT and transformers in tests/recipe/test_lora_recipe.py: the folders
@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from weft import train
+from weft.cli import main as weft
 from weft.components.config import parse_args
+from weft.components.hf import main as hf_main
 from weft.recipe.export import main as export_main
 
 STEPS = 3
@@ -44,8 +46,10 @@ def test_a_checkpoint_exports_what_the_run_exported_at_its_end(lora_run, tmp_pat
     assert export_main(["--checkpoint", str(checkpoint), "--peft-out", str(tmp_path / "adapter")]) == 0
     assert same_tensors(lora_run / "adapter" / "adapter_model.safetensors", tmp_path / "adapter" / "adapter_model.safetensors")
     assert filecmp.cmp(lora_run / "adapter" / "adapter_config.json", tmp_path / "adapter" / "adapter_config.json", shallow=False)
-    assert export_main(["--checkpoint", str(checkpoint), "--merged-out", str(tmp_path / "merged")]) == 0
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "merged")]) == 0
     assert same_tensors(lora_run / "merged" / "model.safetensors", tmp_path / "merged" / "model.safetensors")
+    assert export_main(["--checkpoint", str(checkpoint), "--merged-out", str(tmp_path / "again")]) == 0  # the old name
+    assert same_tensors(tmp_path / "merged" / "model.safetensors", tmp_path / "again" / "model.safetensors")
 
 
 def test_the_merged_folder_carries_the_runs_tokenizer_and_generation_config(lora_run):
@@ -64,17 +68,31 @@ def test_bad_exports_are_one_line_and_write_nothing(lora_run, tmp_path, capsys):
     train.train(parse_args(lora_args(plain, "--no-lora.enable")))
     existing = tmp_path / "exists"
     existing.mkdir()
+    (existing / "mine.txt").write_text("mine")
     checkpoint = str(lora_run / "checkpoint" / f"step-{STEPS}")
     cases = [
         (["--checkpoint", str(plain / "checkpoint" / f"step-{STEPS}"), "--peft-out", str(tmp_path / "a")],
          "is not a LoRA run's checkpoint"),
         (["--checkpoint", str(tmp_path / "missing"), "--peft-out", str(tmp_path / "b")], "missing"),
         (["--checkpoint", checkpoint, "--peft-out", str(existing)], f"output folder {existing} exists"),
-        (["--checkpoint", checkpoint], "give --peft-out, --merged-out or both"),
+        (["--checkpoint", checkpoint], "give --out (alias --merged-out), --peft-out or both"),
+        (["--checkpoint", checkpoint, "--out", str(tmp_path / "c"), "--base", str(plain)],
+         "--base: the run of"),  # it trained on the seeded initialisation
     ]
     for argv, message in cases:
         assert export_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("weft: error: ") and message in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "plain"]
-    assert not any(existing.iterdir())
+    assert [p.name for p in existing.iterdir()] == ["mine.txt"] and (existing / "mine.txt").read_text() == "mine"
+
+
+def test_a_whole_models_checkpoint_exports_as_the_hf_command_exports_it(lora_run, tmp_path):
+    """`weft export` of a run without LoRA is `python -m weft.components.hf export` of it."""
+    plain = tmp_path / "plain"
+    train.train(parse_args(lora_args(plain, "--no-lora.enable")))
+    checkpoint = str(plain / "checkpoint" / f"step-{STEPS}")
+    assert weft(["export", "--checkpoint", checkpoint, "--out", str(tmp_path / "ours")]) == 0
+    assert hf_main(["export", "--checkpoint", checkpoint, "--out", str(tmp_path / "hf")]) == 0
+    assert same_tensors(tmp_path / "ours" / "model.safetensors", tmp_path / "hf" / "model.safetensors")
+    assert filecmp.cmp(tmp_path / "ours" / "config.json", tmp_path / "hf" / "config.json", shallow=False)
