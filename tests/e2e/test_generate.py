@@ -17,9 +17,9 @@ from weft.components.hf import export_to_hf, load_hf_into_model
 from weft.generate import main, sample
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 from tests.support import REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 TOKENIZER = REPO / "assets" / "tokenizer" / "shakespeare.model"
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
 PROMPT = [1, 17, 42, 99]
