@@ -1,14 +1,15 @@
 """The packages import each other without a cycle: every `import weft...` of every .py file
 (function-local imports included) collapsed to its package (weft.components, weft.parallelisms,
 weft.models, weft.recipe; a top-level module such as weft.train or weft.errors is its own node)
-forms a graph with no cycle, so each package can be read, tested and changed above the ones it uses."""
+forms a graph with no cycle, so each package can be read, tested and changed above the ones it uses;
+and no module of tests/ imports a test module (what tests share lives in tests/support/ and conftest.py)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from tests.models.test_spec import find_cycle
+from tests.support.import_graph import find_cycle
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root is the package weft
 SKIPPED = {"tests", "benchmarks"}  # scripts and tests import everything; nothing imports them
@@ -68,3 +69,28 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert "weft.parallelisms" in graph["weft.components"]  # the reader sees the edges there are
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle between packages: {' -> '.join(cycle)}"
+
+
+def imported_test_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """The test modules (tests.<...>.test_*) a file imports, at the top or inside a function, relative imports resolved."""
+    modules = {m.removeprefix("weft.") for m in imported_modules(path, root)}  # relative ones resolve under weft.
+    return {m for m in modules if m.split(".")[0] == "tests" and any(p.startswith("test_") for p in m.split(".")[1:])}
+
+
+def test_the_test_import_check_sees_every_form_of_import(tmp_path):
+    (tmp_path / "tests" / "models").mkdir(parents=True)
+    forms = {"from tests.models.test_a import helper\n": {"tests.models.test_a", "tests.models.test_a.helper"},
+             "import tests.test_b\n": {"tests.test_b"},
+             "from tests.models import test_a\n": {"tests.models.test_a"},
+             "def f():\n    from .test_a import helper\n": {"tests.models.test_a", "tests.models.test_a.helper"},
+             "from ..support.helpers import test_data\n": {"tests.support.helpers.test_data"},  # a name: still refused
+             "from tests.support.dist_utils import run_distributed\nimport pytest\n": set()}
+    for source, expected in forms.items():
+        (tmp_path / "tests" / "models" / "test_x.py").write_text(source)
+        assert imported_test_modules(tmp_path / "tests" / "models" / "test_x.py", tmp_path) == expected, source
+
+
+def test_no_test_module_imports_another():
+    offenders = {str(path.relative_to(ROOT)): sorted(found) for path in sorted((ROOT / "tests").rglob("*.py"))
+                 if (found := imported_test_modules(path))}
+    assert not offenders, f"test modules imported (move what they share to tests/support/): {offenders}"

@@ -290,8 +290,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch(dump: Path, *extra: str, max_restarts: int = 0, port: list[str] = ()) -> subprocess.Popen:
+def launch(dump: Path, *extra: str, max_restarts: int = 0) -> subprocess.Popen:
+    """train.py under torchrun: on a free port, or, for a job that restarts, on torchrun's default
+    (given --master_port, its restarted ranks hung)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **RESTARTABLE}
+    port = [] if max_restarts else ["--master_port", str(free_port())]
     return subprocess.Popen([*TORCHRUN, *port, "--max-restarts", str(max_restarts),
                              "train.py", *saving_args(dump, *extra)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -371,7 +374,7 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path):
     dump = tmp_path / "killed"
     # The two jobs are independent (own dump folders; the reference on a port of its own, the job
     # that restarts on torchrun's default): they run at the same time.
-    uninterrupted = launch(tmp_path / "whole", *steps, port=["--master_port", str(free_port())])
+    uninterrupted = launch(tmp_path / "whole", *steps)
     run = launch(dump, *steps, max_restarts=1)
     try:
         wait_for_step(run, dump, 5)

@@ -13,13 +13,13 @@ import torch.distributed.checkpoint as dcp
 
 from weft.components.checkpoint.checkpointer import load_model_weights
 from weft.components.data import Tokenizer
-from weft.components.hf import export_to_hf, load_hf_into_model, model_args_from_hf_folder
+from weft.components.hf import export_to_hf, load_hf_into_model
 from weft.generate import main, sample
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 from tests.support import REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 TOKENIZER = REPO / "assets" / "tokenizer" / "shakespeare.model"
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=64)
 PROMPT = [1, 17, 42, 99]
@@ -207,35 +207,11 @@ def test_greedy_decoding_of_a_llama4_folder_equals_transformers(tmp_path, capsys
     """--hf with a Llama4ForCausalLM folder builds weft's Llama 4 (by its spec) and decodes greedily
     the tokens transformers' generate(do_sample=False) gives: 48 tokens across 6 attention chunks,
     through NoPE layers, QK norm and two routed experts per token."""
+    from tests.support.greedy_decoding import assert_greedy_decoding_equals_transformers
     from tests.support.hf_folders import tiny_llama4_hf_folder
 
     reference = tiny_llama4_hf_folder(tmp_path / "hf")
     assert_greedy_decoding_equals_transformers(reference, tmp_path / "hf", "Llama 4", 48, 10, capsys)
-
-
-def assert_greedy_decoding_equals_transformers(reference, folder: Path, family: str, tokens: int, distinct: int,
-                                               capsys) -> None:
-    """`generate.py --hf folder --temperature 0` (and `sample` on its `load_model`, a `family` model)
-    gives the `tokens` tokens transformers' generate(do_sample=False) gives from `reference`, more
-    than `distinct` of them different."""
-    from weft.generate import load_model
-    from weft.models import spec_for_model
-
-    tokenizer = Tokenizer(TOKENIZER)
-    prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=tokens,
-                                 eos_token_id=tokenizer.eos_id, pad_token_id=0)
-    theirs = out[0, len(prompt):].tolist()
-    assert len(theirs) == tokens and len(set(theirs)) > distinct  # no early EOS, not one repeated token
-
-    model = load_model(model_args_from_hf_folder(folder), hf=str(folder), checkpoint=None,
-                       device=torch.device("cpu"), dtype=torch.float32)
-    assert spec_for_model(model).name == family
-    assert sample(model, prompt, tokens, eos_id=tokenizer.eos_id) == theirs
-    assert main(["--hf", str(folder), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:",
-                 "--max-new-tokens", str(tokens), "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == tokenizer.decode(prompt + theirs) + "\n"
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from weft.components.config.parser import read_toml
+from tests.support.dist_utils import free_port
 from tests.support.readme import readme_example
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,7 +200,8 @@ def test_installed_weft_serves_a_project_with_its_own_models_and_components(inst
         (project / package).mkdir(parents=True)
         (project / package / "__init__.py").write_text(f'"""The project\'s own {package}."""\n')
     (project / "own_model.py").write_text(PRELUDE + readme_example())
-    run = subprocess.run([str(install.python), "-m", "torch.distributed.run", "--nproc_per_node", "4", "own_model.py"],
+    run = subprocess.run([str(install.python), "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                          "--master_port", str(free_port()), "own_model.py"],
                          cwd=project, env=install.env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", run.stdout, flags=re.M)]

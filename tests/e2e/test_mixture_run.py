@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+from tests.support.dist_utils import free_port
 from tests.support.failure_checks import python_path
 
 SEQ, BATCH = 32, 2
@@ -99,7 +100,8 @@ def test_a_killed_mixture_run_resumes_on_the_same_losses_and_tokens(corpus, tmp_
 @pytest.mark.slow
 def test_two_ranks_checkpoint_resumes_in_one_process_with_the_saved_tokens(corpus, tmp_path):
     dump = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
     first = subprocess.run([*torchrun, *train_args(corpus, dump, "--training.steps", "4")], cwd=REPO, env=env(),
                            capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -63,7 +63,7 @@ def test_qlora_trains_dense_qwen3_as_lora_on_the_full_base_does(tmp_path):
     assert qlora[-1] < qlora[0] - 1.0, "the adapters on the NF4 base must learn"
     assert qlora[0] == pytest.approx(lora[0], rel=2e-2)  # the same start, up to NF4's rounding of the base
     assert qlora != lora  # the base was quantized
-    assert all(abs(q - l) < 0.1 * l for q, l in zip(qlora, lora)), (qlora, lora)
+    assert all(abs(q - r) < 0.1 * r for q, r in zip(qlora, lora)), (qlora, lora)
 
 
 def test_a_peft_export_of_adapters_on_a_qwen3_moe_dense_layer_is_refused_before_training(tmp_path, capsys):

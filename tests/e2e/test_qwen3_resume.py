@@ -4,8 +4,6 @@ layout (DCP resharding the q/k norms, the stacked experts and the routing bias) 
 within 1e-5: dense Qwen3 from one process into tp 2, Qwen3-MoE from one process into tp 2 x ep 2, and
 from ep 2 (two ranks) back into one process."""
 
-import shutil
-
 import pytest
 
 from tests.support.dist_utils import run_distributed

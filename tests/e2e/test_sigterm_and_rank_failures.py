@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.support.dist_utils import free_port
 from tests.support.failure_checks import REPO, assert_clean_failure, python, python_path, run_command, snapshot
 
 # A process that installs weft's SIGTERM handling, then never returns to the training loop:
@@ -55,7 +56,7 @@ def test_sigterm_ends_a_process_whose_loop_never_comes(sigterms, within_s, says)
     assert err.count("\n") == 1 and says in err and "Traceback" not in err
 
 
-TORCHRUN = python("-m", "torch.distributed.run", "--nproc_per_node", "2")
+TORCHRUN = python("-m", "torch.distributed.run", "--nproc_per_node", "2")  # and a free --master_port
 
 
 @pytest.mark.slow
@@ -68,7 +69,7 @@ def test_bad_input_under_torchrun_fails_on_every_rank_at_once(tmp_path):
     argv = ["train.py", "--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "taken"),
             "--training.steps", "2", "--training.seq_len", "32"]
     before = snapshot(tmp_path)
-    outcome = run_command(TORCHRUN + argv)
+    outcome = run_command([*TORCHRUN, "--master_port", str(free_port()), *argv])
     assert_clean_failure(outcome, "job.dump_folder: " + str(tmp_path / "taken") + " is a file", processes=2,
                          before=before, root=tmp_path)
 

@@ -19,6 +19,7 @@ from weft.models.llama import LLAMA_FLAVORS
 from weft.models import flavors
 
 from tests.support import REPO
+from tests.support.dist_utils import free_port
 
 
 def quick_args(dump: Path, *extra: str) -> list[str]:
@@ -138,7 +139,8 @@ def test_shipped_configs_parse_and_fit_their_model(config):
 @pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     """The quickstart's distributed form: FSDP over two CPU processes, as a user types it."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
     result = run_train_py(*quick_args(tmp_path, "--training.steps", "3"), launcher=torchrun)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "apply_fsdp: fsdp over dp_mesh size 2" in result.stdout

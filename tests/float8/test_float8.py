@@ -52,6 +52,7 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.parallelisms.tp import apply_tp, default_tp_plan
+from tests.support import ASSETS
 from tests.support.dist_utils import run_distributed
 
 SMALL = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=64)
@@ -60,7 +61,6 @@ BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 # The shipped debugmodel (dim 256, vocabulary of the Shakespeare tokenizer), two blocks to stay fast.
 TRAIN_ARGS = replace(LLAMA_FLAVORS["debugmodel"], n_layers=2)
 SEQ_LEN, BATCH, LR = 64, 4, 1e-3
-from tests.support import ASSETS
 
 
 def meta_model(args: ModelArgs) -> Transformer:

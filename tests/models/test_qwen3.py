@@ -17,17 +17,7 @@ from weft.models.common.moe import route
 from weft.models.qwen3 import QWEN3_FLAVORS, Transformer
 from weft.models.qwen3.hf_mapping import hf_config, model_args_from_hf_config
 from tests.support.hf_folders import tiny_qwen3_hf_folder
-
-PUBLISHED = {  # parameters (total, active per token), as issue 37 gives them from transformers and the model cards
-    "qwen3_0_6b": (596_049_920, 596_049_920),
-    "qwen3_1_7b": (1_720_574_976, 1_720_574_976),
-    "qwen3_4b": (4_022_468_096, 4_022_468_096),
-    "qwen3_8b": (8_190_735_360, 8_190_735_360),
-    "qwen3_14b": (14_768_307_200, 14_768_307_200),
-    "qwen3_32b": (32_762_123_264, 32_762_123_264),
-    "qwen3_30b_a3b": (30_532_122_624, 3_353_032_704),
-    "qwen3_235b_a22b": (235_093_634_560, 22_190_763_520),
-}
+from tests.support.published import QWEN3_PUBLISHED
 
 
 def _hf_counts(flavor: str) -> tuple[int, int]:
@@ -48,9 +38,9 @@ def _weft_counts(flavor: str) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), model.active_parameters()
 
 
-@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+@pytest.mark.parametrize("flavor", sorted(QWEN3_PUBLISHED))
 def test_flavor_parameter_counts_match_transformers_and_the_published_models(flavor):
-    assert _weft_counts(flavor) == _hf_counts(flavor) == PUBLISHED[flavor]
+    assert _weft_counts(flavor) == _hf_counts(flavor) == QWEN3_PUBLISHED[flavor]
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel_qwen3", "debugmodel_qwen3_untied", "debugmodel_qwen3_moe"])
@@ -194,7 +184,7 @@ def test_unrepresentable_config_is_refused_in_one_line_naming_the_field(tmp_path
 def test_generate_decodes_a_folder_greedily_as_transformers_does(tmp_path, moe, capsys):
     """`generate.py --hf <folder> --temperature 0` builds weft's Qwen3 by its spec and prints the
     tokens transformers' generate(do_sample=False) gives: 40 tokens, routed where the folder is MoE."""
-    from tests.e2e.test_generate import assert_greedy_decoding_equals_transformers
+    from tests.support.greedy_decoding import assert_greedy_decoding_equals_transformers
 
     reference = tiny_qwen3_hf_folder(tmp_path / "hf", moe=moe)
     assert_greedy_decoding_equals_transformers(reference, tmp_path / "hf", "Qwen3", 40, 4, capsys)

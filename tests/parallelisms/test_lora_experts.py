@@ -174,7 +174,7 @@ def layouts_and_one_process() -> dict[str, tuple]:
     from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
-    from tests.parallelisms.test_ep import BATCH, train
+    from tests.support.ep_training import BATCH, train
 
     rank, world = dist.get_rank(), dist.get_world_size()
     lora = LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
@@ -233,7 +233,7 @@ def test_full_ac_and_compiled_blocks_train_expert_adapters_as_eager():
     from weft.parallelisms.compile import CompileOptions
     from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
-    from tests.parallelisms.test_ep import train
+    from tests.support.ep_training import train
 
     lora = LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
     losses = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from weft.components.config import parse_args
-from tests.support.dist_utils import run_by_world_size
+from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -56,18 +56,6 @@ def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str
         "--no-metrics.enable_tensorboard",
         *overrides,
     ]
-
-
-def data_parallel_degree(world_size: int, overrides: list[str]) -> int:
-    def degree(name: str, default: int) -> int:
-        key = f"--parallelism.{name}"
-        return int(overrides[overrides.index(key) + 1]) if key in overrides else default
-
-    replicate, cp, tp = degree("dp_replicate", 1), degree("cp", 1), degree("tp", 1)
-    shard = degree("dp_shard", -1)
-    if shard == -1:
-        shard = world_size // (replicate * cp * tp)
-    return replicate * shard
 
 
 def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:

@@ -17,6 +17,7 @@ from weft.components.config import parse_args
 from weft.components.hf import export_to_hf
 from weft.recipe.export import main as export_main
 from tests.support.dist_utils import run_distributed
+from tests.support.hf_folders import assert_same_tensors
 
 STEPS = 3
 
@@ -58,13 +59,6 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def pp2(base) -> Path:
     return layout_run(base[0].parents[2], base[0], "pp2", 2, "--parallelism.pp", "2", "--parallelism.dp_shard", "1")
-
-
-def assert_same_tensors(a: Path, b: Path) -> None:
-    ta, tb = load_file(str(a)), load_file(str(b))
-    assert ta.keys() == tb.keys()
-    for key in ta:
-        torch.testing.assert_close(tb[key], ta[key], rtol=0, atol=1e-6, msg=key)
 
 
 def assert_exports_equal_one_process(run: Path) -> None:

@@ -6,15 +6,15 @@ import re
 import pytest
 
 from weft import train
-from tests.models.test_qwen3 import PUBLISHED
+from tests.support.published import QWEN3_PUBLISHED
 
 
-@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+@pytest.mark.parametrize("flavor", sorted(QWEN3_PUBLISHED))
 def test_the_dry_run_prints_the_published_parameter_counts(flavor, capsys):
     argv = ["--job.config_file", "debug_model", "--model.flavor", flavor, "--job.dry_run",
             "--job.dry_run_world_size", "8", "--job.dry_run_device_memory_gib", "100000"]
     assert train.main(argv) == 0
-    total, active = PUBLISHED[flavor]
+    total, active = QWEN3_PUBLISHED[flavor]
     counts = f"{total:,} parameters" + (f" ({active:,} active per token)" if active != total else "")
     assert f"model {flavor}: {counts}, " in capsys.readouterr().out
 
@@ -69,7 +69,7 @@ def test_a_lora_dry_run_prints_the_flavors_counts_and_the_adapters_apart(config,
     assert train.main(["--job.config_file", config, "--job.dry_run", "--job.dry_run_device_memory_gib", "100000"]) == 0
     out = capsys.readouterr().out
     flavor = "qwen3_8b" if config == "qwen3_8b_lora" else "qwen3_30b_a3b"
-    total, active = PUBLISHED[flavor]
+    total, active = QWEN3_PUBLISHED[flavor]
     trainable = int(re.search(r"trainable ([\d,]+) of", out).group(1).replace(",", ""))
     counts = f"{total:,} parameters" + (f" ({active:,} active per token)" if active != total else "")
     assert f"model {flavor}: {counts}, {total + trainable:,} on each rank (the LoRA adapters included)" in out

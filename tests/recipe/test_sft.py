@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 from pathlib import Path
 
@@ -17,35 +16,13 @@ from weft.components.config import parse_args
 from weft.components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
 from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from weft.models.llama import ModelArgs, Transformer
+from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import tiny_hf_folder
 from tests.support.hf_tokenizer import build_tokenizer_folder
 
 from tests.support import REPO
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, multiple_of=16, max_seq_len=128)
-
-
-def make_chats(n: int, seed: int = 0, long_chars: int = 120) -> list[dict]:
-    """Chat records from Hamlet whose answers are either one word or a long speech, so supervised
-    lengths differ by more than an order of magnitude (a wrong normalisation would show)."""
-    rng = random.Random(seed)
-    lines = [s[1] for s in speeches(REPO / "assets/data/shakespeare/hamlet.txt") if s is not None]
-    records = []
-    for i in range(n):
-        question = lines[i % len(lines)].split("\n")[0][:60]
-        answer = lines[(i + 1) % len(lines)]
-        answer = answer.split()[0] if rng.random() < 0.5 else answer[:long_chars]
-        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        if i % 3 == 0:
-            messages.insert(0, {"role": "system", "content": "Answer as a player would."})
-        records.append({"messages": messages})
-    return records
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A Hugging Face model folder of the debug model's shape, for tests that load or fine-tune one."""
+"""Hugging Face model folders of tiny random models (the debug model's shape, Llama 4, Qwen3), for tests
+that load or fine-tune one, and a comparison of two safetensors files."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 
 def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
@@ -91,3 +93,11 @@ def tiny_qwen3_hf_folder(folder: Path, moe: bool = False, seed: int = 0, **overr
                 p.normal_(0, 0.3 if name.endswith("mlp.gate.weight") else 0.1)
     model.float().save_pretrained(folder)
     return model.float().eval()
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    """The safetensors files `a` and `b` hold the same names and, within 1e-6, the same tensors."""
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        torch.testing.assert_close(tb[key], ta[key], rtol=0, atol=1e-6, msg=key)

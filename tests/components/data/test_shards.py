@@ -116,7 +116,7 @@ def test_a_jsonl_file_cut_into_shards_reads_the_same(corpus, tmp_path):
     assert prepare(source, tmp_path / "cut", "--shard-bytes", "700") == 0
     manifest = json.loads((tmp_path / "cut" / "manifest.json").read_text())
     lines = (source / "b.jsonl").read_bytes().splitlines(keepends=True)
-    ends, pieces, size, start = [], [], 0, 0
+    ends, size, start = [], 0, 0
     for line in lines:  # the plain reference: a piece ends with the line holding byte start + 699
         size += len(line)
         if size > start + 699 or size == len(b"".join(lines)):
