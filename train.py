@@ -18,12 +18,14 @@ import torch
 from weft.components.config import JobConfig, parse_args, to_toml
 from weft.components.data.mixture import source_tokens
 from weft.components.distributed.processes import Preemption, all_reduce_mean
+from weft.components.ft.groups import GroupStats
 from weft.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
-from weft.components.observe.metrics import StepStats
+from weft.components.observe.metrics import MetricsLogger, StepStats
 from weft.components.observe.profiling import StepProfiler
 from weft.components.distributed.timeouts import collective_failure
 from weft.recipe.build import (
+    Training,
     build_checkpointer,
     build_fault_guards,
     build_fault_tolerance,
@@ -35,7 +37,7 @@ from weft.recipe.build import (
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
 from weft.recipe.plan import RunPlan, check_launch, tokenizer_path
-from weft.recipe.step import evaluate, train_step
+from weft.recipe.step import StepResult, evaluate, train_step
 
 logger = logging.getLogger("weft")
 
@@ -102,21 +104,12 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
             recorded = True
 
             if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
-                stats = StepStats(step, all_reduce_mean(result.loss, step_setup.loss_group), result.grad_norm.item(),
-                                  result.lr, skipped_steps=nonfinite.skipped, moe_imbalance=result.moe_imbalance,
-                                  ep_imbalance=result.ep_imbalance, source_tokens=source_tokens(loader.state_dict()),
-                                  groups=ft.stats())
-                metrics.log(stats)
-                history.append(stats.loss)
-                report_long_samples(loader)
+                history.append(log_step(metrics, step, result, run, skipped=nonfinite.skipped, groups=ft.stats()))
 
             # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
             if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-                batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-                with metrics.untimed(), timeouts.long("validation"):  # one loss per source of a mixture
-                    losses = {name: evaluate(step_setup, make_loader(), batches,
-                                             document_masking=cfg.data.document_masking)
-                              for name, make_loader in run.validation_loaders.items()}
+                with metrics.untimed(), timeouts.long("validation"):
+                    losses = validation_losses(cfg, run)
                 metrics.log_validation(step, losses)
 
             saved = checkpointer.should_save(step, cfg.training.steps)
@@ -144,6 +137,25 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
         preemption.close()
     logger.info(f"done: {step} of {cfg.training.steps} steps")
     return history
+
+
+def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Training, *, skipped: int,
+             groups: GroupStats | None) -> float:
+    """The step's log line and records, its loss the mean over the ranks (returned); the samples
+    cut or skipped so far for their length."""
+    stats = StepStats(step, all_reduce_mean(result.loss, run.step.loss_group), result.grad_norm.item(), result.lr,
+                      skipped_steps=skipped, moe_imbalance=result.moe_imbalance, ep_imbalance=result.ep_imbalance,
+                      source_tokens=source_tokens(run.loader.state_dict()), groups=groups)
+    metrics.log(stats)
+    report_long_samples(run.loader)
+    return stats.loss
+
+
+def validation_losses(cfg: JobConfig, run: Training) -> dict[str, float]:
+    """One loss per validation source (each of a mixture's), each over a fresh loader's first batches."""
+    batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
+    return {name: evaluate(run.step, make_loader(), batches, document_masking=cfg.data.document_masking)
+            for name, make_loader in run.validation_loaders.items()}
 
 
 def write_run_record(plan: RunPlan) -> None:

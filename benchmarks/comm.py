@@ -197,7 +197,7 @@ def measure(layout: Layout, args: Any = ARGS) -> dict[Key, Traffic]:
     plan = layout_plan(layout, args, dist.get_world_size())
     meshes = plan.dims.build_mesh("cpu")
     device = torch.device("cpu")
-    setup = build_trainer(plan, meshes, device)[-1]
+    setup = build_trainer(plan, meshes, device).step
 
     # Every rank of one data-parallel replica (its TP ranks) reads the same batch.
     generator = torch.Generator().manual_seed(meshes.dp.get_local_rank())

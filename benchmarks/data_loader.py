@@ -153,7 +153,7 @@ def step_tokens_per_second(flavor: str, seq_len: int, batch: int, steps: int) ->
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch)])
     plan = RunPlan.from_config(cfg, 1, device_type=device.type, writes_dump_folder=False)  # measures, writes nothing
-    setup = build_trainer(plan, None, device)[-1]
+    setup = build_trainer(plan, None, device).step
     tokens = torch.randint(0, plan.model_args.vocab_size, (batch, seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     data = Batch(tokens[:, :-1], tokens[:, 1:]).to(device)

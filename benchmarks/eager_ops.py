@@ -47,7 +47,7 @@ def build_setup(flavor: str, *, seq_len: int, batch: int, optimizer: str) -> tup
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch), "--optimizer.implementation", optimizer])
     plan = RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False)  # measures, writes nothing
-    return build_trainer(plan, None, torch.device("cpu"))[-1], plan
+    return build_trainer(plan, None, torch.device("cpu")).step, plan
 
 
 def main() -> None:

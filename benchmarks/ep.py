@@ -70,7 +70,7 @@ def measure(ep: int, steps: int, warmup: int) -> dict:
     """Worker: the step times of `steps` steps after `warmup`, and one step's all-to-all bytes."""
     plan = plan_for(ep, dist.get_world_size())
     meshes = plan.dims.build_mesh("cpu")
-    setup = build_trainer(plan, meshes, torch.device("cpu"))[-1]
+    setup = build_trainer(plan, meshes, torch.device("cpu")).step
     args = plan.model_args
     generator = torch.Generator().manual_seed(meshes.dp.get_local_rank())
     batches = [Batch(*torch.randint(0, args.vocab_size, (2, BATCH, SEQ), generator=generator))

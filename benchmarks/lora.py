@@ -63,7 +63,7 @@ def build_setup(overrides: list[str], device: torch.device) -> tuple[StepSetup, 
     """train.py's plan, model, optimizer and step for the debug config with these options, in one process."""
     cfg = parse_args(["--job.config_file", "debug_model", "--training.local_batch_size", "4", *overrides])
     plan = RunPlan.from_config(cfg, 1, device_type=device.type, check_environment=False)
-    return build_trainer(plan, None, device)[-1], plan
+    return build_trainer(plan, None, device).step, plan
 
 
 def run_mode(overrides: list[str], steps: int, device: torch.device) -> tuple[float, int]:

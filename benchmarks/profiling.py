@@ -52,7 +52,7 @@ def build_setup(flavor: str, seq_len: int, batch: int, device: torch.device) -> 
     cfg = parse_args(["--job.config_file", "debug_model", "--model.flavor", flavor, "--training.seq_len", str(seq_len),
                       "--training.local_batch_size", str(batch)])
     plan = RunPlan.from_config(cfg, 1, device_type=device.type, writes_dump_folder=False)  # measures, writes nothing
-    return build_trainer(plan, None, device)[-1], plan
+    return build_trainer(plan, None, device).step, plan
 
 
 def timed_pass(setup: StepSetup, batch: Batch, cfg: Profiling, steps: int, dump: Path) -> dict[int, float]:

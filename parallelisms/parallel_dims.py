@@ -41,7 +41,7 @@ class LayoutError(UserError):
     """A parallel layout that cannot run; the message is one line with the numbers."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
@@ -80,7 +80,7 @@ class ParallelDims:
             raise LayoutError(f"parallelism.ep = {ep} must divide dp_shard·cp·tp = {dp_shard}·{cp}·{tp} = "
                               f"{dp_shard * cp * tp} and be a multiple of tp = {tp}: expert parallelism borrows "
                               "its ranks from FSDP's and tensor parallelism's")
-        return cls(dp_replicate, dp_shard, cp, tp, world_size, pp, ep)
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp, ep=ep)
 
     def check_seq_len(self, seq_len: int) -> None:
         """Reject sequence lengths the layout cannot split (the model's own shape is checked by

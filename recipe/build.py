@@ -55,15 +55,26 @@ from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
 from weft.recipe.plan import RunPlan
-from weft.recipe.step import PipelineLoss, StepSetup
+from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup
 
 logger = logging.getLogger("weft")
 
 
 @dataclass
-class Training:
-    """What a training loop needs, built in the one order: processes and meshes, data, the model,
-    optimizer and schedule, and how each step runs (`step`, for recipe/step.py's train_step)."""
+class Trainer:
+    """The model, its optimizer and schedule, and how each step runs (`step`, for recipe/step.py's
+    train_step): what `build_trainer` returns."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: StepSetup
+
+
+@dataclass
+class Training(Trainer):
+    """What a training loop needs, built in the one order: processes and meshes, data, then the
+    trainer (model, optimizer and schedule, and how each step runs)."""
 
     device: torch.device
     meshes: Meshes | None
@@ -72,26 +83,24 @@ class Training:
     # A fresh validation loader per evaluation, by source name ('' for validation.dataset_path):
     # one loss each. Empty: no validation.
     validation_loaders: dict[str, Callable[[], object]]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    step: StepSetup
 
 
 def build_training(plan: RunPlan) -> Training:
     """Start the processes, then build data, model, optimizer and step from the plan, in that order."""
     device, meshes, rank = start_processes(plan)
     loader, validation_loaders = build_data(plan, meshes, device)
-    model, optimizer, scheduler, step = build_trainer(plan, meshes, device)
-    return Training(device, meshes, rank, loader, validation_loaders, model, optimizer, scheduler, step)
+    trainer = build_trainer(plan, meshes, device)
+    return Training(**vars(trainer), device=device, meshes=meshes, rank=rank, loader=loader,
+                    validation_loaders=validation_loaders)
 
 
-def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device):
+def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device) -> Trainer:
     """The model, its optimizer and schedule, and the step setup, for processes already started
     (or none, in one process): what a benchmark feeding its own batches needs."""
     model = build_model(plan, meshes, device)
     optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    return model, optimizer, scheduler, build_step(plan, model, optimizer, scheduler, meshes, device)
+    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler,
+                   step=build_step(plan, model, optimizer, scheduler, meshes, device))
 
 
 def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
@@ -265,17 +274,17 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
-    pipeline = {}
+    pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
         loss = PipelineLoss(compiled=cfg.compile.enable)
         schedule = build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
                                   microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
                                   pp_group=meshes.pp.get_group(), after_metadata_inference=reset_expert_counts)
-        pipeline = dict(pipeline=schedule, pipeline_loss=loss, pp_group=meshes.pp.get_group())
+        pipeline = PipelineStep(schedule=schedule, loss=loss, group=meshes.pp.get_group())
     forwards = cfg.training.gradient_accumulation_steps * (plan.pipeline.microbatches if plan.pipeline else 1)
     set_load_balance_loss(model, cfg.moe.load_balance_coeff, forwards)  # MoE layers: a mean over the step's forwards
     return StepSetup(
-        **pipeline,
+        pipeline=pipeline,
         model=model, optimizer=optimizer, scheduler=scheduler, device=device,
         max_norm=cfg.training.max_norm,
         loss_group=meshes.dp_cp.get_group() if meshes else None,

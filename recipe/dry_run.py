@@ -213,7 +213,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
             for cp in _divisors(rest // pp // tp):
                 shard = rest // pp // tp // cp
                 for ep in (d for d in _divisors(shard * cp * tp) if d == 1 or d % tp == 0):
-                    dims = ParallelDims(replicate, shard, cp, tp, world_size, pp, ep)
+                    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world_size,
+                                        pp=pp, ep=ep)
                     try:
                         dims.check_seq_len(cfg.training.seq_len)
                         check_composes(replace(options, pipeline=PipelineOptions(cfg.parallelism.pp_schedule)

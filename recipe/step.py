@@ -44,6 +44,16 @@ class PipelineLoss:
 
 
 @dataclass
+class PipelineStep:
+    """Under pp: torch's schedule over this rank's stages, its loss_fn, and the pipeline ranks'
+    group (the gradient norm and the loss are summed over it)."""
+
+    schedule: object
+    loss: PipelineLoss
+    group: torch.distributed.ProcessGroup
+
+
+@dataclass
 class StepSetup:
     """What every step needs, built once by `recipe.build.build_step`."""
 
@@ -62,9 +72,7 @@ class StepSetup:
     precompute_float8: bool = False  # one fused amax all-reduce after the update, for float8 all-gather
     forward: Callable[[nn.Module, Batch], torch.Tensor] = model_forward  # model, batch -> logits
     loss_fn: Callable[..., torch.Tensor] = token_loss  # as token_loss: logits, labels, count, grad_ranks, compiled=
-    pipeline: object = None  # under pp: torch's schedule over this rank's stages (model is their PipelineStages)
-    pipeline_loss: PipelineLoss | None = None  # the schedule's loss_fn
-    pp_group: torch.distributed.ProcessGroup | None = None  # the pipeline ranks: norm and loss are summed over them
+    pipeline: PipelineStep | None = None  # under pp (model is then this rank's PipelineStages)
     ep_group: torch.distributed.ProcessGroup | None = None  # under ep: the ranks holding different experts
     routing_group: torch.distributed.ProcessGroup | None = None  # MoE routing counts summed: dp × cp (× tp under ep)
     # [fault_tolerance]: averages the gradients over the live replica groups before clipping (components/ft/groups.py)
@@ -98,7 +106,7 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     supervised = global_supervised_count([batch.labels for batch in micro_batches], setup.loss_group)
     step_loss = torch.zeros((), device=setup.device)
     if setup.pipeline is not None:  # torch's schedule runs each micro-batch, forwards and backwards interleaved
-        setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = supervised, setup.grad_ranks
+        setup.pipeline.loss.global_count, setup.pipeline.loss.grad_ranks = supervised, setup.grad_ranks
         on_phase("backward")
         step_loss = sum((pipeline_run(setup, batch, train=True) for batch in micro_batches), step_loss)
     else:
@@ -115,7 +123,7 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     on_phase("step")
     if setup.average_gradients is not None:
         setup.average_gradients(setup.trainable)
-    grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pp_group)
+    grad_norm = clip_grad_norm_(setup.trainable, setup.max_norm, setup.pipeline.group if setup.pipeline else None)
     lr = setup.scheduler.get_last_lr()[0]  # read before the schedule moves on
     updated = allow_update(grad_norm, step_loss)
     if updated:
@@ -139,7 +147,7 @@ def evaluate(setup: StepSetup, loader, steps: int, *, document_masking: bool) ->
     total = torch.zeros((), dtype=torch.float64, device=setup.device)
     count = torch.zeros((), dtype=torch.float64, device=setup.device)
     if setup.pipeline is not None:
-        setup.pipeline_loss.global_count, setup.pipeline_loss.grad_ranks = 1.0, 1  # sums of token losses
+        setup.pipeline.loss.global_count, setup.pipeline.loss.grad_ranks = 1.0, 1  # sums of token losses
     for _, batch in zip(range(steps), batches(loader, document_masking=document_masking)):
         batch = place(setup, batch)
         total += summed_loss(setup, batch).double()
@@ -178,13 +186,13 @@ def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool) -> torch.Tensor
     losses: list[torch.Tensor] = []
     with setup.loss_context():
         with setup.forward_context():
-            run = setup.pipeline.step if train else setup.pipeline.eval
+            run = setup.pipeline.schedule.step if train else setup.pipeline.schedule.eval
             extra = {"return_outputs": False} if train else {}
             run(batch.inputs, target=batch.labels, losses=losses, **extra, **kwargs)
     loss = torch.zeros((), device=setup.device)
     for part in losses:
         loss += (part.full_tensor() if isinstance(part, DTensor) else part).detach()
-    torch.distributed.all_reduce(loss, group=setup.pp_group)  # zero on ranks without the last stage
+    torch.distributed.all_reduce(loss, group=setup.pipeline.group)  # zero on ranks without the last stage
     return loss
 
 

@@ -503,10 +503,10 @@ def diloco_reference(cfg_args: list[str], groups: int, sync_steps: int, steps: i
     t = plan.cfg.training
     workers = []
     for g in range(groups):
-        model, _, _, setup = build_trainer(plan, None, torch.device("cpu"))
+        trainer = build_trainer(plan, None, torch.device("cpu"))
         loader = build_loader(plan.cfg.data.format, plan.data_files, plan.tokenizer, seq_len=t.seq_len,
                               local_batch_size=t.local_batch_size, dp_rank=g, dp_world_size=groups)
-        workers.append((list(model.parameters()), setup, batches(loader)))
+        workers.append((list(trainer.model.parameters()), trainer.step, batches(loader)))
     global_weights = [torch.nn.Parameter(p.detach().clone()) for p in workers[0][0]]
     outer_sgd = torch.optim.SGD(global_weights, lr=outer["lr"], momentum=outer["momentum"], nesterov=True)
     losses: list[list[float]] = [[] for _ in range(groups)]

@@ -53,6 +53,6 @@ def test_the_recipe_gives_each_moe_layer_its_share_of_the_load_balance_coefficie
     cfg = parse_args(["--job.config_file", "debug_moe", "--moe.load_balance_coeff", "0.01",
                       "--training.gradient_accumulation_steps", "4", "--training.local_batch_size", "2"])
     plan = RunPlan.from_config(cfg, 1, device_type="cpu", writes_dump_folder=False)
-    model = build_trainer(plan, None, torch.device("cpu"))[0]
+    model = build_trainer(plan, None, torch.device("cpu")).model
     coefficients = [layer.load_balance_coeff for _, layer in moe_layers(model)]
     assert len(coefficients) == 2 and all(c == pytest.approx(0.0025) for c in coefficients)

@@ -49,6 +49,13 @@ def test_sequence_parallel_needs_local_sequence_divisible_by_tp():
         resolve(8, dp_shard=1, cp=2, tp=4).check_seq_len(12)
 
 
+def test_mesh_sizes_are_named():
+    """Seven integers in a row are easy to misorder: each size is passed by its name."""
+    with pytest.raises(TypeError):
+        ParallelDims(1, 2, 1, 2, 4)
+    assert ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, world_size=4) == resolve(4, tp=2)
+
+
 def test_pp_is_outermost_and_dp_shard_takes_what_it_leaves():
     dims = ParallelDims.resolve(world_size=16, tp=2, pp=4)
     assert (dims.pp, dims.dp_shard, dims.dp, dims.stage_world_size) == (4, 2, 2, 4)

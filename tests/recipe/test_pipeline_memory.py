@@ -48,7 +48,8 @@ def measure(world_size: int) -> dict[str, tuple[list[int], int, int]]:
         shape = pipeline_step_shape(step_shape(cfg, plan.model_args, plan.dims), plan.pipeline, planned,
                                     meshes.pp.get_group(), meshes.pp.get_local_rank())
         estimate = estimate_memory(planned, shape)
-        model, optimizer, _, setup = build_trainer(plan, meshes, torch.device("cpu"))
+        trainer = build_trainer(plan, meshes, torch.device("cpu"))
+        model, optimizer, setup = trainer.model, trainer.optimizer, trainer.step
         generator = torch.Generator().manual_seed(dist.get_rank())
 
         def step():
