@@ -237,7 +237,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     with torch.device("meta"):
         plain = spec_for_args(args).build(args)
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
-        apply_lora(plain, **vars(options.lora))
+        apply_lora(plain, options.lora)
     stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size, options, plain):

@@ -280,7 +280,7 @@ def check_lora(plan: RunPlan) -> None:
     with torch.device("meta"):
         model = spec_for_args(plan.model_args).build(plan.model_args)
     try:
-        apply_lora(model, **vars(lora))
+        apply_lora(model, lora)
         spec = spec_for_args(plan.model_args)
         if plan.cfg.export.peft_folder and spec.peft_refusal is not None:
             refusal = spec.peft_refusal(plan.model_args, [name for name, _ in lora_modules(model)])
