@@ -10,9 +10,9 @@ what a real start would run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -145,25 +145,74 @@ class RunPlan:
         return key if value is True else f"{key} = {value}"
 
 
-# The config key behind each argument a transform may name in a refusal: the options' fields
-# (built in `parallelize_options`), the layout and model the transforms act on; and by function,
-# the key that turns a transform on (for a refusal of the transform as a whole, argument None).
-ARGUMENT_KEYS = {
-    "model": "model.flavor", "tp_mesh": "parallelism.tp", "plan": "parallelism.tp", "cp_mesh": "parallelism.cp",
-    "ep_mesh": "parallelism.ep", "pipeline": "parallelism.pp", "schedule": "parallelism.pp_schedule",
-    "rank": "lora.rank", "alpha": "lora.alpha", "dropout": "lora.dropout", "target_modules": "lora.target_modules",
-    "use_rslora": "lora.use_rslora", "quantize_base": "lora.quantize_base", "base_dtype": "training.mixed_precision_param",
-    "recipe": "float8.recipe", "filter_fqns": "float8.filter_fqns", "min_dim": "float8.min_dim",
-    "auto_filter": "float8.auto_filter",
-    "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather", "float8_all_gather": "float8.enable",
-    "loss_parallel": "parallelism.loss_parallel", "mode": "activation_checkpoint.mode",
-    "selective_option": "activation_checkpoint.selective_option", "compile": "compile.enable", "backend": "compile.enable",
-    "param_dtype": "training.mixed_precision_param", "reduce_dtype": "training.mixed_precision_reduce",
-    "reshard_after_forward": "parallelism.fsdp_reshard_after_forward", "cpu_offload": "parallelism.fsdp_cpu_offload",
+# Where parallelize's options come from: the config section whose keys are each options class's field
+# names (`lora.rank` is LoRAOptions.rank).
+OPTION_SECTIONS = {
+    LoRAOptions: "lora",
+    Float8Options: "float8",
+    TPOptions: "parallelism",
+    ACOptions: "activation_checkpoint",
+    CompileOptions: "compile",
+    FSDPOptions: "parallelism",
+    PipelineOptions: "parallelism",
 }
+# The exceptions: fields read from a key of another name or section, and fields no key sets (left at
+# their default or computed by `parallelize_options`; a refusal of theirs names the key given).
+KEYS_ELSEWHERE = {
+    (LoRAOptions, "base_dtype"): "training.mixed_precision_param",  # the frozen base in the compute dtype
+    (FSDPOptions, "param_dtype"): "training.mixed_precision_param",
+    (FSDPOptions, "reduce_dtype"): "training.mixed_precision_reduce",
+    (FSDPOptions, "reshard_after_forward"): "parallelism.fsdp_reshard_after_forward",
+    (FSDPOptions, "cpu_offload"): "parallelism.fsdp_cpu_offload",
+    (PipelineOptions, "schedule"): "parallelism.pp_schedule",
+}
+NOT_READ = {
+    (TPOptions, "plan"): "parallelism.tp",  # the model's own
+    (TPOptions, "float8_all_gather"): "float8.enable",  # and whether this device and backend can
+    (CompileOptions, "backend"): "compile.enable",
+    (CompileOptions, "fullgraph"): "compile.enable",
+    (FSDPOptions, "cast_forward_inputs"): "training.mixed_precision_param",  # the dtype it would cast to
+}
+# The config key behind the other arguments a refusal may name: the model and layout the transforms
+# act on, and parallelize's options as a whole; by function, the key that turns a transform on (for a
+# refusal of the transform as a whole, argument None).
+LAYOUT_KEYS = {"model": "model.flavor", "tp_mesh": "parallelism.tp", "cp_mesh": "parallelism.cp",
+               "ep_mesh": "parallelism.ep", "pipeline": "parallelism.pp", "compile": "compile.enable"}
 TRANSFORM_KEYS = {"apply_lora": "lora.enable", "apply_float8": "float8.enable", "apply_tp": "parallelism.tp",
                   "apply_cp": "parallelism.cp", "apply_ep": "parallelism.ep", "apply_compile": "compile.enable",
                   "apply_ac": "activation_checkpoint.mode"}
+
+
+def option_key(options: type, name: str) -> str:
+    """The config key of field `name` of an options class of OPTION_SECTIONS."""
+    if (options, name) in NOT_READ:
+        return NOT_READ[options, name]
+    return KEYS_ELSEWHERE.get((options, name), f"{OPTION_SECTIONS[options]}.{name}")
+
+
+# The config key behind each argument a transform may name in a refusal: every option's field, the layout.
+ARGUMENT_KEYS = {**{f.name: option_key(options, f.name) for options in OPTION_SECTIONS for f in fields(options)},
+                 **LAYOUT_KEYS}
+
+
+def read_options(cfg: JobConfig, options: type, **computed) -> Any:
+    """An `options` class of OPTION_SECTIONS read from the config field by field, but for the
+    `computed` values: a dtype from its name, a tuple from a list where the field holds tuples, None
+    for an empty value where None is the field's default."""
+    hints = get_type_hints(options)
+    values = {}
+    for f in fields(options):
+        if f.name in computed or (options, f.name) in NOT_READ:
+            continue
+        value = config_value(cfg, option_key(options, f.name))
+        if torch.dtype in (hints[f.name], *get_args(hints[f.name])):
+            value = DTYPES[value]
+        elif get_origin(hints[f.name]) is tuple:
+            value = tuple(value)
+        elif f.default is None and not value:
+            value = None
+        values[f.name] = value
+    return options(**values, **computed)
 
 
 def config_key(function: str, argument: str | None) -> str | None:
@@ -241,24 +290,18 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:
-    """parallelize()'s options, each transform's from its config section."""
-    p, f8, ac, t, lora = cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.training, cfg.lora
+    """parallelize()'s options, each transform's from its config section (`read_options`)."""
+    p, f8 = cfg.parallelism, cfg.float8
     all_gather = (f8.enable and dims.world_size > 1 and
                   float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe))
     return ParallelizeOptions(
-        # The frozen base in the compute dtype: nothing updates it, so fp32 master weights buy nothing.
-        lora=LoRAOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                         target_modules=list(lora.target_modules) or None, use_rslora=lora.use_rslora,
-                         quantize_base=lora.quantize_base or None, base_dtype=DTYPES[t.mixed_precision_param])
-        if lora.enable else None,
-        float8=Float8Options(recipe=f8.recipe, filter_fqns=tuple(f8.filter_fqns), min_dim=f8.min_dim,
-                             auto_filter=f8.auto_filter, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather) if f8.enable else None,
-        tp=TPOptions(loss_parallel=p.loss_parallel, float8_all_gather=bool(all_gather)),
-        ac=ACOptions(mode=ac.mode, selective_option=ac.selective_option),
-        compile=CompileOptions() if cfg.compile.enable else None,
-        fsdp=FSDPOptions(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
-                         reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=p.fsdp_cpu_offload),
-        pipeline=PipelineOptions(p.pp_schedule) if dims.pp_enabled else None,
+        lora=read_options(cfg, LoRAOptions) if cfg.lora.enable else None,
+        float8=read_options(cfg, Float8Options) if f8.enable else None,
+        tp=read_options(cfg, TPOptions, float8_all_gather=bool(all_gather)),
+        ac=read_options(cfg, ACOptions),
+        compile=read_options(cfg, CompileOptions) if cfg.compile.enable else None,
+        fsdp=read_options(cfg, FSDPOptions),
+        pipeline=read_options(cfg, PipelineOptions) if dims.pp_enabled else None,
     )
 
 
