@@ -10,11 +10,13 @@ what a real start would run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
+from torch import nn
 
 from weft.components.checkpoint.checkpointer import check_resume, resume_folder
 from weft.components.distributed.flight_recorder import check_trace_folder
@@ -28,6 +30,7 @@ from weft.components.observe.profiling import check_profiling
 from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.observe.wandb_logger import check_wandb
 from weft.models import spec_for_args
+from weft.models.common.moe_tp import check_moe_tp
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -69,7 +72,7 @@ class RunPlan:
         benchmarks do) skips what reads job.dump_folder: another run's config there, the export
         folders, the checkpoint to resume and its data fingerprint."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        model_args, dims = model_and_layout(cfg, world_size)
+        model_args, dims = model_and_layout(cfg, world_size, device_type)
         tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
@@ -114,10 +117,6 @@ class RunPlan:
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
                    pipeline=pipeline_layout(cfg, model_args, dims))
-        try:
-            check_composes(plan.options, dims.tp)
-        except TransformError as e:
-            raise plan.config_error(e) from None
         check_lora(plan)
         return plan
 
@@ -126,23 +125,6 @@ class RunPlan:
         t = self.cfg.training
         return t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
-    def config_error(self, error: TransformError) -> ConfigError:
-        """A transform's refusal as a config error naming the key and value behind the argument
-        it refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`; a
-        refusal to compose names both settings: `parallelism.tp = 2: QLoRA (lora.quantize_base =
-        nf4) does not support tensor parallelism`."""
-        key = config_key(error.function, error.argument)
-        if key is None:
-            return ConfigError(str(error))
-        if error.conflict is None:
-            return ConfigError(f"{key} = {config_value(self.cfg, key)}: {error}")
-        other = config_key(error.conflict.function, error.conflict.argument)
-        return ConfigError(f"{self._setting(key)}: {error.conflict.label} ({self._setting(other)}) {error.reason}")
-
-    def _setting(self, key: str) -> str:
-        """`key = value`, or the key alone for a switch that is on (`float8.enable`)."""
-        value = config_value(self.cfg, key)
-        return key if value is True else f"{key} = {value}"
 
 
 # Where parallelize's options come from: the config section whose keys are each options class's field
@@ -220,6 +202,26 @@ def config_key(function: str, argument: str | None) -> str | None:
     return TRANSFORM_KEYS.get(function) if argument is None else ARGUMENT_KEYS.get(argument)
 
 
+def config_error(cfg: JobConfig, error: TransformError) -> ConfigError:
+    """A transform's refusal as a config error naming the key and value behind the argument it
+    refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`; a refusal
+    to compose names both settings: `parallelism.tp = 2: QLoRA (lora.quantize_base = nf4) does not
+    support tensor parallelism`."""
+    key = config_key(error.function, error.argument)
+    if key is None:
+        return ConfigError(str(error))
+    if error.conflict is None:
+        return ConfigError(f"{key} = {config_value(cfg, key)}: {error}")
+    other = config_key(error.conflict.function, error.conflict.argument)
+    return ConfigError(f"{_setting(cfg, key)}: {error.conflict.label} ({_setting(cfg, other)}) {error.reason}")
+
+
+def _setting(cfg: JobConfig, key: str) -> str:
+    """`key = value`, or the key alone for a switch that is on (`float8.enable`)."""
+    value = config_value(cfg, key)
+    return key if value is True else f"{key} = {value}"
+
+
 def config_value(cfg: JobConfig, key: str) -> object:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
@@ -232,9 +234,9 @@ def model_source(cfg: JobConfig) -> str:
     return f"model flavor {cfg.model.flavor}"
 
 
-def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims]:
-    """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
-    sequence length (ConfigError / LayoutError, one line)."""
+def model_and_layout(cfg: JobConfig, world_size: int, device_type: str) -> tuple[Any, ParallelDims]:
+    """The flavor's shape and the layout of `world_size` ranks, checked against each other
+    (`check_layout`; ConfigError / LayoutError, one line)."""
     args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
@@ -242,10 +244,26 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims
     p = cfg.parallelism
     dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size, ep=p.ep)
+    check_layout(cfg, args, dims, device_type)
+    return args, dims
+
+
+def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str,
+                 moes: Sequence[tuple[str, nn.Module]] = ()) -> None:
+    """Whether the model of `args` trains in layout `dims` with the config's transforms on
+    `device_type`; if not, a ConfigError or LayoutError (one line naming the key) saying why: the
+    sequence split, the model's family, expert parallelism, the transforms' composition, the
+    pipeline, and with `moes` (a model's MoE layers, `moe_layers`) whether tensor parallelism can split them."""
     dims.check_seq_len(cfg.training.seq_len)
     check_model_support(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)
-    return args, dims
+    try:
+        check_composes(parallelize_options(cfg, dims, device_type), dims.tp)
+        for path, moe in moes if dims.tp > 1 else ():
+            check_moe_tp(path, moe, expert_parallel=dims.ep > 1)
+    except TransformError as e:
+        raise config_error(cfg, e) from None
+    pipeline_layout(cfg, args, dims)
 
 
 def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
@@ -338,7 +356,7 @@ def check_lora(plan: RunPlan) -> None:
         for name, module in lora_modules(model) if lora.quantize_base else []:
             check_nf4_shape(name, module.weight.shape, shards)
     except TransformError as e:
-        raise plan.config_error(e) from None
+        raise config_error(plan.cfg, e) from None
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -15,7 +15,8 @@ from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.pipeline import PipelineOptions
 from weft.parallelisms.tp import TPOptions
-from weft.recipe.plan import ARGUMENT_KEYS, OPTION_SECTIONS, TRANSFORM_KEYS, RunPlan, config_value, option_key
+from weft.recipe.plan import (ARGUMENT_KEYS, OPTION_SECTIONS, TRANSFORM_KEYS, RunPlan, config_error, config_value,
+                              option_key)
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:
@@ -92,7 +93,7 @@ def test_an_argument_names_one_config_key_whatever_option_holds_it():
 def test_a_transform_refusal_names_the_config_key_it_came_from(argument, expected):
     plan = plan_for("--parallelism.tp", "3", "--training.seq_len", "96", world_size=3, check_environment=False)
     function = "apply_tp" if argument == "tp_mesh" else "apply_ac"
-    error = plan.config_error(TransformError(function, argument, "refused"))
+    error = config_error(plan.cfg, TransformError(function, argument, "refused"))
     assert isinstance(error, ConfigError) and str(error) == expected
 
 
