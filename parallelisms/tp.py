@@ -3,7 +3,7 @@
 A plan maps module paths (`*` matches any one path component, e.g. every block) to PyTorch's
 `ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/common/spec.py`; Llama's
 uses sequence parallelism) and builds one for Hugging Face transformers models from the plan
-their config declares; any other model passes `plan=`.
+their config declares; any other model passes one (`TPOptions(plan=...)`).
 """
 
 from __future__ import annotations
