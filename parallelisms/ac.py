@@ -70,7 +70,8 @@ class ACOptions:
     selective_option: str = "op"  # under "selective": "op", or N to checkpoint every N-th block fully
 
 
-def apply_ac(model: nn.Module, options: ACOptions = ACOptions(), *, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+def apply_ac(model: nn.Module, options: ACOptions = ACOptions(), *,
+             blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Checkpoint activations per block.
 
     mode "full": every block keeps only its input and recomputes the rest in backward.

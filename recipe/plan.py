@@ -126,7 +126,6 @@ class RunPlan:
         return t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
 
-
 # Where parallelize's options come from: the config section whose keys are each options class's field
 # names (`lora.rank` is LoRAOptions.rank).
 OPTION_SECTIONS = {
@@ -253,7 +252,8 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
     """Whether the model of `args` trains in layout `dims` with the config's transforms on
     `device_type`; if not, a ConfigError or LayoutError (one line naming the key) saying why: the
     sequence split, the model's family, expert parallelism, the transforms' composition, the
-    pipeline, and with `moes` (a model's MoE layers, `moe_layers`) whether tensor parallelism can split them."""
+    pipeline, and with `moes` (a model's MoE layers, `moe_layers`) whether tensor parallelism can
+    split them (the plan leaves that to `apply_tp`, which checks the same)."""
     dims.check_seq_len(cfg.training.seq_len)
     check_model_support(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)

@@ -57,7 +57,8 @@ def test_the_options_read_from_the_config_are_those_written_out_by_hand():
                     "--lora.use_rslora", "--training.mixed_precision_param", "bfloat16",
                     "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "2",
                     "--compile.enable", "--parallelism.fsdp_reshard_after_forward", "never",
-                    "--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe", world_size=2, check_environment=False)
+                    "--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe", world_size=2,
+                    check_environment=False)
     assert plan.options.lora == LoRAOptions(rank=4, alpha=8.0, target_modules=["wq", "wv"], use_rslora=True,
                                             base_dtype=torch.bfloat16)
     assert plan.options.ac == ACOptions(mode="selective", selective_option="2")
