@@ -113,7 +113,7 @@ class LoRAOptions:
     rank: int = 8  # each adapter's inner dimension (B A)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (rslora: alpha / sqrt(rank))
     dropout: float = 0.0  # dropout on the adapters' input
-    target_modules: list[str] | tuple[str, ...] | None = None  # last names or globs; None: every block linear
+    target_modules: list[str] | tuple[str, ...] | None = None  # last names or globs; None: all but heads, routers
     use_rslora: bool = False  # scale by alpha / sqrt(rank)
     quantize_base: str | None = None  # "nf4": the frozen base in NF4 (QLoRA), once quantize_lora_base runs
     base_dtype: torch.dtype | None = None  # store every frozen parameter in this dtype; None: as it is
