@@ -15,7 +15,6 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
-from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
@@ -84,13 +83,13 @@ _DIM_MULTIPLE = 16
 
 @dataclass(frozen=True)
 class Float8Options:
-    """`apply_float8`'s arguments, for `parallelize`."""
+    """`apply_float8`'s options."""
 
-    recipe: str = "tensorwise"
-    filter_fqns: tuple[str, ...] = ()
-    enable_fsdp_float8_all_gather: bool = False
-    min_dim: int = DEFAULT_MIN_DIM
-    auto_filter: bool = False
+    recipe: str = "tensorwise"  # scaling granularity: "tensorwise" or "rowwise"
+    filter_fqns: tuple[str, ...] = ()  # layers kept in high precision, by whole dotted components of their names
+    enable_fsdp_float8_all_gather: bool = False  # FSDP all-gathers the weights in float8 (tensorwise only)
+    min_dim: int = DEFAULT_MIN_DIM  # layers with a dimension below this stay in high precision
+    auto_filter: bool = False  # also keep those torchao's size filter for the recipe would not convert
 
 
 def check_float8_composes(lora: bool) -> None:
@@ -101,15 +100,7 @@ def check_float8_composes(lora: bool) -> None:
                              Conflict("LoRA", "apply_lora"))
 
 
-def apply_float8(
-    model: nn.Module,
-    *,
-    recipe: str = "tensorwise",
-    filter_fqns: Iterable[str] = (),
-    enable_fsdp_float8_all_gather: bool = False,
-    min_dim: int = DEFAULT_MIN_DIM,
-    auto_filter: bool = False,
-) -> nn.Module:
+def apply_float8(model: nn.Module, options: Float8Options = Float8Options()) -> nn.Module:
     """Swap the model's eligible `nn.Linear` layers for torchao `Float8Linear`, in place.
 
     filter_fqns: layers kept in high precision. An entry matches a layer when it is a run of
@@ -124,11 +115,12 @@ def apply_float8(
     """
     refuse_data_parallel_model(model, "apply_float8")
     check_float8_composes(any(hasattr(module, "lora_A") for module in model.modules()))  # weft's or PEFT's LoRA layers
-    config = _float8_config(recipe, enable_fsdp_float8_all_gather)
+    recipe, min_dim, auto_filter = options.recipe, options.min_dim, options.auto_filter
+    config = _float8_config(recipe, options.enable_fsdp_float8_all_gather)
     already = converted_modules(model)
     if already:
         raise ValueError(f"apply_float8: the model already has Float8Linear layers ({already[0]}, ...)")
-    filter_fqns = tuple(filter_fqns)
+    filter_fqns = tuple(options.filter_fqns)
     kept: dict[str, list[str]] = {}
     torchao_filter = None
     if auto_filter:

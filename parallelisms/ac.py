@@ -64,15 +64,14 @@ def _checkpoint_forward(block: nn.Module, op_level: bool) -> None:
 
 @dataclass(frozen=True)
 class ACOptions:
-    """`apply_ac`'s arguments, for `parallelize`."""
+    """`apply_ac`'s options."""
 
-    mode: str = "none"
-    selective_option: str = "op"
+    mode: str = "none"  # "none", "full" or "selective"
+    selective_option: str = "op"  # under "selective": "op", or N to checkpoint every N-th block fully
 
 
-def apply_ac(
-    model: nn.Module, mode: str, selective_option: str = "op", blocks: Iterable[nn.Module] | None = None
-) -> nn.Module:
+def apply_ac(model: nn.Module, options: ACOptions = ACOptions(), *,
+             blocks: Iterable[nn.Module] | None = None) -> nn.Module:
     """Checkpoint activations per block.
 
     mode "full": every block keeps only its input and recomputes the rest in backward.
@@ -82,6 +81,7 @@ def apply_ac(
     Apply after tensor parallelism (so the recomputation sees the parallel modules) and before
     compile and FSDP.
     """
+    mode, selective_option = options.mode, options.selective_option
     if mode not in AC_MODES:
         raise TransformError("apply_ac", "mode", f"mode: expected one of {', '.join(AC_MODES)}, got {mode!r}")
     if mode == "selective" and selective_option != "op" and (

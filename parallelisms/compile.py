@@ -17,15 +17,14 @@ logger = logging.getLogger("weft")
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """`apply_compile`'s arguments, for `parallelize` (which adds copy_input under tensor parallelism)."""
+    """`apply_compile`'s options."""
 
-    backend: str = "inductor"
+    backend: str = "inductor"  # torch.compile's ("aot_eager" traces without generating kernels, for debugging)
+    fullgraph: bool = True  # each block one graph, or an error
 
 
-def apply_compile(
-    model: nn.Module, blocks: Iterable[nn.Module] | None = None, *, backend: str = "inductor", fullgraph: bool = True,
-    copy_input: bool = False,
-) -> nn.Module:
+def apply_compile(model: nn.Module, options: CompileOptions = CompileOptions(), *,
+                  blocks: Iterable[nn.Module] | None = None, copy_input: bool = False) -> nn.Module:
     """Compile each block's forward; identical blocks share one compiled graph, so compile time
     does not grow with depth. blocks None: the model's `layers`, `model.layers` or `transformer.h`.
 
@@ -34,7 +33,6 @@ def apply_compile(
     stay outside the compiled region. `nn.Module.compile` would compile those hooks too: on a
     transformers LlamaDecoderLayer under FSDP and activation checkpointing it fails in
     AOTAutograd (torch 2.13: "expected all tensors_saved_with_vc_check to be Tensors").
-    backend: torch.compile's ("aot_eager" traces without generating kernels, for debugging).
     copy_input: each compiled block reads a copy of its first input, made outside the compiled
     region (`tp_compile_needs_input_copy` says when: tensor parallelism on torch 2.13).
     A block's forward may keep a record as it runs (an MoE layer counts its experts' tokens):
@@ -42,6 +40,7 @@ def apply_compile(
     side effect inside a checkpoint otherwise).
     Apply after tensor parallelism and activation checkpointing, before FSDP.
     """
+    backend, fullgraph = options.backend, options.fullgraph
     blocks = transformer_blocks(model, "apply_compile", blocks)
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True

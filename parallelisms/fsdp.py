@@ -33,26 +33,17 @@ def fsdp_shard_dim(shape: torch.Size | list[int], ranks: int) -> int:
 
 @dataclass(frozen=True)
 class FSDPOptions:
-    """`apply_fsdp`'s arguments, for `parallelize` (which gives the meshes and blocks)."""
+    """`apply_fsdp`'s options."""
 
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype = torch.float32
-    reshard_after_forward: str = "default"
-    cpu_offload: bool = False
+    param_dtype: torch.dtype = torch.bfloat16  # the dtype blocks compute in
+    reduce_dtype: torch.dtype = torch.float32  # the dtype gradients are reduced in
+    reshard_after_forward: str = "default"  # "default", "always" or "never" (below)
+    cpu_offload: bool = False  # keep the shards, gradients and optimizer step on the CPU
+    cast_forward_inputs: bool = False  # cast each block's floating inputs to param_dtype (below)
 
 
-def apply_fsdp(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    *,
-    param_dtype: torch.dtype = torch.bfloat16,
-    reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: str = "default",
-    cpu_offload: bool = False,
-    blocks: Iterable[nn.Module] | None = None,
-    cast_forward_inputs: bool = False,
-    expert_mesh: DeviceMesh | None = None,
-) -> nn.Module:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, options: FSDPOptions = FSDPOptions(), *,
+               blocks: Iterable[nn.Module] | None = None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2.
 
     Each block becomes its own FSDP unit (all-gathered just before it runs, freed after), and
@@ -80,6 +71,8 @@ def apply_fsdp(
     Apply after tensor parallelism, activation checkpointing and compile, which must see plain
     modules, and before the model is materialised from the meta device.
     """
+    param_dtype, reduce_dtype, cpu_offload = options.param_dtype, options.reduce_dtype, options.cpu_offload
+    reshard_after_forward = options.reshard_after_forward
     if reshard_after_forward not in RESHARD_POLICIES:
         raise TransformError(
             "apply_fsdp",
@@ -101,7 +94,7 @@ def apply_fsdp(
         mesh=dp_mesh,
         shard_placement_fn=placement,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                       cast_forward_inputs=cast_forward_inputs),
+                                       cast_forward_inputs=options.cast_forward_inputs),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     for i, block in enumerate(blocks):

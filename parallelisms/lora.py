@@ -98,29 +98,18 @@ def add_expert_adapters(experts: nn.Module, projections: list[str], rank: int, a
 
 @dataclass(frozen=True)
 class LoRAOptions:
-    """`apply_lora`'s arguments, for `parallelize`."""
+    """`apply_lora`'s options."""
 
-    rank: int
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] | None = None
-    use_rslora: bool = False
-    quantize_base: str | None = None
-    base_dtype: torch.dtype | None = None
+    rank: int = 8  # each adapter's inner dimension (B A)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (rslora: alpha / sqrt(rank))
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] | tuple[str, ...] | None = None  # last names or globs; None: all but heads, routers
+    use_rslora: bool = False  # scale by alpha / sqrt(rank)
+    quantize_base: str | None = None  # "nf4": the frozen base in NF4 (QLoRA), once quantize_lora_base runs
+    base_dtype: torch.dtype | None = None  # store every frozen parameter in this dtype; None: as it is
 
 
-def apply_lora(
-    model: nn.Module,
-    *,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    target_modules: list[str] | tuple[str, ...] | None = None,
-    use_rslora: bool = False,
-    quantize_base: str | None = None,
-    base_dtype: torch.dtype | None = None,
-    allow_no_targets: bool = False,
-) -> nn.Module:
+def apply_lora(model: nn.Module, options: LoRAOptions = LoRAOptions(), *, allow_no_targets: bool = False) -> nn.Module:
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
     target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
@@ -139,6 +128,8 @@ def apply_lora(
     parallelism (which splits the adapters with their base) and FSDP/DDP (which shard or
     replicate them). After `materialize`, adapters are A ~ PEFT's kaiming-uniform, B = 0.
     """
+    rank, alpha, dropout, use_rslora = options.rank, options.alpha, options.dropout, options.use_rslora
+    target_modules, quantize_base, base_dtype = options.target_modules, options.quantize_base, options.base_dtype
     _check_arguments(rank, alpha, dropout, quantize_base)
     refuse_data_parallel_model(model, "apply_lora")
     expert_targets = lora_expert_targets(model, target_modules, allow_no_targets)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -26,7 +26,7 @@ logger = logging.getLogger("weft")
 
 @dataclass(frozen=True)
 class ParallelizeOptions:
-    """What `parallelize` applies: each transform's own arguments; None leaves it out. tp and fsdp
+    """What `parallelize` applies: each transform's options; None leaves it out. tp and fsdp
     apply where the meshes ask for them (tensor parallelism, data parallelism or one rank)."""
 
     lora: LoRAOptions | None = None
@@ -80,11 +80,11 @@ def parallelize(
     # adapters (plans name the same modules) and FSDP shards frozen base and adapters in one unit
     # each block (FSDP2 accepts mixed requires_grad; only the adapters' gradients are reduced).
     if options.lora is not None:  # a pipeline stage may hold none of the targets (only the output)
-        apply_lora(model, **vars(options.lora), allow_no_targets=options.pipeline is not None)
+        apply_lora(model, options.lora, allow_no_targets=options.pipeline is not None)
     # float8 next: it swaps nn.Linear for Float8Linear, which TP splits with its float8 styles and
     # FSDP all-gathers in float8; both must find the float8 layers in place.
     if options.float8 is not None:
-        apply_float8(model, **vars(options.float8))
+        apply_float8(model, options.float8)
     # Expert parallelism spreads the stacked experts over their ranks (DTensors of the ep mesh) and
     # swaps their forward for the all-to-all one, before anything wraps the blocks; FSDP then
     # shards the experts over the ranks that hold the same ones (dp_shard_mod_ep).
@@ -93,17 +93,17 @@ def parallelize(
     # Tensor parallelism next: it turns weights into DTensor shards, and everything after must
     # wrap the parallel modules, not the plain ones.
     if tp > 1:
-        apply_tp(model, meshes.tp, **vars(options.tp))
+        apply_tp(model, meshes.tp, options.tp)
     # Context parallelism swaps the attention core, whatever split the weights have.
     if dims is not None and dims.cp > 1:
         apply_cp(model, meshes.cp)
     # Activation checkpointing wraps each block's forward, so recomputation replays the parallel
     # forward, its TP and CP collectives included.
-    apply_ac(model, **vars(options.ac), blocks=blocks)
+    apply_ac(model, options.ac, blocks=blocks)
     # Compile traces the checkpointed, parallel block (one graph reused by every block).
     # Under tensor parallelism on torch 2.13 each compiled block reads a copy of its input.
     if options.compile is not None:
-        apply_compile(model, blocks, **vars(options.compile), copy_input=tp_compile_needs_input_copy(tp))
+        apply_compile(model, options.compile, blocks=blocks, copy_input=tp_compile_needs_input_copy(tp))
     if before_data_parallel is not None:
         before_data_parallel(model)
     # NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP
@@ -118,11 +118,10 @@ def parallelize(
     # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
     # Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master).
     if dims is not None and (dims.fsdp_enabled or dims.world_size == 1):
-        fsdp = options.fsdp
         schedule = options.pipeline.schedule if options.pipeline is not None else None
-        apply_fsdp(model, meshes.fsdp, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
-                   reshard_after_forward=pipeline_reshard_policy(fsdp.reshard_after_forward, schedule),
-                   cpu_offload=fsdp.cpu_offload, blocks=blocks, expert_mesh=meshes.expert_fsdp)
+        reshard = pipeline_reshard_policy(options.fsdp.reshard_after_forward, schedule)
+        apply_fsdp(model, meshes.fsdp, replace(options.fsdp, reshard_after_forward=reshard), blocks=blocks,
+                   expert_mesh=meshes.expert_fsdp)
     elif dims is not None and dims.ddp_enabled:
         apply_ddp(model, meshes.dp_replicate)
     return model

@@ -46,7 +46,7 @@ SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 class PipelineOptions:
     """For `parallelize`: the model is one pipeline stage, run by this torch schedule."""
 
-    schedule: str
+    schedule: str = "1F1B"  # a torch.distributed.pipelining schedule's name
 
 
 def check_stage_composes(quantize_base: str | None) -> None:

@@ -3,7 +3,7 @@
 A plan maps module paths (`*` matches any one path component, e.g. every block) to PyTorch's
 `ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/common/spec.py`; Llama's
 uses sequence parallelism) and builds one for Hugging Face transformers models from the plan
-their config declares; any other model passes `plan=`.
+their config declares; any other model passes one (`TPOptions(plan=...)`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ logger = logging.getLogger("weft")
 
 @dataclass(frozen=True)
 class TPOptions:
-    """`apply_tp`'s arguments, for `parallelize` (which gives the mesh)."""
+    """`apply_tp`'s options."""
 
-    plan: Plan | None = None
-    loss_parallel: bool = False
-    float8_all_gather: bool = False
+    plan: Plan | None = None  # module paths to ParallelStyles; None: the model's own plan
+    loss_parallel: bool = False  # keep the logits vocabulary-sharded, for a loss under `loss_parallel()`
+    float8_all_gather: bool = False  # weft's plan with torchao's float8 styles (after apply_float8; NCCL)
 
 
 def check_tp_composes(quantize_base: str | None) -> None:
@@ -49,14 +49,7 @@ def check_tp_composes(quantize_base: str | None) -> None:
                              Conflict("QLoRA", "apply_lora", "quantize_base", quantize_base))
 
 
-def apply_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    plan: Plan | None = None,
-    *,
-    loss_parallel: bool = False,
-    float8_all_gather: bool = False,
-) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
 
     plan None: a weft model's own plan (its `ModelSpec.tp_plan`), the model's own
@@ -73,6 +66,7 @@ def apply_tp(
     Apply after float8 and before context parallelism, activation checkpointing, compile and
     FSDP/DDP, on the meta-device or real model.
     """
+    plan, loss_parallel, float8_all_gather = options.plan, options.loss_parallel, options.float8_all_gather
     refuse_data_parallel_model(model, "apply_tp")
     check_tp_composes(next((m.quantize_base for _, m in lora_modules(model) if m.quantize_base), None))
     tp = tp_mesh.size()

@@ -54,7 +54,7 @@ from weft.parallelisms.materialize import materialize, materialize_part
 from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
-from weft.recipe.plan import RunPlan
+from weft.recipe.plan import RunPlan, config_error
 from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup
 
 logger = logging.getLogger("weft")
@@ -146,7 +146,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     try:
         parallelize(model, meshes, plan.options, before_data_parallel=load)
     except TransformError as e:
-        raise plan.config_error(e) from None
+        raise config_error(plan.cfg, e) from None
     if device is not None and not qlora:
         cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled  # parameters stay on the CPU
         materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
@@ -168,7 +168,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
         try:
             parallelize(stage, meshes, plan.options)
         except TransformError as e:
-            raise plan.config_error(e) from None
+            raise config_error(plan.cfg, e) from None
         if device is not None:
             cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled
             materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from weft.components.config import ConfigError, JobConfig
+from weft.errors import UserError
 from weft.components.distributed.processes import init_fake_distributed, launched_world_size
 from weft.components.memory import (
     GIB,
@@ -32,22 +32,19 @@ from weft.components.ft.checks import describe_groups
 from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
 from weft.models import spec_for_args
-from weft.models.common.moe_tp import check_moe_tp
-from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
-from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
+from weft.parallelisms.parallelize import ParallelizeOptions
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import (
     PipelineLayout,
-    PipelineOptions,
     PipelineStages,
     activations_in_flight,
     default_split,
     split_model,
 )
 from weft.recipe.build import build_model, model_line
-from weft.recipe.plan import RunPlan, check_expert_parallel, check_model_support, pipeline_layout
+from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -188,17 +185,12 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
 TABLE_MAX_PP = 16
 
 
-def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
-                      options: ParallelizeOptions = ParallelizeOptions(), model: nn.Module | None = None) -> list[ParallelDims]:
-    """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured) the model,
-    sequence length and pipeline allow: tp divides the query and key/value heads, cp and tp split
-    the sequence, and a pipeline (pp up to TABLE_MAX_PP) runs the configured schedule and micro-
-    batches on the local batch with at most one stage per block. The transforms of `options`
-    compose there (`check_composes`: QLoRA without tp and pp, ...); the model trains in the layout
-    (`check_model_support`). A model with experts also gets each ep
-    that divides them and dp_shard × cp × tp, a multiple of tp, where expert parallelism applies
-    (`check_expert_parallel`), and tp only where its MoE layers can be split (`check_moe_tp`: with
-    ep, or with the score before the experts). `model`: the plain meta model (built if None)."""
+def candidate_layouts(cfg: JobConfig, args: Any, world_size: int, model: nn.Module | None = None) -> list[ParallelDims]:
+    """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured; pp up to
+    TABLE_MAX_PP; tp dividing the query and key/value heads) where the config's run is valid
+    (`check_layout`: the sequence split, the transforms' composition, the model's experts and MoE
+    layers, the pipeline's schedule and micro-batches). A model with experts also gets each ep that
+    divides dp_shard × cp × tp and is a multiple of tp. `model`: the plain meta model (built if None)."""
     if model is None:
         with torch.device("meta"):
             model = spec_for_args(args).build(args)
@@ -216,15 +208,8 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
                     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world_size,
                                         pp=pp, ep=ep)
                     try:
-                        dims.check_seq_len(cfg.training.seq_len)
-                        check_composes(replace(options, pipeline=PipelineOptions(cfg.parallelism.pp_schedule)
-                                               if dims.pp_enabled else None), dims.tp)
-                        check_model_support(cfg, args, dims)
-                        check_expert_parallel(cfg, args, dims)
-                        for path, moe in moes if dims.tp > 1 else ():
-                            check_moe_tp(path, moe, expert_parallel=dims.ep > 1)
-                        pipeline_layout(cfg, args, dims)
-                    except (LayoutError, ConfigError, TransformError):
+                        check_layout(cfg, args, dims, "cuda", moes)
+                    except UserError:
                         continue
                     layouts.append(dims)
     return layouts
@@ -238,10 +223,10 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     with torch.device("meta"):
         plain = spec_for_args(args).build(args)
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
-        apply_lora(plain, **vars(options.lora))
+        apply_lora(plain, options.lora)
     stages = TableStages(plain)
     results = []
-    for dims in candidate_layouts(cfg, args, current.world_size, options, plain):
+    for dims in candidate_layouts(cfg, args, current.world_size, plain):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)

@@ -10,11 +10,13 @@ what a real start would run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
+from torch import nn
 
 from weft.components.checkpoint.checkpointer import check_resume, resume_folder
 from weft.components.distributed.flight_recorder import check_trace_folder
@@ -28,6 +30,7 @@ from weft.components.observe.profiling import check_profiling
 from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.observe.wandb_logger import check_wandb
 from weft.models import spec_for_args
+from weft.models.common.moe_tp import check_moe_tp
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -69,7 +72,7 @@ class RunPlan:
         benchmarks do) skips what reads job.dump_folder: another run's config there, the export
         folders, the checkpoint to resume and its data fingerprint."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        model_args, dims = model_and_layout(cfg, world_size)
+        model_args, dims = model_and_layout(cfg, world_size, device_type)
         tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
@@ -114,10 +117,6 @@ class RunPlan:
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
                    pipeline=pipeline_layout(cfg, model_args, dims))
-        try:
-            check_composes(plan.options, dims.tp)
-        except TransformError as e:
-            raise plan.config_error(e) from None
         check_lora(plan)
         return plan
 
@@ -126,49 +125,100 @@ class RunPlan:
         t = self.cfg.training
         return t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
-    def config_error(self, error: TransformError) -> ConfigError:
-        """A transform's refusal as a config error naming the key and value behind the argument
-        it refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`; a
-        refusal to compose names both settings: `parallelism.tp = 2: QLoRA (lora.quantize_base =
-        nf4) does not support tensor parallelism`."""
-        key = config_key(error.function, error.argument)
-        if key is None:
-            return ConfigError(str(error))
-        if error.conflict is None:
-            return ConfigError(f"{key} = {config_value(self.cfg, key)}: {error}")
-        other = config_key(error.conflict.function, error.conflict.argument)
-        return ConfigError(f"{self._setting(key)}: {error.conflict.label} ({self._setting(other)}) {error.reason}")
 
-    def _setting(self, key: str) -> str:
-        """`key = value`, or the key alone for a switch that is on (`float8.enable`)."""
-        value = config_value(self.cfg, key)
-        return key if value is True else f"{key} = {value}"
-
-
-# The config key behind each argument a transform may name in a refusal: the options' fields
-# (built in `parallelize_options`), the layout and model the transforms act on; and by function,
-# the key that turns a transform on (for a refusal of the transform as a whole, argument None).
-ARGUMENT_KEYS = {
-    "model": "model.flavor", "tp_mesh": "parallelism.tp", "plan": "parallelism.tp", "cp_mesh": "parallelism.cp",
-    "ep_mesh": "parallelism.ep", "pipeline": "parallelism.pp", "schedule": "parallelism.pp_schedule",
-    "rank": "lora.rank", "alpha": "lora.alpha", "dropout": "lora.dropout", "target_modules": "lora.target_modules",
-    "use_rslora": "lora.use_rslora", "quantize_base": "lora.quantize_base", "base_dtype": "training.mixed_precision_param",
-    "recipe": "float8.recipe", "filter_fqns": "float8.filter_fqns", "min_dim": "float8.min_dim",
-    "auto_filter": "float8.auto_filter",
-    "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather", "float8_all_gather": "float8.enable",
-    "loss_parallel": "parallelism.loss_parallel", "mode": "activation_checkpoint.mode",
-    "selective_option": "activation_checkpoint.selective_option", "compile": "compile.enable", "backend": "compile.enable",
-    "param_dtype": "training.mixed_precision_param", "reduce_dtype": "training.mixed_precision_reduce",
-    "reshard_after_forward": "parallelism.fsdp_reshard_after_forward", "cpu_offload": "parallelism.fsdp_cpu_offload",
+# Where parallelize's options come from: the config section whose keys are each options class's field
+# names (`lora.rank` is LoRAOptions.rank).
+OPTION_SECTIONS = {
+    LoRAOptions: "lora",
+    Float8Options: "float8",
+    TPOptions: "parallelism",
+    ACOptions: "activation_checkpoint",
+    CompileOptions: "compile",
+    FSDPOptions: "parallelism",
+    PipelineOptions: "parallelism",
 }
+# The exceptions: fields read from a key of another name or section, and fields no key sets (left at
+# their default or computed by `parallelize_options`; a refusal of theirs names the key given).
+KEYS_ELSEWHERE = {
+    (LoRAOptions, "base_dtype"): "training.mixed_precision_param",  # the frozen base in the compute dtype
+    (FSDPOptions, "param_dtype"): "training.mixed_precision_param",
+    (FSDPOptions, "reduce_dtype"): "training.mixed_precision_reduce",
+    (FSDPOptions, "reshard_after_forward"): "parallelism.fsdp_reshard_after_forward",
+    (FSDPOptions, "cpu_offload"): "parallelism.fsdp_cpu_offload",
+    (PipelineOptions, "schedule"): "parallelism.pp_schedule",
+}
+NOT_READ = {
+    (TPOptions, "plan"): "parallelism.tp",  # the model's own
+    (TPOptions, "float8_all_gather"): "float8.enable",  # and whether this device and backend can
+    (CompileOptions, "backend"): "compile.enable",
+    (CompileOptions, "fullgraph"): "compile.enable",
+    (FSDPOptions, "cast_forward_inputs"): "training.mixed_precision_param",  # the dtype it would cast to
+}
+# The config key behind the other arguments a refusal may name: the model and layout the transforms
+# act on, and parallelize's options as a whole; by function, the key that turns a transform on (for a
+# refusal of the transform as a whole, argument None).
+LAYOUT_KEYS = {"model": "model.flavor", "tp_mesh": "parallelism.tp", "cp_mesh": "parallelism.cp",
+               "ep_mesh": "parallelism.ep", "pipeline": "parallelism.pp", "compile": "compile.enable"}
 TRANSFORM_KEYS = {"apply_lora": "lora.enable", "apply_float8": "float8.enable", "apply_tp": "parallelism.tp",
                   "apply_cp": "parallelism.cp", "apply_ep": "parallelism.ep", "apply_compile": "compile.enable",
                   "apply_ac": "activation_checkpoint.mode"}
 
 
+def option_key(options: type, name: str) -> str:
+    """The config key of field `name` of an options class of OPTION_SECTIONS."""
+    if (options, name) in NOT_READ:
+        return NOT_READ[options, name]
+    return KEYS_ELSEWHERE.get((options, name), f"{OPTION_SECTIONS[options]}.{name}")
+
+
+# The config key behind each argument a transform may name in a refusal: every option's field, the layout.
+ARGUMENT_KEYS = {**{f.name: option_key(options, f.name) for options in OPTION_SECTIONS for f in fields(options)},
+                 **LAYOUT_KEYS}
+
+
+def read_options(cfg: JobConfig, options: type, **computed) -> Any:
+    """An `options` class of OPTION_SECTIONS read from the config field by field, but for the
+    `computed` values: a dtype from its name, a tuple from a list where the field holds tuples, None
+    for an empty value where None is the field's default."""
+    hints = get_type_hints(options)
+    values = {}
+    for f in fields(options):
+        if f.name in computed or (options, f.name) in NOT_READ:
+            continue
+        value = config_value(cfg, option_key(options, f.name))
+        if torch.dtype in (hints[f.name], *get_args(hints[f.name])):
+            value = DTYPES[value]
+        elif get_origin(hints[f.name]) is tuple:
+            value = tuple(value)
+        elif f.default is None and not value:
+            value = None
+        values[f.name] = value
+    return options(**values, **computed)
+
+
 def config_key(function: str, argument: str | None) -> str | None:
     """The config key behind a transform's argument (None: the transform as a whole)."""
     return TRANSFORM_KEYS.get(function) if argument is None else ARGUMENT_KEYS.get(argument)
+
+
+def config_error(cfg: JobConfig, error: TransformError) -> ConfigError:
+    """A transform's refusal as a config error naming the key and value behind the argument it
+    refused: `parallelism.tp = 3: apply_tp: tp_mesh size 3 does not divide n_heads 8`; a refusal
+    to compose names both settings: `parallelism.tp = 2: QLoRA (lora.quantize_base = nf4) does not
+    support tensor parallelism`."""
+    key = config_key(error.function, error.argument)
+    if key is None:
+        return ConfigError(str(error))
+    if error.conflict is None:
+        return ConfigError(f"{key} = {config_value(cfg, key)}: {error}")
+    other = config_key(error.conflict.function, error.conflict.argument)
+    return ConfigError(f"{_setting(cfg, key)}: {error.conflict.label} ({_setting(cfg, other)}) {error.reason}")
+
+
+def _setting(cfg: JobConfig, key: str) -> str:
+    """`key = value`, or the key alone for a switch that is on (`float8.enable`)."""
+    value = config_value(cfg, key)
+    return key if value is True else f"{key} = {value}"
 
 
 def config_value(cfg: JobConfig, key: str) -> object:
@@ -183,9 +233,9 @@ def model_source(cfg: JobConfig) -> str:
     return f"model flavor {cfg.model.flavor}"
 
 
-def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims]:
-    """The flavor's shape and the layout of `world_size` ranks, checked against each other and the
-    sequence length (ConfigError / LayoutError, one line)."""
+def model_and_layout(cfg: JobConfig, world_size: int, device_type: str) -> tuple[Any, ParallelDims]:
+    """The flavor's shape and the layout of `world_size` ranks, checked against each other
+    (`check_layout`; ConfigError / LayoutError, one line)."""
     args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
@@ -193,10 +243,27 @@ def model_and_layout(cfg: JobConfig, world_size: int) -> tuple[Any, ParallelDims
     p = cfg.parallelism
     dims = ParallelDims.resolve(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                                 world_size=world_size, ep=p.ep)
+    check_layout(cfg, args, dims, device_type)
+    return args, dims
+
+
+def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str,
+                 moes: Sequence[tuple[str, nn.Module]] = ()) -> None:
+    """Whether the model of `args` trains in layout `dims` with the config's transforms on
+    `device_type`; if not, a ConfigError or LayoutError (one line naming the key) saying why: the
+    sequence split, the model's family, expert parallelism, the transforms' composition, the
+    pipeline, and with `moes` (a model's MoE layers, `moe_layers`) whether tensor parallelism can
+    split them (the plan leaves that to `apply_tp`, which checks the same)."""
     dims.check_seq_len(cfg.training.seq_len)
     check_model_support(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)
-    return args, dims
+    try:
+        check_composes(parallelize_options(cfg, dims, device_type), dims.tp)
+        for path, moe in moes if dims.tp > 1 else ():
+            check_moe_tp(path, moe, expert_parallel=dims.ep > 1)
+    except TransformError as e:
+        raise config_error(cfg, e) from None
+    pipeline_layout(cfg, args, dims)
 
 
 def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:
@@ -241,24 +308,18 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
 
 
 def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:
-    """parallelize()'s options, each transform's from its config section."""
-    p, f8, ac, t, lora = cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.training, cfg.lora
+    """parallelize()'s options, each transform's from its config section (`read_options`)."""
+    p, f8 = cfg.parallelism, cfg.float8
     all_gather = (f8.enable and dims.world_size > 1 and
                   float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe))
     return ParallelizeOptions(
-        # The frozen base in the compute dtype: nothing updates it, so fp32 master weights buy nothing.
-        lora=LoRAOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                         target_modules=list(lora.target_modules) or None, use_rslora=lora.use_rslora,
-                         quantize_base=lora.quantize_base or None, base_dtype=DTYPES[t.mixed_precision_param])
-        if lora.enable else None,
-        float8=Float8Options(recipe=f8.recipe, filter_fqns=tuple(f8.filter_fqns), min_dim=f8.min_dim,
-                             auto_filter=f8.auto_filter, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather) if f8.enable else None,
-        tp=TPOptions(loss_parallel=p.loss_parallel, float8_all_gather=bool(all_gather)),
-        ac=ACOptions(mode=ac.mode, selective_option=ac.selective_option),
-        compile=CompileOptions() if cfg.compile.enable else None,
-        fsdp=FSDPOptions(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
-                         reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=p.fsdp_cpu_offload),
-        pipeline=PipelineOptions(p.pp_schedule) if dims.pp_enabled else None,
+        lora=read_options(cfg, LoRAOptions) if cfg.lora.enable else None,
+        float8=read_options(cfg, Float8Options) if f8.enable else None,
+        tp=read_options(cfg, TPOptions, float8_all_gather=bool(all_gather)),
+        ac=read_options(cfg, ACOptions),
+        compile=read_options(cfg, CompileOptions) if cfg.compile.enable else None,
+        fsdp=read_options(cfg, FSDPOptions),
+        pipeline=read_options(cfg, PipelineOptions) if dims.pp_enabled else None,
     )
 
 
@@ -280,7 +341,7 @@ def check_lora(plan: RunPlan) -> None:
     with torch.device("meta"):
         model = spec_for_args(plan.model_args).build(plan.model_args)
     try:
-        apply_lora(model, **vars(lora))
+        apply_lora(model, lora)
         spec = spec_for_args(plan.model_args)
         if plan.cfg.export.peft_folder and spec.peft_refusal is not None:
             refusal = spec.peft_refusal(plan.model_args, [name for name, _ in lora_modules(model)])
@@ -295,7 +356,7 @@ def check_lora(plan: RunPlan) -> None:
         for name, module in lora_modules(model) if lora.quantize_base else []:
             check_nf4_shape(name, module.weight.shape, shards)
     except TransformError as e:
-        raise plan.config_error(e) from None
+        raise config_error(plan.cfg, e) from None
 
 
 def tokenizer_path(cfg: JobConfig) -> str:

@@ -14,7 +14,7 @@ from torch import nn
 from weft.components.hf.writer import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, ExportError
 from weft.models import spec_for_model
 from weft.models.common.hf_names import ExpertParameters
-from weft.parallelisms.lora import apply_lora, lora_scaling
+from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_scaling
 
 
 def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
@@ -62,7 +62,7 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
         adapters[weft_weight.removesuffix(".weight")] = (factors["A"], b, rank, scaling_of(rank, alpha))
     top = max(r for *_, r, _ in adapters.values())
     weft_alpha = alpha * (math.sqrt(top / rank) if use_rslora else top / rank)
-    apply_lora(model, rank=top, alpha=weft_alpha, use_rslora=use_rslora, target_modules=sorted(adapters))
+    apply_lora(model, LoRAOptions(rank=top, alpha=weft_alpha, use_rslora=use_rslora, target_modules=sorted(adapters)))
     common = scaling_of(top, weft_alpha)
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
-from weft.parallelisms.lora import apply_lora, expert_lora_modules, lora_modules
+from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules
 from tests.support.llama4_transformers import tiny_transformers_model, weft_from_transformers
 from tests.support.hf_folders import tiny_qwen3_hf_folder
 
@@ -40,7 +40,7 @@ def trained(request, tmp_path_factory):
     from its init, tokens, weft's logits, the folder holding the PEFT and merged exports)."""
     root = tmp_path_factory.mktemp(request.param.__name__)
     hf, model = request.param(root / "hf")
-    apply_lora(model, rank=4, alpha=8.0, target_modules=TARGETS)
+    apply_lora(model, LoRAOptions(rank=4, alpha=8.0, target_modules=TARGETS))
     assert expert_lora_modules(model), "the routed experts must carry adapters"
     generator = torch.Generator().manual_seed(6)
     with torch.no_grad():
@@ -118,8 +118,8 @@ def test_qlora_merged_folder_folds_expert_adapters_into_the_nf4_experts(tmp_path
     from weft.parallelisms.lora import dequantize_experts, quantize_lora_base
 
     nf4_sized = dict(hidden_size=256, head_dim=64, intermediate_size=128)  # whole groups of NF4 scales
-    model = apply_lora(weft_from_transformers(tiny_transformers_model(seed=5, **nf4_sized)), rank=4, alpha=8.0,
-                       target_modules=TARGETS, quantize_base="nf4")
+    model = apply_lora(weft_from_transformers(tiny_transformers_model(seed=5, **nf4_sized)),
+                       LoRAOptions(rank=4, alpha=8.0, target_modules=TARGETS, quantize_base="nf4"))
     quantize_lora_base(model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

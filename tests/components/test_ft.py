@@ -162,7 +162,7 @@ def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
 
     from weft.components.ft.groups import _local, training_state
     from weft.models.llama import LLAMA_FLAVORS, Transformer
-    from weft.parallelisms.fsdp import apply_fsdp
+    from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
     from weft.parallelisms.materialize import materialize
 
     class Loader:
@@ -178,7 +178,8 @@ def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
     def build(seed: int):
         with torch.device("meta"):
             model = Transformer(LLAMA_FLAVORS["debugmodel"])
-        apply_fsdp(model, init_device_mesh("cpu", (torch.distributed.get_world_size(),)), param_dtype=torch.float32)
+        apply_fsdp(model, init_device_mesh("cpu", (torch.distributed.get_world_size(),)),
+                   FSDPOptions(param_dtype=torch.float32))
         materialize(model, "cpu", seed=seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)

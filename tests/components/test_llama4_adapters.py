@@ -11,7 +11,7 @@ import torch
 
 from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
-from weft.parallelisms.lora import apply_lora, lora_modules
+from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_modules
 from tests.support.llama4_transformers import TINY, tiny_transformers_model, weft_from_transformers
 
 
@@ -19,7 +19,7 @@ from tests.support.llama4_transformers import TINY, tiny_transformers_model, wef
 def trained():
     """(transformers' base, weft's model with adapters away from their init, tokens, weft's logits)."""
     hf = tiny_transformers_model(seed=5)
-    model = apply_lora(weft_from_transformers(hf), rank=4, alpha=8.0)
+    model = apply_lora(weft_from_transformers(hf), LoRAOptions(rank=4, alpha=8.0))
     tokens, logits = adapters_away_from_init(model)
     with torch.no_grad():
         assert not torch.allclose(hf(tokens).logits, logits, atol=1e-3), "the adapters must change the logits"
@@ -37,7 +37,7 @@ def adapters_away_from_init(model: torch.nn.Module) -> tuple[torch.Tensor, torch
 
 
 def test_lora_targets_attention_shared_experts_and_dense_layers_not_routers():
-    model = apply_lora(weft_from_transformers(tiny_transformers_model()), rank=4, alpha=8.0)
+    model = apply_lora(weft_from_transformers(tiny_transformers_model()), LoRAOptions(rank=4, alpha=8.0))
     targets = {name.split(".", 2)[2] for name, _ in lora_modules(model)}
     assert targets == {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",  # dense layers 0 and 2
@@ -86,8 +86,8 @@ def test_qlora_merged_folder_writes_the_nf4_experts_as_the_weights_they_hold(tmp
     from weft.parallelisms.lora import dequantize_experts, quantize_lora_base
 
     nf4_sized = dict(hidden_size=256, head_dim=64, intermediate_size=128)  # whole groups of NF4 scales
-    model = apply_lora(weft_from_transformers(tiny_transformers_model(seed=5, **nf4_sized)), rank=4, alpha=8.0,
-                       target_modules=["wq", "wv"], quantize_base="nf4")
+    model = apply_lora(weft_from_transformers(tiny_transformers_model(seed=5, **nf4_sized)),
+                       LoRAOptions(rank=4, alpha=8.0, target_modules=["wq", "wv"], quantize_base="nf4"))
     quantize_lora_base(model)
     assert any(isinstance(m, NF4Experts) for m in model.modules())
     tokens, logits = adapters_away_from_init(model)

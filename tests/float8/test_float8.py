@@ -51,7 +51,7 @@ from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
-from weft.parallelisms.tp import apply_tp, default_tp_plan
+from weft.parallelisms.tp import TPOptions, apply_tp, default_tp_plan
 from tests.support import ASSETS
 from tests.support.dist_utils import run_distributed
 
@@ -79,7 +79,7 @@ def block_names(args: ModelArgs, layers: Iterable[int] | None = None) -> list[st
 def test_block_linears_are_converted_and_output_is_kept(caplog):
     model = meta_model(SMALL)
     with caplog.at_level(logging.INFO, logger="weft"):
-        apply_float8(model, filter_fqns=["output"], min_dim=16)
+        apply_float8(model, Float8Options(filter_fqns=["output"], min_dim=16))
     assert sorted(converted_modules(model)) == sorted(block_names(SMALL))
     assert type(model.output) is nn.Linear
     assert caplog.messages == [
@@ -90,14 +90,14 @@ def test_block_linears_are_converted_and_output_is_kept(caplog):
 def test_no_layer_is_kept_by_name_unless_asked():
     """The library default filters no name: a transformers model's head is `lm_head`, not `output`."""
     model = meta_model(SMALL)
-    apply_float8(model, min_dim=16)
+    apply_float8(model, Float8Options(min_dim=16))
     assert sorted(converted_modules(model)) == sorted([*block_names(SMALL), "output"])
 
 
 def test_layers_whose_dims_are_not_multiples_of_16_are_kept():
     args = replace(SMALL, multiple_of=2)  # feed-forward hidden size 682
     model = meta_model(args)
-    apply_float8(model, filter_fqns=["output"], min_dim=16)
+    apply_float8(model, Float8Options(filter_fqns=["output"], min_dim=16))
     assert args.ffn_hidden_dim % 16
     assert all(name.split(".")[2] == "attention" for name in converted_modules(model))
     assert not isinstance(model.layers["0"].feed_forward.w1, Float8Linear)
@@ -106,7 +106,8 @@ def test_layers_whose_dims_are_not_multiples_of_16_are_kept():
 def test_min_dim_keeps_small_layers(caplog):
     model = meta_model(SMALL)
     with caplog.at_level(logging.INFO, logger="weft"):
-        apply_float8(model, filter_fqns=["output"], min_dim=256)  # wk and wv project to 4 heads × 32 = 128 features
+        # wk and wv project to 4 heads × 32 = 128 features
+        apply_float8(model, Float8Options(filter_fqns=["output"], min_dim=256))
     expected = [n for n in block_names(SMALL) if not n.endswith(("wk", "wv"))]
     assert sorted(converted_modules(model)) == sorted(expected)
     assert "layers.*.attention.wk, layers.*.attention.wv (a dim below min_dim 256)" in caplog.messages[0]
@@ -124,11 +125,11 @@ def test_auto_filter_keeps_what_torchaos_tables_say_is_too_small(recipe, caplog)
     five projections converted; off (the default), all seven are converted as before."""
     args = replace(LLAMA_FLAVORS["llama3_8b"], n_layers=1)
     plain = meta_model(args)
-    apply_float8(plain, recipe=recipe, filter_fqns=["output"])
+    apply_float8(plain, Float8Options(recipe=recipe, filter_fqns=["output"]))
     assert sorted(converted_modules(plain)) == sorted(block_names(args))
     model = meta_model(args)
     with caplog.at_level(logging.INFO, logger="weft"):
-        apply_float8(model, recipe=recipe, filter_fqns=["output"], auto_filter=True)
+        apply_float8(model, Float8Options(recipe=recipe, filter_fqns=["output"], auto_filter=True))
     assert sorted(converted_modules(model)) == sorted(n for n in block_names(args) if not n.endswith(("wk", "wv")))
     assert "layers.*.attention.wk, layers.*.attention.wv (torchao's auto_filter: too small to gain)" in caplog.messages[0]
 
@@ -147,7 +148,7 @@ def test_auto_filter_leaves_kept_layers_computing_as_without_float8():
 def test_filter_fqns_match_whole_name_components():
     args = ModelArgs(dim=64, n_layers=11, n_heads=4, vocab_size=64, multiple_of=16)
     model = meta_model(args)
-    apply_float8(model, filter_fqns=["layers.1", "w2"], min_dim=16)
+    apply_float8(model, Float8Options(filter_fqns=["layers.1", "w2"], min_dim=16))
     converted = set(converted_modules(model))
     assert not converted & set(block_names(args, [1]))  # all of block 1 is kept ...
     assert set(block_names(args, [10])) - {"layers.10.feed_forward.w2"} <= converted  # ... not block 10
@@ -157,21 +158,21 @@ def test_filter_fqns_match_whole_name_components():
 
 def test_recipe_chooses_the_torchao_config():
     rowwise, tensorwise = meta_model(SMALL), meta_model(SMALL)
-    apply_float8(rowwise, recipe="rowwise", min_dim=16)
-    apply_float8(tensorwise, enable_fsdp_float8_all_gather=True, min_dim=16)
+    apply_float8(rowwise, Float8Options(recipe="rowwise", min_dim=16))
+    apply_float8(tensorwise, Float8Options(enable_fsdp_float8_all_gather=True, min_dim=16))
     assert rowwise.layers["0"].attention.wq.config == Float8LinearConfig.from_recipe_name("rowwise")
     assert tensorwise.layers["0"].attention.wq.config == Float8LinearConfig(enable_fsdp_float8_all_gather=True)
 
 
 def test_invalid_requests_fail_in_one_line():
     with pytest.raises(ValueError, match="^float8.enable_fsdp_float8_all_gather needs float8.recipe = tensorwise"):
-        apply_float8(meta_model(SMALL), recipe="rowwise", enable_fsdp_float8_all_gather=True)
+        apply_float8(meta_model(SMALL), Float8Options(recipe="rowwise", enable_fsdp_float8_all_gather=True))
     with pytest.raises(ValueError, match="^float8.recipe: expected one of tensorwise, rowwise, got 'mxfp8'$"):
-        apply_float8(meta_model(SMALL), recipe="mxfp8")
+        apply_float8(meta_model(SMALL), Float8Options(recipe="mxfp8"))
     model = meta_model(SMALL)
-    apply_float8(model, min_dim=16)
+    apply_float8(model, Float8Options(min_dim=16))
     with pytest.raises(ValueError, match="already has Float8Linear layers"):
-        apply_float8(model, min_dim=16)
+        apply_float8(model, Float8Options(min_dim=16))
 
 
 # ---- where float8 can run ----
@@ -382,9 +383,9 @@ def test_float8_tensor_parallel_styles_through_apply_tp(float8_losses):
     all-gather float8, so this runs on one rank: every style is accepted and the numbers match."""
     model = meta_model(TRAIN_ARGS)
     with emulated_float8_matmuls():
-        apply_float8(model, filter_fqns=["output"], min_dim=16)
+        apply_float8(model, Float8Options(filter_fqns=["output"], min_dim=16))
     with one_rank_gloo_group():
-        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+        apply_tp(model, init_device_mesh("cpu", (1,)), TPOptions(loss_parallel=False, float8_all_gather=True))
         materialize(model, "cpu", seed=0)
         losses = train(model, TP_STEPS)
     assert losses == pytest.approx(float8_losses, rel=TP_RTOL)
@@ -396,7 +397,7 @@ def test_float8_tp_styles_only_on_float8_linears_for_llama3_1b():
     (which wk/wv read) get the plain styles. apply_tp on the meta model takes the whole plan
     (embeddings untied: tensor parallelism refuses tied ones)."""
     model = meta_model(replace(LLAMA_FLAVORS["llama3_1b"], tie_embeddings=False))
-    apply_float8(model, filter_fqns=["output"])
+    apply_float8(model, Float8Options(filter_fqns=["output"]))
     plan = default_tp_plan(model, float8_all_gather=True)
     float8_styles = (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
     for block in model.layers:
@@ -412,7 +413,7 @@ def test_float8_tp_styles_only_on_float8_linears_for_llama3_1b():
         if isinstance(style, float8_styles):
             assert all(isinstance(m, Float8Linear) for m in module.modules() if isinstance(m, nn.Linear)), name
     with one_rank_gloo_group():
-        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+        apply_tp(model, init_device_mesh("cpu", (1,)), TPOptions(loss_parallel=False, float8_all_gather=True))
 
 
 def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
@@ -423,7 +424,7 @@ def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
     def build() -> Transformer:
         model = meta_model(TRAIN_ARGS)
         with emulated_float8_matmuls():
-            apply_float8(model, filter_fqns=filters, min_dim=16)
+            apply_float8(model, Float8Options(filter_fqns=filters, min_dim=16))
         return model
 
     reference = train(materialize(build(), "cpu", seed=0), 3)
@@ -435,7 +436,7 @@ def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
     assert type(plan["layers.0.attention"]) is PrepareModuleInput
     assert type(plan["layers.1.attention"]) is PrepareFloat8ModuleInput
     with one_rank_gloo_group():
-        apply_tp(model, init_device_mesh("cpu", (1,)), loss_parallel=False, float8_all_gather=True)
+        apply_tp(model, init_device_mesh("cpu", (1,)), TPOptions(loss_parallel=False, float8_all_gather=True))
         materialize(model, "cpu", seed=0)
         losses = train(model, 3)
     assert losses == pytest.approx(reference, rel=TP_RTOL)
@@ -443,9 +444,9 @@ def test_float8_tp_styles_with_a_block_layer_in_filter_fqns():
 
 def test_precompute_float8_scales_sets_every_fsdp_weight_scale():
     model = meta_model(SMALL)
-    apply_float8(model, enable_fsdp_float8_all_gather=True, min_dim=16)
+    apply_float8(model, Float8Options(enable_fsdp_float8_all_gather=True, min_dim=16))
     with one_rank_gloo_group():
-        apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32)
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), FSDPOptions(param_dtype=torch.float32))
         materialize(model, "cpu", seed=0)
         precompute_float8_scales(model)
         for name in converted_modules(model):

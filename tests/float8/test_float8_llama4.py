@@ -44,11 +44,11 @@ def test_float8_debug_moe_trains_like_fp32(monkeypatch):
 
 def test_a_router_stays_in_high_precision_whatever_its_size():
     """16 experts: the router (256 → 16) passes the size rules at min_dim 16 and is still kept."""
-    from weft.float8 import apply_float8
+    from weft.float8 import Float8Options, apply_float8
 
     with torch.device("meta"):
         model = Transformer(replace(ARGS, n_experts=16))
-    apply_float8(model, min_dim=16, filter_fqns=["output"])
+    apply_float8(model, Float8Options(min_dim=16, filter_fqns=["output"]))
     converted = set(converted_modules(model))
     assert "layers.1.feed_forward.shared_expert.w1" in converted
     assert not any(name.endswith("router") for name in converted)

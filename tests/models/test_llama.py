@@ -214,7 +214,7 @@ def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypa
     import sys
 
     from weft.models.common import attention as attention_core
-    from weft.parallelisms.ac import apply_ac
+    from weft.parallelisms.ac import ACOptions, apply_ac
 
     built, original = [], attention_core.document_mask
 
@@ -229,7 +229,7 @@ def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypa
     tokens, positions, docs = packed_batch()
     with torch.no_grad():
         reference = per_block_mask_forward(model, tokens, positions, docs)
-    apply_ac(model, "full")
+    apply_ac(model, ACOptions("full"))
     logits = model(tokens, positions, document_ids=docs)
     logits.sum().backward()
     assert built == [("forward", "Transformer", False)]

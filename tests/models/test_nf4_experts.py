@@ -12,7 +12,8 @@ import torch
 from torchao.quantization import to_nf4
 
 from weft.models.common.moe import MoE
-from weft.parallelisms.lora import EXPERT_WEIGHTS, NF4_BLOCK, nf4_scaler_block, quantize_experts, quantize_lora_base, apply_lora
+from weft.parallelisms.lora import (EXPERT_WEIGHTS, NF4_BLOCK, LoRAOptions, apply_lora, nf4_scaler_block,
+                                    quantize_experts, quantize_lora_base)
 
 DIM, HIDDEN, EXPERTS = 256, 128, 4
 
@@ -29,7 +30,8 @@ def quantized_and_reference(dtype: torch.dtype) -> tuple[MoE, MoE]:
     """The layer with NF4 experts (through apply_lora + quantize_lora_base, as train.py does), and a
     plain layer holding the NF4 experts' dequantized values."""
     plain = moe(dtype)
-    quantized = apply_lora(copy.deepcopy(plain), rank=4, alpha=8.0, target_modules=["wq"], quantize_base="nf4",
+    quantized = apply_lora(copy.deepcopy(plain),
+                           LoRAOptions(rank=4, alpha=8.0, target_modules=["wq"], quantize_base="nf4"),
                            allow_no_targets=True)
     quantize_lora_base(quantized)
     reference = copy.deepcopy(plain).requires_grad_(False)

@@ -217,9 +217,9 @@ def test_what_the_spec_says_holds_for_the_model_it_builds(flavor):
     assert spec.nf4_refusal_for(args) is None  # Qwen3-MoE's stacked experts go to NF4 too
     blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     assert spec.block_numel(args) * args.n_layers == pytest.approx(blocks, rel=1e-3)
-    from weft.parallelisms.lora import apply_lora
+    from weft.parallelisms.lora import LoRAOptions, apply_lora
 
-    apply_lora(model, rank=4, alpha=8)  # the default targets: every linear but the output head and routers
+    apply_lora(model, LoRAOptions(rank=4, alpha=8))  # the default targets: every linear but the output head and routers
     adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     assert spec.lora_block_numel(args, 4) * args.n_layers == pytest.approx(adapters, rel=1e-3)
 

@@ -9,19 +9,19 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from weft.models.llama import LLAMA_FLAVORS, Transformer
-from weft.parallelisms.ac import _save_matmuls_policy, apply_ac
+from weft.parallelisms.ac import ACOptions, _save_matmuls_policy, apply_ac
 from tests.support.slow_scaled_mm import emulated_scaled_mm
 
 
 def scaled_mm_calls(ac_mode: str, monkeypatch) -> int:
     """torch._scaled_mm calls (torchao's float8 matmuls) of one float8 forward + backward of a 2-block model."""
     pytest.importorskip("torchao")
-    from weft.float8 import apply_float8
+    from weft.float8 import Float8Options, apply_float8
 
     model = Transformer(replace(LLAMA_FLAVORS["debugmodel"], n_layers=2))
     model.init_weights(seed=0)
-    apply_float8(model, filter_fqns=["output"], min_dim=16)
-    apply_ac(model, ac_mode, "op")
+    apply_float8(model, Float8Options(filter_fqns=["output"], min_dim=16))
+    apply_ac(model, ACOptions(ac_mode, "op"))
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     calls = []
 

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from weft.models.llama import LLAMA_FLAVORS, Transformer
-from weft.parallelisms.fsdp import apply_ddp, apply_fsdp
+from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from tests.support.dist_utils import run_distributed
 
@@ -24,7 +24,7 @@ def sharded_training_state_bytes() -> tuple[int, int]:
     world = dist.get_world_size()
     with torch.device("meta"):
         model = Transformer(LLAMA_FLAVORS["debugmodel"])
-    apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), FSDPOptions(param_dtype=torch.float32))
     materialize(model, "cpu", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 2048, (2, 16))).float().mean().backward()
@@ -61,5 +61,6 @@ def test_ddp_averages_gradients_across_replicas():
 
 def test_unknown_reshard_policy_is_rejected():
     with pytest.raises(ValueError, match="expected one of default, always, never, got 'sometimes'"):
-        apply_fsdp(torch.nn.Linear(2, 2), None, reshard_after_forward="sometimes")  # checked before the mesh is used
+        # checked before the mesh is used
+        apply_fsdp(torch.nn.Linear(2, 2), None, FSDPOptions(reshard_after_forward="sometimes"))
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.training.moe_balance import balance_experts, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
-from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from tests.support.dist_utils import run_distributed
 
@@ -54,7 +54,7 @@ def fsdp_and_one_process() -> tuple[list[float], list[float], tuple[float, str],
         with torch.device("meta"):
             models.append(Transformer(ARGS))
         if sharded:
-            apply_fsdp(models[-1], init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
+            apply_fsdp(models[-1], init_device_mesh("cpu", (world,)), FSDPOptions(param_dtype=torch.float32))
         materialize(models[-1], "cpu", seed=0)
     share = BATCH // world
     losses = train(models[0], slice(rank * share, (rank + 1) * share), distributed=True)

@@ -78,7 +78,7 @@ def test_training_matches_peft(use_rslora):
     from peft import LoraConfig, get_peft_model
 
     base = hf_llama()
-    ours = apply_lora(copy.deepcopy(base), rank=4, alpha=8.0, use_rslora=use_rslora)
+    ours = apply_lora(copy.deepcopy(base), LoRAOptions(rank=4, alpha=8.0, use_rslora=use_rslora))
     peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
                                            use_rslora=use_rslora))
     modules = lora_modules(ours)
@@ -121,7 +121,7 @@ def test_weft_llama_starts_as_its_base():
 
 
 def test_target_modules_by_last_name_and_glob():
-    model = apply_lora(build(), rank=2, alpha=2.0, target_modules=["wq", "layers.1.feed_forward.w*"])
+    model = apply_lora(build(), LoRAOptions(rank=2, alpha=2.0, target_modules=["wq", "layers.1.feed_forward.w*"]))
     assert [n for n, _ in lora_modules(model)] == [
         "layers.0.attention.wq", "layers.1.attention.wq", "layers.1.feed_forward.w1",
         "layers.1.feed_forward.w2", "layers.1.feed_forward.w3"]
@@ -141,13 +141,13 @@ def test_target_modules_by_last_name_and_glob():
 def test_bad_arguments_are_one_line(kwargs, message):
     model = build()
     with pytest.raises(TransformError) as error:
-        apply_lora(model, **kwargs)
+        apply_lora(model, LoRAOptions(**kwargs))
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not lora_modules(model) and all(p.requires_grad for p in model.parameters())  # untouched
 
 
 def test_nf4_checks_fsdp_shards_and_meta():
-    model = apply_lora(build(NF4_ARGS), rank=4, alpha=8.0, target_modules=["wq"], quantize_base="nf4")
+    model = apply_lora(build(NF4_ARGS), LoRAOptions(rank=4, alpha=8.0, target_modules=["wq"], quantize_base="nf4"))
     with pytest.raises(TransformError, match="meta device; quantize real weights"):
         quantize_lora_base(model)
     materialize(model, "cpu", seed=SEED)

@@ -25,7 +25,7 @@ from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.models.common.moe import MoE
 from weft.models.common.nf4_experts import NF4Experts
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.lora import apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
+from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
 from weft.recipe.plan import RunPlan
 from tests.support.dist_utils import run_distributed
@@ -43,8 +43,8 @@ def adapted_moe(nf4: bool, targets=("experts",)) -> tuple[MoE, MoE]:
     for p in base.parameters():
         torch.nn.init.normal_(p, std=0.1)
     base.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))  # the routing's bias counts too
-    model = apply_lora(copy.deepcopy(base), rank=RANK, alpha=ALPHA, target_modules=list(targets),
-                       quantize_base="nf4" if nf4 else None)
+    model = apply_lora(copy.deepcopy(base), LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=list(targets),
+                                                          quantize_base="nf4" if nf4 else None))
     if nf4:
         quantize_lora_base(model)
     with torch.no_grad():
@@ -96,7 +96,8 @@ def test_layout_init_and_glob_targets():
     args = replace(LLAMA4_FLAVORS["debugmodel_moe"], n_layers=2, vocab_size=128)
     real = Transformer(args)
     real.init_weights(seed=0)
-    apply_lora(real, rank=RANK, alpha=ALPHA, target_modules=["wq", "layers.*.feed_forward.experts.w2", "experts.w1"])
+    apply_lora(real, LoRAOptions(rank=RANK, alpha=ALPHA,
+                               target_modules=["wq", "layers.*.feed_forward.experts.w2", "experts.w1"]))
     shapes = {n: tuple(p.shape) for n, p in real.named_parameters() if ".experts.lora_" in n}
     e, h, d = args.n_experts, args.expert_hidden_dim, args.dim
     assert shapes == {"layers.1.feed_forward.experts.lora_A.w1": (e, RANK, d),
@@ -112,7 +113,8 @@ def test_layout_init_and_glob_targets():
     assert all(torch.count_nonzero(b) == 0 for b in experts.lora_B.parameters())
     with torch.device("meta"):
         meta = Transformer(args)
-    apply_lora(meta, rank=RANK, alpha=ALPHA, target_modules=["wq", "layers.*.feed_forward.experts.w2", "experts.w1"])
+    apply_lora(meta, LoRAOptions(rank=RANK, alpha=ALPHA,
+                               target_modules=["wq", "layers.*.feed_forward.experts.w2", "experts.w1"]))
     materialize(meta, "cpu", seed=0)
     theirs = dict(meta.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in real.named_parameters() if ".lora_" in n)
@@ -120,7 +122,7 @@ def test_layout_init_and_glob_targets():
 
 def test_base_dtype_keeps_frozen_experts_bf16_and_adapters_fp32():
     base, _ = adapted_moe(False)
-    model = apply_lora(base, rank=RANK, alpha=ALPHA, target_modules=["experts"], base_dtype=torch.bfloat16)
+    model = apply_lora(base, LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=["experts"], base_dtype=torch.bfloat16))
     assert {getattr(model.experts, w).dtype for w in WEIGHTS} == {torch.bfloat16}
     adapters = [p for _, m in expert_lora_modules(model) for p in [*m.lora_A.parameters(), *m.lora_B.parameters()]]
     assert len(adapters) == 6 and {p.dtype for p in adapters} == {torch.float32}
@@ -139,7 +141,7 @@ def test_bad_expert_targets_are_one_line(moe, targets, message):
         model = (Transformer(replace(LLAMA4_FLAVORS["debugmodel_moe"], n_layers=2)) if moe else
                  Llama(replace(LLAMA_FLAVORS["debugmodel"], n_layers=1)))
     with pytest.raises(TransformError, match=message):
-        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=targets)
+        apply_lora(model, LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=targets))
 
 
 @pytest.mark.parametrize("config, targets, message", [
@@ -171,7 +173,6 @@ def layouts_and_one_process() -> dict[str, tuple]:
     each: (losses, expert biases, adapters gathered whole)."""
     from weft.components.training.moe_balance import moe_layers
     from weft.parallelisms.fsdp import FSDPOptions
-    from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
     from tests.support.ep_training import BATCH, train
@@ -186,7 +187,7 @@ def layouts_and_one_process() -> dict[str, tuple]:
         with torch.device("meta"):
             model = Transformer(ARGS)
         if name.startswith("one process"):
-            apply_lora(model, **vars(options.lora))
+            apply_lora(model, options.lora)
             materialize(model, "cpu", seed=0)
             quantize_lora_base(model)
         else:
@@ -231,7 +232,6 @@ def test_full_ac_and_compiled_blocks_train_expert_adapters_as_eager():
     the experts' adapters through the masked multiply (fp32 under compile), recomputed by AC."""
     from weft.parallelisms.ac import ACOptions
     from weft.parallelisms.compile import CompileOptions
-    from weft.parallelisms.lora import LoRAOptions
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
     from tests.support.ep_training import train
 

@@ -185,7 +185,7 @@ def tp_compiled_backward() -> str:
 
     meshes = ParallelDims.resolve(dp_replicate=1, dp_shard=1, cp=1, tp=2, world_size=2).build_mesh("cpu")
     model = parallelize(build("hf"), meshes, ParallelizeOptions(fsdp=FSDPOptions(param_dtype=torch.float32)))
-    apply_compile(model, backend=COMPILE_BACKEND)
+    apply_compile(model, CompileOptions(backend=COMPILE_BACKEND))
     materialize(model, "cpu", seed=SEED)
     try:
         logits_of(model, "hf", torch.zeros(1, SEQ_LEN, dtype=torch.long), None).sum().backward()

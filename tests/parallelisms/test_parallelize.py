@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from weft.float8 import apply_float8
+from weft.float8 import Float8Options, apply_float8
 from weft.models.llama import LLAMA_FLAVORS, Transformer
-from weft.parallelisms import TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
+from weft.parallelisms import FSDPOptions, TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
 from tests.support.own_models import NanoGPT, hf_llama
 
 
@@ -51,14 +51,14 @@ def test_a_model_without_known_blocks_is_asked_for_them():
     [
         lambda model, mesh: apply_tp(model, mesh),
         lambda model, mesh: apply_cp(model, mesh),
-        lambda model, mesh: apply_float8(model, min_dim=16),
+        lambda model, mesh: apply_float8(model, Float8Options(min_dim=16)),
     ],
     ids=["apply_tp", "apply_cp", "apply_float8"],
 )
 def test_transforms_refuse_a_model_data_parallelism_already_wrapped(wrap, transform):
     model = Transformer(LLAMA_FLAVORS["debugmodel"])
     with one_rank_mesh() as mesh:
-        apply_fsdp(model, mesh, param_dtype=torch.float32) if wrap == "fsdp" else apply_ddp(model, mesh)
+        apply_fsdp(model, mesh, FSDPOptions(param_dtype=torch.float32)) if wrap == "fsdp" else apply_ddp(model, mesh)
         with pytest.raises(TransformError, match="already wrapped by FSDP/DDP.*apply_fsdp / apply_ddp"):
             transform(model, mesh)
 

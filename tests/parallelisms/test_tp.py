@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.tp import apply_tp, default_tp_plan, hf_tp_plan
+from weft.parallelisms.tp import TPOptions, apply_tp, default_tp_plan, hf_tp_plan
 from tests.support.own_models import NanoGPT, hf_llama
 
 
@@ -66,15 +66,15 @@ def test_refusals_name_the_function_and_the_numbers(build, size, message):
 def test_split_dims_are_checked_from_the_weight_shapes():
     model = meta(lambda: nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8)))
     with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide dim 0 \(size 6\) of 0.weight$"):
-        apply_tp(model, MeshOfSize(4), {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        apply_tp(model, MeshOfSize(4), TPOptions(plan={"0": ColwiseParallel(), "1": RowwiseParallel()}))
     with pytest.raises(TransformError, match="plan entry 'layers.*.wq' matches no module of Sequential"):
-        apply_tp(model, MeshOfSize(2), {"layers.*.wq": ColwiseParallel()})
+        apply_tp(model, MeshOfSize(2), TPOptions(plan={"layers.*.wq": ColwiseParallel()}))
 
 
 def test_odd_head_count_is_refused_even_when_a_plan_is_given():
     args = replace(LLAMA_FLAVORS["debugmodel"], n_heads=6, n_kv_heads=2, dim=192)
     with pytest.raises(TransformError, match="tp_mesh size 4 does not divide n_heads 6"):
-        apply_tp(meta(lambda: Transformer(args)), MeshOfSize(4), {"output": ColwiseParallel()})
+        apply_tp(meta(lambda: Transformer(args)), MeshOfSize(4), TPOptions(plan={"output": ColwiseParallel()}))
 
 
 def hf_loss_with_and_without_tp() -> tuple[bool, float, float]:

@@ -127,6 +127,33 @@ def test_a_layout_that_does_not_fit_is_told_the_pipeline_layout_that_does(capsys
     assert "fits: estimated peak" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("overrides", [
+    ["--lora.enable", "--lora.quantize_base", "nf4"],  # QLoRA: no tp, no pp
+    ["--training.seq_len", "96", "--parallelism.pp_microbatches", "2"],  # cp and tp split 96 tokens; 2 micro-batches
+])
+def test_the_layouts_table_lists_exactly_the_layouts_the_plan_accepts(overrides):
+    """The table asks the plan's own layout check: each factorisation of 4 ranks is listed if and
+    only if a real start's plan of those degrees accepts it."""
+    from weft.recipe.dry_run import candidate_layouts
+
+    def cfg_of(*degrees):
+        return parse_args(["--job.config_file", "debug_model", "--training.local_batch_size", "4", *overrides,
+                           *degrees])
+
+    listed = {(d.pp, d.dp_shard, d.cp, d.tp) for d in candidate_layouts(cfg_of(), flavors()["debugmodel"], 4)}
+    accepted = set()
+    for pp, dp, cp, tp in ((pp, dp, cp, tp) for pp in (1, 2, 4) for dp in (1, 2, 4) for cp in (1, 2, 4)
+                           for tp in (1, 2, 4) if pp * dp * cp * tp == 4):
+        cfg = cfg_of("--parallelism.pp", str(pp), "--parallelism.dp_shard", str(dp), "--parallelism.cp", str(cp),
+                     "--parallelism.tp", str(tp))
+        try:
+            RunPlan.from_config(cfg, 4, device_type="cuda", check_environment=False)
+        except ValueError:  # every UserError
+            continue
+        accepted.add((pp, dp, cp, tp))
+    assert listed == accepted and 1 < len(listed) < 15
+
+
 def test_bad_memory_value_is_one_line():
     with pytest.raises(ValueError):
         device_memory_gib("lots")

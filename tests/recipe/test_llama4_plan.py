@@ -24,7 +24,7 @@ from weft.recipe.plan import model_and_layout
 def test_unsupported_llama4_layouts_are_refused(overrides, world_size, message):
     cfg = parse_args(["--job.config_file", "debug_moe", *overrides])
     with pytest.raises((ConfigError, LayoutError)) as caught:
-        model_and_layout(cfg, world_size=world_size)
+        model_and_layout(cfg, world_size=world_size, device_type="cpu")
     assert str(caught.value) == message
 
 
@@ -36,18 +36,18 @@ def test_unsupported_llama4_layouts_are_refused(overrides, world_size, message):
 def test_expert_parallel_degrees_the_experts_cannot_take_are_refused(config, world_size, message):
     cfg = parse_args(["--job.config_file", config, "--parallelism.ep", str(world_size)])
     with pytest.raises(ConfigError) as caught:
-        model_and_layout(cfg, world_size=world_size)
+        model_and_layout(cfg, world_size=world_size, device_type="cpu")
     assert str(caught.value) == message
 
 
 def test_debug_moe_plans_with_fsdp_tp_cp_and_lora():
-    args, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe"]), world_size=2)
+    args, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe"]), world_size=2, device_type="cpu")
     assert (args.n_experts, dims.dp_shard) == (4, 2)
     for key in ("tp", "cp"):
         _, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe", "--parallelism.dp_shard", "1",
-                                               f"--parallelism.{key}", "2"]), world_size=2)
+                                               f"--parallelism.{key}", "2"]), world_size=2, device_type="cpu")
         assert getattr(dims, key) == 2
-    model_and_layout(parse_args(["--job.config_file", "debug_moe", "--lora.enable"]), world_size=1)
+    model_and_layout(parse_args(["--job.config_file", "debug_moe", "--lora.enable"]), world_size=1, device_type="cpu")
 
 
 def test_dry_run_table_lists_the_layouts_llama4_trains_in(capsys):

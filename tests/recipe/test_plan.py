@@ -15,7 +15,8 @@ from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.pipeline import PipelineOptions
 from weft.parallelisms.tp import TPOptions
-from weft.recipe.plan import ARGUMENT_KEYS, TRANSFORM_KEYS, RunPlan, config_value
+from weft.recipe.plan import (ARGUMENT_KEYS, OPTION_SECTIONS, TRANSFORM_KEYS, RunPlan, config_error, config_value,
+                              option_key)
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:
@@ -49,6 +50,40 @@ def test_every_option_of_parallelize_names_its_config_key():
         config_value(plan.cfg, key)  # an AttributeError names a key the config does not have
 
 
+def test_the_options_read_from_the_config_are_those_written_out_by_hand():
+    """read_options builds each option from its section by field name: the same options as spelled
+    out key by key, dtypes from their names, empty values as None, lists of tuple fields as tuples."""
+    plan = plan_for("--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "wq,wv",
+                    "--lora.use_rslora", "--training.mixed_precision_param", "bfloat16",
+                    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "2",
+                    "--compile.enable", "--parallelism.fsdp_reshard_after_forward", "never",
+                    "--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe", world_size=2,
+                    check_environment=False)
+    assert plan.options.lora == LoRAOptions(rank=4, alpha=8.0, target_modules=["wq", "wv"], use_rslora=True,
+                                            base_dtype=torch.bfloat16)
+    assert plan.options.ac == ACOptions(mode="selective", selective_option="2")
+    assert plan.options.compile == CompileOptions()
+    assert plan.options.fsdp == FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                            reshard_after_forward="never")
+    assert plan.options.tp == TPOptions(loss_parallel=True) and plan.options.pipeline == PipelineOptions("GPipe")
+    assert plan.options.float8 is None
+    float8 = plan_for("--float8.enable", "--float8.filter_fqns", "output,w2", "--float8.min_dim", "16",
+                      check_environment=False).options
+    assert float8.float8 == Float8Options(filter_fqns=("output", "w2"), min_dim=16) and float8.lora is None
+    assert plan_for("--lora.enable", check_environment=False).options.lora == LoRAOptions(base_dtype=torch.float32)
+
+
+def test_an_argument_names_one_config_key_whatever_option_holds_it():
+    """ARGUMENT_KEYS is by argument name: two options' fields of one name would have to share a key."""
+    import dataclasses
+
+    keys = {}
+    for options in OPTION_SECTIONS:
+        for f in dataclasses.fields(options):
+            keys.setdefault(f.name, set()).add(option_key(options, f.name))
+    assert all(len(found) == 1 for found in keys.values()), keys
+
+
 @pytest.mark.parametrize("argument, expected", [
     ("tp_mesh", "parallelism.tp = 3: apply_tp: refused"),
     ("mode", "activation_checkpoint.mode = none: apply_ac: refused"),
@@ -59,7 +94,7 @@ def test_every_option_of_parallelize_names_its_config_key():
 def test_a_transform_refusal_names_the_config_key_it_came_from(argument, expected):
     plan = plan_for("--parallelism.tp", "3", "--training.seq_len", "96", world_size=3, check_environment=False)
     function = "apply_tp" if argument == "tp_mesh" else "apply_ac"
-    error = plan.config_error(TransformError(function, argument, "refused"))
+    error = config_error(plan.cfg, TransformError(function, argument, "refused"))
     assert isinstance(error, ConfigError) and str(error) == expected
 
 

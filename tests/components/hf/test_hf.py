@@ -27,7 +27,7 @@ from weft.models.llama.hf_mapping import (
     weft_to_hf_name,
 )
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
-from weft.parallelisms.fsdp import apply_fsdp
+from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.tp import apply_tp
 from tests.support.dist_utils import run_distributed
@@ -236,7 +236,7 @@ def import_into_sharded_model(layout: str, hf_dir: str, reference: str) -> tuple
     if layout == "tp":
         apply_tp(model, mesh)
     else:
-        apply_fsdp(model, mesh, param_dtype=torch.float32)
+        apply_fsdp(model, mesh, FSDPOptions(param_dtype=torch.float32))
     model.to_empty(device="cpu")
     load_hf_into_model(model, hf_dir)
     want = load_file(reference)
@@ -259,7 +259,7 @@ def save_fsdp_checkpoint(folder: str, seed: int) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(TINY)
-    apply_fsdp(model, mesh, param_dtype=torch.float32)
+    apply_fsdp(model, mesh, FSDPOptions(param_dtype=torch.float32))
     materialize(model, "cpu", seed=seed)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
     if dist.get_rank() == 0:

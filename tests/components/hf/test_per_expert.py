@@ -26,7 +26,7 @@ def load_sharded(layout: str, folder: str, reference: str, out: str) -> tuple[li
     of each expert projection this rank read from disk)."""
     import weft.components.hf.load as load
     from weft.parallelisms.ep import apply_ep
-    from weft.parallelisms.fsdp import apply_fsdp
+    from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
     from weft.parallelisms.materialize import materialize
 
     mesh = init_device_mesh("cpu", (RANKS,))
@@ -35,7 +35,7 @@ def load_sharded(layout: str, folder: str, reference: str, out: str) -> tuple[li
     if layout == "ep":
         apply_ep(model, mesh)
     else:
-        apply_fsdp(model, mesh, param_dtype=torch.float32)
+        apply_fsdp(model, mesh, FSDPOptions(param_dtype=torch.float32))
     materialize(model, "cpu", seed=1)  # the rotary table; every parameter is then overwritten by the load
 
     read: dict[str, set[int]] = {}
