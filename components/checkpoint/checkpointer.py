@@ -494,7 +494,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike
     a model of any layout: DCP reshards them. names: only these parameters (DCP reads no others)."""
     folder = require_complete_checkpoint(checkpoint_dir)
     model_tensor_metadata(folder, whole_model(model))
-    names = None if names is None else {_saved_name(name) for name in names}
     state = {"model": {k: v for k, v in model_state(model).items()  # the base only
                        if ".lora_" not in k and (names is None or k in names)}}
     dcp_call("load", state, folder)
