@@ -31,11 +31,11 @@ def base_args(dump: Path, model: str, ranks: int) -> list[str]:
                     checkpoint_every=BASE_STEPS)
 
 
-def qlora_args(dump: Path, model: str, base: Path, ranks: int) -> list[str]:
+def qlora_args(dump: Path, model: str, base: Path, ranks: int, *more: str) -> list[str]:
     config, extra = MODELS[model]
     return run_args(dump, *extra, "--lora.enable", "--lora.quantize_base", "nf4", "--lora.rank", "4",
                     "--checkpoint.initial_load_path", str(base), "--no-validation.enable", "--no-checkpoint.enable",
-                    config=config, steps=QLORA_STEPS, batch=GLOBAL_BATCH // ranks)
+                    *more, config=config, steps=QLORA_STEPS, batch=GLOBAL_BATCH // ranks)
 
 
 @pytest.fixture(scope="module")
@@ -82,22 +82,26 @@ def test_qlora_from_a_one_process_checkpoint(bases, tmp_path, model):
     assert qlora_losses(tmp_path / "dcp", model, step, 1) == qlora_losses(tmp_path / "hf", model, hf, 1)
 
 
-def fsdp2_qlora(runs: list[tuple[Path, str, Path]]) -> list[list[float]]:
-    """QLoRA runs (dump, model, base) one after the other in one group of two ranks."""
-    return [run(qlora_args(dump, model, base, 2)) for dump, model, base in runs]
+def fsdp2_qlora(runs: list[tuple[Path, str, Path, tuple[str, ...]]]) -> list[list[float]]:
+    """QLoRA runs (dump, model, base, more arguments) one after the other in one group of two ranks."""
+    return [run(qlora_args(dump, model, base, 2, *more)) for dump, model, base, more in runs]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_qlora_from_a_checkpoint_under_fsdp(bases, tmp_path, model):
-    """Checkpoints saved in one process and under fsdp 2, each fine-tuned in one process and under fsdp 2."""
+    """Checkpoints saved in one process and under fsdp 2, each fine-tuned in one process and under
+    fsdp 2 (and the MoE under ep 2, each rank loading and quantizing its own experts)."""
     (one_step, one_hf), (fsdp_step, fsdp_hf) = bases(model, 1), bases(model, 2)
     assert qlora_losses(tmp_path / "dcp", model, fsdp_step, 1) == qlora_losses(tmp_path / "hf", model, fsdp_hf, 1)
-    runs = [(tmp_path / name, model, base) for name, base in
-            (("one_dcp", one_step), ("one_hf", one_hf), ("fsdp_dcp", fsdp_step), ("fsdp_hf", fsdp_hf))]
-    one_dcp, one_hf_losses, fsdp_dcp, fsdp_hf_losses = run_distributed(fsdp2_qlora, 2, runs)[0]
-    assert one_dcp == one_hf_losses and len(one_dcp) == QLORA_STEPS
-    assert fsdp_dcp == fsdp_hf_losses and len(fsdp_dcp) == QLORA_STEPS
+    layouts = {"fsdp": ()} | ({"ep": ("--parallelism.ep", "2")} if model != "dense" else {})
+    runs = [(tmp_path / f"{saved}_{layout}_{kind}", model, base, more)
+            for layout, more in layouts.items()
+            for saved, (step, hf) in (("one", (one_step, one_hf)), ("fsdp", (fsdp_step, fsdp_hf)))
+            for kind, base in (("dcp", step), ("hf", hf))]
+    losses = run_distributed(fsdp2_qlora, 2, runs)[0]
+    for dcp, hf in zip(losses[::2], losses[1::2]):
+        assert len(dcp) == QLORA_STEPS and dcp == hf
 
 
 class Kept(logging.Handler):
