@@ -47,7 +47,10 @@ def bases(tmp_path_factory):
         if (model, ranks) not in made:
             dump = root / f"{model}_{ranks}"
             args = base_args(dump, model, ranks)
-            run(args) if ranks == 1 else run_distributed(run, ranks, args)
+            if ranks == 1:
+                run(args)
+            else:
+                run_distributed(run, ranks, args)
             step = dump / "checkpoint" / f"step-{BASE_STEPS}"
             assert hf_main(["export", "--checkpoint", str(step), "--out", str(dump / "hf")]) == 0
             made[model, ranks] = step, dump / "hf"
