@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.errors import Conflict, TransformError, UserError, refuse_data_parallel_model
 from weft.models.common.moe import ROUTER
+from weft.models.common.torchao_import import quiet_torchao_import
 
 logger = logging.getLogger("weft")
 
@@ -40,28 +41,19 @@ def _torchao():
     """Import torchao's float8 training API on first use, and only then.
 
     torchao is needed by float8 runs alone: a bf16 run must start where torchao is missing, or
-    installed for another torch and broken on import. Importing it also logs lines that say
-    nothing about a weft run (torch 2.13 answers its pytree registration of an Enum with a
-    deprecation warning; machines without its optional CUDA kernel libraries get one line per
-    library it could not load, none of which float8 training needs: its matmuls are
-    torch._scaled_mm), so those loggers are quietened for the import only.
+    installed for another torch and broken on import. Its start-up noise is dropped where weft
+    imports it (models/common/torchao_import.py).
     """
-    loggers = [logging.getLogger(name) for name in ("torch.utils._pytree", "torchao")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
     try:
-        from torchao import float8 as ao_float8
-        from torchao.float8 import float8_linear, float8_linear_utils, float8_tensor_parallel
+        with quiet_torchao_import():
+            from torchao import float8 as ao_float8
+            from torchao.float8 import float8_linear, float8_linear_utils, float8_tensor_parallel
     except Exception as error:  # ImportError, or a torchao built for another torch failing inside
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         raise Float8Unavailable(
             f"float8.enable: torchao cannot be imported ({type(error).__name__}: {first_line}); {TORCHAO_HINT}, "
             "or set float8.enable = false"
         ) from None
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
     return SimpleNamespace(
         Float8LinearConfig=ao_float8.Float8LinearConfig,
         convert_to_float8_training=ao_float8.convert_to_float8_training,

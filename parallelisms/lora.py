@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from weft.models.common.init import param_seed
 from weft.models.common.moe import ROUTER
-from weft.models.common.nf4_experts import NF4Experts
+from weft.models.common.nf4_experts import NF4Experts, torchao_nf4
 from weft.errors import TransformError, refuse_data_parallel_model
 from weft.parallelisms.plans import path_matches
 
@@ -450,11 +450,7 @@ def quantize_lora_base(model: nn.Module, device: torch.device | str | None = Non
     before FSDP, which then shards the NF4 tensors. device: where the NF4 weights go (quantize
     on the CPU, keep on the GPU). shards: the FSDP degree that will shard them (checked to divide).
     Quantizing twice is a no-op."""
-    try:  # torchao >= 0.18
-        from torchao.quantization import NF4Tensor, to_nf4
-    except ImportError:  # torchao 0.17 and older keep it with the dtypes
-        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-
+    NF4Tensor, to_nf4, _ = torchao_nf4()
     refuse_data_parallel_model(model, "quantize_lora_base")
     todo = [(n, m) for n, m in lora_modules(model) if m.quantize_base == "nf4" and not isinstance(m.weight, NF4Tensor)]
     experts = [(f"{n}.{w}", m, w) for n, m in stacked_experts(model) if getattr(m, "quantize_base", None) == "nf4"

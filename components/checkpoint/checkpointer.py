@@ -33,6 +33,7 @@ from weft.components.distributed.processes import shared_gloo_group
 from weft.errors import UserError, one_line
 from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
 from weft.components.distributed.timeouts import keep_long_timeout
+from weft.models.common.nf4_experts import NF4Experts
 from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, held_bytes, write_failure
 
 logger = logging.getLogger("weft")
@@ -137,9 +138,18 @@ def _saved_name(name: str) -> str:
 
 def _expected_shapes(model: torch.nn.Module) -> tuple[dict[str, torch.Size], set[str]]:
     """(global shape of each distinct parameter, every state-dict name) of `model`, by the names
-    a checkpoint saves. Works on a meta model and on a parallelised one (a DTensor's shape is global)."""
-    shapes = {_saved_name(name): p.shape for name, p in model.named_parameters() if ".lora_" not in name}
-    return shapes, {_saved_name(name) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
+    a checkpoint saves. Works on a meta model and on a parallelised one (a DTensor's shape is global).
+    A stack of experts already in NF4 (QLoRA's start-up) is the plain weight it quantizes, as saved."""
+    nf4 = {name: torch.Size((m.codes.shape[0], *m.expert_shape))
+           for name, m in model.named_modules() if isinstance(m, NF4Experts)}
+
+    def plain(name: str) -> str:  # an NF4 piece (codes, scales, ...) stands for its stack's weight
+        owner = name.rpartition(".")[0]
+        return owner if owner in nf4 else name
+
+    shapes = {_saved_name(plain(name)): nf4.get(plain(name), p.shape)
+              for name, p in model.named_parameters() if ".lora_" not in name}
+    return shapes, {_saved_name(plain(name)) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
 
 
 def model_tensor_metadata(

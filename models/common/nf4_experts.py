@@ -18,19 +18,22 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from weft.models.common.torchao_import import quiet_torchao_import
+
 # The pieces of torchao's NF4Tensor kept per expert, stacked: (name here, NF4Tensor attribute).
 PIECES = (("codes", "quantized_data"), ("scales", "quantized_scalers"), ("factors", "quantization_factor"),
           ("scale_mean", "scaler_mean"))
 
 
 @functools.cache
-def _torchao_nf4() -> tuple[type, Callable, type]:
+def torchao_nf4() -> tuple[type, Callable, type]:
     """torchao's NF4Tensor, to_nf4 and SubclassTensorArgs, imported on first use (importing weft
     must not need torchao) and kept by each NF4Experts, so a compiled forward reads no import."""
-    try:  # torchao >= 0.18
-        from torchao.quantization import NF4Tensor, to_nf4
-    except ImportError:  # torchao 0.17 and older keep it with the dtypes
-        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    with quiet_torchao_import():
+        try:  # torchao >= 0.18
+            from torchao.quantization import NF4Tensor, to_nf4
+        except ImportError:  # torchao 0.17 and older keep it with the dtypes
+            from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
     return NF4Tensor, to_nf4, importlib.import_module(NF4Tensor.__module__).SubclassTensorArgs
 
 
@@ -44,7 +47,7 @@ class NF4Experts(nn.Module):
 
     def __init__(self, weight: torch.Tensor, block_size: int, scaler_block_size: int):
         super().__init__()
-        self.nf4_types = _torchao_nf4()
+        self.nf4_types = torchao_nf4()
         to_nf4 = self.nf4_types[1]
         experts = [to_nf4(w, block_size, scaler_block_size) for w in weight.detach()]
         for name, attribute in PIECES:
