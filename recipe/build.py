@@ -89,9 +89,9 @@ def build_training(plan: RunPlan) -> Training:
     """Start the processes, then build data, model, optimizer and step from the plan, in that order."""
     device, meshes, rank = start_processes(plan)
     loader, validation_loaders = build_data(plan, meshes, device)
-    trainer = build_trainer(plan, meshes, device)
-    return Training(**vars(trainer), device=device, meshes=meshes, rank=rank, loader=loader,
-                    validation_loaders=validation_loaders)
+    t = build_trainer(plan, meshes, device)
+    return Training(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, step=t.step, device=device,
+                    meshes=meshes, rank=rank, loader=loader, validation_loaders=validation_loaders)
 
 
 def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device) -> Trainer:
