@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.errors import Conflict, TransformError, UserError, refuse_data_parallel_model
-from weft.models.common.moe import ROUTER
+from weft.layers import ROUTER
 
 logger = logging.getLogger("weft")
 

@@ -69,8 +69,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from weft.models.common.attention import CausalAttention, document_mask, masked_attention, use_flex_attention
 from weft.errors import TransformError, refuse_data_parallel_model
+from weft.layers.attention import CausalAttention, document_mask, masked_attention, use_flex_attention
 
 logger = logging.getLogger("weft")
 
@@ -271,7 +271,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         raise TransformError(
             "apply_cp", "model",
             f"found no attention to make context-parallel in {type(model).__name__}: route its causal "
-            "attention through weft's CausalAttention module (models.common.attention), or use a transformers model",
+            "attention through weft's CausalAttention module (weft.layers.attention), or use a transformers model",
         )
     for _, _, path, core in cores:  # validate everything before changing anything
         if type(core) is not CausalAttention:

@@ -1,7 +1,8 @@
 """The packages import each other without a cycle: every `import weft...` of every .py file
 (function-local imports included) collapsed to its package (weft.components, weft.parallelisms,
-weft.models, weft.recipe; a top-level module such as weft.train or weft.errors is its own node)
-forms a graph with no cycle, so each package can be read, tested and changed above the ones it uses."""
+weft.models, weft.layers, weft.recipe; a top-level module such as weft.train or weft.errors is its own
+node) forms a graph with no cycle, so each package can be read, tested and changed above the ones it
+uses; and the transforms know no model."""
 
 from __future__ import annotations
 
@@ -68,3 +69,11 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert "weft.parallelisms" in graph["weft.components"]  # the reader sees the edges there are
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle between packages: {' -> '.join(cycle)}"
+
+
+def test_the_transforms_import_no_model():
+    """parallelisms/ and float8/ reach a model through what it declares (`tensor_parallel_plan`,
+    `pipeline_units`) and what models share with them (weft.layers), as torchtitan's distributed code."""
+    graph = package_graph()
+    for transforms in ("weft.parallelisms", "weft.float8"):
+        assert "weft.models" not in graph[transforms], f"{transforms} imports weft.models"

@@ -2,7 +2,7 @@
 
 Each record becomes a sample (components/data/formats.py). Samples are packed whole, in file
 order, into windows of `seq_len` inputs; each keeps its own positions (0, 1, ... from its first
-token) and a document id of its own, so attention can be block-causal (models/common/attention.py), and
+token) and a document id of its own, so attention can be block-causal (layers/attention.py), and
 the rest of a window is padding that supervises nothing. A sample longer than a window is cut to
 `seq_len + 1` tokens (`truncate`) or skipped (`drop`); either is counted.
 

@@ -7,7 +7,7 @@ over the tokens sorted by expert as one grouped matrix multiply (`torch._grouped
 included in torch 2.13), or a loop over experts where it does not apply (rows not a multiple of 16
 bytes; float32 on CUDA; compiled, a masked form of the loop). Nothing here knows about parallelism;
 `GroupedExperts.compute` takes its weights as arguments, which is all a parallel transform needs.
-A weight may also come frozen in NF4 (models/common/nf4_experts.py) or with a low-rank adapter per
+A weight may also come frozen in NF4 (layers/nf4_experts.py) or with a low-rank adapter per
 expert (`LowRankAdapted`, which LoRA adds: parallelisms/lora.py); each projection is then its own
 grouped multiply, the adapter's x A_e^T B_e^T added to the base's output.
 
@@ -29,13 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.layers.nf4_experts import NF4Experts, frozen_experts_matmul
 from weft.models.common.feed_forward import FeedForward
-from weft.models.common.nf4_experts import NF4Experts, frozen_experts_matmul
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
-# The router's attribute name: LoRA and float8 leave layers of this name as they are (an adapter or
-# float8 rounding there would move the routing).
-ROUTER = "router"
 
 
 def route(logits: torch.Tensor, top_k: int, score_func: str, bias: torch.Tensor | None = None,
