@@ -1,9 +1,9 @@
 """The frame every decoder family shares: token embedding → blocks → RMSNorm → output projection,
 the rotary table beside them, the forward's walk through whatever modules a pipeline stage holds,
-order-independent weight initialisation, and the TP plan and pipeline units transforms ask it for. A family's `Transformer` subclasses `Decoder` and
-gives it its block; the forward hands each block the rotations and the document mask (a
-`PreNormBlock`'s inputs), and a family whose blocks take more writes its own `forward` around
-`run_blocks` (Llama 4)."""
+order-independent weight initialisation, and the TP plan and pipeline units the transforms ask it
+for (its family's spec's). A family's `Transformer` subclasses `Decoder` and gives it its block; the
+forward hands each block the rotations and the document mask (a `PreNormBlock`'s inputs), and a
+family whose blocks take more writes its own `forward` around `run_blocks` (Llama 4)."""
 
 from __future__ import annotations
 

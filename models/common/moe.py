@@ -228,7 +228,7 @@ class MoE(nn.Module):
             raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
         self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts
         self.norm_topk_prob = norm_topk_prob
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.router = nn.Linear(dim, n_experts, bias=False)  # named as weft.layers.ROUTER: LoRA and float8 skip it
         self.experts = GroupedExperts(dim, hidden_dim, n_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed: balancing state
