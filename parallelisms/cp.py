@@ -249,7 +249,7 @@ def _gather_documents_impl(document_ids: torch.Tensor, chunk: int, cp_mesh: Devi
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make the model's causal attention see the whole sequence across `cp_mesh`; return the model.
 
-    weft models: every `CausalAttention` core (wherever it sits) becomes a
+    weft's models: every `CausalAttention` core (wherever it sits) becomes a
     `ContextParallelAttention`; a subclass is refused, as it may mask differently. transformers
     models using "sdpa" or "eager" attention: their attention layers dispatch to the
     context-parallel core through transformers' attention registry. Inputs must then be sharded
