@@ -122,7 +122,7 @@ def nf4_bytes(numel: int) -> int:
 def planned_nf4_bytes(numel: int, quantized_numel: int) -> int:
     """NF4 bytes of `numel` values quantized `quantized_numel` at a time: a linear's weight whole,
     or a stack of experts (or a rank's share of them), each expert alone and its scales' mean
-    (fp32) kept beside (models/common/nf4_experts.py)."""
+    (fp32) kept beside (layers/nf4_experts.py)."""
     if numel == quantized_numel:
         return nf4_bytes(numel)
     experts = max(numel // quantized_numel, 1)
@@ -399,7 +399,7 @@ NF4_DEQUANT_INT_BYTES, NF4_DEQUANT_COPIES = 8, 2
 
 
 def nf4_experts_dequant_bytes(model: nn.Module, compute_dtype: torch.dtype, ep: int = 1) -> int:
-    """The largest stack of NF4 experts dequantized for its multiply (models/common/nf4_experts.py): this
+    """The largest stack of NF4 experts dequantized for its multiply (layers/nf4_experts.py): this
     rank's experts of one projection (all gathered by FSDP, 1/ep of them under expert parallelism)
     in the compute dtype, and torchao's work on one expert."""
     e = dtype_bytes(compute_dtype)

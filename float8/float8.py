@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from weft.errors import Conflict, TransformError, UserError, refuse_data_parallel_model
-from weft.models.common.moe import ROUTER
-from weft.models.common.torchao_import import quiet_torchao_import
+from weft.layers import ROUTER
+from weft.layers.torchao_import import quiet_torchao_import
 
 logger = logging.getLogger("weft")
 
@@ -42,7 +42,7 @@ def _torchao():
 
     torchao is needed by float8 runs alone: a bf16 run must start where torchao is missing, or
     installed for another torch and broken on import. Its start-up noise is dropped where weft
-    imports it (models/common/torchao_import.py).
+    imports it (layers/torchao_import.py).
     """
     try:
         with quiet_torchao_import():

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from weft.models.common.attention import CausalAttention, document_mask, masked_attention, use_flex_attention
 from weft.errors import TransformError, refuse_data_parallel_model
+from weft.layers.attention import CausalAttention, document_mask, masked_attention, use_flex_attention
 
 logger = logging.getLogger("weft")
 
@@ -202,7 +202,7 @@ def _gather_documents_impl(document_ids: torch.Tensor, chunk: int, cp_mesh: Devi
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make the model's causal attention see the whole sequence across `cp_mesh`; return the model.
 
-    weft models: every `CausalAttention` core (wherever it sits) becomes a
+    weft's models: every `CausalAttention` core (wherever it sits) becomes a
     `ContextParallelAttention`; a subclass is refused, as it may mask differently. transformers
     models using "sdpa" or "eager" attention: their attention layers dispatch to the
     context-parallel core through transformers' attention registry. Inputs must then be sharded
@@ -224,7 +224,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         raise TransformError(
             "apply_cp", "model",
             f"found no attention to make context-parallel in {type(model).__name__}: route its causal "
-            "attention through weft's CausalAttention module (models.common.attention), or use a transformers model",
+            "attention through weft's CausalAttention module (weft.layers.attention), or use a transformers model",
         )
     for _, _, path, core in cores:  # validate everything before changing anything
         if type(core) is not CausalAttention:

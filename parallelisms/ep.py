@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from weft.errors import TransformError, refuse_data_parallel_model
-from weft.models.common.nf4_experts import NF4Experts
+from weft.layers.nf4_experts import NF4Experts
 
 logger = logging.getLogger("weft")
 

@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from weft.models.common.init import param_seed
-from weft.models.common.moe import ROUTER
-from weft.models.common.nf4_experts import NF4Experts, torchao_nf4
 from weft.errors import TransformError, refuse_data_parallel_model
+from weft.layers import ROUTER
+from weft.layers.init import param_seed
+from weft.layers.nf4_experts import NF4Experts, torchao_nf4
 from weft.parallelisms.plans import path_matches
 
 logger = logging.getLogger("weft")
@@ -118,7 +118,7 @@ def apply_lora(model: nn.Module, options: LoRAOptions = LoRAOptions(), *, allow_
     `layers.*.feed_forward.experts.w1`) on that projection only. None: every nn.Linear but the
     output head and MoE routers, and no routed experts.
     quantize_base "nf4": the targets' frozen weights, and every stack of routed experts (expert by
-    expert, models/common/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
+    expert, layers/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
     base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
     parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
     allow_no_targets: a part of a model (a pipeline stage of only the output, say) may hold none of

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from weft.models.common.init import param_seed
+from weft.layers.init import param_seed
 from weft.parallelisms.lora import init_lora_adapters
 
 InitFn = Callable[[nn.Module], None]

@@ -29,7 +29,6 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from weft.errors import Conflict, TransformError
-from weft.models import spec_for_model
 from weft.parallelisms.hf_stages import HFCausalLMStage, hf_causal_lm_units
 from weft.parallelisms.parallel_dims import LayoutError
 
@@ -159,10 +158,11 @@ def plan_pipeline(*, schedule: str, pp: int, stages_per_rank_requested: int, mic
 
 def pipeline_units(model: nn.Module) -> list[list[str]]:
     """The model as a sequence of units a split may not cut: the token embedding, each block, and
-    the final norm with the output projection. Known for weft's models (their `ModelSpec`) and
-    transformers' *ForCausalLM (parallelisms/hf_stages.py); other models pass module names per stage."""
-    if (spec := spec_for_model(model)) is not None:
-        return spec.pipeline_units(model)
+    the final norm with the output projection. Known for a model that declares them
+    (`model.pipeline_units()`: weft's models) and transformers' *ForCausalLM
+    (parallelisms/hf_stages.py); other models pass module names per stage."""
+    if callable(declared := getattr(model, "pipeline_units", None)):
+        return declared()
     if (units := hf_causal_lm_units(model)) is not None:
         return units
     raise LayoutError(f"pipeline: no default split for {type(model).__name__}; pass module names per stage")

@@ -1,9 +1,9 @@
 """Tensor parallelism: Megatron-style column/row splits of a model's linear layers over a TP mesh.
 
 A plan maps module paths (`*` matches any one path component, e.g. every block) to PyTorch's
-`ParallelStyle`s. `apply_tp` takes a weft model's plan from its spec (`models/common/spec.py`; Llama's
-uses sequence parallelism) and builds one for Hugging Face transformers models from the plan
-their config declares; any other model passes one (`TPOptions(plan=...)`).
+`ParallelStyle`s. `apply_tp` asks a model that declares its plan (`tensor_parallel_plan(...)`, as
+weft's `Decoder` does; Llama's uses sequence parallelism), builds one for Hugging Face transformers
+models from the plan their config declares; any other model passes one (`TPOptions(plan=...)`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from weft.models import spec_for_model
-from weft.models.common.moe_tp import EXPERT_HIDDEN_DIMS, ExpertHiddenParallel
 from weft.errors import Conflict
 from weft.errors import TransformError, refuse_data_parallel_model
 from weft.float8 import converted_modules, float8_tp_styles
@@ -52,8 +50,8 @@ def check_tp_composes(quantize_base: str | None) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
 
-    plan None: a weft model's own plan (its `ModelSpec.tp_plan`), the model's own
-    declared plan for a transformers model (`hf_tp_plan`). Column-split layers own whole
+    plan None: the plan the model declares (`model.tensor_parallel_plan(...)`: weft's models), a
+    transformers model's own declared plan (`hf_tp_plan`). Column-split layers own whole
     output features (whole heads), row-split layers whole input features; the heads and every
     split dimension must be divisible by the mesh size, which is checked before anything changes.
 
@@ -94,13 +92,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptio
 
 
 def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
-    """A weft model's plan (its spec's `tp_plan`), or the plan a transformers model declares; else an
-    error asking for one."""
-    if (spec := spec_for_model(model)) is not None:
+    """The plan the model declares (`tensor_parallel_plan(loss_parallel=, float8_linears=, float8_styles=)`:
+    weft's models), or the plan a transformers model declares; else an error asking for one."""
+    if callable(declared := getattr(model, "tensor_parallel_plan", None)):
         if not float8_all_gather:
-            return spec.tp_plan(model, loss_parallel=loss_parallel)
-        return spec.tp_plan(model, loss_parallel=loss_parallel, float8_linears=converted_modules(model),
-                            float8_styles=float8_tp_styles())
+            return declared(loss_parallel=loss_parallel)
+        return declared(loss_parallel=loss_parallel, float8_linears=converted_modules(model),
+                        float8_styles=float8_tp_styles())
     if float8_all_gather:
         raise TransformError("apply_tp", "float8_all_gather", "float8_all_gather applies to weft's own plan only")
     if _hf_declared_plan(model):
@@ -165,8 +163,7 @@ def _output_style(loss_parallel: bool, input_layouts) -> ParallelStyle:
 
 
 def _plan_name(model: nn.Module) -> str:
-    spec = spec_for_model(model)
-    return f"weft {spec.name}" if spec is not None else type(model).__name__
+    return type(model).__name__
 
 
 def _plan_targets(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, ParallelStyle]]:
@@ -205,8 +202,8 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: int) -> None:
     """Every dimension a style splits must divide by the mesh size (read from the weight shapes)."""
     for name, module, style in targets:
-        if isinstance(style, ExpertHiddenParallel):
-            for weight_name, dim in EXPERT_HIDDEN_DIMS.items():
+        if (dims := getattr(style, "weight_split_dims", None)) is not None:  # a style naming what it splits
+            for weight_name, dim in dims.items():
                 size = getattr(module, weight_name).shape[dim]
                 if size % tp:
                     raise TransformError("apply_tp", "tp_mesh", f"tp_mesh size {tp} does not divide the experts' hidden "

@@ -1,8 +1,9 @@
 """The packages import each other without a cycle: every `import weft...` of every .py file
 (function-local imports included) collapsed to its package (weft.components, weft.parallelisms,
-weft.models, weft.recipe; a top-level module such as weft.train or weft.errors is its own node)
-forms a graph with no cycle, so each package can be read, tested and changed above the ones it uses;
-and no module of tests/ imports a test module (what tests share lives in tests/support/ and conftest.py)."""
+weft.models, weft.layers, weft.recipe; a top-level module such as weft.train or weft.errors is its own
+node) forms a graph with no cycle, so each package can be read, tested and changed above the ones it
+uses; the transforms know no model; and no module of tests/ imports a test module (what tests share
+lives in tests/support/ and conftest.py)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,11 @@ def test_no_test_module_imports_another():
     offenders = {str(path.relative_to(ROOT)): sorted(found) for path in sorted((ROOT / "tests").rglob("*.py"))
                  if (found := imported_test_modules(path))}
     assert not offenders, f"test modules imported (move what they share to tests/support/): {offenders}"
+
+
+def test_the_transforms_import_no_model():
+    """parallelisms/ and float8/ reach a model through what it declares (`tensor_parallel_plan`,
+    `pipeline_units`) and what models share with them (weft.layers), as torchtitan's distributed code."""
+    graph = package_graph()
+    for transforms in ("weft.parallelisms", "weft.float8"):
+        assert "weft.models" not in graph[transforms], f"{transforms} imports weft.models"

@@ -33,7 +33,7 @@ from weft.components.distributed.processes import shared_gloo_group
 from weft.errors import UserError, one_line
 from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
 from weft.components.distributed.timeouts import keep_long_timeout
-from weft.models.common.nf4_experts import NF4Experts
+from weft.layers.nf4_experts import NF4Experts
 from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, held_bytes, write_failure
 
 logger = logging.getLogger("weft")

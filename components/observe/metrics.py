@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from weft.layers.nf4_experts import weight_numel
 from weft.components.observe.rank_times import gather_rank_times, rank_scalars, slow_rank_note
 from weft.components.observe.time_left import TimeLeft, clock
 from weft.models import spec_for_args, spec_for_model
-from weft.models.common.nf4_experts import weight_numel
 
 logger = logging.getLogger("weft")
 

@@ -1,9 +1,9 @@
 """The frame every decoder family shares: token embedding → blocks → RMSNorm → output projection,
 the rotary table beside them, the forward's walk through whatever modules a pipeline stage holds,
-and order-independent weight initialisation. A family's `Transformer` subclasses `Decoder` and
-gives it its block; the forward hands each block the rotations and the document mask (a
-`PreNormBlock`'s inputs), and a family whose blocks take more writes its own `forward` around
-`run_blocks` (Llama 4)."""
+order-independent weight initialisation, and the TP plan and pipeline units the transforms ask it
+for (its family's spec's). A family's `Transformer` subclasses `Decoder` and gives it its block; the
+forward hands each block the rotations and the document mask (a `PreNormBlock`'s inputs), and a
+family whose blocks take more writes its own `forward` around `run_blocks` (Llama 4)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from weft.models.common.init import param_seed, trunc_normal
+from weft.layers.init import param_seed, trunc_normal
 from weft.models.common.norms import RMSNorm
 from weft.models.common.rotary import rope_rotations
 from weft.models.common.moe import MoE
+from weft.models.common.spec import ModelSpec
 
 # Parameters that write into the residual stream (attention's output, the feed-forwards' down
 # projections, routed experts' included): initialised with std scaled by 1/√(2·n_layers).
@@ -37,6 +38,8 @@ class Decoder(nn.Module):
     """Token embedding → n_layers blocks (`block(i)` makes block i) → RMSNorm → output projection to
     logits. `args` is any family's hyper-parameters with vocab_size, dim, n_layers, norm_eps,
     tie_embeddings and what `rope_rotations` reads."""
+
+    spec: ModelSpec | None = None  # the family's, set by `decoder_spec`
 
     def __init__(self, args, block: Callable[[int], nn.Module]):
         super().__init__()
@@ -76,6 +79,15 @@ class Decoder(nn.Module):
             core = self.attention_core()
             mask = core.document_mask(document_ids) if hasattr(core, "document_mask") else None
         return self.run_blocks(tokens, rotations, document_ids=document_ids, mask=mask)
+
+    def tensor_parallel_plan(self, **options) -> dict:
+        """The plan `apply_tp` splits this model by: its family's `ModelSpec.tp_plan` (`options`:
+        loss_parallel, float8_linears, float8_styles)."""
+        return self.spec.tp_plan(self, **options)
+
+    def pipeline_units(self) -> list[list[str]]:
+        """The modules a pipeline split may not cut, in order: its family's `ModelSpec.pipeline_units`."""
+        return self.spec.pipeline_units(self)
 
     def attention_core(self) -> nn.Module:
         """The first block's attention core (context parallelism may have swapped it): the one that

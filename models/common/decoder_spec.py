@@ -17,9 +17,11 @@ from weft.models.common.spec import HFMapping, ModelSpec
 
 def decoder_spec(name: str, flavors: Mapping[str, Any], args_type: type, model: type[nn.Module], hf: HFMapping,
                  **fields: Any) -> ModelSpec:
-    """The ModelSpec of a family whose `model(args)` builds a `Decoder`; `fields`: the other
-    ModelSpec fields (block_numel, ...) and any of tp_plan, pipeline_units, flops_per_token that
-    differ from the decoder's."""
+    """The ModelSpec of a family whose `model(args)` builds a `Decoder`, set as that class's `spec`;
+    `fields`: the other ModelSpec fields (block_numel, ...) and any of tp_plan, pipeline_units,
+    flops_per_token that differ from the decoder's."""
     shared = {"build": model, "tp_plan": dense_tp_plan, "pipeline_units": decoder_units,
               "flops_per_token": decoder_flops_per_token}
-    return ModelSpec(name=name, flavors=flavors, args_type=args_type, model_type=model, hf=hf, **(shared | fields))
+    spec = ModelSpec(name=name, flavors=flavors, args_type=args_type, model_type=model, hf=hf, **(shared | fields))
+    model.spec = spec  # the model hands transforms its plan and units (`Decoder.tensor_parallel_plan`)
+    return spec

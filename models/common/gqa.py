@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from weft.models.common.attention import CausalAttention
+from weft.layers.attention import CausalAttention
 from weft.models.common.norms import RMSNorm
 from weft.models.common.rotary import apply_rotary_emb
 

@@ -4,7 +4,7 @@ shared expert every token passes through.
 
 The routed experts are held stacked ([experts, out, in] per projection) and computed as one grouped
 multiply over the tokens sorted by expert, or a loop where it does not apply; a weight may be
-frozen in NF4 (nf4_experts.py) or carry per-expert adapters (`LowRankAdapted`). Each layer counts
+frozen in NF4 (layers/nf4_experts.py) or carry per-expert adapters (`LowRankAdapted`). Each layer counts
 its experts' tokens (`tokens_per_expert`), holds an `expert_bias` for the choice only, and may add
 the load-balancing loss. Nothing here knows about parallelism. When which path runs: docs/moe.md.
 """
@@ -18,13 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.layers.nf4_experts import NF4Experts, frozen_experts_matmul
 from weft.models.common.feed_forward import FeedForward
-from weft.models.common.nf4_experts import NF4Experts, frozen_experts_matmul
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
-# The router's attribute name: LoRA and float8 leave layers of this name as they are (an adapter or
-# float8 rounding there would move the routing).
-ROUTER = "router"
 
 
 def route(logits: torch.Tensor, top_k: int, score_func: str, bias: torch.Tensor | None = None,
@@ -220,7 +217,7 @@ class MoE(nn.Module):
             raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
         self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts
         self.norm_topk_prob = norm_topk_prob
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.router = nn.Linear(dim, n_experts, bias=False)  # named as weft.layers.ROUTER: LoRA and float8 skip it
         self.experts = GroupedExperts(dim, hidden_dim, n_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed: balancing state

@@ -101,6 +101,8 @@ class ExpertHiddenParallel(ParallelStyle):
     slice of every expert for all the tokens it is given, whole on every rank, and returns its
     partial sum of the output; the incoming gradient of those tokens is all-reduced."""
 
+    weight_split_dims = EXPERT_HIDDEN_DIMS  # what it splits, which `apply_tp` checks the mesh size divides
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, dim in EXPERT_HIDDEN_DIMS.items():
             weight = getattr(module, name)

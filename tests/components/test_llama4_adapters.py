@@ -82,7 +82,7 @@ def test_qlora_merged_folder_writes_the_nf4_experts_as_the_weights_they_hold(tmp
     logits of weft's QLoRA forward."""
     from transformers import Llama4ForCausalLM
 
-    from weft.models.common.nf4_experts import NF4Experts
+    from weft.layers.nf4_experts import NF4Experts
     from weft.parallelisms.lora import dequantize_experts, quantize_lora_base
 
     nf4_sized = dict(hidden_size=256, head_dim=64, intermediate_size=128)  # whole groups of NF4 scales

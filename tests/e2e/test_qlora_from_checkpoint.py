@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from weft.components.hf.cli import main as hf_main
-from weft.models.common.torchao_import import quiet_torchao_import
+from weft.layers.torchao_import import quiet_torchao_import
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

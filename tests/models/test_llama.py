@@ -213,7 +213,7 @@ def test_document_mask_is_built_once_per_micro_batch_outside_the_blocks(monkeypa
     block masking for itself."""
     import sys
 
-    from weft.models.common import attention as attention_core
+    from weft.layers import attention as attention_core
     from weft.parallelisms.ac import ACOptions, apply_ac
 
     built, original = [], attention_core.document_mask
@@ -241,7 +241,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
     only on the CPU (FlexAttention has no CPU backward in torch 2.13), against the dense SDPA path."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from weft.models.common import attention as attention_core
+    from weft.layers import attention as attention_core
 
     assert attention_core.use_flex_attention(torch.device("cuda", 0))
     assert not attention_core.use_flex_attention(torch.device("cpu"))
@@ -259,7 +259,7 @@ def test_flex_attention_block_mask_path_equals_the_dense_mask_path(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward and the compiled block mask need CUDA")
 def test_flex_attention_on_cuda_trains_like_the_dense_mask(monkeypatch):
     """On a GPU: forward and backward through the BlockMask path equal the dense SDPA mask path."""
-    from weft.models.common import attention as attention_core
+    from weft.layers import attention as attention_core
 
     model = Transformer(PACKED).cuda()
     model.init_weights(seed=0)

@@ -1,4 +1,4 @@
-"""NF4 routed experts (models/common/nf4_experts.py, QLoRA's quantize_lora_base): each expert quantized
+"""NF4 routed experts (layers/nf4_experts.py, QLoRA's quantize_lora_base): each expert quantized
 as torchao quantizes a 2-D weight, and the MoE layer computing with them exactly as a plain one
 holding their dequantized values, routing included, without keeping a dequantized stack for the
 backward."""
@@ -93,7 +93,7 @@ def test_no_dequantized_stack_is_kept_for_the_backward():
 def test_parameter_counts_see_the_weights_nf4_experts_hold():
     """The model's parameter count (and from it MFU) counts an NF4 stack as its [experts, out, in]
     values, as for an unquantized layer with the same adapters."""
-    from weft.models.common.nf4_experts import weight_numel
+    from weft.layers.nf4_experts import weight_numel
     quantized, reference = quantized_and_reference(torch.float32)
     adapters = sum(p.numel() for n, p in quantized.named_parameters() if ".lora_" in n)
     assert weight_numel(quantized) == sum(p.numel() for p in reference.parameters()) + adapters

@@ -14,7 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
 from weft.models.llama import ModelArgs, Transformer
-from weft.models.common.attention import CausalAttention
+from weft.layers.attention import CausalAttention
 from weft.parallelisms.cp import ContextParallelAttention, apply_cp, load_balanced_indices, shard_sequence
 from tests.support.dist_utils import run_distributed
 

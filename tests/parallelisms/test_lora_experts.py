@@ -23,7 +23,7 @@ from weft.models.llama import LLAMA_FLAVORS
 from weft.models.llama import Transformer as Llama
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.models.common.moe import MoE
-from weft.models.common.nf4_experts import NF4Experts
+from weft.layers.nf4_experts import NF4Experts
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize

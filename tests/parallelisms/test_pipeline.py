@@ -26,6 +26,7 @@ from weft.parallelisms.pipeline import (
     stages_per_rank,
 )
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.own_models import NanoGPT
 
 DEBUG = LLAMA_FLAVORS["debugmodel"]  # 4 blocks
 
@@ -84,6 +85,23 @@ def test_transformers_llama_split_keeps_its_names():
                      ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
     stages = split_model(model, split)
     assert sorted(n for s in stages for n, _ in s.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+
+
+class NanoGPTWithUnits(NanoGPT):
+    """A model of one's own that declares its pipeline units, as weft's Decoder does."""
+
+    def pipeline_units(self) -> list[list[str]]:
+        blocks = ([f"transformer.h.{i}"] for i in range(len(self.transformer.h)))
+        return [["transformer.wte", "transformer.wpe"], *blocks, ["transformer.ln_f", "lm_head"]]
+
+
+def test_a_model_that_declares_its_units_is_split_by_them():
+    with torch.device("meta"):
+        declared, plain = NanoGPTWithUnits(n_layer=2), NanoGPT(n_layer=2)
+    assert default_split(declared, 2) == [["transformer.wte", "transformer.wpe", "transformer.h.0"],
+                                          ["transformer.h.1", "transformer.ln_f", "lm_head"]]
+    with pytest.raises(LayoutError, match="no default split for NanoGPT; pass module names per stage"):
+        default_split(plain, 2)
 
 
 def test_split_refuses_unknown_and_doubly_owned_names():

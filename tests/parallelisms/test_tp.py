@@ -48,6 +48,23 @@ def test_weft_model_gets_the_sequence_parallel_llama_plan():
     assert "layers.*.attention_norm" in plan and "tok_embeddings" in plan
 
 
+class NanoGPTWithPlan(NanoGPT):
+    """A model of one's own that declares its tensor-parallel plan, as weft's Decoder does."""
+
+    def tensor_parallel_plan(self, *, loss_parallel: bool = False) -> dict:
+        return {"transformer.h.*.mlp.0": ColwiseParallel(), "transformer.h.*.mlp.2": RowwiseParallel(),
+                "lm_head": ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())}
+
+
+def test_a_model_that_declares_its_plan_is_split_by_it():
+    model = meta(NanoGPTWithPlan)
+    assert set(default_tp_plan(model)) == {"transformer.h.*.mlp.0", "transformer.h.*.mlp.2", "lm_head"}
+    assert default_tp_plan(model, loss_parallel=True)["lm_head"].output_layouts == (Shard(-1),)
+    assert default_tp_plan(model)["lm_head"].output_layouts == (Replicate(),)
+    with pytest.raises(TransformError, match=r"tp_mesh size 3 does not divide dim 0 \(size 128\) of transformer.h.0.mlp.0"):
+        apply_tp(model, MeshOfSize(3))  # its plan, checked before anything changes (NanoGPT alone has none)
+
+
 @pytest.mark.parametrize(
     "build, size, message",
     [

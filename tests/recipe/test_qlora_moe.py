@@ -1,4 +1,4 @@
-"""QLoRA on the debug MoE through train.py: the routed experts in NF4 (models/common/nf4_experts.py), the
+"""QLoRA on the debug MoE through train.py: the routed experts in NF4 (layers/nf4_experts.py), the
 adapters learn, resume exactly, and fsdp 2 and ep 2 train as one process does.
 
 Tolerance across layouts: every layout quantizes each expert alone from the same seeded weights

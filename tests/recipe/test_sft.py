@@ -344,7 +344,7 @@ def test_hf_finetune_end_to_end(sft_runs):
 def test_flex_attention_path_equals_the_exact_mask():
     """The CUDA path (FlexAttention block mask) computes the same attention as the CPU path; checked
     forward-only on the CPU, where FlexAttention has no backward (PyTorch 2.13)."""
-    from weft.models.common.attention import document_attention, document_block_mask, masked_attention
+    from weft.layers.attention import document_attention, document_block_mask, masked_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 48, 16), torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)

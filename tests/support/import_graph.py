@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.support import REPO
 
 ROOT = REPO  # the repository root is the package `weft`
-PACKAGES = ("models", "parallelisms", "float8", "components", "recipe")
+PACKAGES = ("models", "layers", "parallelisms", "float8", "components", "recipe")
 
 
 def module_name(path: Path) -> str:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from weft.models.common.torchao_import import quiet_torchao_import
+from weft.layers.torchao_import import quiet_torchao_import
 
 # The pieces of torchao's NF4Tensor kept per expert, stacked: (name here, NF4Tensor attribute).
 PIECES = (("codes", "quantized_data"), ("scales", "quantized_scalers"), ("factors", "quantization_factor"),
