@@ -47,7 +47,7 @@ from weft.parallelisms.pipeline import (
     split_model,
 )
 from weft.recipe.build import build_model, model_line
-from weft.recipe.plan import RunPlan, check_expert_parallel, check_model_support, pipeline_layout
+from weft.recipe.plan import RunPlan, check_backend, check_expert_parallel, check_model_support, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -219,6 +219,7 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int,
                         check_composes(replace(options, pipeline=PipelineOptions(cfg.parallelism.pp_schedule)
                                                if dims.pp_enabled else None), dims.tp)
                         check_model_support(cfg, args, dims)
+                        check_backend(cfg, args, dims)
                         check_expert_parallel(cfg, args, dims)
                         for path, moe in moes if dims.tp > 1 else ():
                             check_moe_tp(path, moe, expert_parallel=dims.ep > 1)

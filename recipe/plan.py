@@ -207,19 +207,16 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     of a model that declares no plan (`_tp_plan`)."""
     if spec_for_args(args).backend != "transformers":
         return
-    built = f"{model_source(cfg)} (model_type {args.model_type}, built by transformers)"
+    built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
     unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1, "parallelism.ep": dims.ep > 1,
                    "float8.enable": cfg.float8.enable, "compile.enable": cfg.compile.enable}
     for key, used in unsupported.items():
         if used:
-            raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet; "
-                              "docs/transformers-backend.md lists what does")
-    if dims.tp > 1:
-        with torch.device("meta"):
-            model = spec_for_args(args).build(args)
-        if not (getattr(model, "_tp_plan", None) or getattr(model.config, "base_model_tp_plan", None)):
-            raise ConfigError(f"parallelism.tp = {dims.tp}: {type(model).__name__} ({built}) declares no "
-                              "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
+            raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
+                              "(docs/transformers-backend.md)")
+    if dims.tp > 1 and not args.tp_plan:
+        raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
+                          "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
 
 
 def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:

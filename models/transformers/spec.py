@@ -37,9 +37,11 @@ class HFModelArgs:
     n_heads: int
     kv_heads: int
     head_dim: int
+    ffn_hidden_dim: int  # the feed-forward's width (intermediate_size), for the memory estimate
     vocab_size: int
     max_seq_len: int
     tie_embeddings: bool
+    tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
     trust_remote_code: bool = False
     folder: str = ""
 
@@ -69,9 +71,11 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         n_layers=_field(hf_config, "num_hidden_layers"), dim=dim, n_heads=n_heads,
         kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
         head_dim=getattr(hf_config, "head_dim", None) or dim // n_heads,
+        ffn_hidden_dim=getattr(hf_config, "intermediate_size", None) or 4 * dim,
         vocab_size=_field(hf_config, "vocab_size"),
         max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
         trust_remote_code=trust_remote_code, folder=folder)
 
 
