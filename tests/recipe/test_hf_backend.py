@@ -144,11 +144,13 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path):
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
-    """Worker (2 ranks): each family under fsdp 2 (exported), Mistral under tp 2."""
+    """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
+    Mistral under tp 2."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
-                                       "--export.hf_folder", "hf") for family in FAMILIES}
+                                       "--activation_checkpoint.mode", "full", "--export.hf_folder", "hf")
+            for family in FAMILIES}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     return {name: run(args) for name, args in runs.items()}
