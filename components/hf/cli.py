@@ -51,5 +51,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m weft.components.h
 
 
 def model_args_from_hf_config_file(hf_files: Path):
-    """The model of a run's recorded config.json."""
-    return hf_model_args(read_json(hf_files / "config.json", str(hf_files)), str(hf_files / "config.json"))
+    """The model of a run's recorded config.json (built by weft where it implements its model_type,
+    else by transformers: the model.backend default)."""
+    return hf_model_args(read_json(hf_files / "config.json", str(hf_files)), str(hf_files / "config.json"), "auto")

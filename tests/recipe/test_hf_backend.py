@@ -105,6 +105,22 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
     assert config["model_type"] == CONFIGS[family]().model_type and config["dtype"] == "float32"
 
 
+def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_process, tmp_path, capsys):
+    from weft.components.hf import main as hf_main
+
+    checkpoint = root / "one_mistral" / "checkpoint" / "step-6"
+    assert hf_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    cli, at_end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(root / "one_mistral/hf/model.safetensors")
+    assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+    capsys.readouterr()
+    decoded = []
+    for source in (["--checkpoint", str(checkpoint)], ["--hf", str(root / "one_mistral" / "hf")]):
+        assert generate.main([*source, "--tokenizer", str(SHIPPED_TOKENIZER), "--prompt", "ROMEO:",
+                              "--max-new-tokens", "12"]) == 0
+        decoded.append(capsys.readouterr().out)
+    assert decoded[0] == decoded[1]
+
+
 def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_model(root, capsys):
     from weft import train
 
