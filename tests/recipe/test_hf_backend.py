@@ -92,6 +92,24 @@ def test_generate_decodes_greedily_as_transformers(root, family, capsys):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_see_only_themselves(root, family):
+    """The step's forward of a packed row (positions restarting at each document) gives each
+    document the logits transformers gives it alone."""
+    from weft.models import TRANSFORMERS_SPEC
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    lengths = [10, 14, 8]
+    tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        packed = TRANSFORMERS_SPEC.forward(model, tokens, positions)
+        alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
+        whole = model(input_ids=tokens).logits
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    assert (whole - alone).abs().max() > 1e-3  # without the positions, the documents would see each other
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, one_process, family):
     losses = one_process[family]
     assert len(losses) == 6 and losses[-1] < losses[0]
