@@ -214,7 +214,7 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
         if used:
             raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
                               "(docs/transformers-backend.md)")
-    if dims.tp > 1 and not args.tp_plan:
+    if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
 

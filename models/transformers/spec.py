@@ -41,7 +41,7 @@ class HFModelArgs:
     vocab_size: int
     max_seq_len: int
     tie_embeddings: bool
-    tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
+    declares_tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
     trust_remote_code: bool = False
     folder: str = ""
 
@@ -75,7 +75,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         vocab_size=_field(hf_config, "vocab_size"),
         max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
+        declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
         trust_remote_code=trust_remote_code, folder=folder)
 
 

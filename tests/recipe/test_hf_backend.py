@@ -244,3 +244,13 @@ def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_f
 def test_the_weft_backend_still_refuses_another_family(root):
     with pytest.raises(ConversionError, match="model_type is mistral, not llama"):
         plan_of(root / "mistral", root / "sft.jsonl", "--model.backend", "weft", world_size=1)
+
+
+def test_auto_builds_with_weft_where_weft_implements_the_model_type():
+    from weft.models import TRANSFORMERS_SPEC, spec_for_flavor, spec_for_hf_config
+
+    qwen3 = spec_for_flavor("debugmodel_qwen3")
+    assert spec_for_hf_config({"model_type": "qwen3"}, "auto") is qwen3
+    assert spec_for_hf_config({"model_type": "qwen3"}, "transformers") is TRANSFORMERS_SPEC
+    assert spec_for_hf_config({"model_type": "mistral"}, "auto") is TRANSFORMERS_SPEC
+    assert spec_for_hf_config({"model_type": "mistral"}, "weft") is spec_for_flavor("debugmodel")  # Llama's refuses it
