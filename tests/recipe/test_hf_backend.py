@@ -246,6 +246,16 @@ def test_the_weft_backend_still_refuses_another_family(root):
         plan_of(root / "mistral", root / "sft.jsonl", "--model.backend", "weft", world_size=1)
 
 
+def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path):
+    """weft's own Llama and transformers' LlamaForCausalLM, from one folder, through the same six
+    packed SFT steps: two implementations, one loss curve."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp_path / "llama")
+    losses = {backend: run(sft_args(tmp_path / "llama", root / "sft.jsonl", tmp_path / backend, "--model.backend",
+                                    backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+    assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+
+
 def test_auto_builds_with_weft_where_weft_implements_the_model_type():
     from weft.models import TRANSFORMERS_SPEC, spec_for_flavor, spec_for_hf_config
 
