@@ -58,7 +58,8 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         raise HFConfigError("config.json has no model_type")
     if "auto_map" in config and not trust_remote_code:
         raise HFConfigError(f"config.json has auto_map (the model's own code, model_type {model_type}), which the "
-                            "transformers backend runs only with model.trust_remote_code = true")
+                            "transformers backend runs only when trusted: model.trust_remote_code = true "
+                            "(generate.py --trust-remote-code)")
     if "text_config" in config:
         raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
                             "transformers backend does not build yet; give a text-only folder")

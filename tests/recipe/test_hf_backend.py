@@ -9,6 +9,7 @@ reach yet is refused in one line naming the key."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -237,8 +238,33 @@ def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_f
         plan_of(folder, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     (folder / "config.json").write_text(json.dumps(config | {"auto_map": {"AutoModelForCausalLM": "modeling.Model"}}))
     with pytest.raises(ConversionError, match=r"^checkpoint.initial_load_path: HF folder .*: config.json has auto_map "
-                                              r".*model.trust_remote_code = true$"):
+                                              r".*model.trust_remote_code = true \(generate.py --trust-remote-code\)$"):
         plan_of(folder, root / "sft.jsonl", world_size=1)
+
+
+CUSTOM_CONFIG = "from transformers import MistralConfig\n\n\nclass TinyConfig(MistralConfig):\n    model_type = 'tiny_custom'\n"
+CUSTOM_MODEL = ("from transformers import MistralForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+                "class TinyForCausalLM(MistralForCausalLM):\n    config_class = TinyConfig\n")
+
+
+def test_a_folder_with_its_own_code_runs_only_when_trusted(root, tmp_path, capsys):
+    folder = tmp_path / "custom"
+    shutil.copytree(root / "mistral", folder)
+    (folder / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "tiny_custom", "architectures": ["TinyForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig",
+                            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    prompt = ["--prompt", "ROMEO:", "--max-new-tokens", "8"]
+    assert generate.main(["--hf", str(folder), *prompt]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.startswith("weft: error: HF folder") and "auto_map" in refusal and refusal.count("\n") == 1
+    assert generate.main(["--hf", str(folder), "--trust-remote-code", *prompt]) == 0
+    trusted = capsys.readouterr().out
+    assert generate.main(["--hf", str(root / "mistral"), *prompt]) == 0  # the same weights under Mistral's code
+    assert trusted == capsys.readouterr().out
 
 
 def test_the_weft_backend_still_refuses_another_family(root):
