@@ -10,6 +10,7 @@ what a real start would run.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
-from weft.parallelisms.tp import TPOptions
+from weft.parallelisms.tp import TPOptions, hf_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 
@@ -217,6 +218,21 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
+    if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
+        raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+@functools.lru_cache(maxsize=8)
+def tp_plan_refusal(args) -> str | None:
+    """Why apply_tp cannot translate the plan a transformers model declares (a style it does not
+    know), from the model on meta; None where it can."""
+    with torch.device("meta"):
+        model = spec_for_args(args).build(args)
+    try:
+        hf_tp_plan(model)
+    except TransformError as e:
+        return str(e)
+    return None
 
 
 def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:

@@ -226,6 +226,12 @@ def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, 
     assert "transformers" in str(refused.value)
 
 
+def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Gemma3ForCausalLM declares style "
+                                          r"'replicated_with_grad_allreduce' for model.layers.\*.self_attn.q_norm, "):
+        plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+
+
 def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_flag(root, tmp_path):
     folder = tmp_path / "stablelm"
     folder.mkdir()
