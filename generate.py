@@ -31,7 +31,8 @@ from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.export import holds_adapters, run_hf_files
 from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.components.hf.writer import ExportError
-from weft.models import flavors, spec_for_args
+from weft.models import BACKENDS, flavors, spec_for_args
+from weft.parallelisms.materialize import materialize
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.export import export_adapter_checkpoint
 
@@ -78,19 +79,30 @@ def sample(
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-model.args.max_seq_len:]], device=device)
-        token = _next_token(model(context)[0, -1], temperature, top_k, generator)
+        token = _next_token(logits(model, context)[0, -1], temperature, top_k, generator)
         ids.append(token)
         if token == eos_id or token in stop_ids:
             break
     return ids[len(prompt_ids):]
 
 
+def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for token ids [batch, seq], called as its spec says (weft's or transformers')."""
+    forward = spec_for_args(model.args).forward
+    return model(ids) if forward is None else forward(model, ids)
+
+
 def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     parser = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="DCP checkpoint step folder, e.g. outputs/checkpoint/step-1000")
-    source.add_argument("--hf", help="Hugging Face folder (config.json + safetensors) of a model weft builds, "
-                                     "e.g. LlamaForCausalLM, Llama4ForCausalLM")
+    source.add_argument("--hf", help="Hugging Face folder (config.json + safetensors) of a causal LM: one weft "
+                                     "implements (LlamaForCausalLM, Llama4ForCausalLM, ...) or any transformers has")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="who builds the --hf model: weft, transformers, or auto (weft where it implements the "
+                             "model_type, else transformers); as train.py's model.backend")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="with the transformers backend, run the modeling code a folder ships (auto_map)")
     parser.add_argument("--flavor", default=None, choices=list(flavors()),
                         help="model flavor of --checkpoint (default: the model its run recorded, else debugmodel; "
                              "a --hf folder brings its own config)")
@@ -145,7 +157,7 @@ def _generate(opts: argparse.Namespace, device: torch.device, stack: contextlib.
             export_adapter_checkpoint(Path(checkpoint), None, Path(hf), torch.float32)
             checkpoint = None
         if hf is not None:
-            args = model_args_from_hf_folder(hf)
+            args = model_args_from_hf_folder(hf, opts.backend, opts.trust_remote_code)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
             # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
@@ -184,7 +196,7 @@ def checkpoint_model(checkpoint: str, flavor: str | None) -> tuple[Any, str]:
     of `flavor` if given, else of the config.json its run recorded, else debugmodel's."""
     recorded = run_hf_files(checkpoint) if flavor is None else None
     if recorded is not None:
-        return model_args_from_hf_folder(recorded), f"the model its run recorded in {recorded / 'config.json'}"
+        return model_args_from_hf_folder(recorded, "auto"), f"the model its run recorded in {recorded / 'config.json'}"
     flavor = flavor or "debugmodel"
     return flavors()[flavor], f"--flavor {flavor}"
 
@@ -196,12 +208,15 @@ def load_model(args: Any, *, hf: str | None, checkpoint: str | None, device: tor
     the rotary table is complex, and stays so."""
     with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
         model = spec_for_args(args).build(args)
-    model.to_empty(device="cpu")
-    if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
-        model.output.weight = model.tok_embeddings.weight
-    # Buffers only (names=()): the rotary table, and an MoE's balancing state, which a Hugging Face
-    # folder does not hold (a checkpoint's is read below).
-    model.init_weights(names=())
+    if spec_for_args(args).backend == "transformers":  # its buffers by its own initialisation, as in training
+        materialize(model, "cpu")
+    else:
+        model.to_empty(device="cpu")
+        if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
+            model.output.weight = model.tok_embeddings.weight
+        # Buffers only (names=()): the rotary table, and an MoE's balancing state, which a Hugging Face
+        # folder does not hold (a checkpoint's is read below).
+        model.init_weights(names=())
     if hf is not None:
         load_hf_into_model(model, hf)
     else:

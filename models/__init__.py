@@ -10,9 +10,11 @@ from torch import nn
 from weft.models.llama.spec import LLAMA_SPEC
 from weft.models.llama4.spec import LLAMA4_SPEC
 from weft.models.qwen3.spec import QWEN3_SPEC
+from weft.models.transformers.spec import TRANSFORMERS_SPEC
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 
 MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC)
+BACKENDS = ("auto", "weft", "transformers")  # model.backend: who builds a Hugging Face folder's model
 
 
 def flavors() -> dict[str, Any]:
@@ -29,8 +31,8 @@ def spec_for_flavor(flavor: str) -> ModelSpec:
 
 
 def spec_for_args(args: Any) -> ModelSpec:
-    """The spec whose ModelArgs class `args` is an instance of."""
-    for spec in MODEL_SPECS:
+    """The spec whose ModelArgs class `args` is an instance of (the transformers backend's included)."""
+    for spec in (*MODEL_SPECS, TRANSFORMERS_SPEC):
         if isinstance(args, spec.args_type):
             return spec
     raise TypeError(f"no model spec for hyper-parameters of type {type(args).__name__}")
@@ -41,11 +43,15 @@ def spec_for_model(model: nn.Module) -> ModelSpec | None:
     return next((spec for spec in MODEL_SPECS if isinstance(model, spec.model_type)), None)
 
 
-def spec_for_hf_config(config: dict[str, Any]) -> ModelSpec:
-    """The spec reading a config.json's model_type (Llama's, whose reader refuses with HFConfigError,
-    for any other)."""
-    return next((spec for spec in MODEL_SPECS if config.get("model_type") in spec.hf.model_types), LLAMA_SPEC)
+def spec_for_hf_config(config: dict[str, Any], backend: str = "weft") -> ModelSpec:
+    """The spec reading a config.json's model_type. backend "weft": weft's family (Llama's, whose
+    reader refuses with HFConfigError, for any other); "transformers": transformers' code builds it;
+    "auto": weft's family where weft implements the model_type, else transformers'."""
+    ours = next((spec for spec in MODEL_SPECS if config.get("model_type") in spec.hf.model_types), None)
+    if backend == "transformers" or (backend == "auto" and ours is None):
+        return TRANSFORMERS_SPEC
+    return ours or LLAMA_SPEC
 
 
-__all__ = ["MODEL_SPECS", "Experts", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "spec_for_args", "spec_for_flavor",
+__all__ = ["BACKENDS", "MODEL_SPECS", "TRANSFORMERS_SPEC", "Experts", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "spec_for_args", "spec_for_flavor",
            "spec_for_hf_config", "spec_for_model"]

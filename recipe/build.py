@@ -55,7 +55,7 @@ from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
 from weft.recipe.plan import RunPlan, config_error
-from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup
+from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup, model_forward
 
 logger = logging.getLogger("weft")
 
@@ -274,6 +274,9 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
+    spec_forward, forward = spec_for_args(plan.model_args).forward, model_forward
+    if spec_forward is not None:  # a model whose call is not weft's (transformers'): its spec's forward
+        forward = lambda m, batch: spec_forward(m, batch.inputs, batch.positions, batch.document_ids)  # noqa: E731
     pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
         loss = PipelineLoss(compiled=cfg.compile.enable)
@@ -284,7 +287,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     forwards = cfg.training.gradient_accumulation_steps * (plan.pipeline.microbatches if plan.pipeline else 1)
     set_load_balance_loss(model, cfg.moe.load_balance_coeff, forwards)  # MoE layers: a mean over the step's forwards
     return StepSetup(
-        pipeline=pipeline,
+        pipeline=pipeline, forward=forward,
         model=model, optimizer=optimizer, scheduler=scheduler, device=device,
         max_norm=cfg.training.max_norm,
         loss_group=meshes.dp_cp.get_group() if meshes else None,
@@ -397,15 +400,25 @@ def model_line(plan: RunPlan, model: nn.Module) -> str:
 
 
 def log_summary(plan: RunPlan, model: nn.Module) -> None:
-    """The start-up summary: the model, its parameters per rank, precision, the global batch."""
+    """The start-up summary: the model, its parameters per rank and who built it, precision, the global batch."""
     args, t = plan.model_args, plan.cfg.training
     logger.info(f"{model_line(plan, model)} "
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
-                f"{args.kv_heads} kv heads, vocab {args.vocab_size})")
+                f"{args.kv_heads} kv heads, vocab {args.vocab_size}); {backend_line(plan, model)}")
     logger.info(plan.precision.describe())
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x "
                 f"{plan.dims.dp} dp = {plan.tokens_per_step // t.seq_len} samples "
                 f"= {plan.tokens_per_step:,} tokens per step")
+
+
+def backend_line(plan: RunPlan, model: nn.Module) -> str:
+    """Whose code built the model: weft's own family, or transformers' class (model.backend)."""
+    spec = spec_for_args(plan.model_args)
+    if spec.backend == "transformers":
+        import transformers
+
+        return f"built by transformers {transformers.__version__} ({type(whole_model(model)).__name__})"
+    return f"built by weft ({spec.name})"
 
 
 def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: int, start_step: int) -> MetricsLogger:

@@ -10,6 +10,7 @@ what a real start would run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -41,7 +42,7 @@ from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
-from weft.parallelisms.tp import TPOptions
+from weft.parallelisms.tp import TPOptions, hf_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 
@@ -236,7 +237,8 @@ def model_source(cfg: JobConfig) -> str:
 def model_and_layout(cfg: JobConfig, world_size: int, device_type: str) -> tuple[Any, ParallelDims]:
     """The flavor's shape and the layout of `world_size` ranks, checked against each other
     (`check_layout`; ConfigError / LayoutError, one line)."""
-    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path)
+    args = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path, cfg.model.backend,
+                              cfg.model.trust_remote_code)
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len = {cfg.training.seq_len} exceeds the maximum {args.max_seq_len} "
                           f"of {model_source(cfg)}")
@@ -256,6 +258,7 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
     split them (the plan leaves that to `apply_tp`, which checks the same)."""
     dims.check_seq_len(cfg.training.seq_len)
     check_model_support(cfg, args, dims)
+    check_backend(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)
     try:
         check_composes(parallelize_options(cfg, dims, device_type), dims.tp)
@@ -264,6 +267,39 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
     except TransformError as e:
         raise config_error(cfg, e) from None
     pipeline_layout(cfg, args, dims)
+
+
+def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """What the transformers backend (models/transformers) does not reach yet, refused in one line
+    naming the key: pipeline, context and expert parallelism, float8, compile; tensor parallelism
+    of a model that declares no plan (`_tp_plan`)."""
+    if spec_for_args(args).backend != "transformers":
+        return
+    built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
+    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1, "parallelism.ep": dims.ep > 1,
+                   "float8.enable": cfg.float8.enable, "compile.enable": cfg.compile.enable}
+    for key, used in unsupported.items():
+        if used:
+            raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
+                              "(docs/transformers-backend.md)")
+    if dims.tp > 1 and not args.declares_tp_plan:
+        raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
+                          "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
+    if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
+        raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+@functools.lru_cache(maxsize=8)
+def tp_plan_refusal(args) -> str | None:
+    """Why apply_tp cannot translate the plan a transformers model declares (a style it does not
+    know), from the model on meta; None where it can."""
+    with torch.device("meta"):
+        model = spec_for_args(args).build(args)
+    try:
+        hf_tp_plan(model)
+    except TransformError as e:
+        return str(e)
+    return None
 
 
 def check_model_support(cfg: JobConfig, args, dims: ParallelDims) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.models import flavors
+from weft.models import BACKENDS, flavors
 
 
 def opt(
@@ -86,6 +86,13 @@ class Model:
     tokenizer_path: str = opt(
         "", "SentencePiece .model file or Hugging Face tokenizer folder; empty: the folder of "
         "checkpoint.initial_load_path if it has a tokenizer.json, else assets/tokenizer/shakespeare.model")
+    backend: str = opt(
+        "auto", f"Who builds the model of a Hugging Face folder (model.flavor = {FROM_HF_CONFIG}): 'weft' (its own "
+        "Llama, Llama 4 and Qwen3), 'transformers' (transformers' modeling code, any causal LM it has), or 'auto' "
+        "(weft where it implements the folder's model_type, else transformers)", choices=BACKENDS)
+    trust_remote_code: bool = opt(
+        False, "With the transformers backend, run the modeling code a folder ships (config.json auto_map); "
+        "off, such a folder is refused")
 
 
 @dataclass

@@ -30,4 +30,3 @@ def main(argv: list[str] | None = None, prog: str = "python -m weft.components.h
         return report_user_error(e)
     print(f"exported {opts.checkpoint} ({opts.flavor or 'as recorded by the run'}, {opts.dtype}) to {opts.out}")
     return 0
-

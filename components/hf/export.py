@@ -96,8 +96,9 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
         raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
                               f"{checkpoint_dir} (a checkpoint of an older weft, or moved); give --flavor")
     # A flavor given wins over the run's record (its shapes are checked against the checkpoint).
+    # built by weft where it implements the model_type, else by transformers (model.backend's default)
     args = None if flavor else hf_model_args(read_json(hf_files / "config.json", str(hf_files)),
-                                             str(hf_files / "config.json"))
+                                             str(hf_files / "config.json"), "auto")
     export_to_hf(checkpoint_dir, out_dir, flavor=flavor, model_args=args,
                  dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[dtype],
                  max_shard_bytes=max_shard_bytes, hf_files=hf_files)

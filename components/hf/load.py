@@ -21,34 +21,46 @@ from weft.components.checkpoint.state import model_parts, whole_model
 from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
 
-def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face folder, checked to describe a model weft can build."""
+def folder_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` of a Hugging Face folder, as JSON."""
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise ConversionError(f"no HF folder at {folder}")
-    config = read_json(folder / "config.json", f"HF folder {folder}")
-    hf_model_args(config, f"HF folder {folder}")
+    return read_json(folder / "config.json", f"HF folder {folder}")
+
+
+def read_hf_config(hf_dir: str | os.PathLike, backend: str = "weft", trust_remote_code: bool = False) -> dict[str, Any]:
+    """The `config.json` of a Hugging Face folder, checked to describe a model `backend` can build
+    (`weft.models.spec_for_hf_config`)."""
+    config = folder_config(hf_dir)
+    hf_model_args(config, f"HF folder {hf_dir}", backend, trust_remote_code=trust_remote_code, folder=hf_dir)
     return config
 
 
-def hf_model_args(config: dict[str, Any], source: str) -> Any:
+def hf_model_args(config: dict[str, Any], source: str, backend: str = "weft", *, trust_remote_code: bool = False,
+                  folder: str | os.PathLike = "") -> Any:
     """The ModelArgs of a config.json (its spec's `args_from_hf_config`), its refusals as one-line
-    ConversionErrors naming `source`."""
+    ConversionErrors naming `source`. The transformers backend's may run the folder's own code
+    (`auto_map`) only with trust_remote_code."""
+    spec = spec_for_hf_config(config, backend)
     try:
-        return spec_for_hf_config(config).hf.args_from_hf_config(config)
+        if spec.backend == "transformers":
+            return spec.hf.args_from_hf_config(config, trust_remote_code=trust_remote_code, folder=str(folder))
+        return spec.hf.args_from_hf_config(config)
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
 
-def model_args_from_hf_folder(hf_dir: str | os.PathLike) -> Any:
-    """The ModelArgs of the model a Hugging Face folder's config.json describes."""
-    return hf_model_args(read_hf_config(hf_dir), f"HF folder {hf_dir}")
+def model_args_from_hf_folder(hf_dir: str | os.PathLike, backend: str = "weft", trust_remote_code: bool = False) -> Any:
+    """The ModelArgs of the model a Hugging Face folder's config.json describes, built by `backend`."""
+    return hf_model_args(folder_config(hf_dir), f"HF folder {hf_dir}", backend, trust_remote_code=trust_remote_code,
+                         folder=hf_dir)
 
 
 def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
     spec = spec_for_args(args)
-    theirs_spec, hf = spec_for_hf_config(config), spec.hf
+    theirs_spec, hf = spec_for_hf_config(config, spec.backend), spec.hf
     try:
         theirs = theirs_spec.hf.architecture_fields(config)
     except HFConfigError as e:
@@ -80,7 +92,7 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
-    config = read_hf_config(folder)
+    config = read_hf_config(folder) if spec_for_args(args).backend == "weft" else folder_config(folder)
     check_same_architecture(config, args, f"HF folder {folder}")
 
     files = tensor_files(folder)
@@ -133,11 +145,14 @@ def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:
     local.copy_(stack.to(device=local.device, dtype=local.dtype))
 
 
-def model_args_for_run(flavor: str, initial_load_path: str) -> Any:
+def model_args_for_run(flavor: str, initial_load_path: str, backend: str = "weft",
+                       trust_remote_code: bool = False) -> Any:
     """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
-    config.json of the Hugging Face folder `initial_load_path` describes. A built-in flavor given with
-    a Hugging Face `initial_load_path` must describe the same model: refused otherwise, in one line
-    naming the first field that differs. Reads config.json only, so it plans without weights."""
+    config.json of the Hugging Face folder `initial_load_path` describes, built by `backend`
+    (model.backend: "auto", "weft" or "transformers", see `weft.models.spec_for_hf_config`). A
+    built-in flavor given with a Hugging Face `initial_load_path` must describe the same model:
+    refused otherwise, in one line naming the first field that differs. Reads config.json only, so
+    it plans without weights."""
     folder = Path(initial_load_path) if initial_load_path else None
     is_hf = folder is not None and (folder / "config.json").is_file()
     try:
@@ -145,7 +160,10 @@ def model_args_for_run(flavor: str, initial_load_path: str) -> Any:
             if not is_hf:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json, got {initial_load_path!r}")
-            return model_args_from_hf_folder(folder)
+            return model_args_from_hf_folder(folder, backend, trust_remote_code)
+        if backend == "transformers":
+            raise ConfigError(f"model.backend = transformers builds the model of a Hugging Face folder; set "
+                              f"model.flavor = {FROM_HF_CONFIG}, not {flavor}")
         args = spec_for_flavor(flavor).flavors[flavor]
         if is_hf:
             check_same_architecture(read_hf_config(folder), args, f"HF folder {folder}")

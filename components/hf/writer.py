@@ -107,7 +107,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     in files of at most `max_shard_bytes` with an index if several; config.json from `hf_files` (a
     run's recorded files, with its tokenizer) or from `args`. Every rank calls it; rank 0 writes."""
     hf = spec_for_args(args).hf
-    bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == "output.weight")]
+    bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == hf.tied_output)]
     # Each group of weft parameters and the HF tensors it makes (Llama 4: w1 and w3 make one
     # gate_up_proj; Qwen3-MoE: a stacked w1 makes one gate_proj per expert).
     units = hf.units({n: shapes[n] for n in bases})

@@ -23,11 +23,15 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
     """AdamW over every parameter (weight decay on all of them, as in the Llama papers).
 
-    optimizer.implementation "auto": fused where torch has the kernel (FUSED_ADAMW_DEVICES), else foreach.
+    optimizer.implementation "auto": fused where torch has the kernel (FUSED_ADAMW_DEVICES), else foreach;
+    parameters mixing DTensors and plain tensors (a transformers model under TP alone, its norms
+    left whole) take torch's per-parameter loop, as neither kernel takes both kinds at once.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     implementation = cfg.implementation
-    if implementation == "auto":
+    if implementation == "auto" and len({isinstance(p, DTensor) for p in params}) > 1:
+        implementation = "for-loop"
+    elif implementation == "auto":
         implementation = "fused" if params[0].device.type in FUSED_ADAMW_DEVICES else "foreach"
     return torch.optim.AdamW(
         params,

@@ -42,6 +42,7 @@ class HFMapping:
     weight_prefix: Callable[[dict[str, Any]], str] | None = None  # config.json -> what precedes tensor names
     # transformers' in-memory expert parameters, which PEFT's target_parameters adapt; None: no routed experts
     expert_parameters: ExpertParameters | None = None
+    tied_output: str = "output.weight"  # the parameter a tied model writes no tensor of (the token embedding's)
 
     def weft_to_hf_name(self, name: str) -> str:
         """A weft parameter's Hugging Face tensor name (ValueError for one it has no place for)."""
@@ -138,6 +139,9 @@ class ModelSpec:
     # (args, names of the linears holding adapters) -> why PEFT cannot load such an adapter onto the
     # transformers model (its loader reads some names otherwise: Qwen3-MoE); None: it can
     peft_refusal: Callable[[Any, list[str]], str | None] | None = None
+    backend: str = "weft"  # whose code builds the model: "weft" (its own modules) or "transformers"
+    # (model, inputs, positions, document_ids) -> logits; None: model(inputs, positions, document_ids=...)
+    forward: Callable[..., torch.Tensor] | None = None
 
     def nf4_refusal_for(self, args: Any) -> str | None:
         """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""

@@ -1,0 +1,217 @@
+"""transformers as a model backend: a Hugging Face folder's model built by transformers' own modeling
+code from its config.json, as the rest of weft sees a model (models/common/spec.py).
+
+Its hyper-parameters (`HFModelArgs`) are the config.json itself plus the shape fields the recipe
+reads; its parameter names are transformers' own, so the folder's tensor names, PEFT's module names
+and the export's names are one and the same (`SameNames`). Counts (block parameters, adapters) come
+from the model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from weft.models.common.counts import decoder_flops_per_token
+from weft.models.common.spec import HFConfigError, HFMapping, ModelSpec
+
+BACKEND = "transformers"
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+@dataclass(frozen=True)
+class HFModelArgs:
+    """A transformers model's config.json (`config_json`, as JSON text) and the fields weft reads of
+    its shape. `folder`: where its custom modeling code lives, with trust_remote_code."""
+
+    config_json: str
+    model_type: str
+    architecture: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden_dim: int  # the feed-forward's width (intermediate_size), for the memory estimate
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+    declares_tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
+    trust_remote_code: bool = False
+    folder: str = ""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.config_json)
+
+
+def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = False, folder: str = "") -> HFModelArgs:
+    """The HFModelArgs of a config.json transformers can build a causal LM of (HFConfigError, one
+    line naming the field, otherwise)."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise HFConfigError("config.json has no model_type")
+    if "auto_map" in config and not trust_remote_code:
+        raise HFConfigError(f"config.json has auto_map (the model's own code, model_type {model_type}), which the "
+                            "transformers backend runs only when trusted: model.trust_remote_code = true "
+                            "(generate.py --trust-remote-code)")
+    if "text_config" in config:
+        raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
+                            "transformers backend does not build yet; give a text-only folder")
+    hf_config = _transformers_config(config, trust_remote_code, folder)
+    architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
+    n_heads = _field(hf_config, "num_attention_heads")
+    dim = _field(hf_config, "hidden_size")
+    return HFModelArgs(
+        config_json=json.dumps(config, sort_keys=True), model_type=model_type, architecture=architecture,
+        n_layers=_field(hf_config, "num_hidden_layers"), dim=dim, n_heads=n_heads,
+        kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or dim // n_heads,
+        ffn_hidden_dim=getattr(hf_config, "intermediate_size", None) or 4 * dim,
+        vocab_size=_field(hf_config, "vocab_size"),
+        max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
+        trust_remote_code=trust_remote_code, folder=folder)
+
+
+def _field(hf_config, name: str) -> int:
+    value = getattr(hf_config, name, None)
+    if not isinstance(value, int):
+        raise HFConfigError(f"config.json of model_type {hf_config.model_type} has no integer {name}")
+    return value
+
+
+def _transformers_config(config: dict[str, Any], trust_remote_code: bool, folder: str):
+    """transformers' config object of a config.json."""
+    from transformers import AutoConfig
+
+    try:
+        if trust_remote_code and "auto_map" in config:
+            return AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+        return AutoConfig.for_model(config["model_type"], **fields)
+    except (ValueError, KeyError, OSError) as e:
+        import transformers
+
+        raise HFConfigError(f"transformers {transformers.__version__} cannot read config.json of model_type "
+                            f"{config['model_type']} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _causal_lm_class(hf_config) -> type[nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except KeyError:
+        raise HFConfigError(f"transformers has no causal language model for model_type {hf_config.model_type}") from None
+
+
+def build(args: HFModelArgs) -> nn.Module:
+    """The transformers causal LM of `args` on the current default device (meta included), in
+    float32, with `args` as its `.args`."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = _transformers_config(args.config, args.trust_remote_code, args.folder)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+    model.args = args
+    return model
+
+
+def forward(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None = None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of a transformers causal LM. Packed documents are told apart by their positions, which
+    restart at each document (transformers' packed-sequence mask); document_ids add nothing."""
+    if positions is not None and positions.ndim == 1:
+        positions = positions.expand(inputs.shape[0], -1)
+    return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+
+
+def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json: the folder's own, its dtype that of the export."""
+    config = {k: v for k, v in args.config.items() if k not in _DTYPE_KEYS}
+    return config | {"dtype": str(dtype).removeprefix("torch.")}
+
+
+def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Every field of config.json but its dtype and the version that wrote it."""
+    return {k: v for k, v in config.items() if k not in (*_DTYPE_KEYS, "transformers_version")}
+
+
+class SameNames:
+    """`HFNames` where weft's names are transformers' (models/common/hf_names.py): every tensor its own,
+    under its own name, rows as they are."""
+
+    def to_hf(self, name: str) -> str:
+        return name
+
+    def to_weft(self, hf_name: str) -> str:
+        return hf_name
+
+    def hf_parts(self, name: str, count: int) -> list[str]:
+        return [name]
+
+    def stacked(self, name: str) -> bool:
+        return False
+
+    def groups(self, weft_names) -> dict[str, list[str]]:
+        return {name: [name] for name in weft_names}
+
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        return tensor
+
+    def from_hf_tensor(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        return tensor
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_counts(args: HFModelArgs) -> tuple[int, int, int]:
+    """(parameters of the blocks, their linears' inputs + outputs, those of the blocks' linears),
+    from the model on meta: per block, averaged."""
+    with torch.device("meta"):
+        model = build(args)
+    blocks = _blocks(model)
+    numel = sum(p.numel() for block in blocks for p in block.parameters())
+    widths = sum(m.in_features + m.out_features for block in blocks for m in block.modules() if isinstance(m, nn.Linear))
+    return numel // len(blocks), widths // len(blocks), len(blocks)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise HFConfigError(f"{type(model).__name__} has no model.layers, the decoder blocks weft looks for")
+    return list(layers)
+
+
+def block_numel(args: HFModelArgs) -> int:
+    return _meta_counts(args)[0]
+
+
+def lora_block_numel(args: HFModelArgs, rank: int) -> int:
+    """Adapters of one block with LoRA on every linear of it (the default targets)."""
+    return rank * _meta_counts(args)[1]
+
+
+def _unsupported(model, **_) -> Any:
+    raise NotImplementedError("the transformers backend's own plans are the model's (parallelisms/tp.py, hf_stages.py)")
+
+
+class _NoWeftModel(nn.Module):
+    """No module is one: `spec_for_model` leaves a transformers model to the parallelisms' own paths
+    for transformers models (its `_tp_plan`, its pipeline stage, its `_init_weights`)."""
+
+
+TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_config,
+                            args_from_hf_config=args_from_hf_config, architecture_fields=architecture_fields,
+                            tied_output="lm_head.weight")
+
+TRANSFORMERS_SPEC = ModelSpec(
+    name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
+    tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
+    block_numel=block_numel, lora_block_numel=lora_block_numel,
+    nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward)

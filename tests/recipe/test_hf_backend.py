@@ -1,0 +1,298 @@
+"""The transformers backend (models/transformers): folders of families weft does not implement,
+written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings),
+decode greedily as transformers does and train under the recipe. Six SFT steps (prompt/completion,
+packed) in one process equal fsdp 2 and tp 2 (the model's `_tp_plan`); the exports reload in
+transformers with the source's key set and the trained weights; LoRA's PEFT folder loads in `peft`
+with the merged export's logits; a stopped run resumes bit for bit; and what the backend does not
+reach yet is refused in one line naming the key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from weft import generate
+from weft.components.config import ConfigError, parse_args
+from weft.components.data import load_tokenizer
+from weft.components.hf import ConversionError
+from weft.components.config.shipped import SHIPPED_TOKENIZER
+from weft.recipe.plan import RunPlan
+from tests.support.dist_utils import run_distributed
+from tests.support.train_runs import run, run_args
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "mistral": lambda: transformers.MistralConfig(**SHAPE),
+    # one sliding layer (window 8, shorter than the 32-token samples) and one global, embeddings tied
+    "gemma3": lambda: transformers.Gemma3TextConfig(**SHAPE, sliding_window=8, pad_token_id=0,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+}
+FAMILIES = list(CONFIGS)
+FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
+
+
+def tiny_folder(folder: Path, family: str) -> Path:
+    """A randomly initialised transformers model of `family`, saved as a Hugging Face folder."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).save_pretrained(folder)
+    return folder
+
+
+def sft_args(folder: Path, data: Path, dump: Path, *extra: str) -> list[str]:
+    return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(folder),
+                    "--data.format", "prompt_completion", "--data.dataset_path", str(data), *FP32,
+                    "--checkpoint.enable", "--checkpoint.interval", "3", *extra, steps=6, batch=4)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The folders and the SFT data every test shares."""
+    root = tmp_path_factory.mktemp("hf_backend")
+    for family in FAMILIES:
+        tiny_folder(root / family, family)
+    records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> dict[str, list[float]]:
+    """Each family's 6 steps in one process, exported at the end (<run>/hf)."""
+    return {family: run(sft_args(root / family, root / "sft.jsonl", root / f"one_{family}", "--export.hf_folder", "hf"))
+            for family in FAMILIES}
+
+
+def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_decodes_greedily_as_transformers(root, family, capsys):
+    prompt = "ROMEO: But, soft!"
+    assert generate.main(["--hf", str(root / family), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    ours = capsys.readouterr().out.rstrip("\n")
+    tokenizer = load_tokenizer(str(SHIPPED_TOKENIZER))
+    ids = tokenizer.encode(prompt, bos=True, eos=False)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    out = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_id,
+                          pad_token_id=tokenizer.eos_id)
+    assert ours == tokenizer.decode(out[0].tolist())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_see_only_themselves(root, family):
+    """The step's forward of a packed row (positions restarting at each document) gives each
+    document the logits transformers gives it alone."""
+    from weft.models import TRANSFORMERS_SPEC
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    lengths = [10, 14, 8]
+    tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        packed = TRANSFORMERS_SPEC.forward(model, tokens, positions)
+        alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
+        whole = model(input_ids=tokens).logits
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    assert (whole - alone).abs().max() > 1e-3  # without the positions, the documents would see each other
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, one_process, family):
+    losses = one_process[family]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    source, exported = load_file(root / family / "model.safetensors"), load_file(root / f"one_{family}/hf/model.safetensors")
+    assert sorted(exported) == sorted(source)
+    assert all(not torch.equal(exported[k], source[k]) for k in source if "norm" not in k)  # it trained
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"one_{family}" / "hf")
+    tied = CONFIGS[family]().tie_word_embeddings
+    assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+    config = json.loads((root / f"one_{family}" / "hf" / "config.json").read_text())
+    assert config["model_type"] == CONFIGS[family]().model_type and config["dtype"] == "float32"
+
+
+def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_process, tmp_path, capsys):
+    from weft.components.hf import main as hf_main
+
+    checkpoint = root / "one_mistral" / "checkpoint" / "step-6"
+    assert hf_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    cli, at_end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(root / "one_mistral/hf/model.safetensors")
+    assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+    capsys.readouterr()
+    decoded = []
+    for source in (["--checkpoint", str(checkpoint)], ["--hf", str(root / "one_mistral" / "hf")]):
+        assert generate.main([*source, "--tokenizer", str(SHIPPED_TOKENIZER), "--prompt", "ROMEO:",
+                              "--max-new-tokens", "12"]) == 0
+        decoded.append(capsys.readouterr().out)
+    assert decoded[0] == decoded[1]
+
+
+def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_model(root, capsys):
+    from weft import train
+
+    folder = root / "mistral"
+    assert train.main(sft_args(folder, root / "sft.jsonl", root / "dry", "--job.dry_run", "--parallelism.dp_shard",
+                               "2", "--job.dry_run_world_size", "2")) == 0
+    out = capsys.readouterr().out
+    numel = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(folder).parameters())
+    assert f"model from_hf_config: {numel:,} parameters, {numel // 2:,} on each rank" in out
+    plan = RunPlan.from_config(parse_args(sft_args(folder, root / "sft.jsonl", root / "plan")), 1, device_type="cpu",
+                               check_environment=False)
+    from weft.recipe.build import backend_line, build_model
+
+    model = build_model(plan, None, None)
+    assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
+
+
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path):
+    peft = pytest.importorskip("peft")
+    run(sft_args(root / "gemma3", root / "sft.jsonl", tmp_path, "--lora.enable", "--lora.rank", "4",
+                 "--export.peft_folder", "peft", "--export.hf_folder", "merged", "--no-checkpoint.enable"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "gemma3").eval()
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        theirs = adapted(TOKENS).logits
+    merged = logits_of(tmp_path / "merged", TOKENS)
+    torch.testing.assert_close(theirs, merged, rtol=0, atol=1e-5)
+    assert (merged - logits_of(root / "gemma3", TOKENS)).abs().max() > 1e-3  # the adapters trained
+    assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
+        load_file(root / "gemma3" / "model.safetensors"))
+
+
+def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path):
+    args = sft_args(root / "gemma3", root / "sft.jsonl", tmp_path)
+    first = run(args, stop_after=3)
+    assert first + run(args) == one_process["gemma3"]
+
+
+def other_layouts(root: str) -> dict[str, list[float]]:
+    """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
+    Mistral under tp 2."""
+    root = Path(root)
+    runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
+                                       "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
+                                       "--activation_checkpoint.mode", "full", "--export.hf_folder", "hf")
+            for family in FAMILIES}
+    runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
+                                  "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    return {name: run(args) for name, args in runs.items()}
+
+
+@pytest.mark.slow
+def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transformers(root, one_process):
+    losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
+    for family in FAMILIES:
+        assert losses[f"fsdp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        source = load_file(root / family / "model.safetensors")
+        exported = load_file(root / f"fsdp_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(source)
+        for key in source:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
+                                   logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+
+
+def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
+    cfg = parse_args(run_args(folder.parent / "plan", "--model.flavor", "from_hf_config",
+                              "--checkpoint.initial_load_path", str(folder), "--data.dataset_path", str(data), *extra))
+    return RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--parallelism.dp_shard", "1", "--parallelism.pp", "2"), "parallelism.pp = 2: "),
+    (("--parallelism.dp_shard", "1", "--parallelism.cp", "2"), "parallelism.cp = 2: "),
+    (("--compile.enable",), "compile.enable = True: "),
+    (("--lora.enable", "--lora.quantize_base", "nf4"), "lora.quantize_base = 'nf4': "),
+])
+def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, message):
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / "mistral", root / "sft.jsonl", *extra)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert "transformers" in str(refused.value)
+
+
+def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Gemma3ForCausalLM declares style "
+                                          r"'replicated_with_grad_allreduce' for model.layers.\*.self_attn.q_norm, "):
+        plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+
+
+def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_flag(root, tmp_path):
+    folder = tmp_path / "stablelm"
+    folder.mkdir()
+    config = transformers.StableLmConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2).to_dict()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: StableLmForCausalLM \(model_type stablelm, built "
+                                          r"by transformers\) declares no tensor-parallel plan \(_tp_plan\); set "
+                                          r"parallelism.tp = 1$"):
+        plan_of(folder, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    (folder / "config.json").write_text(json.dumps(config | {"auto_map": {"AutoModelForCausalLM": "modeling.Model"}}))
+    with pytest.raises(ConversionError, match=r"^checkpoint.initial_load_path: HF folder .*: config.json has auto_map "
+                                              r".*model.trust_remote_code = true \(generate.py --trust-remote-code\)$"):
+        plan_of(folder, root / "sft.jsonl", world_size=1)
+
+
+CUSTOM_CONFIG = "from transformers import MistralConfig\n\n\nclass TinyConfig(MistralConfig):\n    model_type = 'tiny_custom'\n"
+CUSTOM_MODEL = ("from transformers import MistralForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+                "class TinyForCausalLM(MistralForCausalLM):\n    config_class = TinyConfig\n")
+
+
+def test_a_folder_with_its_own_code_runs_only_when_trusted(root, tmp_path, capsys):
+    folder = tmp_path / "custom"
+    shutil.copytree(root / "mistral", folder)
+    (folder / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "tiny_custom", "architectures": ["TinyForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig",
+                            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    prompt = ["--prompt", "ROMEO:", "--max-new-tokens", "8"]
+    assert generate.main(["--hf", str(folder), *prompt]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.startswith("weft: error: HF folder") and "auto_map" in refusal and refusal.count("\n") == 1
+    assert generate.main(["--hf", str(folder), "--trust-remote-code", *prompt]) == 0
+    trusted = capsys.readouterr().out
+    assert generate.main(["--hf", str(root / "mistral"), *prompt]) == 0  # the same weights under Mistral's code
+    assert trusted == capsys.readouterr().out
+
+
+def test_the_weft_backend_still_refuses_another_family(root):
+    with pytest.raises(ConversionError, match="model_type is mistral, not llama"):
+        plan_of(root / "mistral", root / "sft.jsonl", "--model.backend", "weft", world_size=1)
+
+
+def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path):
+    """weft's own Llama and transformers' LlamaForCausalLM, from one folder, through the same six
+    packed SFT steps: two implementations, one loss curve."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp_path / "llama")
+    losses = {backend: run(sft_args(tmp_path / "llama", root / "sft.jsonl", tmp_path / backend, "--model.backend",
+                                    backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+    assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+
+
+def test_auto_builds_with_weft_where_weft_implements_the_model_type():
+    from weft.models import TRANSFORMERS_SPEC, spec_for_flavor, spec_for_hf_config
+
+    qwen3 = spec_for_flavor("debugmodel_qwen3")
+    assert spec_for_hf_config({"model_type": "qwen3"}, "auto") is qwen3
+    assert spec_for_hf_config({"model_type": "qwen3"}, "transformers") is TRANSFORMERS_SPEC
+    assert spec_for_hf_config({"model_type": "mistral"}, "auto") is TRANSFORMERS_SPEC
+    assert spec_for_hf_config({"model_type": "mistral"}, "weft") is spec_for_flavor("debugmodel")  # Llama's refuses it
