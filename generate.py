@@ -23,14 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.components.hf.adapters import load_peft_adapter
-from weft.components.checkpoint.checkpointer import load_model_weights, model_tensor_metadata, require_complete_checkpoint
-from weft.components.data import DataError, HFTokenizer, load_tokenizer
-from weft.errors import OneLineParser, UserError, report_user_error
-from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.components.hf.export import holds_adapters, run_hf_files
+from weft.components.checkpoint.checkpointer import (
+    load_model_weights,
+    model_tensor_metadata,
+    require_complete_checkpoint,
+)
 from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
+from weft.components.data import DataError, HFTokenizer, load_tokenizer
+from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
+from weft.components.hf.adapters import load_peft_adapter
+from weft.components.hf.export import holds_adapters, run_hf_files
 from weft.components.hf.writer import ExportError
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import BACKENDS, flavors, spec_for_args
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.precision import DTYPES

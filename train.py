@@ -18,12 +18,12 @@ import torch
 from weft.components.config import JobConfig, parse_args, to_toml
 from weft.components.data.mixture import source_tokens
 from weft.components.distributed.processes import Preemption, all_reduce_mean
+from weft.components.distributed.timeouts import collective_failure
 from weft.components.ft.groups import GroupStats
-from weft.errors import UserError, report_user_error
 from weft.components.hf import record_hf_files
 from weft.components.observe.metrics import MetricsLogger, StepStats
 from weft.components.observe.profiling import StepProfiler
-from weft.components.distributed.timeouts import collective_failure
+from weft.errors import UserError, report_user_error
 from weft.recipe.build import (
     Training,
     build_checkpointer,

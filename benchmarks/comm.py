@@ -33,13 +33,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weft.components.config import Optimizer, parse_args
-from weft.components.distributed.processes import all_reduce_mean
 from weft.components.data import Batch
+from weft.components.distributed.cpu_ranks import run_distributed
+from weft.components.distributed.processes import all_reduce_mean
 from weft.models import flavors
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import train_step
-from weft.components.distributed.cpu_ranks import run_distributed
 
 ARGS = flavors()["debugmodel"]
 BATCH = 2  # local batch: samples per data-parallel rank

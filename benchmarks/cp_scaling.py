@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from weft.components.distributed.cpu_ranks import run_distributed
 from weft.models import spec_for_flavor
 from weft.parallelisms.cp import apply_cp, shard_sequence
-from weft.components.distributed.cpu_ranks import run_distributed
 
 SEQ_LEN = 1024
 BATCH = 1

@@ -18,7 +18,6 @@ import statistics
 import time
 from collections import Counter
 
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -81,20 +81,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from weft.benchmarks.profiling import CATEGORIES, PhaseRegions, kernel_breakdown
 from weft.components.config import Optimizer
-from weft.components.training.loss import token_loss
-from weft.components.observe.metrics import count_parameters, device_peak_flops, flops_per_token
-from weft.components.training.optim import build_optimizer
 from weft.components.data import Batch
+from weft.components.observe.metrics import count_parameters, device_peak_flops, flops_per_token
+from weft.components.training.loss import token_loss
+from weft.components.training.optim import build_optimizer
+from weft.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
 from weft.models import flavors, spec_for_args, spec_for_flavor
 from weft.parallelisms.compile import CompileOptions
-from weft.float8 import DEFAULT_MIN_DIM, Float8Options, check_float8_support
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.recipe.step import StepSetup, model_forward, train_step
-from weft.benchmarks.profiling import CATEGORIES, PhaseRegions, kernel_breakdown
 
 REPO = Path(__file__).resolve().parent.parent
 # The dense Llama, compared with transformers' LlamaForCausalLM of the same shape; Qwen3's dense

@@ -28,9 +28,9 @@ from unittest import mock
 
 import torch
 
+from weft import models
 from weft.components.config import parse_args
 from weft.components.data import Batch
-from weft import models
 from weft.components.memory import local_tensor, measured_peak_bytes
 from weft.recipe.build import build_trainer
 from weft.recipe.plan import RunPlan

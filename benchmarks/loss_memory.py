@@ -28,12 +28,11 @@ import argparse
 import statistics
 import time
 
-
 import torch
 import torch.nn.functional as F
 
-from weft.components.training.loss import chunked_cross_entropy, compiled_cross_entropy
 from weft.components.memory import GIB, measured_peak_bytes
+from weft.components.training.loss import chunked_cross_entropy, compiled_cross_entropy
 
 
 def eager(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

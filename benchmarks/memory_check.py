@@ -27,10 +27,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from weft import train
+from weft import models, train
 from weft.components.config import parse_args
 from weft.components.memory import GIB
-from weft import models
 from weft.recipe.dry_run import dry_run
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from weft.benchmarks.profiling import format_breakdown, kernel_breakdown
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.moe import MoE, grouped, loop
-from weft.benchmarks.profiling import format_breakdown, kernel_breakdown
 
 # dim, expert hidden, experts, top_k, shared expert hidden, tokens
 SHAPES = {

@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +27,8 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.data import Tokenizer, build_loader, find_text_files
 from weft.models import flavors, spec_for_flavor
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def bare_loop_tokens_per_second(flavor: str, seq_len: int, batch: int, warmup: int, steps: int) -> float:

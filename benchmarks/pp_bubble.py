@@ -18,7 +18,6 @@ import statistics
 import tempfile
 import time
 
-
 from weft.components.config import parse_args
 from weft.components.config.schema import PIPELINE_SCHEDULES
 from weft.components.distributed.cpu_ranks import run_distributed

@@ -26,11 +26,11 @@ import time
 from itertools import islice
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 from assets.make_chat_data import speeches
 from weft.components.data import Tokenizer, build_loader, find_text_files
 from weft.components.distributed.cpu_ranks import run_distributed
+
+REPO = Path(__file__).resolve().parent.parent
 
 TOKENIZER = REPO / "assets/tokenizer/shakespeare.model"
 PLAYS = REPO / "assets/data/shakespeare"

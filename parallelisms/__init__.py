@@ -2,12 +2,12 @@
 `parallelize` applies them in the one order that composes, and `materialize` allocates and
 initialises a meta-device model afterwards."""
 
+from weft.float8 import Float8Options, apply_float8
 from weft.parallelisms.ac import ACOptions, apply_ac
 from weft.parallelisms.common import TransformError, transformer_blocks
 from weft.parallelisms.compile import CompileOptions, apply_compile
 from weft.parallelisms.cp import apply_cp, shard_sequence
 from weft.parallelisms.ep import apply_ep
-from weft.float8 import Float8Options, apply_float8
 from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.lora import LoRAOptions, apply_lora
 from weft.parallelisms.materialize import materialize

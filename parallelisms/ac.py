@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from weft.errors import TransformError
 

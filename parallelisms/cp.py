@@ -11,7 +11,6 @@ included. The design (Llama 3's approach), its traffic, masks and compile: docs/
 from __future__ import annotations
 
 import functools
-
 import logging
 
 import torch

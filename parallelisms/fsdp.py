@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn

@@ -11,10 +11,10 @@ Targeted routed experts get one adapter per expert; A starts as PEFT's, B at zer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import fnmatch
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

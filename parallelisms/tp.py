@@ -21,8 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from weft.errors import Conflict
-from weft.errors import TransformError, refuse_data_parallel_model
+from weft.errors import Conflict, TransformError, refuse_data_parallel_model
 from weft.float8 import converted_modules, float8_tp_styles
 from weft.parallelisms.lora import lora_modules, lora_tp_plan
 from weft.parallelisms.plans import Plan, path_matches

@@ -19,8 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from weft.components.checkpoint.checkpointer import Checkpointer, CheckpointError, load_model_weights
+from weft.components.checkpoint.state import whole_model
 from weft.components.data import build_loader, prefetch
+from weft.components.data.fingerprint import FINGERPRINT_FILE
 from weft.components.data.mixture import Mixture
+from weft.components.distributed.flight_recorder import PhaseRecord, start_flight_recorder, trace_files_note
 from weft.components.distributed.processes import (
     gpu_binding_line,
     init_distributed,
@@ -28,25 +31,22 @@ from weft.components.distributed.processes import (
     set_determinism,
     simulation_warning,
 )
+from weft.components.distributed.timeouts import CommTimeouts, set_collective_timeout
+from weft.components.ft.checks import describe_groups
+from weft.components.ft.diloco import DiLoCoGroups
+from weft.components.ft.groups import NoFaultTolerance, ReplicaGroups, training_state
 from weft.components.hf import load_hf_into_model
+from weft.components.observe.log import setup_logging
 from weft.components.observe.metrics import (
     MetricsLogger,
     active_parameters,
     count_parameters,
     flops_per_token,
 )
-from weft.components.observe.log import setup_logging
-from weft.components.checkpoint.state import whole_model
-from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
-from weft.components.training.optim import build_lr_scheduler, build_optimizer
-from weft.components.data.fingerprint import FINGERPRINT_FILE
-from weft.components.ft.checks import describe_groups
-from weft.components.ft.diloco import DiLoCoGroups
-from weft.components.ft.groups import NoFaultTolerance, ReplicaGroups, training_state
-from weft.components.training.nonfinite import NonFinitePolicy
-from weft.components.distributed.flight_recorder import PhaseRecord, start_flight_recorder, trace_files_note
-from weft.components.distributed.timeouts import CommTimeouts, set_collective_timeout
 from weft.components.observe.wandb_logger import WandbLogger
+from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
+from weft.components.training.nonfinite import NonFinitePolicy
+from weft.components.training.optim import build_lr_scheduler, build_optimizer
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import quantize_lora_base

@@ -15,10 +15,16 @@ from pathlib import Path
 
 from weft.components.config import ConfigError, JobConfig
 from weft.components.data import DataError, HFTokenizer, build_loader, check_text_files, find_text_files
-from weft.components.data.mixture import MixtureEntry, parse_mixture
-from weft.components.data.shards import (are_shards, check_shard_format, check_tokenizer, is_shard_folder,
-                                         read_manifest, tokenizer_identity)
 from weft.components.data.fingerprint import check_resumed_data, data_fingerprint
+from weft.components.data.mixture import MixtureEntry, parse_mixture
+from weft.components.data.shards import (
+    are_shards,
+    check_shard_format,
+    check_tokenizer,
+    is_shard_folder,
+    read_manifest,
+    tokenizer_identity,
+)
 
 
 @dataclass(frozen=True)

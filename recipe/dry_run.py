@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from weft.components.config import ConfigError, JobConfig
-from weft.errors import UserError
 from weft.components.distributed.processes import init_fake_distributed, launched_world_size
+from weft.components.ft.checks import describe_groups
 from weft.components.memory import (
     GIB,
     MemoryEstimate,
@@ -28,14 +28,13 @@ from weft.components.memory import (
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
 )
-from weft.components.ft.checks import describe_groups
 from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
+from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions
-from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.parallelisms.pipeline import (
     PipelineLayout,
     PipelineStages,
@@ -43,6 +42,7 @@ from weft.parallelisms.pipeline import (
     default_split,
     split_model,
 )
+from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.recipe.build import build_model, model_line
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from weft.components.config import JobConfig, parse_args
-from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.checkpoint.checkpointer import require_complete_checkpoint
+from weft.components.config import JobConfig, parse_args
 from weft.components.hf import export_at_end
 from weft.components.hf.export import export_run_checkpoint, holds_adapters
-from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.model_files import HF_FILES
 from weft.components.hf.safetensors_io import check_output_folder
+from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import flavors
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.plan import RunPlan

@@ -20,22 +20,22 @@ import torch
 from torch import nn
 
 from weft.components.checkpoint.checkpointer import check_resume, resume_folder
-from weft.components.distributed.flight_recorder import check_trace_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
+from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.data import DataError, load_tokenizer
-from weft.components.ft.checks import check_fault_tolerance
+from weft.components.distributed.flight_recorder import check_trace_folder
 from weft.components.distributed.processes import collective_backend, launched_world_size, restart_warning
+from weft.components.ft.checks import check_fault_tolerance
 from weft.components.hf import check_export_folder, model_args_for_run
 from weft.components.hf.writer import ExportError, check_peft_export
 from weft.components.observe.profiling import check_profiling
-from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.observe.wandb_logger import check_wandb
+from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.models.common.moe_tp import check_moe_tp
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
-from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules
 from weft.parallelisms.parallel_dims import ParallelDims
@@ -44,7 +44,6 @@ from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pip
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
 from weft.parallelisms.tp import TPOptions, hf_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
-
 
 
 @dataclass

@@ -4,9 +4,10 @@ import tempfile
 
 import pytest
 
-from tests.support import ASSETS, slow_scaled_mm
-from weft.components.distributed.cpu_ranks import preload
 from weft.components.data import Tokenizer
+from weft.components.distributed.cpu_ranks import preload
+
+from tests.support import ASSETS, slow_scaled_mm
 
 # The "weft" logger as Python creates it, before any test runs train.py in-process.
 _WEFT = logging.getLogger("weft")

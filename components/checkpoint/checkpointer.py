@@ -28,13 +28,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from weft.components.checkpoint.save_errors import (
+    SaveError,
+    first_error,
+    folder_bytes,
+    free_bytes,
+    held_bytes,
+    shortage,
+    write_failure,
+)
+from weft.components.checkpoint.state import (
+    load_model_state,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+    whole_model,
+)
 from weft.components.config import Checkpoint
 from weft.components.distributed.processes import shared_gloo_group
-from weft.errors import UserError, one_line
-from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state, whole_model
 from weft.components.distributed.timeouts import keep_long_timeout
+from weft.errors import UserError, one_line
 from weft.layers.nf4_experts import NF4Experts
-from weft.components.checkpoint.save_errors import SaveError, first_error, folder_bytes, free_bytes, shortage, held_bytes, write_failure
 
 logger = logging.getLogger("weft")
 

@@ -3,17 +3,17 @@
 from weft.components.config.dump_folder import RUN_IDENTITY, check_creatable_folder, check_dump_folder
 from weft.components.config.parser import ConfigError, help_text, parse_args, to_dict, to_toml
 from weft.components.config.schema import (
+    FROM_HF_CONFIG,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
     Compile,
-    FROM_HF_CONFIG,
     Data,
     Export,
     FaultTolerance,
     Float8,
-    JobConfig,
     Job,
+    JobConfig,
     LRScheduler,
     Metrics,
     Model,

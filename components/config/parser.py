@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from weft.components.config.schema import MAX_MICRO_BATCH_TOKENS, JobConfig
-from weft.errors import UserError
 from weft.components.config.shipped import TRAIN_CONFIGS, shipped_path
+from weft.errors import UserError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -20,8 +20,18 @@ from weft.components.data import sources
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, file_documents,
-                                          is_plain_text, position_state, record_of, where)
+from weft.components.data.files import (
+    STATE_KEYS,
+    DocStart,
+    RawDoc,
+    check_suffixes,
+    documents,
+    file_documents,
+    is_plain_text,
+    position_state,
+    record_of,
+    where,
+)
 from weft.components.data.formats import SAMPLE_FORMATS, Sample, parse_record
 from weft.components.training.loss import IGNORE_INDEX
 

@@ -20,15 +20,22 @@ from pathlib import Path
 import numpy as np
 
 from weft.components.config.dump_folder import check_creatable_folder
-from weft.components.data.errors import DataError
+from weft.components.config.shipped import shipped_path
 from weft.components.data.files import DocStart, check_text_files, file_documents, find_text_files
-from weft.components.data.shards import (FORMAT_VERSION, MANIFEST, OFFSETS_DTYPE, OFFSETS_SUFFIX, TOKENS_SUFFIX,
-                                         shard_dtype, shard_name, tokenizer_identity)
+from weft.components.data.fingerprint import data_fingerprint
+from weft.components.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    OFFSETS_DTYPE,
+    OFFSETS_SUFFIX,
+    TOKENS_SUFFIX,
+    shard_dtype,
+    shard_name,
+    tokenizer_identity,
+)
 from weft.components.data.tokenizers import load_tokenizer
 from weft.components.data.windows import TextWindows
 from weft.errors import OneLineParser, UserError, report_user_error
-from weft.components.data.fingerprint import data_fingerprint
-from weft.components.config.shipped import shipped_path
 
 SHARD_BYTES = 256 * 2**20  # of a .jsonl source per shard, so one large file is tokenized by many workers
 _windows: TextWindows | None = None  # each worker's tokenizer, loaded once

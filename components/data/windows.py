@@ -20,8 +20,16 @@ import torch.distributed as dist
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Counted, Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import (STATE_KEYS, DocStart, RawDoc, check_suffixes, documents, position_state,
-                                          read_text, where)
+from weft.components.data.files import (
+    STATE_KEYS,
+    DocStart,
+    RawDoc,
+    check_suffixes,
+    documents,
+    position_state,
+    read_text,
+    where,
+)
 
 
 class TextWindows:

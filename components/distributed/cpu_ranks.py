@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # What every rank imports anyway, imported once by the fork server (not its callers' modules: a
 # test's own module is imported by each rank, as before); `preload` adds to it.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy"]

@@ -10,13 +10,11 @@ was. How a step runs and why: docs/fault-tolerance.md.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 

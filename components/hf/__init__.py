@@ -16,7 +16,6 @@ from weft.components.hf.export import (
     export_to_hf,
     record_hf_files,
 )
-from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.components.hf.load import (
     check_same_architecture,
     load_hf_into_model,
@@ -25,6 +24,7 @@ from weft.components.hf.load import (
     read_hf_config,
 )
 from weft.components.hf.safetensors_io import ConversionError
+from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 
 __all__ = [
     "ConversionError",

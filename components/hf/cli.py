@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from weft.errors import OneLineParser, UserError, report_user_error
 from weft.components.hf.export import export_run_checkpoint
+from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import flavors
 
 

@@ -15,9 +15,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 
 from weft.components.checkpoint.checkpointer import listing
+from weft.components.checkpoint.state import model_parts, whole_model
 from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
-from weft.components.checkpoint.state import model_parts, whole_model
 from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
 

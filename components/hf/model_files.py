@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from weft.errors import one_line
 from weft.components.data import load_tokenizer
+from weft.errors import one_line
 from weft.models import spec_for_args
 
 logger = logging.getLogger("weft")

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from weft.errors import UserError
+from weft.components.checkpoint.state import full_tensors, model_parts, whole_model
 from weft.components.hf.model_files import finish_hf_folder
 from weft.components.hf.safetensors_io import new_folder, plan_shards, write_shards
-from weft.components.checkpoint.state import full_tensors, model_parts, whole_model
+from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.models.common.spec import HFMapping
 from weft.parallelisms.lora import expert_lora_modules, lora_modules

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from weft.layers.nf4_experts import weight_numel
 from weft.components.observe.rank_times import gather_rank_times, rank_scalars, slow_rank_note
 from weft.components.observe.time_left import TimeLeft, clock
+from weft.layers.nf4_experts import weight_numel
 from weft.models import spec_for_args, spec_for_model
 
 logger = logging.getLogger("weft")

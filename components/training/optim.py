@@ -12,7 +12,6 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from weft.components.config import LRScheduler, Optimizer
 
-
 # Devices where torch's AdamW has a fused kernel: one kernel updates all of a parameter's state
 # in a single pass, where foreach runs a dozen multi-tensor element-wise ops. CPU has had one
 # since torch 2.4 (and has no multi-tensor foreach kernels: foreach there is a loop of per-tensor

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from weft.layers.init import param_seed, trunc_normal
+from weft.models.common.moe import MoE
 from weft.models.common.norms import RMSNorm
 from weft.models.common.rotary import rope_rotations
-from weft.models.common.moe import MoE
 from weft.models.common.spec import ModelSpec
 
 # Parameters that write into the residual stream (attention's output, the feed-forwards' down

@@ -11,8 +11,8 @@ from torch import nn
 
 from weft.models.common.counts import decoder_flops_per_token
 from weft.models.common.pipeline import decoder_units
-from weft.models.common.tp_plan import dense_tp_plan
 from weft.models.common.spec import HFMapping, ModelSpec
+from weft.models.common.tp_plan import dense_tp_plan
 
 
 def decoder_spec(name: str, flavors: Mapping[str, Any], args_type: type, model: type[nn.Module], hf: HFMapping,

@@ -23,8 +23,8 @@ from weft.models.common.hf_names import (
     swiglu,
     unpermute_from_hf,
 )
-from weft.models.llama.args import ModelArgs
 from weft.models.common.spec import HFConfigError
+from weft.models.llama.args import ModelArgs
 
 __all__ = [
     "HFConfigError",

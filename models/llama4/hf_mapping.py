@@ -17,8 +17,8 @@ import torch
 
 from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, rope_scaling
 from weft.models.common.hf_names import DECODER_BLOCK, ExpertParameters, HFNames, decoder_table, swiglu
-from weft.models.llama4.args import ModelArgs
 from weft.models.common.spec import HFConfigError
+from weft.models.llama4.args import ModelArgs
 
 # Rotary table length when config.json asks for more: Scout's 10M positions would be a 5 GiB table.
 MAX_ROTARY_POSITIONS = 131072

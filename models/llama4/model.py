@@ -17,9 +17,9 @@ from weft.layers.nf4_experts import weight_numel
 from weft.models.common.decoder import Decoder
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
+from weft.models.common.moe import MoE
 from weft.models.common.norms import RMSNorm
 from weft.models.llama4.args import ModelArgs
-from weft.models.common.moe import MoE
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:

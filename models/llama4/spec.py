@@ -8,11 +8,11 @@ from __future__ import annotations
 from weft.models.common.counts import attention_lora_numel, attention_numel, decoder_flops_per_token
 from weft.models.common.decoder_spec import decoder_spec
 from weft.models.common.hf_config import hf_mapping
+from weft.models.common.spec import Experts
 from weft.models.llama4 import hf_mapping as llama4_hf
 from weft.models.llama4.args import LLAMA4_FLAVORS, ModelArgs
 from weft.models.llama4.model import Transformer
 from weft.models.llama4.tp_plan import tp_plan
-from weft.models.common.spec import Experts
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:

@@ -16,8 +16,8 @@ import torch
 
 from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, required, rope_scaling
 from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, ExpertParameters, HFNames, decoder_table, swiglu
-from weft.models.qwen3.args import ModelArgs
 from weft.models.common.spec import HFConfigError
+from weft.models.qwen3.args import ModelArgs
 
 QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
 

@@ -13,8 +13,8 @@ from weft.layers.nf4_experts import weight_numel
 from weft.models.common.decoder import Decoder, PreNormBlock
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
-from weft.models.common.norms import RMSNorm
 from weft.models.common.moe import MoE
+from weft.models.common.norms import RMSNorm
 from weft.models.qwen3.args import ModelArgs
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from weft.models.common.counts import attention_lora_numel, attention_numel
 from weft.models.common.decoder_spec import decoder_spec
 from weft.models.common.hf_config import hf_mapping
+from weft.models.common.spec import Experts
 from weft.models.qwen3 import hf_mapping as qwen3_hf
 from weft.models.qwen3.args import QWEN3_FLAVORS, ModelArgs
 from weft.models.qwen3.model import Transformer
 from weft.models.qwen3.tp_plan import tp_plan
-from weft.models.common.spec import Experts
 
 
 def block_numel(args: ModelArgs) -> int:

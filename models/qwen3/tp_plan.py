@@ -11,8 +11,8 @@ from collections.abc import Collection
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from weft.models.common.tp_plan import decoder_tp_plan
 from weft.models.common.moe_tp import moe_tp_plan
+from weft.models.common.tp_plan import decoder_tp_plan
 
 Plan = dict[str, ParallelStyle]
 

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.comm import ARGS, Key, Layout, Traffic, block_weights, compare, fsdp_unit_bytes, measure, theory
 from weft.models.llama import ModelArgs
+
 from tests.support.dist_utils import run_distributed
 
 # A vocabulary of 2047 rows splits 1024 + 1023 over 2 ranks: FSDP2 pads the short shard.

@@ -11,8 +11,9 @@ import subprocess
 import pytest
 
 from benchmarks import gpu_throughput, lora, moe
-from tests.support import REPO
 from weft.components.config import ConfigError, parse_args
+
+from tests.support import REPO
 
 GROUPS = ("perf", "perf_ab", "moe_block", "qwen3", "qlora_moe")
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from benchmarks import gpu_throughput as bench
 from weft.models.llama import LLAMA_FLAVORS, Transformer
+
 from tests.support.slow_scaled_mm import emulated_scaled_mm
 
 

@@ -10,10 +10,17 @@ import json
 import pytest
 import torch
 
-from benchmarks.profiling import CATEGORIES, LOSS, PhaseRegions, build_setup, category, format_breakdown, kernel_breakdown
+from benchmarks.profiling import (
+    CATEGORIES,
+    LOSS,
+    PhaseRegions,
+    build_setup,
+    category,
+    format_breakdown,
+    kernel_breakdown,
+)
 from weft.components.data import Batch
 from weft.recipe.step import train_step
-
 
 VOCAB = 2048  # debugmodel's (the Shakespeare tokenizer's); no other dimension of it is 2048
 

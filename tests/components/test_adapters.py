@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from weft.components.hf.adapters import load_peft_adapter
-from weft.errors import UserError
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
-from weft.models.llama.hf_mapping import hf_config
+from weft.errors import UserError
 from weft.models.llama import ModelArgs, Transformer
+from weft.models.llama.hf_mapping import hf_config
 from weft.parallelisms.lora import LoRAOptions, lora_modules
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize

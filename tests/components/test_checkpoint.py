@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft.recipe import build as recipe_build
 from weft.components.checkpoint import checkpointer as checkpoint_module
 from weft.components.checkpoint.checkpointer import COMPLETE, CheckpointError, complete_steps
 from weft.components.config import ConfigError
+from weft.recipe import build as recipe_build
+
+from tests.support import REPO
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 
-from tests.support import REPO
 STEPS = 20
 LAYOUTS = {
     "single": [],

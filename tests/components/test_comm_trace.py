@@ -15,11 +15,17 @@ import torch
 import torch.distributed as dist
 
 from weft import train
-from weft.components.distributed import timeouts as timeouts_module
-from weft.components.distributed.flight_recorder import PhaseRecord, flight_recorder_env, start_flight_recorder, trace_prefix
 from weft.components.config import parse_args
+from weft.components.distributed import timeouts as timeouts_module
 from weft.components.distributed.cpu_ranks import run_distributed
+from weft.components.distributed.flight_recorder import (
+    PhaseRecord,
+    flight_recorder_env,
+    start_flight_recorder,
+    trace_prefix,
+)
 from weft.components.distributed.timeouts import CommTimeouts
+
 from tests.support.failure_checks import assert_clean_failure, python_path, run_in_process, snapshot
 
 

@@ -10,12 +10,13 @@ import json
 import pytest
 import torch
 
-from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
+from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
 from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules
-from tests.support.llama4_transformers import tiny_transformers_model, weft_from_transformers
+
 from tests.support.hf_folders import tiny_qwen3_hf_folder
+from tests.support.llama4_transformers import tiny_transformers_model, weft_from_transformers
 
 TARGETS = ["wq", "wv", "experts"]
 

@@ -6,7 +6,13 @@ import hashlib
 
 import pytest
 
-from weft.components.data.fingerprint import HEAD_BYTES, DataChangedError, check_resumed_data, data_fingerprint, difference
+from weft.components.data.fingerprint import (
+    HEAD_BYTES,
+    DataChangedError,
+    check_resumed_data,
+    data_fingerprint,
+    difference,
+)
 
 
 @pytest.fixture

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from weft.components.config import ConfigError, parse_args
+from weft.components.ft.checks import check_fault_tolerance, config_identity
+
 from tests.support import REPO
 from tests.support.dist_utils import free_port, run_distributed
 from tests.support.train_runs import run as run_train
-from weft.components.config import ConfigError, parse_args
-from weft.components.ft.checks import check_fault_tolerance, config_identity
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse started here: its line per quorum, off
 pytest.importorskip("torchft")

@@ -12,6 +12,7 @@ import torch
 from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf.writer import save_hf_model, save_peft_adapter
 from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_modules
+
 from tests.support.llama4_transformers import TINY, tiny_transformers_model, weft_from_transformers
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.components.training.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
 from weft.components.memory import measured_peak_bytes
+from weft.components.training.loss import IGNORE_INDEX, chunked_cross_entropy, compiled_cross_entropy, token_loss
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from weft.components.config import parse_args
 from weft.components.memory import estimate_memory, local_tensor, measured_peak_bytes
 from weft.models import flavors
 from weft.recipe.dry_run import step_shape
+
 from tests.support.dist_utils import run_distributed
 
 # name -> (world size, overrides)

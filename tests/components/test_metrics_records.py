@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import weft.recipe.build as build_module
-from tests.support.train_runs import run_args
 from weft import train
 
+from tests.support.train_runs import run_args
 
 WARMUP = ("--lr_scheduler.warmup_steps", "3")  # the rate changes at every one of the 4 steps
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from weft.components.config import parse_args
+
 from tests.support.dist_utils import run_distributed
 
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4",

@@ -16,9 +16,9 @@ import torch
 from torch.profiler import ProfilerAction
 
 from weft import train
-from weft.components.observe import profiling
 from weft.components.config import dump_folder
 from weft.components.config.schema import Profiling
+from weft.components.observe import profiling
 from weft.components.observe.metrics import MetricsLogger, StepStats
 from weft.components.observe.profiling import (
     MEMORY_VIZ,
@@ -29,8 +29,8 @@ from weft.components.observe.profiling import (
     snapshot_path,
     trace_path,
 )
-from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 
+from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 
 # ---- the decisions ------------------------------------------------------------------------------
 

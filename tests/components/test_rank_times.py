@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from benchmarks.slow_rank import slow_data
-from tests.support.dist_utils import run_distributed
-from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
-from tests.support.train_runs import run_args
 from weft import train
 from weft.components.config import parse_args
 from weft.components.observe.rank_times import gather_device, rank_scalars, slow_rank_note, slowest_rank
 from weft.recipe.build import build_training
+
+from tests.support.dist_utils import run_distributed
+from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.train_runs import run_args
 
 DELAY_S = 0.3
 

@@ -12,6 +12,7 @@ import pytest
 
 from weft.components.config import parse_args
 from weft.components.config.shipped import shipped_path
+
 from tests.support import ASSETS, REPO
 
 if sys.version_info >= (3, 11):

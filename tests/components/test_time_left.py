@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from tests.support.train_runs import run_args
 from weft import train
 from weft.components.checkpoint.checkpointer import Checkpointer
 from weft.components.observe.time_left import TimeLeft, clock
 from weft.recipe.step import train_step
+
+from tests.support.train_runs import run_args
 
 STEP_S, SAVE_S, STEPS = 0.15, 0.3, 12
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
-from tests.support.train_runs import run_args
 from weft import train
 from weft.components.config import parse_args, to_dict
+
+from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
+from tests.support.train_runs import run_args
 
 
 def wandb_args(dump: Path, steps: int) -> list[str]:
@@ -76,8 +77,8 @@ def test_enable_wandb_without_the_package_exits_2_writing_nothing(tmp_path, caps
 
 def test_a_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    from weft.errors import UserError
     from weft.components.observe.wandb_logger import WandbLogger
+    from weft.errors import UserError
 
     def refuse(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")

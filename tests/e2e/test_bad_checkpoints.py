@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from weft import generate
-from weft import train
+from weft import generate, train
 from weft.components import hf
+
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.train_runs import run_args
 

@@ -18,6 +18,7 @@ import pytest
 from weft import train
 from weft.components.config import parse_args, to_toml
 from weft.components.data import SCAN_BYTES
+
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
 
 SHAKESPEARE = "assets/data/shakespeare"

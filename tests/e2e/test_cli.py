@@ -11,6 +11,7 @@ import pytest
 from weft.cli import main
 from weft.components.config import help_text
 from weft.errors import PREFIX
+
 from tests.support import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import weft.recipe.build as build_module
 from weft import train
 from weft.components.checkpoint import checkpointer as checkpoint_module
-from tests.support.failure_checks import REPO, assert_clean_failure, run_in_process, snapshot
-from tests.support.failure_checks import python_path
+
 from tests.support.dist_utils import free_port
+from tests.support.failure_checks import REPO, assert_clean_failure, python_path, run_in_process, snapshot
 from tests.support.train_runs import run_args
 
 # The injections go into the step's loss function (set up by recipe.build.build_step, which

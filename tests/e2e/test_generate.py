@@ -135,8 +135,9 @@ def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
     """--chat renders the user message with the folder's own tokenizer and template, and prints
     only the reply, which ends before the end-of-turn token."""
     from weft.components.data import HFTokenizer
-    from tests.support.hf_tokenizer import build_tokenizer_folder
+
     from tests.support.hf_folders import tiny_hf_folder
+    from tests.support.hf_tokenizer import build_tokenizer_folder
 
     folder = tiny_hf_folder(tmp_path / "hf", build_tokenizer_folder(tmp_path / "tok"))
     # No --tokenizer: the folder's own is the default.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from weft.components.config import parse_args
+
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.hf_tokenizer import build_tokenizer_folder
 from tests.support.train_runs import run_args
@@ -86,6 +87,7 @@ def train_all(jobs: list[list[str]]) -> list[list[float]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     from weft import train
+
     from tests.support.dist_utils import run_distributed
 
     root = tmp_path_factory.mktemp("hf_roundtrip")

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from weft.components.config.parser import read_toml
+
 from tests.support.dist_utils import free_port
 from tests.support.readme import readme_example
 

@@ -16,6 +16,7 @@ from weft.components.config import parse_args
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf import main as hf_main
 from weft.models.llama4 import Transformer
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

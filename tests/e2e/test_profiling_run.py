@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.train_runs import run_args
 from weft.components.config import parse_args
+
+from tests.support.train_runs import run_args
 
 PROFILE = ["--profiling.enable", "--profiling.freq", "3", "--profiling.warmup", "1", "--profiling.active", "1"]
 

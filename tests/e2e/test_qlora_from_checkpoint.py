@@ -15,6 +15,7 @@ import pytest
 
 from weft.components.hf.cli import main as hf_main
 from weft.layers.torchao_import import quiet_torchao_import
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

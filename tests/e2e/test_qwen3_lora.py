@@ -16,6 +16,7 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.hf import model_args_from_hf_folder
 from weft.generate import load_model
+
 from tests.support.hf_folders import tiny_qwen3_hf_folder
 from tests.support.train_runs import run_args
 

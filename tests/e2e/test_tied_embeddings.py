@@ -19,6 +19,7 @@ from weft.components.checkpoint.checkpointer import load_model_weights
 from weft.components.hf import export_to_hf
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.materialize import materialize
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run_args
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
 from tests.support.dist_utils import free_port
 from tests.support.failure_checks import every_rank_failed_or_was_stopped
 
-from tests.support import REPO
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

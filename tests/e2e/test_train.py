@@ -15,8 +15,8 @@ import pytest
 from weft import train
 from weft.components.config import parse_args
 from weft.components.data import DataError
-from weft.models.llama import LLAMA_FLAVORS
 from weft.models import flavors
+from weft.models.llama import LLAMA_FLAVORS
 
 from tests.support import REPO
 from tests.support.dist_utils import free_port

@@ -52,6 +52,7 @@ from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 from weft.parallelisms.tp import TPOptions, apply_tp, default_tp_plan
+
 from tests.support import ASSETS
 from tests.support.dist_utils import run_distributed
 

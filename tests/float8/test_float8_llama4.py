@@ -13,7 +13,9 @@ pytest.importorskip("torchao", reason="float8 needs torchao")
 
 from weft.float8 import converted_modules  # noqa: E402
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer  # noqa: E402
-from tests.support.float8_runs import float8_model, train_losses as losses  # noqa: E402
+
+from tests.support.float8_runs import float8_model  # noqa: E402
+from tests.support.float8_runs import train_losses as losses
 
 ARGS = LLAMA4_FLAVORS["debugmodel_moe"]
 

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.support.failure_checks import python_path
 
 from tests.support import REPO
+from tests.support.failure_checks import python_path
 
 BLOCK_TORCHAO = "import sys; sys.modules['torchao'] = None\n"
 

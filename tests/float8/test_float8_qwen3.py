@@ -13,6 +13,7 @@ pytest.importorskip("torchao", reason="float8 needs torchao")
 
 from weft.float8 import converted_modules  # noqa: E402
 from weft.models.qwen3 import QWEN3_FLAVORS, Transformer  # noqa: E402
+
 from tests.support.float8_runs import float8_model, train_losses  # noqa: E402
 
 # 16 experts in the MoE flavor: its router (256 -> 16) passes float8's size rules at min_dim 16, so

@@ -17,6 +17,7 @@ from weft.models.common.feed_forward import FeedForward
 from weft.models.common.gqa import GroupedQueryAttention
 from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, HFNames, decoder_table, swiglu
 from weft.models.common.norms import RMSNorm
+
 from tests.support.import_graph import ROOT, import_graph
 
 

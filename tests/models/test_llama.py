@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 from weft.models.common.rotary import apply_rotary_emb, rope_frequencies, rope_rotations
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 
 # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors indexes).
 PUBLISHED_PARAMETER_COUNTS = {

@@ -9,6 +9,7 @@ from weft.models.common.rotary import rope_frequencies
 from weft.models.llama.hf_mapping import HFConfigError
 from weft.models.llama4 import LLAMA4_FLAVORS, ModelArgs, Transformer
 from weft.models.llama4.hf_mapping import model_args_from_hf_config
+
 from tests.support.llama4_transformers import (
     TINY,
     tiny_transformers_model,
@@ -103,7 +104,7 @@ def test_top_k_above_the_experts_is_refused():
 def test_hf_folders_load_and_export_with_the_same_logits(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from weft.components.hf import load_hf_into_model, save_hf_model, model_args_from_hf_folder
+    from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
 
     hf = tiny_transformers_model(seed=5)
     hf.save_pretrained(tmp_path / "text")

@@ -12,8 +12,15 @@ import torch
 from torchao.quantization import to_nf4
 
 from weft.models.common.moe import MoE
-from weft.parallelisms.lora import (EXPERT_WEIGHTS, NF4_BLOCK, LoRAOptions, apply_lora, nf4_scaler_block,
-                                    quantize_experts, quantize_lora_base)
+from weft.parallelisms.lora import (
+    EXPERT_WEIGHTS,
+    NF4_BLOCK,
+    LoRAOptions,
+    apply_lora,
+    nf4_scaler_block,
+    quantize_experts,
+    quantize_lora_base,
+)
 
 DIM, HIDDEN, EXPERTS = 256, 128, 4
 

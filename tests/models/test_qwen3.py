@@ -16,6 +16,7 @@ from weft.models.common.hf_names import permute_for_hf
 from weft.models.common.moe import route
 from weft.models.qwen3 import QWEN3_FLAVORS, Transformer
 from weft.models.qwen3.hf_mapping import hf_config, model_args_from_hf_config
+
 from tests.support.hf_folders import tiny_qwen3_hf_folder
 from tests.support.published import QWEN3_PUBLISHED
 

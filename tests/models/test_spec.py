@@ -21,6 +21,7 @@ from weft.models import (
 )
 from weft.parallelisms.pipeline import split_model
 from weft.parallelisms.plans import path_matches
+
 from tests.support.import_graph import ROOT, find_cycle, import_graph, imported_modules, module_files, module_name
 
 

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.ac import ACOptions, _save_matmuls_policy, apply_ac
+
 from tests.support.slow_scaled_mm import emulated_scaled_mm
 
 

@@ -13,9 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
-from weft.models.llama import ModelArgs, Transformer
 from weft.layers.attention import CausalAttention
+from weft.models.llama import ModelArgs, Transformer
 from weft.parallelisms.cp import ContextParallelAttention, apply_cp, load_balanced_indices, shard_sequence
+
 from tests.support.dist_utils import run_distributed
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)

@@ -17,6 +17,7 @@ from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.ep import apply_ep, expert_parameters
 from weft.parallelisms.materialize import materialize
+
 from tests.support.dist_utils import run_distributed
 from tests.support.ep_training import BATCH, STEPS, train
 
@@ -106,8 +107,8 @@ def ep2_over_fsdp4() -> tuple[list[float], list[float], list[str]]:
     """Worker: 4 ranks, ep 2 borrowed from fsdp 4 through parallelize: each rank holds 1 of the 2
     experts, and FSDP splits it over the 2 ranks holding the same one along its largest dim (one
     expert cannot split by dim 0). (losses, one process's losses, the experts' placements)."""
-    from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.fsdp import FSDPOptions
+    from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
     rank = dist.get_rank()

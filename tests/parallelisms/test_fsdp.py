@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.materialize import materialize
+
 from tests.support.dist_utils import run_distributed
 
 

@@ -13,6 +13,7 @@ from weft.components.training.moe_balance import balance_experts, moe_layers
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
+
 from tests.support.dist_utils import run_distributed
 
 ARGS = replace(LLAMA4_FLAVORS["debugmodel_moe"], attention_chunk_size=8)  # chunks inside the 24 tokens

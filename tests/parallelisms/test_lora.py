@@ -17,18 +17,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from weft.components.hf.writer import save_peft_adapter
 from weft.components.distributed.processes import set_determinism
+from weft.components.hf.writer import save_peft_adapter
 from weft.models.llama import ModelArgs, Transformer
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
-from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.cp import shard_sequence
+from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
+
 from tests.support.dist_utils import run_distributed
 
 STEPS, VOCAB, SEED = 10, 128, 0

@@ -19,15 +19,16 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from weft.components.config import ConfigError, parse_args
+from weft.layers.nf4_experts import NF4Experts
+from weft.models.common.moe import MoE
 from weft.models.llama import LLAMA_FLAVORS
 from weft.models.llama import Transformer as Llama
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
-from weft.models.common.moe import MoE
-from weft.layers.nf4_experts import NF4Experts
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
 from weft.recipe.plan import RunPlan
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run_args
 
@@ -175,6 +176,7 @@ def layouts_and_one_process() -> dict[str, tuple]:
     from weft.parallelisms.fsdp import FSDPOptions
     from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
+
     from tests.support.ep_training import BATCH, train
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -233,6 +235,7 @@ def test_full_ac_and_compiled_blocks_train_expert_adapters_as_eager():
     from weft.parallelisms.ac import ACOptions
     from weft.parallelisms.compile import CompileOptions
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
+
     from tests.support.ep_training import train
 
     lora = LoRAOptions(rank=RANK, alpha=ALPHA, target_modules=TARGETS)

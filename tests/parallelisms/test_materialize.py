@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from weft.parallelisms.materialize import materialize
+
 from tests.support.own_models import NanoGPT, hf_llama
 
 

@@ -12,8 +12,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from weft.models.common.moe import MoE
-from weft.parallelisms.common import TransformError
 from weft.models.common.moe_tp import moe_tp_plan
+from weft.parallelisms.common import TransformError
+
 from tests.support.dist_utils import run_distributed
 
 DIM, HIDDEN, EXPERTS, TOP_K, SEQ = 16, 32, 4, 2, 12

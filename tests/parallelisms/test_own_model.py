@@ -10,21 +10,21 @@ Tensor-parallel layouts (all with activation checkpointing here) compile only wh
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
+from weft.parallelisms.compile import CompileOptions, torch_has_tp_compile_bug
 from weft.parallelisms.cp import shard_sequence
+from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.parallelisms.ac import ACOptions
-from weft.parallelisms.compile import CompileOptions, torch_has_tp_compile_bug
-from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
+
 from tests.support.dist_utils import run_distributed
 from tests.support.own_models import SEQ_LEN, VOCAB, NanoGPT, hf_llama
 

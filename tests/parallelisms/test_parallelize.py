@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from weft.float8 import Float8Options, apply_float8
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms import FSDPOptions, TransformError, apply_cp, apply_ddp, apply_fsdp, apply_tp, transformer_blocks
+
 from tests.support.own_models import NanoGPT, hf_llama
 
 
@@ -67,10 +68,10 @@ def _tp_compiled_losses() -> dict[bool, list[float]]:
     """Worker (tp 2): three AdamW steps of a 2-block debug model, eager and compiled by parallelize."""
     from dataclasses import replace
 
-    from weft.parallelisms.materialize import materialize
-    from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.compile import CompileOptions
     from weft.parallelisms.fsdp import FSDPOptions
+    from weft.parallelisms.materialize import materialize
+    from weft.parallelisms.parallel_dims import ParallelDims
     from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
     losses = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from weft.components.config import parse_args
+
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
 STEPS = 10

@@ -25,6 +25,7 @@ from weft.parallelisms.pipeline import (
     stage_ids,
     stages_per_rank,
 )
+
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.own_models import NanoGPT
 

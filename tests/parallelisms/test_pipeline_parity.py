@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from weft.components.config import parse_args
+
 from tests.support.dist_utils import run_distributed
 
 STEPS = 10

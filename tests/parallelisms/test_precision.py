@@ -15,6 +15,7 @@ from torch import nn
 from weft import train
 from weft.components.config import parse_args
 from weft.models.common import gqa as llama_model  # where the attention calls the rotary
+
 from tests.support.dist_utils import run_distributed
 
 # The rotary tables are real fp32 cos/sin or complex64 rotations, depending on the model version.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from weft.components.config import parse_args
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run_args
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.tp import TPOptions, apply_tp, default_tp_plan, hf_tp_plan
+
 from tests.support.own_models import NanoGPT, hf_llama
 
 

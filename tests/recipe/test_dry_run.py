@@ -15,7 +15,7 @@ import torch.distributed as dist
 from weft import train
 from weft.components.config import parse_args
 from weft.components.distributed.processes import init_fake_distributed
-from weft.components.memory import device_memory_gib, training_state_bytes, tp_fsdp_state_bytes
+from weft.components.memory import device_memory_gib, tp_fsdp_state_bytes, training_state_bytes
 from weft.models import flavors, spec_for_args
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import parallelize

@@ -18,9 +18,9 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.hf import export_to_hf, load_hf_into_model, model_args_from_hf_folder
 from weft.recipe.export import main as export_main
-from tests.support.hf_folders import assert_same_tensors
+
 from tests.support.dist_utils import run_distributed
-from tests.support.hf_folders import tiny_qwen3_hf_folder
+from tests.support.hf_folders import assert_same_tensors, tiny_qwen3_hf_folder
 from tests.support.train_runs import run_args
 
 STEPS = 3

@@ -22,6 +22,7 @@ from weft.cli import main as weft
 from weft.components.config import parse_args
 from weft.components.hf import main as hf_main
 from weft.parallelisms.lora import NF4_BLOCK, nf4_scaler_block
+
 from tests.support import REPO
 from tests.support.hf_folders import tiny_qwen3_hf_folder
 from tests.support.train_runs import run_args

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from weft import generate
 from weft.components.config import ConfigError, parse_args
+from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.data import load_tokenizer
 from weft.components.hf import ConversionError
-from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.recipe.plan import RunPlan
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

@@ -10,6 +10,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from weft.components.checkpoint.checkpointer import complete_steps
+
 from tests.support.train_runs import run, run_args
 
 STEPS = 8

@@ -16,6 +16,7 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.hf import export_to_hf
 from weft.recipe.export import main as export_main
+
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import assert_same_tensors
 
@@ -88,8 +89,8 @@ def test_peft_on_the_base_equals_the_merged_folder_and_weft(base, pp2):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from weft.components.hf.adapters import load_peft_adapter
     from weft.components.hf import load_hf_into_model
+    from weft.components.hf.adapters import load_peft_adapter
     from weft.models.llama import LLAMA_FLAVORS, Transformer
 
     adapter, merged = pp2 / "adapter", pp2 / "merged"

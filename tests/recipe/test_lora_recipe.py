@@ -13,6 +13,7 @@ from weft.components.checkpoint.checkpointer import complete_steps
 from weft.components.config import ConfigError, parse_args
 from weft.models.llama import LLAMA_FLAVORS
 from weft.recipe.plan import RunPlan
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

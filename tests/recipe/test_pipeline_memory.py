@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from weft.components.config import parse_args
+
 from tests.support.dist_utils import run_distributed
 
 SCHEDULES = ("1F1B", "GPipe")

@@ -6,17 +6,24 @@ import pytest
 import torch
 
 from weft.components.config import ConfigError, parse_args
-from weft.models.llama import LLAMA_FLAVORS
-from weft.parallelisms.common import TransformError
-from weft.parallelisms.ac import ACOptions
-from weft.parallelisms.compile import CompileOptions
 from weft.float8 import Float8Options
+from weft.models.llama import LLAMA_FLAVORS
+from weft.parallelisms.ac import ACOptions
+from weft.parallelisms.common import TransformError
+from weft.parallelisms.compile import CompileOptions
 from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.pipeline import PipelineOptions
 from weft.parallelisms.tp import TPOptions
-from weft.recipe.plan import (ARGUMENT_KEYS, OPTION_SECTIONS, TRANSFORM_KEYS, RunPlan, config_error, config_value,
-                              option_key)
+from weft.recipe.plan import (
+    ARGUMENT_KEYS,
+    OPTION_SECTIONS,
+    TRANSFORM_KEYS,
+    RunPlan,
+    config_error,
+    config_value,
+    option_key,
+)
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:

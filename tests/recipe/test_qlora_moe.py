@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from weft.components.checkpoint.checkpointer import complete_steps
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

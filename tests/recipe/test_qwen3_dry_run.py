@@ -6,6 +6,7 @@ import re
 import pytest
 
 from weft import train
+
 from tests.support.published import QWEN3_PUBLISHED
 
 

@@ -14,6 +14,7 @@ import torch
 
 from weft.components.config import parse_args
 from weft.components.data import HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
+
 from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.hf_folders import tiny_qwen3_hf_folder
 from tests.support.hf_tokenizer import build_qwen3_tokenizer_folder

@@ -13,15 +13,23 @@ import torch
 
 from assets.make_chat_data import speeches
 from weft.components.config import parse_args
-from weft.components.data import DataError, HFTokenizer, build_loader, chat_sample, document_layout, prompt_completion_sample
+from weft.components.data import (
+    DataError,
+    HFTokenizer,
+    build_loader,
+    chat_sample,
+    document_layout,
+    prompt_completion_sample,
+)
 from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
 from weft.models.llama import ModelArgs, Transformer
+
+from tests.support import REPO
 from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import tiny_hf_folder
 from tests.support.hf_tokenizer import build_tokenizer_folder
 
-from tests.support import REPO
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, multiple_of=16, max_seq_len=128)
 
 

@@ -10,13 +10,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import weft.recipe.build as build_module
-from weft.recipe.plan import check_launch
 from weft import train
 from weft.components.config import ConfigError, parse_args
 from weft.components.distributed.processes import init_fake_distributed, is_fake_distributed
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.parallel_dims import ParallelDims
+from weft.recipe.plan import check_launch
 
 
 def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:

@@ -6,13 +6,14 @@ import ast
 
 import torch
 
-from weft import train
 from benchmarks import eager_ops
+from weft import train
 from weft.components.config import parse_args
 from weft.recipe.build import build_data
 from weft.recipe.step import train_step
 
 from tests.support import REPO
+
 ARGS = ["--job.config_file", "debug_model", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.steps", "1", "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard",
         "--no-checkpoint.enable"]

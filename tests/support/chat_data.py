@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 from assets.make_chat_data import speeches
+
 from tests.support import REPO
 
 

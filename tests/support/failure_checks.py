@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
+
 TIME_LIMIT_S = 60.0
 PREFIX = "weft: error: "
 TORCHRUN_TRACEBACK = 'Traceback (most recent call last):\n  File "<frozen runpy>"'

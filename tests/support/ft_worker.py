@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from weft import train
-from weft.components.ft import groups as ft
 from weft.components.distributed.processes import Preemption
+from weft.components.ft import groups as ft
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAULTS = os.environ.get("WEFT_TEST_KILL", "").split(",")

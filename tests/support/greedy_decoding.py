@@ -8,6 +8,7 @@ import torch
 from weft.components.data import Tokenizer
 from weft.components.hf import model_args_from_hf_folder
 from weft.generate import main, sample
+
 from tests.support import ASSETS
 
 TOKENIZER = ASSETS / "tokenizer" / "shakespeare.model"

@@ -15,8 +15,8 @@ def tiny_hf_folder(folder: Path, tokenizer_folder: Path) -> Path:
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from weft.models.llama.hf_mapping import hf_config
     from weft.models.llama import LLAMA_FLAVORS
+    from weft.models.llama.hf_mapping import hf_config
 
     torch.manual_seed(0)
     config = {k: v for k, v in hf_config(LLAMA_FLAVORS["debugmodel"]).items() if k != "architectures"}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from weft.components.config import parser as config
 from weft.components.config import ConfigError, JobConfig, Training, help_text, parse_args, to_dict, to_toml
+from weft.components.config import parser as config
 
 
 def write_toml(tmp_path: Path, text: str, name: str = "job.toml") -> str:

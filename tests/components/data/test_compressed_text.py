@@ -12,9 +12,9 @@ from __future__ import annotations
 import gzip
 import json
 import random
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from weft import train
 from weft.components.data import SCAN_BYTES, DataError, Tokenizer, build_loader, check_text_files, find_text_files
 from weft.components.data.mixture import Mixture, source_names
 from weft.components.data.prepare import main as prepare
+
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
 from tests.support.train_runs import run

@@ -11,6 +11,7 @@ import torch
 from weft.components.data import DataError, Loader, Tokenizer, build_loader, find_text_files
 
 from tests.support import ASSETS
+
 TOKENIZER_PATH = ASSETS / "tokenizer" / "shakespeare.model"
 CORPUS_DIR = ASSETS / "data" / "shakespeare"
 
@@ -444,6 +445,7 @@ def coop_cases(root: Path) -> dict[str, tuple]:
     JSONL; prompt/completion and chat samples packed (some too long: truncated, or dropped); and
     JSONL with one bad record that one rank alone reads, a few micro-batches in."""
     from assets.make_chat_data import speeches
+
     from tests.support.hf_tokenizer import build_tokenizer_folder
 
     texts = [s[1][: 20 + 7 * (i % 21)] for i, s in enumerate(

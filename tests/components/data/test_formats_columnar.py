@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from weft import train
-from weft.components.data import DataError, build_loader, check_text_files, find_text_files
-from weft.components.data import sources
+from weft.components.data import DataError, build_loader, check_text_files, find_text_files, sources
 from weft.components.data.formats import check_chat_columns, check_prompt_completion_columns
+
 from tests.support import ASSETS
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.train_runs import run, run_args
@@ -158,8 +158,9 @@ def chats() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
-    from tests.support.hf_tokenizer import build_tokenizer_folder
     from weft.components.data import HFTokenizer
+
+    from tests.support.hf_tokenizer import build_tokenizer_folder
     return HFTokenizer(build_tokenizer_folder(tmp_path_factory.mktemp("tok") / "hf"))
 
 

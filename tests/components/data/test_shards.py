@@ -16,6 +16,7 @@ from weft import train
 from weft.components.data import build_loader, load_tokenizer
 from weft.components.data.prepare import main as prepare_main
 from weft.components.data.shards import read_manifest, shard_dtype
+
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
 

@@ -19,6 +19,7 @@ from weft import train
 from weft.components.config import parse_args
 from weft.components.data import build_loader
 from weft.recipe.plan import RunPlan
+
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 
 pa = pytest.importorskip("pyarrow")

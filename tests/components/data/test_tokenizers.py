@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from weft.components.data import DataError, HFTokenizer, Tokenizer, load_tokenizer
-from tests.support.hf_tokenizer import build_tokenizer_folder
 
 from tests.support import REPO
+from tests.support.hf_tokenizer import build_tokenizer_folder
+
 CHATS = [
     [{"role": "user", "content": "Who's there?"}, {"role": "assistant", "content": "Nay, answer me: stand, and unfold yourself."}],
     [{"role": "system", "content": "You speak as Hamlet."}, {"role": "user", "content": "How now, my lord?"},

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.checkpoint.checkpointer import CheckpointError
 from weft.components.hf import ConversionError, export_to_hf, load_hf_into_model, main
+from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 from weft.models.llama.hf_mapping import (
     hf_config,
     hf_to_weft_name,
@@ -26,10 +27,10 @@ from weft.models.llama.hf_mapping import (
     unpermute_from_hf,
     weft_to_hf_name,
 )
-from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.tp import apply_tp
+
 from tests.support.dist_utils import run_distributed
 
 # Checkpoints here are saved by one process without a process group, as DCP warns each time.

@@ -11,6 +11,7 @@ from weft.components.hf.model_files import finish_hf_folder, write_hf_files
 from weft.models.llama import LLAMA_FLAVORS
 
 from tests.support import REPO
+
 SHAKESPEARE = REPO / "assets/tokenizer/shakespeare.model"
 
 

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from weft.components.hf.writer import Adapters, ExportError, write_peft_adapter
 from weft.models.llama4.hf_mapping import model_args_from_hf_config as llama4_args
 from weft.models.qwen3.hf_mapping import model_args_from_hf_config as qwen3_args
-from tests.support.llama4_transformers import tiny_transformers_model
+
 from tests.support.hf_folders import TINY_QWEN3_MOE
+from tests.support.llama4_transformers import tiny_transformers_model
 
 RANK = 3
 

@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.support.dist_utils import run_distributed
-from tests.support.hf_folders import tiny_qwen3_hf_folder
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
 from weft.models.qwen3 import Transformer
+
+from tests.support.dist_utils import run_distributed
+from tests.support.hf_folders import tiny_qwen3_hf_folder
 
 N_EXPERTS, RANKS = 8, 2
 
