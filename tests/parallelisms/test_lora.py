@@ -292,8 +292,11 @@ def test_layout_matches_one_process(layout, references, layout_losses):
 def test_adapters_exported_from_a_split_layout_equal_one_process(reference_adapters, layout_losses):
     exported = {k: torch.tensor(v) for k, v in layout_losses["exported"].items()}
     assert exported.keys() == reference_adapters.keys()
+    # atol 1e-5: ten AdamW steps at lr 1e-2 amplify fp32 reduction-order noise in the few elements
+    # whose gradients are near zero (up to 2.6e-6 seen from fsdp 2 x tp 2, run alone, the same at the
+    # commit whose suite passed with 1e-6); a gather that misplaced or dropped a shard is off by ~1e-2.
     for key, value in reference_adapters.items():
-        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5)
 
 
 def dropout_masks() -> dict[str, list[list[int]]]:
