@@ -274,9 +274,8 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
-    spec_forward, forward = spec_for_args(plan.model_args).forward, model_forward
-    if spec_forward is not None:  # a model whose call is not weft's (transformers'): its spec's forward
-        forward = lambda m, batch: spec_forward(m, batch.inputs, batch.positions, batch.document_ids)  # noqa: E731
+    call = spec_for_args(plan.model_args).forward  # a model whose call is not weft's (transformers')
+    forward = functools.partial(model_forward, call=call) if call is not None else model_forward
     pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
         loss = PipelineLoss(compiled=cfg.compile.enable)

@@ -25,8 +25,11 @@ from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
 
 
-def model_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """weft's Llama on a batch: logits for every position."""
+def model_forward(model: nn.Module, batch: Batch, call: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits for every position of a batch: weft's models take (inputs, positions, document_ids=);
+    `call(model, inputs, positions, document_ids)` calls another (its spec's `forward`: transformers')."""
+    if call is not None:
+        return call(model, batch.inputs, batch.positions, batch.document_ids)
     return model(batch.inputs, batch.positions, document_ids=batch.document_ids)
 
 
