@@ -4,7 +4,9 @@ decode greedily as transformers does and train under the recipe. Six SFT steps (
 packed) in one process equal fsdp 2 and tp 2 (the model's `_tp_plan`); the exports reload in
 transformers with the source's key set and the trained weights; LoRA's PEFT folder loads in `peft`
 with the merged export's logits; a stopped run resumes bit for bit; and what the backend does not
-reach yet is refused in one line naming the key."""
+reach yet is refused in one line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers
+does and train alike under fsdp 2; DeepSeek V3 and GLM-4 MoE, whose expert tensors transformers merges
+on load, are refused naming the family."""
 
 from __future__ import annotations
 
