@@ -63,6 +63,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     if "text_config" in config:
         raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
                             "transformers backend does not build yet; give a text-only folder")
+    _refuse_merged_on_load(model_type)
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
     n_heads = _field(hf_config, "num_attention_heads")
@@ -78,6 +79,18 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
         trust_remote_code=trust_remote_code, folder=folder)
+
+
+def _refuse_merged_on_load(model_type: str) -> None:
+    """Refuse a family whose checkpoint tensors transformers merges on load (DeepSeek V3, GLM-4 MoE: one
+    tensor per expert, fused into gate_up_proj): the backend reads each parameter under its own name."""
+    from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
+
+    merged = [c for c in get_checkpoint_conversion_mapping(model_type) or () if isinstance(c, WeightConverter)]
+    if merged:
+        raise HFConfigError(f"model_type {model_type}: transformers merges its checkpoint's tensors on load "
+                            f"({', '.join(merged[0].source_patterns)} -> {merged[0].target_patterns[0]}), which "
+                            "the transformers backend does not do yet")
 
 
 def _field(hf_config, name: str) -> int:

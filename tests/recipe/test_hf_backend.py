@@ -4,7 +4,9 @@ decode greedily as transformers does and train under the recipe. Six SFT steps (
 packed) in one process equal fsdp 2 and tp 2 (the model's `_tp_plan`); the exports reload in
 transformers with the source's key set and the trained weights; LoRA's PEFT folder loads in `peft`
 with the merged export's logits; a stopped run resumes bit for bit; and what the backend does not
-reach yet is refused in one line naming the key."""
+reach yet is refused in one line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers
+does and train alike under fsdp 2; DeepSeek V3 and GLM-4 MoE, whose expert tensors transformers merges
+on load, are refused naming the family."""
 
 from __future__ import annotations
 
@@ -37,6 +39,17 @@ CONFIGS = {
                                                     layer_types=["sliding_attention", "full_attention"]),
 }
 FAMILIES = list(CONFIGS)
+# Families with layers of their own, checked for greedy decoding and fsdp 2 parity: Qwen3.5's
+# linear-attention (gated delta rule) layer beside a full one; gpt-oss's attention sinks, biases and
+# experts (plain parameters under FSDP), with a sliding and a global layer.
+MORE = {
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
+        **SHAPE, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4),
+    "gpt_oss": lambda: transformers.GptOssConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                 layer_types=["sliding_attention", "full_attention"]),
+}
+CONFIGS |= MORE
 FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
 
 
@@ -57,7 +70,7 @@ def sft_args(folder: Path, data: Path, dump: Path, *extra: str) -> list[str]:
 def root(tmp_path_factory) -> Path:
     """The folders and the SFT data every test shares."""
     root = tmp_path_factory.mktemp("hf_backend")
-    for family in FAMILIES:
+    for family in CONFIGS:
         tiny_folder(root / family, family)
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -80,7 +93,19 @@ def logits_of(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
 TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.fixture(scope="module")
+def more_one_process(root) -> dict[str, list[float]]:
+    """Each of MORE's families: 4 steps in one process."""
+    return {family: run(more_args(root, family, root / f"one_{family}")) for family in MORE}
+
+
+def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
+    return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / family),
+                    "--data.format", "prompt_completion", "--data.dataset_path", str(root / "sft.jsonl"), *FP32,
+                    *extra, steps=4, batch=4)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *MORE])
 def test_generate_decodes_greedily_as_transformers(root, family, capsys):
     prompt = "ROMEO: But, soft!"
     assert generate.main(["--hf", str(root / family), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
@@ -181,20 +206,26 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path):
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    Mistral under tp 2."""
+    MORE's under fsdp 2, Mistral under tp 2."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
                                        "--activation_checkpoint.mode", "full", "--export.hf_folder", "hf")
             for family in FAMILIES}
+    runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
+                                          "--training.local_batch_size", "2") for family in MORE}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     return {name: run(args) for name, args in runs.items()}
 
 
 @pytest.mark.slow
-def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transformers(root, one_process):
+def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transformers(root, one_process,
+                                                                                      more_one_process):
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
+    for family in MORE:
+        assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
+        assert losses[f"fsdp_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
     for family in FAMILIES:
         assert losses[f"fsdp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         source = load_file(root / family / "model.safetensors")
@@ -247,6 +278,27 @@ def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_f
     with pytest.raises(ConversionError, match=r"^checkpoint.initial_load_path: HF folder .*: config.json has auto_map "
                                               r".*model.trust_remote_code = true \(generate.py --trust-remote-code\)$"):
         plan_of(folder, root / "sft.jsonl", world_size=1)
+
+
+MERGED_ON_LOAD = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
+                                                         n_routed_experts=8, n_group=2, topk_group=1),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
+                                                   n_routed_experts=8, n_group=2, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("family", MERGED_ON_LOAD)
+def test_a_family_whose_experts_transformers_merges_on_load_is_refused_naming_it(root, tmp_path, family, capsys):
+    folder = tmp_path / family
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(MERGED_ON_LOAD[family]().to_dict()))
+    with pytest.raises(ConversionError, match=rf"^checkpoint.initial_load_path: HF folder .*: model_type {family}: "
+                                              r"transformers merges its checkpoint's tensors on load \(mlp.experts"):
+        plan_of(folder, root / "sft.jsonl", world_size=1)
+    assert generate.main(["--hf", str(folder), "--prompt", "ROMEO:"]) == 2
+    refusal = capsys.readouterr().err
+    assert f"model_type {family}: transformers merges" in refusal and refusal.count("\n") == 1
 
 
 CUSTOM_CONFIG = "from transformers import MistralConfig\n\n\nclass TinyConfig(MistralConfig):\n    model_type = 'tiny_custom'\n"
