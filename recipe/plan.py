@@ -73,6 +73,7 @@ class RunPlan:
         folders, the checkpoint to resume and its data fingerprint."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size, device_type)
+        check_packed_documents(cfg, model_args)
         tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
@@ -286,6 +287,22 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
     if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+def check_packed_documents(cfg: JobConfig, args) -> None:
+    """Documents packed into one row (chat and prompt/completion samples, text with document masking,
+    and their validation) must not see each other: refused, naming the key, for a model whose spec says
+    they would (transformers' gpt-oss, linear-attention models)."""
+    refuse = spec_for_args(args).packed_documents_refusal
+    if refuse is None or (refusal := refuse(args)) is None:
+        return
+    formats = {"data.format": cfg.data.format, "validation.format": cfg.validation.format or cfg.data.format}
+    for key, value in formats.items():
+        if value in ("chat", "prompt_completion") and (key == "data.format" or cfg.validation.enable):
+            raise ConfigError(f"{key} = {value}: packs samples into rows, and {refusal}; "
+                              "train it on data.format = text without data.document_masking")
+    if cfg.data.document_masking:
+        raise ConfigError(f"data.document_masking = true: {refusal}; set it to false")
 
 
 @functools.lru_cache(maxsize=8)

@@ -142,6 +142,8 @@ class ModelSpec:
     backend: str = "weft"  # whose code builds the model: "weft" (its own modules) or "transformers"
     # (model, inputs, positions, document_ids) -> logits; None: model(inputs, positions, document_ids=...)
     forward: Callable[..., torch.Tensor] | None = None
+    # args -> why documents packed into one row would see each other in this model; None: they cannot
+    packed_documents_refusal: Callable[[Any], str | None] | None = None
 
     def nf4_refusal_for(self, args: Any) -> str | None:
         """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""

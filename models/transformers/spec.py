@@ -145,6 +145,23 @@ def forward(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | No
     return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
 
 
+# Families whose transformers code does not keep packed documents apart: gpt-oss builds its masks
+# without the positions (so no packed-sequence mask), and a linear-attention layer carries its state
+# across a document's end. Measured: a packed row's later documents get other logits than each alone
+# (tests/recipe/test_hf_backend.py).
+_POSITIONS_UNMASKED = {"gpt_oss": "builds its attention masks without the positions"}
+
+
+def packed_documents_refusal(args: HFModelArgs) -> str | None:
+    """Why documents packed into one row (positions restarting at each) would see each other in this
+    model; None where transformers' packed-sequence mask keeps them apart."""
+    if args.model_type in _POSITIONS_UNMASKED:
+        return f"transformers' {args.model_type} {_POSITIONS_UNMASKED[args.model_type]}"
+    if "linear_attention" in (args.config.get("layer_types") or ()):
+        return f"{args.model_type}'s linear-attention layers carry their state from one document into the next"
+    return None
+
+
 def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """config.json: the folder's own, its dtype that of the export."""
     config = {k: v for k, v in args.config.items() if k not in _DTYPE_KEYS}
@@ -227,4 +244,5 @@ TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
     tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
-    nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward)
+    nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
+    packed_documents_refusal=packed_documents_refusal)

@@ -100,9 +100,9 @@ def more_one_process(root) -> dict[str, list[float]]:
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
+    """MORE's runs read the shipped text (packed samples are refused for them: see below)."""
     return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / family),
-                    "--data.format", "prompt_completion", "--data.dataset_path", str(root / "sft.jsonl"), *FP32,
-                    *extra, steps=4, batch=4)
+                    *FP32, *extra, steps=4, batch=4)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE])
@@ -134,6 +134,27 @@ def test_packed_documents_see_only_themselves(root, family):
         whole = model(input_ids=tokens).logits
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
     assert (whole - alone).abs().max() > 1e-3  # without the positions, the documents would see each other
+
+
+@pytest.mark.parametrize("family", list(MORE))
+def test_packed_samples_are_refused_where_the_documents_would_see_each_other(root, family):
+    """gpt-oss's masks ignore the positions and Qwen3.5's linear attention carries its state on: a
+    packed row's later documents get other logits than alone, so packed data is refused in one line."""
+    from weft.models import TRANSFORMERS_SPEC
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    lengths = [10, 14]
+    tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        packed = TRANSFORMERS_SPEC.forward(model, tokens, torch.cat([torch.arange(n) for n in lengths]))
+        alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
+    assert (packed - alone)[:, lengths[0]:].abs().max() > 1e-3
+    for extra, key in ((("--data.format", "prompt_completion"), "data.format = prompt_completion: "),
+                       (("--data.document_masking",), "data.document_masking = true: ")):
+        with pytest.raises(ConfigError) as refused:
+            plan_of(root / family, root / "sft.jsonl", *extra)
+        assert str(refused.value).startswith(key) and "\n" not in str(refused.value)
+        assert family in str(refused.value)  # the model_type: gpt_oss, qwen3_5_text
 
 
 @pytest.mark.parametrize("family", FAMILIES)
