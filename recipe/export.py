@@ -79,7 +79,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
 
     folder = require_complete_checkpoint(checkpoint)
     cfg = _run_config(folder)
-    _check_base(cfg, folder.parent.parent / "config.toml", base,
+    _point_at_base(cfg, folder.parent.parent / "config.toml", base,
                 needed=merged_out is not None or cfg.model.flavor == "from_hf_config")
     plan = RunPlan.from_config(_one_process(cfg, base=merged_out is not None), 1, device_type="cpu",
                                check_environment=False)
@@ -115,9 +115,9 @@ def _run_config(checkpoint: Path) -> JobConfig:
     return cfg
 
 
-def _check_base(cfg: JobConfig, config: Path, base: Path | None, *, needed: bool) -> None:
-    """The run's base where the export reads it: `base` in place of the recorded
-    checkpoint.initial_load_path, or that path, which must still hold it when `needed`."""
+def _point_at_base(cfg: JobConfig, config: Path, base: Path | None, *, needed: bool) -> None:
+    """Point `cfg` at the run's base where the export reads it: `base`, in place of the recorded
+    checkpoint.initial_load_path; without `base`, that path, which must still hold it when `needed`."""
     recorded = cfg.checkpoint.initial_load_path
     if base is not None:
         if not recorded:
