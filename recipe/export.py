@@ -80,7 +80,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     folder = require_complete_checkpoint(checkpoint)
     cfg = _run_config(folder)
     _point_at_base(cfg, folder.parent.parent / "config.toml", base,
-                needed=merged_out is not None or cfg.model.flavor == "from_hf_config")
+                   needed=merged_out is not None or cfg.model.flavor == "from_hf_config")
     plan = RunPlan.from_config(_one_process(cfg, base=merged_out is not None), 1, device_type="cpu",
                                check_environment=False)
     if merged_out is None:  # the adapters alone: the base never leaves the meta device
