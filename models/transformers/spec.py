@@ -3,12 +3,14 @@ code from its config.json, as the rest of weft sees a model (models/common/spec.
 
 Its hyper-parameters (`HFModelArgs`) are the config.json itself plus the shape fields the recipe
 reads; its parameter names are transformers' own, so the folder's tensor names, PEFT's module names
-and the export's names are one and the same (`SameNames`). Counts (block parameters, adapters) come
+and the export's names are one and the same (`SameNames`), but where transformers stacks a folder's
+per-expert tensors on load (conversions.py). Counts (block parameters, adapters) come
 from the model built on the meta device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from torch import nn
 
 from weft.models.common.counts import decoder_flops_per_token
 from weft.models.common.spec import HFConfigError, HFMapping, ModelSpec
+from weft.models.transformers.conversions import converted_names
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -63,7 +66,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     if "text_config" in config:
         raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
                             "transformers backend does not build yet; give a text-only folder")
-    _refuse_merged_on_load(model_type)
+    converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
     n_heads = _field(hf_config, "num_attention_heads")
@@ -79,18 +82,6 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
         trust_remote_code=trust_remote_code, folder=folder)
-
-
-def _refuse_merged_on_load(model_type: str) -> None:
-    """Refuse a family whose checkpoint tensors transformers merges on load (DeepSeek V3, GLM-4 MoE: one
-    tensor per expert, fused into gate_up_proj): the backend reads each parameter under its own name."""
-    from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
-
-    merged = [c for c in get_checkpoint_conversion_mapping(model_type) or () if isinstance(c, WeightConverter)]
-    if merged:
-        raise HFConfigError(f"model_type {model_type}: transformers merges its checkpoint's tensors on load "
-                            f"({', '.join(merged[0].source_patterns)} -> {merged[0].target_patterns[0]}), which "
-                            "the transformers backend does not do yet")
 
 
 def _field(hf_config, name: str) -> int:
@@ -160,6 +151,19 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
     if "linear_attention" in (args.config.get("layer_types") or ()):
         return f"{args.model_type}'s linear-attention layers carry their state from one document into the next"
     return None
+
+
+def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
+    """PEFT (0.21, with transformers 5) reads the adapters of a family whose experts transformers stacks
+    on load by the experts' old names: an adapter on a linear of that name (`gate_proj` of a shared
+    expert or a dense layer) would be loaded as the routed experts', so it is refused."""
+    names = converted_names(args.model_type)
+    fused = {source.rsplit(".", 2)[-2] for stack in (names.stacks if names else ()) for source in stack.sources}
+    clash = [name for name in adapted if name.rsplit(".", 1)[-1] in fused]
+    if not clash:
+        return None
+    return (f"PEFT reads a {args.model_type} adapter's {'/'.join(sorted(fused))} as its stacked experts', so the "
+            f"adapter on {clash[0]} would not load there; set lora.target_modules to the attention's linears")
 
 
 def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
@@ -240,9 +244,17 @@ TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_conf
                             args_from_hf_config=args_from_hf_config, architecture_fields=architecture_fields,
                             tied_output="lm_head.weight")
 
+
+def hf_mapping(args: HFModelArgs) -> HFMapping:
+    """The folder's names: the parameters' own, or where transformers converts the folder on load
+    (per-expert tensors stacked), the folder's (conversions.py)."""
+    names = converted_names(args.model_type)
+    return TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+
+
 TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
     tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
-    packed_documents_refusal=packed_documents_refusal)
+    packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal)

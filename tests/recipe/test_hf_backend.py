@@ -32,11 +32,21 @@ transformers = pytest.importorskip("transformers")
 
 SHAPE = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+MOE = {**SHAPE, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+       "n_shared_experts": 1}
+del MOE["head_dim"]
 CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**SHAPE),
     # one sliding layer (window 8, shorter than the 32-token samples) and one global, embeddings tied
     "gemma3": lambda: transformers.Gemma3TextConfig(**SHAPE, sliding_window=8, pad_token_id=0,
                                                     layer_types=["sliding_attention", "full_attention"]),
+    # a dense layer, then an MoE layer: MLA attention, grouped routing (2 groups of 4, one chosen), a
+    # shared expert; its folder holds one tensor per expert, which transformers stacks on load
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MOE, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2,
+        topk_group=1, first_k_dense_replace=1),
+    # a dense layer, then an MoE layer (sigmoid routing, a shared expert), partial rotary and q/k norms
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**MOE, head_dim=8, use_qk_norm=True, first_k_dense_replace=1),
 }
 FAMILIES = list(CONFIGS)
 # Families with layers of their own, checked for greedy decoding and fsdp 2 parity: Qwen3.5's
@@ -53,10 +63,17 @@ CONFIGS |= MORE
 FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
 
 
+ROUTER_BIAS = "e_score_correction_bias"  # DeepSeek V3's and GLM-4 MoE's routing bias: a buffer in the folder
+
+
 def tiny_folder(folder: Path, family: str) -> Path:
     """A randomly initialised transformers model of `family`, saved as a Hugging Face folder."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    for name, buffer in model.named_buffers():
+        if name.endswith(ROUTER_BIAS):  # as a trained model's, so that loading it is seen in the routing
+            buffer.copy_(torch.randn(buffer.shape))
+    model.save_pretrained(folder)
     return folder
 
 
@@ -163,7 +180,9 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
     assert len(losses) == 6 and losses[-1] < losses[0]
     source, exported = load_file(root / family / "model.safetensors"), load_file(root / f"one_{family}/hf/model.safetensors")
     assert sorted(exported) == sorted(source)
-    assert all(not torch.equal(exported[k], source[k]) for k in source if "norm" not in k)  # it trained
+    # it trained (the router bias is a buffer, exported as loaded)
+    assert all(not torch.equal(exported[k], source[k]) for k in source if "norm" not in k and ROUTER_BIAS not in k)
+    assert all(torch.equal(exported[k], source[k]) for k in source if ROUTER_BIAS in k)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"one_{family}" / "hf")
     tied = CONFIGS[family]().tie_word_embeddings
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
@@ -204,25 +223,39 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
-def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path):
+# The families whose folders transformers converts on load (experts stacked), and the linears their
+# LoRA runs adapt: PEFT would read adapters on gate_proj/up_proj/down_proj as the stacked experts'.
+CONVERTED = {"deepseek_v3": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "glm4_moe": "q_proj,k_proj,v_proj,o_proj"}
+
+
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
     peft = pytest.importorskip("peft")
-    run(sft_args(root / "gemma3", root / "sft.jsonl", tmp_path, "--lora.enable", "--lora.rank", "4",
-                 "--export.peft_folder", "peft", "--export.hf_folder", "merged", "--no-checkpoint.enable"))
-    base = transformers.AutoModelForCausalLM.from_pretrained(root / "gemma3").eval()
+    lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
+    if family in CONVERTED:
+        with pytest.raises(ConfigError, match=rf"^export.peft_folder = 'peft': PEFT reads a {family} adapter's "
+                                              r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
+                                              r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
+            plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
+        lora += ("--lora.target_modules", CONVERTED[family])
+    run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
+                 "--no-checkpoint.enable"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
         theirs = adapted(TOKENS).logits
     merged = logits_of(tmp_path / "merged", TOKENS)
     torch.testing.assert_close(theirs, merged, rtol=0, atol=1e-5)
-    assert (merged - logits_of(root / "gemma3", TOKENS)).abs().max() > 1e-3  # the adapters trained
+    assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
-        load_file(root / "gemma3" / "model.safetensors"))
+        load_file(root / family / "model.safetensors"))
 
 
-def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path):
-    args = sft_args(root / "gemma3", root / "sft.jsonl", tmp_path)
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
+    args = sft_args(root / family, root / "sft.jsonl", tmp_path)
     first = run(args, stop_after=3)
-    assert first + run(args) == one_process["gemma3"]
+    assert first + run(args) == one_process[family]
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
@@ -301,25 +334,17 @@ def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_f
         plan_of(folder, root / "sft.jsonl", world_size=1)
 
 
-MERGED_ON_LOAD = {
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
-                                                         n_routed_experts=8, n_group=2, topk_group=1),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
-                                                   n_routed_experts=8, n_group=2, topk_group=1),
-}
-
-
-@pytest.mark.parametrize("family", MERGED_ON_LOAD)
-def test_a_family_whose_experts_transformers_merges_on_load_is_refused_naming_it(root, tmp_path, family, capsys):
-    folder = tmp_path / family
+def test_a_family_whose_tensors_transformers_converts_otherwise_is_refused_naming_it(root, tmp_path, capsys):
+    """transformers splits HRM's gate_up_proj on load (a Chunk, not a stack of experts): refused in one line."""
+    folder = tmp_path / "hrm_text"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(MERGED_ON_LOAD[family]().to_dict()))
-    with pytest.raises(ConversionError, match=rf"^checkpoint.initial_load_path: HF folder .*: model_type {family}: "
-                                              r"transformers merges its checkpoint's tensors on load \(mlp.experts"):
+    (folder / "config.json").write_text(json.dumps({"model_type": "hrm_text"}))
+    with pytest.raises(ConversionError, match=r"^checkpoint.initial_load_path: HF folder .*: model_type hrm_text: "
+                                              r"transformers converts its checkpoint's tensors on load \(mlp.gate_up"):
         plan_of(folder, root / "sft.jsonl", world_size=1)
     assert generate.main(["--hf", str(folder), "--prompt", "ROMEO:"]) == 2
     refusal = capsys.readouterr().err
-    assert f"model_type {family}: transformers merges" in refusal and refusal.count("\n") == 1
+    assert "model_type hrm_text: transformers converts" in refusal and refusal.count("\n") == 1
 
 
 CUSTOM_CONFIG = "from transformers import MistralConfig\n\n\nclass TinyConfig(MistralConfig):\n    model_type = 'tiny_custom'\n"
