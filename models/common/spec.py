@@ -151,6 +151,10 @@ class ModelSpec:
     # args -> the HFMapping of this model where it depends on the model (transformers' families whose
     # folders it converts on load); None: `hf` for every model of the family
     hf_for_args: Callable[[Any], HFMapping] | None = None
+    # model on meta -> made ready for apply_ep (transformers' experts swapped for weft's grouped ones); None: as built
+    prepare_expert_parallel: Callable[[nn.Module], None] | None = None
+    # args -> why expert parallelism cannot spread this model's experts; None: it can where it has experts
+    expert_parallel_refusal: Callable[[Any], str | None] | None = None
 
     def hf_of(self, args: Any) -> HFMapping:
         """How the model `args` and its Hugging Face folder translate into each other."""

@@ -15,6 +15,9 @@ import torch
 
 from weft.models.common.spec import HFConfigError
 
+GROUPED = "grouped"  # the GroupedExperts child of experts.py's module in transformers' experts' place
+# its weights: the transformers parameter each comes from and which of the folder's tensors joined there
+_GROUPED_WEIGHTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
 _PLAIN = re.compile(r"[\w.*]+")  # a converter's pattern read as text (its dots match dots); `*`: the expert
 
 
@@ -45,12 +48,24 @@ class ConvertedNames:
         self._rename = apply_renamings
         self._load, self._save = renamings, [r.reverse_transform() for r in renamings[::-1]]
 
-    def _stack(self, name: str) -> tuple[_Stack, str] | None:
+    def _stack(self, name: str) -> tuple[list[str], str] | None:
+        """The folder's patterns whose per-expert tensors make the parameter `name`, in the order they
+        join, and what precedes them; None for a parameter of one tensor."""
         for stack in self.stacks:
             prefix = stack.prefix(name)
             if prefix is not None:
-                return stack, prefix
+                return stack.sources, prefix
+        module, _, weight = name.rpartition(f".{GROUPED}.")  # weft's grouped experts in transformers' place
+        target, row = _GROUPED_WEIGHTS.get(weight, (None, 0))
+        for stack in self.stacks if target else ():
+            prefix = stack.prefix(f"{module}.{target}")
+            if prefix is not None and len(stack.sources) > row:
+                return [stack.sources[row]], prefix
         return None
+
+    def holds_grouped_experts(self) -> bool:
+        """Whether the folder's per-expert tensors make weft's grouped experts' w1, w2 and w3."""
+        return {s.target.rsplit(".", 1)[-1] for s in self.stacks} >= {"gate_up_proj", "down_proj"}
 
     def to_hf(self, name: str) -> str:
         if self._stack(name) is not None:
@@ -72,9 +87,9 @@ class ConvertedNames:
         found = self._stack(name)
         if found is None:
             return [self.to_hf(name)]
-        stack, prefix = found
+        sources, prefix = found
         return [self._rename(prefix + source.replace("*", str(e)), self._save)
-                for e in range(count) for source in stack.sources]
+                for e in range(count) for source in sources]
 
     def stacked(self, name: str) -> bool:
         return self._stack(name) is not None

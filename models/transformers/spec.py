@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from weft.models.common.counts import decoder_flops_per_token
-from weft.models.common.spec import HFConfigError, HFMapping, ModelSpec
+from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
+from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -215,6 +216,44 @@ def _meta_counts(args: HFModelArgs) -> tuple[int, int, int]:
     return numel // len(blocks), widths // len(blocks), len(blocks)
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
+    """(routed experts per MoE layer, their hidden width, MoE layers, why weft's grouped experts cannot
+    take their place or None), from the model on meta."""
+    with torch.device("meta"):
+        model = build(args)
+    found = routed_experts(model)
+    refusal = grouped_experts_refusal(model)
+    names = converted_names(args.model_type)
+    if found and refusal is None and (names is None or not names.holds_grouped_experts()):
+        refusal = "its folder does not hold its experts one tensor per expert (gate, up and down)"
+    if not found:
+        return 0, 0, 0, "it has no routed experts"
+    experts, rows, _ = found[0][1].gate_up_proj.shape
+    return experts, rows // 2, len(found), refusal
+
+
+def experts(args: HFModelArgs) -> Experts | None:
+    """The routing of a model whose experts weft's grouped experts can compute (`experts_refusal`);
+    None for any other (dense, or experts of another arithmetic, such as gpt-oss's)."""
+    n_experts, hidden, moe_layers, refusal = _meta_experts(args)
+    top_k = args.config.get("num_experts_per_tok")
+    if refusal is not None or not isinstance(top_k, int):
+        return None
+    return Experts(n_experts, top_k, moe_layers * top_k * hidden // args.n_layers, moe_layers * top_k / args.n_layers)
+
+
+def experts_refusal(args: HFModelArgs) -> str | None:
+    """Why expert parallelism cannot spread this model's experts: weft's grouped experts (which it
+    spreads) compute plain SwiGLU experts only (experts.py); None where they can."""
+    return _meta_experts(args)[3]
+
+
+def prepare_expert_parallel(model: nn.Module) -> None:
+    """Swap the model's routed experts for weft's grouped experts, which `apply_ep` spreads."""
+    swap_in_grouped_experts(model)
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -257,4 +296,5 @@ TRANSFORMERS_SPEC = ModelSpec(
     tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
-    packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal)
+    packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,
+    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal)
