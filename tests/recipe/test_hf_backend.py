@@ -49,6 +49,9 @@ CONFIGS = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**MOE, head_dim=8, use_qk_norm=True, first_k_dense_replace=1),
 }
 FAMILIES = list(CONFIGS)
+# The families whose folders transformers converts on load (experts stacked), and the linears their
+# LoRA runs adapt: PEFT would read adapters on gate_proj/up_proj/down_proj as the stacked experts'.
+CONVERTED = {"deepseek_v3": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "glm4_moe": "q_proj,k_proj,v_proj,o_proj"}
 # Families with layers of their own, checked for greedy decoding and fsdp 2 parity: Qwen3.5's
 # linear-attention (gated delta rule) layer beside a full one; gpt-oss's attention sinks, biases and
 # experts (plain parameters under FSDP), with a sliding and a global layer.
@@ -223,11 +226,6 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
-# The families whose folders transformers converts on load (experts stacked), and the linears their
-# LoRA runs adapt: PEFT would read adapters on gate_proj/up_proj/down_proj as the stacked experts'.
-CONVERTED = {"deepseek_v3": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "glm4_moe": "q_proj,k_proj,v_proj,o_proj"}
-
-
 @pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
 def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
     peft = pytest.importorskip("peft")
@@ -260,7 +258,7 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2."""
+    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported)."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
@@ -270,11 +268,15 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                           "--training.local_batch_size", "2") for family in MORE}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
+                                      "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
+                                      "--export.hf_folder", "hf")
+             for family in CONVERTED}
     return {name: run(args) for name, args in runs.items()}
 
 
 @pytest.mark.slow
-def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transformers(root, one_process,
+def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
                                                                                       more_one_process):
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
@@ -291,6 +293,15 @@ def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transfor
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
+        assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(single)
+        for key in single:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
+                                   logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
 
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
@@ -310,6 +321,16 @@ def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, 
         plan_of(root / "mistral", root / "sft.jsonl", *extra)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
     assert "transformers" in str(refused.value)
+
+
+def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
+    """gpt-oss's experts have biases (and clamp their activations): not plain SwiGLU experts."""
+    with pytest.raises(ConfigError, match=r"^parallelism.ep = 2: GptOssForCausalLM \(model_type gpt_oss, built by "
+                                          r"transformers\): its experts \(model.layers.0.mlp.experts\) hold "
+                                          r"down_proj_bias, gate_up_proj_bias beside gate_up_proj and down_proj, .*; "
+                                          r"set parallelism.ep = 1$"):
+        plan_of(root / "gpt_oss", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
+    assert plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
