@@ -323,6 +323,39 @@ def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, 
     assert "transformers" in str(refused.value)
 
 
+SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's under another module name
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16, norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("family", [*CONVERTED, *SWAPPED])
+def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_folder(root, tmp_path, family):
+    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta,
+    loaded from the folder's per-expert tensors, compute the folder's logits and export its keys."""
+    from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.parallelisms.materialize import materialize
+
+    folder = root / family
+    if family in SWAPPED:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(SWAPPED[family]()).save_pretrained(folder := tmp_path / family)
+    args = model_args_from_hf_folder(folder, "transformers")
+    with torch.device("meta"):
+        model = TRANSFORMERS_SPEC.build(args)
+    TRANSFORMERS_SPEC.prepare_expert_parallel(model)
+    assert any(name.endswith("experts.grouped.w1") for name, _ in model.named_parameters())
+    materialize(model, torch.device("cpu"), seed=0)
+    load_hf_into_model(model, folder)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS).logits, logits_of(folder, TOKENS), rtol=0, atol=1e-5)
+    save_hf_model(model, tmp_path / "out")
+    exported, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
+
+
 def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
     """gpt-oss's experts have biases (and clamp their activations): not plain SwiGLU experts."""
     with pytest.raises(ConfigError, match=r"^parallelism.ep = 2: GptOssForCausalLM \(model_type gpt_oss, built by "
