@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.models.common.counts import decoder_flops_per_token
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
 from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
@@ -233,6 +232,39 @@ def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
     return experts, rows // 2, len(found), refusal
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_matmul_numel(args: HFModelArgs) -> float:
+    """Weights a token multiplies by, from the model on meta: every parameter of two or more
+    dimensions but the token embedding (a lookup; counted once more where the output projection is
+    tied to it), the routed experts' at the share of them a token is sent to (top_k of n)."""
+    with torch.device("meta"):
+        model = build(args)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    routed = {id(p): module for _, module in routed_experts(model) for p in module.parameters(recurse=False)}
+    top_k = args.config.get("num_experts_per_tok") or 0
+    numel = 0.0
+    for p in model.parameters():
+        if p.ndim < 2 or id(p) in embeddings:
+            continue
+        numel += p.numel() * (top_k / p.shape[0] if id(p) in routed else 1)
+    return numel + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+
+
+def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the built model (forward and backward): 6 x the weights a token
+    multiplies by (`_meta_matmul_numel`; n_params, the parameter count, is not used) plus attention's
+    score and value products, 6 x H x (Q_k + Q_v) x T in each softmax-attention layer (its H heads of
+    key width Q_k, value width Q_v; MLA's differ), the whole sequence T as the mask-taking kernels
+    compute it; a linear-attention layer's recurrence is left out."""
+    config = args.config
+    hf_config = _transformers_config(config, args.trust_remote_code, args.folder)
+    q_k = getattr(hf_config, "qk_head_dim", None) or args.head_dim
+    q_v = getattr(hf_config, "v_head_dim", None) or args.head_dim
+    layers = config.get("layer_types") or ["full_attention"] * args.n_layers
+    attention_layers = sum(kind != "linear_attention" for kind in layers)
+    return 6 * _meta_matmul_numel(args) + 6 * attention_layers * args.n_heads * (q_k + q_v) * seq_len
+
+
 def experts(args: HFModelArgs) -> Experts | None:
     """The routing of a model whose experts weft's grouped experts can compute (`experts_refusal`);
     None for any other (dense, or experts of another arithmetic, such as gpt-oss's)."""
@@ -293,7 +325,7 @@ def hf_mapping(args: HFModelArgs) -> HFMapping:
 
 TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
-    tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
+    tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
     packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,

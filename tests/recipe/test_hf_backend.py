@@ -209,6 +209,25 @@ def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_pro
     assert decoded[0] == decoded[1]
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3", *CONVERTED])
+def test_the_flops_per_token_are_those_torch_counts_in_a_training_step(root, family):
+    """MFU's FLOP count of the built model (tied output, MLA's key and value widths, routed experts at
+    top_k of n) against torch's FlopCounterMode over one forward and backward (eager attention and
+    experts, so that the counter sees their matrix products: it does not count a grouped multiply)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from weft.components.hf import model_args_from_hf_folder
+    from weft.models import TRANSFORMERS_SPEC
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / family, attn_implementation="eager",
+                                                                experts_implementation="eager")
+    with FlopCounterMode(display=False) as counter:
+        model(TOKENS).logits.sum().backward()
+    args = model_args_from_hf_folder(root / family, "transformers")
+    ours = TRANSFORMERS_SPEC.flops_per_token(args, 0, TOKENS.shape[1]) * TOKENS.numel()
+    assert ours == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
 def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_model(root, capsys):
     from weft import train
 
