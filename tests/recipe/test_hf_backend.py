@@ -1,12 +1,13 @@
 """The transformers backend (models/transformers): folders of families weft does not implement,
-written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings),
-decode greedily as transformers does and train under the recipe. Six SFT steps (prompt/completion,
-packed) in one process equal fsdp 2 and tp 2 (the model's `_tp_plan`); the exports reload in
-transformers with the source's key set and the trained weights; LoRA's PEFT folder loads in `peft`
-with the merged export's logits; a stopped run resumes bit for bit; and what the backend does not
-reach yet is refused in one line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers
-does and train alike under fsdp 2; DeepSeek V3 and GLM-4 MoE, whose expert tensors transformers merges
-on load, are refused naming the family."""
+written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings;
+DeepSeek V3 and GLM-4 MoE, whose per-expert tensors transformers stacks on load), decode greedily as
+transformers does and train under the recipe. Six SFT steps (prompt/completion, packed) in one
+process equal fsdp 2, tp 2 (the model's `_tp_plan`) and ep 2 (weft's grouped experts in
+transformers' place); the exports reload in transformers with the source's key set and the trained
+weights; LoRA's PEFT folder loads in `peft` with the merged export's logits; a stopped run resumes
+bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach yet is refused in one
+line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
+under fsdp 2; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from weft.components.data import load_tokenizer
 from weft.components.hf import ConversionError
 from weft.recipe.plan import RunPlan
 
+from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.dist_utils import run_distributed
+from tests.support.hf_tokenizer import build_qwen3_tokenizer_folder
 from tests.support.train_runs import run, run_args
 
 transformers = pytest.importorskip("transformers")
@@ -450,14 +453,33 @@ def test_the_weft_backend_still_refuses_another_family(root):
         plan_of(root / "mistral", root / "sft.jsonl", "--model.backend", "weft", world_size=1)
 
 
-def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path):
+def data_args(root: Path, data: str, tmp_path: Path) -> tuple[str, ...]:
+    """Packed chats rendered by a tokenizer folder's ChatML template (assistant turns supervised), or
+    a mixture of two text sources (3:1), each file written for the test."""
+    if data == "chat":
+        tokenizer = build_qwen3_tokenizer_folder(tmp_path / "tokenizer")
+        chats = write_jsonl(tmp_path / "chat.jsonl", make_chats(64))
+        return ("--data.format", "chat", "--data.dataset_path", str(chats), "--model.tokenizer_path", str(tokenizer),
+                "--training.seq_len", "96")
+    sources = []
+    for i, name in enumerate(("speeches", "answers")):
+        records = [{"text": m["messages"][-1 - i]["content"]} for m in make_chats(64, seed=i)]
+        sources.append(f"{write_jsonl(tmp_path / f'{name}.jsonl', records)}:{3 - 2 * i}")
+    return "--data.format", "text", "--data.mixture", ",".join(sources)
+
+
+@pytest.mark.parametrize("data", ["prompt_completion", "chat", "mixture"])
+def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path, data):
     """weft's own Llama and transformers' LlamaForCausalLM, from one folder, through the same six
-    packed SFT steps: two implementations, one loss curve."""
+    steps (packed prompt/completion samples, packed chats, a mixture of text sources): two
+    implementations, one loss curve."""
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp_path / "llama")
+    extra = () if data == "prompt_completion" else data_args(root, data, tmp_path)
     losses = {backend: run(sft_args(tmp_path / "llama", root / "sft.jsonl", tmp_path / backend, "--model.backend",
-                                    backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+                                    backend, "--no-checkpoint.enable", *extra)) for backend in ("weft", "transformers")}
     assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+    assert losses["weft"][-1] < losses["weft"][0]
 
 
 def test_auto_builds_with_weft_where_weft_implements_the_model_type():
