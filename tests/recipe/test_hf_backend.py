@@ -280,7 +280,8 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported)."""
+    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported),
+    and DeepSeek V3's ep 2 run stopped after 3 steps and resumed."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
@@ -294,7 +295,11 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
                                       "--export.hf_folder", "hf")
              for family in CONVERTED}
-    return {name: run(args) for name, args in runs.items()}
+    losses = {name: run(args) for name, args in runs.items()}
+    resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
+                       "--parallelism.ep", "2", "--training.local_batch_size", "2")
+    losses["ep_resumed"] = run(resumed, stop_after=3) + run(resumed)  # stopped after 3 steps, then resumed
+    return losses
 
 
 @pytest.mark.slow
@@ -315,6 +320,7 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
     for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
         assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
