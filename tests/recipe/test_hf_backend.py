@@ -321,6 +321,12 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
+    from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
+
+    assert hf_main(["export", "--checkpoint", str(root / "ep_deepseek_v3" / "checkpoint" / "step-6"), "--out",
+                    str(root / "ep_cli")]) == 0
+    cli, at_end = (load_file(root / folder / "model.safetensors") for folder in ("ep_cli", "ep_deepseek_v3/hf"))
+    assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
     for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
         assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
