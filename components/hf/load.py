@@ -87,8 +87,10 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
     every full tensor from disk (safetensors maps the file, so ranks of one node share the page
     cache), and memory grows only by the largest tensor, never by the model. Experts stored one
-    tensor per expert (Qwen3-MoE) are the exception: a rank reads only the experts its part of the
-    stacked parameter holds (under expert parallelism or FSDP), and stacks them.
+    tensor per expert (Qwen3-MoE; transformers' families whose experts it stacks on load, their gate
+    and up joined) are the exception: a rank reads only the experts its part of the stacked
+    parameter holds (under expert parallelism or FSDP), and stacks them. A transformers model's
+    persistent buffers that the folder holds are read too.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
