@@ -136,8 +136,11 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     `parallelize` in its one order, then materialised on `device` (None: left on meta, as the dry
     run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
     equal a single-device run's with the same seed, whatever the layout."""
+    spec = spec_for_args(plan.model_args)
     with torch.device("meta"):
-        model = spec_for_args(plan.model_args).build(plan.model_args)
+        model = spec.build(plan.model_args)
+    if plan.dims.ep > 1 and spec.prepare_expert_parallel is not None:
+        spec.prepare_expert_parallel(model)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     qlora = plan.options.lora is not None and plan.options.lora.quantize_base is not None

@@ -271,17 +271,22 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
 
 def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     """What the transformers backend (models/transformers) does not reach yet, refused in one line
-    naming the key: pipeline, context and expert parallelism, float8, compile; tensor parallelism
-    of a model that declares no plan (`_tp_plan`)."""
+    naming the key: pipeline and context parallelism, float8, compile; expert parallelism of
+    experts other than plain SwiGLU ones; tensor parallelism of a model that declares no plan
+    (`_tp_plan`)."""
     if spec_for_args(args).backend != "transformers":
         return
     built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
-    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1, "parallelism.ep": dims.ep > 1,
+    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1,
                    "float8.enable": cfg.float8.enable, "compile.enable": cfg.compile.enable}
     for key, used in unsupported.items():
         if used:
             raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
                               "(docs/transformers-backend.md)")
+    refuse_ep = spec_for_args(args).expert_parallel_refusal
+    if dims.ep > 1 and refuse_ep is not None and (refusal := refuse_ep(args)) is not None:
+        raise ConfigError(f"parallelism.ep = {dims.ep}: {built}: {refusal}, and expert parallelism spreads weft's "
+                          "grouped experts, which compute plain SwiGLU experts; set parallelism.ep = 1")
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")

@@ -87,8 +87,10 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
     every full tensor from disk (safetensors maps the file, so ranks of one node share the page
     cache), and memory grows only by the largest tensor, never by the model. Experts stored one
-    tensor per expert (Qwen3-MoE) are the exception: a rank reads only the experts its part of the
-    stacked parameter holds (under expert parallelism or FSDP), and stacks them.
+    tensor per expert (Qwen3-MoE; transformers' families whose experts it stacks on load, their gate
+    and up joined) are the exception: a rank reads only the experts its part of the stacked
+    parameter holds (under expert parallelism or FSDP), and stacks them. A transformers model's
+    persistent buffers that the folder holds are read too.
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
@@ -99,7 +101,10 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf = spec_for_args(args).hf
+    hf = spec_for_args(args).hf_of(args)
+    if spec_for_args(args).backend == "transformers":  # and the buffers its folder holds (DeepSeek V3's router bias)
+        params |= {name: b for part in model_parts(model) for name, b in persistent_buffers(part)
+                   if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
     hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
     missing = [part for parts in hf_names.values() for part in parts if part not in files]
     if missing:
@@ -119,12 +124,32 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     with torch.no_grad(), implicit_replication():
         for name, param in params.items():
             if hf.stacked(name):
-                _load_stacked(param, [lambda part=part: read(part, list(param.shape[1:])) for part in hf_names[name]],
+                _load_stacked(param, _expert_readers(read, hf_names[name], param.shape),
                               lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
                 continue
             (hf_name,) = hf_names[name]
             full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of `model` its state dict holds, by name."""
+    return [(f"{path}.{name}" if path else name, buffer) for path, module in model.named_modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set]
+
+
+def _expert_readers(read, parts: list[str], shape: torch.Size) -> list:
+    """A reader of each expert of a stacked parameter of `shape` from its HF tensors `parts`, expert
+    by expert; where an expert has several (transformers' gate_up_proj: its gate's and up's), they
+    join along its rows in order."""
+    per_expert = len(parts) // shape[0]
+    expected = [shape[1] // per_expert, *shape[2:]]
+
+    def reader(chunk: list[str]):
+        return lambda: torch.cat([read(part, expected) for part in chunk]) if len(chunk) > 1 else read(chunk[0], expected)
+
+    return [reader(parts[e * per_expert:(e + 1) * per_expert]) for e in range(shape[0])]
 
 
 def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:

@@ -106,7 +106,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     expert weight likewise, expert by expert, before the Hugging Face layout joins or splits it),
     in files of at most `max_shard_bytes` with an index if several; config.json from `hf_files` (a
     run's recorded files, with its tokenizer) or from `args`. Every rank calls it; rank 0 writes."""
-    hf = spec_for_args(args).hf
+    hf = spec_for_args(args).hf_of(args)
     bases = [n for n in shapes if ".lora_" not in n and not (args.tie_embeddings and n == hf.tied_output)]
     # Each group of weft parameters and the HF tensors it makes (Llama 4: w1 and w3 make one
     # gate_up_proj; Qwen3-MoE: a stacked w1 makes one gate_proj per expert).
@@ -148,7 +148,7 @@ def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
     transformers class, `adapter_config.json`) of `adapters` from `source`: the adapted linears as
     `target_modules`, the adapted routed experts as `target_parameters` (`_PeftExperts`). Every
     rank calls it; rank 0 writes."""
-    hf = spec_for_args(args).hf
+    hf = spec_for_args(args).hf_of(args)
     # A acts on the layer's input (no rotary rows); B makes the layer's output rows, permuted as W's.
     layout_of = {_lora(f"{m}.weight", w): (f"{m}.weight" if w == "B" else _lora(f"{m}.weight", w), _hf_module(hf, m), w)
                  for m in adapters.modules for w in "AB"}
@@ -344,7 +344,8 @@ def check_peft_export(model: nn.Module) -> None:
     (expert adapters PEFT cannot hold); works on the meta device."""
     adapters = model_adapters(model)
     if adapters is not None and adapters.experts:
-        _PeftExperts(spec_for_args(whole_model(model).args).hf, adapters)
+        args = whole_model(model).args
+        _PeftExperts(spec_for_args(args).hf_of(args), adapters)
 
 
 def save_peft_adapter(model: nn.Module, out: str | Path, base_model_name_or_path: str | None = None) -> None:

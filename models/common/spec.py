@@ -83,8 +83,12 @@ class HFMapping:
     def to_hf_parts(self, weft_names: list[str], tensors: list[torch.Tensor], args: Any) -> list[torch.Tensor]:
         """The HF tensors of a unit (`units`): the one `to_hf` makes, or a stacked parameter's experts."""
         tensor = self.to_hf(weft_names, tensors, args)
-        # Each expert its own copy: safetensors refuses to write tensors that share memory.
-        return [expert.clone() for expert in tensor.unbind(0)] if self.stacked(weft_names[0]) else [tensor]
+        if not self.stacked(weft_names[0]):
+            return [tensor]
+        # An expert's tensors (several where they join along its rows, transformers' gate_up_proj), each
+        # its own copy: safetensors refuses to write tensors that share memory.
+        per_expert = len(self.hf_parts(weft_names[0], tensor.shape)) // tensor.shape[0]
+        return [part.clone() for expert in tensor.unbind(0) for part in expert.chunk(per_expert)]
 
     def from_hf_tensor(self, weft_name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
         """The weft parameter `weft_name` out of its HF tensor."""
@@ -144,6 +148,17 @@ class ModelSpec:
     forward: Callable[..., torch.Tensor] | None = None
     # args -> why documents packed into one row would see each other in this model; None: they cannot
     packed_documents_refusal: Callable[[Any], str | None] | None = None
+    # args -> the HFMapping of this model where it depends on the model (transformers' families whose
+    # folders it converts on load); None: `hf` for every model of the family
+    hf_for_args: Callable[[Any], HFMapping] | None = None
+    # model on meta -> made ready for apply_ep (transformers' experts swapped for weft's grouped ones); None: as built
+    prepare_expert_parallel: Callable[[nn.Module], None] | None = None
+    # args -> why expert parallelism cannot spread this model's experts; None: it can where it has experts
+    expert_parallel_refusal: Callable[[Any], str | None] | None = None
+
+    def hf_of(self, args: Any) -> HFMapping:
+        """How the model `args` and its Hugging Face folder translate into each other."""
+        return self.hf if self.hf_for_args is None else self.hf_for_args(args)
 
     def nf4_refusal_for(self, args: Any) -> str | None:
         """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""

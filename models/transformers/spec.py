@@ -3,12 +3,14 @@ code from its config.json, as the rest of weft sees a model (models/common/spec.
 
 Its hyper-parameters (`HFModelArgs`) are the config.json itself plus the shape fields the recipe
 reads; its parameter names are transformers' own, so the folder's tensor names, PEFT's module names
-and the export's names are one and the same (`SameNames`). Counts (block parameters, adapters) come
+and the export's names are one and the same (`SameNames`), but where transformers stacks a folder's
+per-expert tensors on load (conversions.py). Counts (block parameters, adapters) come
 from the model built on the meta device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.models.common.counts import decoder_flops_per_token
-from weft.models.common.spec import HFConfigError, HFMapping, ModelSpec
+from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
+from weft.models.transformers.conversions import converted_names
+from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -63,7 +66,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     if "text_config" in config:
         raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
                             "transformers backend does not build yet; give a text-only folder")
-    _refuse_merged_on_load(model_type)
+    converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
     n_heads = _field(hf_config, "num_attention_heads")
@@ -79,18 +82,6 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
         trust_remote_code=trust_remote_code, folder=folder)
-
-
-def _refuse_merged_on_load(model_type: str) -> None:
-    """Refuse a family whose checkpoint tensors transformers merges on load (DeepSeek V3, GLM-4 MoE: one
-    tensor per expert, fused into gate_up_proj): the backend reads each parameter under its own name."""
-    from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
-
-    merged = [c for c in get_checkpoint_conversion_mapping(model_type) or () if isinstance(c, WeightConverter)]
-    if merged:
-        raise HFConfigError(f"model_type {model_type}: transformers merges its checkpoint's tensors on load "
-                            f"({', '.join(merged[0].source_patterns)} -> {merged[0].target_patterns[0]}), which "
-                            "the transformers backend does not do yet")
 
 
 def _field(hf_config, name: str) -> int:
@@ -162,6 +153,19 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
     return None
 
 
+def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
+    """PEFT (0.21, with transformers 5) reads the adapters of a family whose experts transformers stacks
+    on load by the experts' old names: an adapter on a linear of that name (`gate_proj` of a shared
+    expert or a dense layer) would be loaded as the routed experts', so it is refused."""
+    names = converted_names(args.model_type)
+    fused = {source.rsplit(".", 2)[-2] for stack in (names.stacks if names else ()) for source in stack.sources}
+    clash = [name for name in adapted if name.rsplit(".", 1)[-1] in fused]
+    if not clash:
+        return None
+    return (f"PEFT reads a {args.model_type} adapter's {'/'.join(sorted(fused))} as its stacked experts', so the "
+            f"adapter on {clash[0]} would not load there; set lora.target_modules to the attention's linears")
+
+
 def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """config.json: the folder's own, its dtype that of the export."""
     config = {k: v for k, v in args.config.items() if k not in _DTYPE_KEYS}
@@ -211,6 +215,77 @@ def _meta_counts(args: HFModelArgs) -> tuple[int, int, int]:
     return numel // len(blocks), widths // len(blocks), len(blocks)
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
+    """(routed experts per MoE layer, their hidden width, MoE layers, why weft's grouped experts cannot
+    take their place or None), from the model on meta."""
+    with torch.device("meta"):
+        model = build(args)
+    found = routed_experts(model)
+    refusal = grouped_experts_refusal(model)
+    names = converted_names(args.model_type)
+    if found and refusal is None and (names is None or not names.holds_grouped_experts()):
+        refusal = "its folder does not hold its experts one tensor per expert (gate, up and down)"
+    if not found:
+        return 0, 0, 0, "it has no routed experts"
+    experts, rows, _ = found[0][1].gate_up_proj.shape
+    return experts, rows // 2, len(found), refusal
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_matmul_numel(args: HFModelArgs) -> float:
+    """Weights a token multiplies by, from the model on meta: every parameter of two or more
+    dimensions but the token embedding (a lookup; counted once more where the output projection is
+    tied to it), the routed experts' at the share of them a token is sent to (top_k of n)."""
+    with torch.device("meta"):
+        model = build(args)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    routed = {id(p): module for _, module in routed_experts(model) for p in module.parameters(recurse=False)}
+    top_k = args.config.get("num_experts_per_tok") or 0
+    numel = 0.0
+    for p in model.parameters():
+        if p.ndim < 2 or id(p) in embeddings:
+            continue
+        numel += p.numel() * (top_k / p.shape[0] if id(p) in routed else 1)
+    return numel + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+
+
+def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of the built model (forward and backward): 6 x the weights a token
+    multiplies by (`_meta_matmul_numel`; n_params, the parameter count, is not used) plus attention's
+    score and value products, 6 x H x (Q_k + Q_v) x T in each softmax-attention layer (its H heads of
+    key width Q_k, value width Q_v; MLA's differ), the whole sequence T as the mask-taking kernels
+    compute it; a linear-attention layer's recurrence is left out."""
+    config = args.config
+    hf_config = _transformers_config(config, args.trust_remote_code, args.folder)
+    q_k = getattr(hf_config, "qk_head_dim", None) or args.head_dim
+    q_v = getattr(hf_config, "v_head_dim", None) or args.head_dim
+    layers = config.get("layer_types") or ["full_attention"] * args.n_layers
+    attention_layers = sum(kind != "linear_attention" for kind in layers)
+    return 6 * _meta_matmul_numel(args) + 6 * attention_layers * args.n_heads * (q_k + q_v) * seq_len
+
+
+def experts(args: HFModelArgs) -> Experts | None:
+    """The routing of a model whose experts weft's grouped experts can compute (`experts_refusal`);
+    None for any other (dense, or experts of another arithmetic, such as gpt-oss's)."""
+    n_experts, hidden, moe_layers, refusal = _meta_experts(args)
+    top_k = args.config.get("num_experts_per_tok")
+    if refusal is not None or not isinstance(top_k, int):
+        return None
+    return Experts(n_experts, top_k, moe_layers * top_k * hidden // args.n_layers, moe_layers * top_k / args.n_layers)
+
+
+def experts_refusal(args: HFModelArgs) -> str | None:
+    """Why expert parallelism cannot spread this model's experts: weft's grouped experts (which it
+    spreads) compute plain SwiGLU experts only (experts.py); None where they can."""
+    return _meta_experts(args)[3]
+
+
+def prepare_expert_parallel(model: nn.Module) -> None:
+    """Swap the model's routed experts for weft's grouped experts, which `apply_ep` spreads."""
+    swap_in_grouped_experts(model)
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -240,9 +315,18 @@ TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_conf
                             args_from_hf_config=args_from_hf_config, architecture_fields=architecture_fields,
                             tied_output="lm_head.weight")
 
+
+def hf_mapping(args: HFModelArgs) -> HFMapping:
+    """The folder's names: the parameters' own, or where transformers converts the folder on load
+    (per-expert tensors stacked), the folder's (conversions.py)."""
+    names = converted_names(args.model_type)
+    return TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+
+
 TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
-    tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=decoder_flops_per_token,
+    tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
-    packed_documents_refusal=packed_documents_refusal)
+    packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,
+    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal)

@@ -1,12 +1,13 @@
 """The transformers backend (models/transformers): folders of families weft does not implement,
-written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings),
-decode greedily as transformers does and train under the recipe. Six SFT steps (prompt/completion,
-packed) in one process equal fsdp 2 and tp 2 (the model's `_tp_plan`); the exports reload in
-transformers with the source's key set and the trained weights; LoRA's PEFT folder loads in `peft`
-with the merged export's logits; a stopped run resumes bit for bit; and what the backend does not
-reach yet is refused in one line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers
-does and train alike under fsdp 2; DeepSeek V3 and GLM-4 MoE, whose expert tensors transformers merges
-on load, are refused naming the family."""
+written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings;
+DeepSeek V3 and GLM-4 MoE, whose per-expert tensors transformers stacks on load), decode greedily as
+transformers does and train under the recipe. Six SFT steps (prompt/completion, packed) in one
+process equal fsdp 2, tp 2 (the model's `_tp_plan`) and ep 2 (weft's grouped experts in
+transformers' place); the exports reload in transformers with the source's key set and the trained
+weights; LoRA's PEFT folder loads in `peft` with the merged export's logits; a stopped run resumes
+bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach yet is refused in one
+line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
+under fsdp 2; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
@@ -25,20 +26,35 @@ from weft.components.data import load_tokenizer
 from weft.components.hf import ConversionError
 from weft.recipe.plan import RunPlan
 
+from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.dist_utils import run_distributed
+from tests.support.hf_tokenizer import build_qwen3_tokenizer_folder
 from tests.support.train_runs import run, run_args
 
 transformers = pytest.importorskip("transformers")
 
 SHAPE = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+MOE = {**SHAPE, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+       "n_shared_experts": 1}
+del MOE["head_dim"]
 CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**SHAPE),
     # one sliding layer (window 8, shorter than the 32-token samples) and one global, embeddings tied
     "gemma3": lambda: transformers.Gemma3TextConfig(**SHAPE, sliding_window=8, pad_token_id=0,
                                                     layer_types=["sliding_attention", "full_attention"]),
+    # a dense layer, then an MoE layer: MLA attention, grouped routing (2 groups of 4, one chosen), a
+    # shared expert; its folder holds one tensor per expert, which transformers stacks on load
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MOE, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2,
+        topk_group=1, first_k_dense_replace=1),
+    # a dense layer, then an MoE layer (sigmoid routing, a shared expert), partial rotary and q/k norms
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**MOE, head_dim=8, use_qk_norm=True, first_k_dense_replace=1),
 }
 FAMILIES = list(CONFIGS)
+# The families whose folders transformers converts on load (experts stacked), and the linears their
+# LoRA runs adapt: PEFT would read adapters on gate_proj/up_proj/down_proj as the stacked experts'.
+CONVERTED = {"deepseek_v3": "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", "glm4_moe": "q_proj,k_proj,v_proj,o_proj"}
 # Families with layers of their own, checked for greedy decoding and fsdp 2 parity: Qwen3.5's
 # linear-attention (gated delta rule) layer beside a full one; gpt-oss's attention sinks, biases and
 # experts (plain parameters under FSDP), with a sliding and a global layer.
@@ -53,10 +69,17 @@ CONFIGS |= MORE
 FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
 
 
+ROUTER_BIAS = "e_score_correction_bias"  # DeepSeek V3's and GLM-4 MoE's routing bias: a buffer in the folder
+
+
 def tiny_folder(folder: Path, family: str) -> Path:
     """A randomly initialised transformers model of `family`, saved as a Hugging Face folder."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    for name, buffer in model.named_buffers():
+        if name.endswith(ROUTER_BIAS):  # as a trained model's, so that loading it is seen in the routing
+            buffer.copy_(torch.randn(buffer.shape))
+    model.save_pretrained(folder)
     return folder
 
 
@@ -163,7 +186,9 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
     assert len(losses) == 6 and losses[-1] < losses[0]
     source, exported = load_file(root / family / "model.safetensors"), load_file(root / f"one_{family}/hf/model.safetensors")
     assert sorted(exported) == sorted(source)
-    assert all(not torch.equal(exported[k], source[k]) for k in source if "norm" not in k)  # it trained
+    # it trained (the router bias is a buffer, exported as loaded)
+    assert all(not torch.equal(exported[k], source[k]) for k in source if "norm" not in k and ROUTER_BIAS not in k)
+    assert all(torch.equal(exported[k], source[k]) for k in source if ROUTER_BIAS in k)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"one_{family}" / "hf")
     tied = CONFIGS[family]().tie_word_embeddings
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
@@ -187,6 +212,25 @@ def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_pro
     assert decoded[0] == decoded[1]
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3", *CONVERTED])
+def test_the_flops_per_token_are_those_torch_counts_in_a_training_step(root, family):
+    """MFU's FLOP count of the built model (tied output, MLA's key and value widths, routed experts at
+    top_k of n) against torch's FlopCounterMode over one forward and backward (eager attention and
+    experts, so that the counter sees their matrix products: it does not count a grouped multiply)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from weft.components.hf import model_args_from_hf_folder
+    from weft.models import TRANSFORMERS_SPEC
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / family, attn_implementation="eager",
+                                                                experts_implementation="eager")
+    with FlopCounterMode(display=False) as counter:
+        model(TOKENS).logits.sum().backward()
+    args = model_args_from_hf_folder(root / family, "transformers")
+    ours = TRANSFORMERS_SPEC.flops_per_token(args, 0, TOKENS.shape[1]) * TOKENS.numel()
+    assert ours == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
 def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_model(root, capsys):
     from weft import train
 
@@ -204,30 +248,40 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
-def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path):
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
     peft = pytest.importorskip("peft")
-    run(sft_args(root / "gemma3", root / "sft.jsonl", tmp_path, "--lora.enable", "--lora.rank", "4",
-                 "--export.peft_folder", "peft", "--export.hf_folder", "merged", "--no-checkpoint.enable"))
-    base = transformers.AutoModelForCausalLM.from_pretrained(root / "gemma3").eval()
+    lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
+    if family in CONVERTED:
+        with pytest.raises(ConfigError, match=rf"^export.peft_folder = 'peft': PEFT reads a {family} adapter's "
+                                              r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
+                                              r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
+            plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
+        lora += ("--lora.target_modules", CONVERTED[family])
+    run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
+                 "--no-checkpoint.enable"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
         theirs = adapted(TOKENS).logits
     merged = logits_of(tmp_path / "merged", TOKENS)
     torch.testing.assert_close(theirs, merged, rtol=0, atol=1e-5)
-    assert (merged - logits_of(root / "gemma3", TOKENS)).abs().max() > 1e-3  # the adapters trained
+    assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
-        load_file(root / "gemma3" / "model.safetensors"))
+        load_file(root / family / "model.safetensors"))
 
 
-def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path):
-    args = sft_args(root / "gemma3", root / "sft.jsonl", tmp_path)
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
+    args = sft_args(root / family, root / "sft.jsonl", tmp_path)
     first = run(args, stop_after=3)
-    assert first + run(args) == one_process["gemma3"]
+    assert first + run(args) == one_process[family]
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2."""
+    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported),
+    and DeepSeek V3's ep 2 run stopped after 3 steps and resumed."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
@@ -237,11 +291,19 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                           "--training.local_batch_size", "2") for family in MORE}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
-    return {name: run(args) for name, args in runs.items()}
+    runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
+                                      "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
+                                      "--export.hf_folder", "hf")
+             for family in CONVERTED}
+    losses = {name: run(args) for name, args in runs.items()}
+    resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
+                       "--parallelism.ep", "2", "--training.local_batch_size", "2")
+    losses["ep_resumed"] = run(resumed, stop_after=3) + run(resumed)  # stopped after 3 steps, then resumed
+    return losses
 
 
 @pytest.mark.slow
-def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transformers(root, one_process,
+def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
                                                                                       more_one_process):
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
@@ -258,6 +320,22 @@ def test_fsdp2_and_tp2_equal_one_process_and_the_fsdp_export_reloads_in_transfor
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
+    from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
+
+    assert hf_main(["export", "--checkpoint", str(root / "ep_deepseek_v3" / "checkpoint" / "step-6"), "--out",
+                    str(root / "ep_cli")]) == 0
+    cli, at_end = (load_file(root / folder / "model.safetensors") for folder in ("ep_cli", "ep_deepseek_v3/hf"))
+    assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+    for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
+        assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(single)
+        for key in single:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
+                                   logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
 
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
@@ -277,6 +355,49 @@ def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, 
         plan_of(root / "mistral", root / "sft.jsonl", *extra)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
     assert "transformers" in str(refused.value)
+
+
+SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's under another module name
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16, norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("family", [*CONVERTED, *SWAPPED])
+def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_folder(root, tmp_path, family):
+    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta,
+    loaded from the folder's per-expert tensors, compute the folder's logits and export its keys."""
+    from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.parallelisms.materialize import materialize
+
+    folder = root / family
+    if family in SWAPPED:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(SWAPPED[family]()).save_pretrained(folder := tmp_path / family)
+    args = model_args_from_hf_folder(folder, "transformers")
+    with torch.device("meta"):
+        model = TRANSFORMERS_SPEC.build(args)
+    TRANSFORMERS_SPEC.prepare_expert_parallel(model)
+    assert any(name.endswith("experts.grouped.w1") for name, _ in model.named_parameters())
+    materialize(model, torch.device("cpu"), seed=0)
+    load_hf_into_model(model, folder)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS).logits, logits_of(folder, TOKENS), rtol=0, atol=1e-5)
+    save_hf_model(model, tmp_path / "out")
+    exported, source = load_file(tmp_path / "out" / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
+
+
+def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
+    """gpt-oss's experts have biases (and clamp their activations): not plain SwiGLU experts."""
+    with pytest.raises(ConfigError, match=r"^parallelism.ep = 2: GptOssForCausalLM \(model_type gpt_oss, built by "
+                                          r"transformers\): its experts \(model.layers.0.mlp.experts\) hold "
+                                          r"down_proj_bias, gate_up_proj_bias beside gate_up_proj and down_proj, .*; "
+                                          r"set parallelism.ep = 1$"):
+        plan_of(root / "gpt_oss", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
+    assert plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
@@ -301,25 +422,17 @@ def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_f
         plan_of(folder, root / "sft.jsonl", world_size=1)
 
 
-MERGED_ON_LOAD = {
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
-                                                         n_routed_experts=8, n_group=2, topk_group=1),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=2,
-                                                   n_routed_experts=8, n_group=2, topk_group=1),
-}
-
-
-@pytest.mark.parametrize("family", MERGED_ON_LOAD)
-def test_a_family_whose_experts_transformers_merges_on_load_is_refused_naming_it(root, tmp_path, family, capsys):
-    folder = tmp_path / family
+def test_a_family_whose_tensors_transformers_converts_otherwise_is_refused_naming_it(root, tmp_path, capsys):
+    """transformers splits HRM's gate_up_proj on load (a Chunk, not a stack of experts): refused in one line."""
+    folder = tmp_path / "hrm_text"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(MERGED_ON_LOAD[family]().to_dict()))
-    with pytest.raises(ConversionError, match=rf"^checkpoint.initial_load_path: HF folder .*: model_type {family}: "
-                                              r"transformers merges its checkpoint's tensors on load \(mlp.experts"):
+    (folder / "config.json").write_text(json.dumps({"model_type": "hrm_text"}))
+    with pytest.raises(ConversionError, match=r"^checkpoint.initial_load_path: HF folder .*: model_type hrm_text: "
+                                              r"transformers converts its checkpoint's tensors on load \(mlp.gate_up"):
         plan_of(folder, root / "sft.jsonl", world_size=1)
     assert generate.main(["--hf", str(folder), "--prompt", "ROMEO:"]) == 2
     refusal = capsys.readouterr().err
-    assert f"model_type {family}: transformers merges" in refusal and refusal.count("\n") == 1
+    assert "model_type hrm_text: transformers converts" in refusal and refusal.count("\n") == 1
 
 
 CUSTOM_CONFIG = "from transformers import MistralConfig\n\n\nclass TinyConfig(MistralConfig):\n    model_type = 'tiny_custom'\n"
@@ -352,14 +465,33 @@ def test_the_weft_backend_still_refuses_another_family(root):
         plan_of(root / "mistral", root / "sft.jsonl", "--model.backend", "weft", world_size=1)
 
 
-def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path):
+def data_args(root: Path, data: str, tmp_path: Path) -> tuple[str, ...]:
+    """Packed chats rendered by a tokenizer folder's ChatML template (assistant turns supervised), or
+    a mixture of two text sources (3:1), each file written for the test."""
+    if data == "chat":
+        tokenizer = build_qwen3_tokenizer_folder(tmp_path / "tokenizer")
+        chats = write_jsonl(tmp_path / "chat.jsonl", make_chats(64))
+        return ("--data.format", "chat", "--data.dataset_path", str(chats), "--model.tokenizer_path", str(tokenizer),
+                "--training.seq_len", "96")
+    sources = []
+    for i, name in enumerate(("speeches", "answers")):
+        records = [{"text": m["messages"][-1 - i]["content"]} for m in make_chats(64, seed=i)]
+        sources.append(f"{write_jsonl(tmp_path / f'{name}.jsonl', records)}:{3 - 2 * i}")
+    return "--data.format", "text", "--data.mixture", ",".join(sources)
+
+
+@pytest.mark.parametrize("data", ["prompt_completion", "chat", "mixture"])
+def test_a_llama_folder_trains_alike_under_either_backend(root, tmp_path, data):
     """weft's own Llama and transformers' LlamaForCausalLM, from one folder, through the same six
-    packed SFT steps: two implementations, one loss curve."""
+    steps (packed prompt/completion samples, packed chats, a mixture of text sources): two
+    implementations, one loss curve."""
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(tmp_path / "llama")
+    extra = () if data == "prompt_completion" else data_args(root, data, tmp_path)
     losses = {backend: run(sft_args(tmp_path / "llama", root / "sft.jsonl", tmp_path / backend, "--model.backend",
-                                    backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+                                    backend, "--no-checkpoint.enable", *extra)) for backend in ("weft", "transformers")}
     assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+    assert losses["weft"][-1] < losses["weft"][0]
 
 
 def test_auto_builds_with_weft_where_weft_implements_the_model_type():

@@ -1,0 +1,79 @@
+"""weft's grouped experts (models/common/moe.py), which expert parallelism spreads, in place of a
+transformers family's routed experts where their arithmetic is plain: SwiGLU experts without biases
+held as `gate_up_proj` [experts, 2 x hidden, dim] (gate rows first) and `down_proj` [experts, dim,
+hidden], as transformers builds DeepSeek V3, GLM-4 MoE, Qwen3-MoE and Mixtral. The family's router,
+shared expert and the rest stay transformers' own; the new weights take the folder's per-expert
+tensors (conversions.py names them), so loads and exports are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weft.models.common.moe import GroupedExperts
+from weft.models.common.spec import HFConfigError
+
+
+class TransformersRoutedExperts(nn.Module):
+    """Routed experts called as transformers calls them (`hidden_states` [tokens, dim], each token's
+    `top_k_index` and `top_k_weights`), computed by weft's `GroupedExperts` (`grouped`: expert e's
+    w1 is its gate rows of gate_up_proj, w3 its up rows, w2 its down_proj): each token's outputs
+    weighted by its scores after the experts, summed."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.grouped = GroupedExperts(dim, hidden_dim, n_experts)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        chosen = top_k_index.flatten()
+        order = chosen.argsort(stable=True)  # (token, slot) pairs sorted by expert
+        source = order // top_k_index.shape[-1]
+        counts = torch.bincount(chosen, minlength=self.n_experts)
+        routed = self.grouped(hidden_states[source], counts) * top_k_weights.flatten()[order, None].to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states, dtype=routed.dtype).index_add(0, source, routed).to(hidden_states.dtype)
+
+
+def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' routed-experts modules of `model` (those holding a 3-D `gate_up_proj`), by name."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.ndim == 3]
+
+
+def grouped_experts_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s routed experts are not plain SwiGLU experts that `TransformersRoutedExperts`
+    computes exactly; None where they are (and where it has none)."""
+    for name, module in routed_experts(model):
+        params = dict(module.named_parameters(recurse=False))
+        experts, rows, dim = module.gate_up_proj.shape
+        down = params.get("down_proj")
+        act = type(getattr(module, "act_fn", None)).__name__
+        if set(params) != {"gate_up_proj", "down_proj"}:
+            return f"its experts ({name}) hold {', '.join(sorted(set(params) - {'gate_up_proj', 'down_proj'}))} beside gate_up_proj and down_proj"
+        if getattr(module, "is_transposed", False) or down is None or list(down.shape) != [experts, dim, rows // 2]:
+            return f"its experts ({name}) hold gate_up_proj {list(module.gate_up_proj.shape)} and down_proj " \
+                   f"{list(down.shape) if down is not None else None}, not [experts, 2 x hidden, dim] and [experts, dim, hidden]"
+        if act not in ("SiLU", "SiLUActivation"):
+            return f"its experts ({name}) use {act}, not SiLU"
+        if getattr(module, "limit", None) is not None or getattr(module, "alpha", None) is not None:
+            return f"its experts ({name}) clamp their activations"
+    return None
+
+
+def swap_in_grouped_experts(model: nn.Module) -> int:
+    """Replace each of `model`'s plain routed-experts modules by `TransformersRoutedExperts` of the
+    same shape on the same device (meta included); HFConfigError where they are not plain. Returns
+    how many it replaced."""
+    refusal = grouped_experts_refusal(model)
+    if refusal is not None:
+        raise HFConfigError(refusal)
+    found = routed_experts(model)
+    for name, module in found:
+        experts, rows, dim = module.gate_up_proj.shape
+        parent, _, child = name.rpartition(".")
+        with torch.device(module.gate_up_proj.device):
+            replacement = TransformersRoutedExperts(dim, rows // 2, experts)
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    return len(found)
