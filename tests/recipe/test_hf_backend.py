@@ -366,8 +366,9 @@ SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's 
 
 @pytest.mark.parametrize("family", [*CONVERTED, *SWAPPED])
 def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_folder(root, tmp_path, family):
-    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta,
-    loaded from the folder's per-expert tensors, compute the folder's logits and export its keys."""
+    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta
+    hold its state's names and shapes, and loaded from the folder's per-expert tensors, compute the
+    folder's logits and export its keys."""
     from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
     from weft.models import TRANSFORMERS_SPEC
     from weft.parallelisms.materialize import materialize
@@ -379,8 +380,10 @@ def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_fo
     args = model_args_from_hf_folder(folder, "transformers")
     with torch.device("meta"):
         model = TRANSFORMERS_SPEC.build(args)
+    as_built = {name: t.shape for name, t in model.state_dict().items()}
     TRANSFORMERS_SPEC.prepare_expert_parallel(model)
-    assert any(name.endswith("experts.grouped.w1") for name, _ in model.named_parameters())
+    assert any(type(m).__name__ == "TransformersRoutedExperts" for m in model.modules())
+    assert {name: t.shape for name, t in model.state_dict().items()} == as_built  # a checkpoint's keys in every layout
     materialize(model, torch.device("cpu"), seed=0)
     load_hf_into_model(model, folder)
     with torch.no_grad():
