@@ -34,7 +34,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     checkpoints and exports still see whole tensors) and exchange tokens by all-to-all.
 
     Works on any model built with weft's MoE layer (`models/common/moe.py`: modules with stacked
-    `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`). The
+    `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`; a module may
+    stack them otherwise, naming its weights in `stacked_weights` and the method taking
+    `(x, counts)` in `expert_parallel_method`, `forward` by default). The
     experts must divide by the mesh size. Apply to the plain model on the meta device or on
     real weights (after `apply_lora`: adapters on the experts, `lora_A.w1`..., spread with them),
     before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
@@ -55,8 +57,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
     if not experts:
         raise TransformError("apply_ep", "model", f"{type(model).__name__} has no MoE layer with stacked experts")
     for name, module in experts:
-        n_experts = module.w1.shape[0]
-        if any(isinstance(getattr(module, w), DTensor) for w in EXPERT_WEIGHTS):
+        n_experts = _n_experts(module)
+        if any(isinstance(getattr(module, w), DTensor) for w in _stacked_weights(module)):
             raise TransformError("apply_ep", "model", f"{name} is already split (a DTensor); apply_ep comes first")
         if ep % sequence_shards:
             raise TransformError("apply_ep", "sequence_shards", f"sequence_shards {sequence_shards} does not divide "
@@ -73,7 +75,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1)
         module.__class__ = _expert_parallel_class(type(module))
         module.ep_mesh, module.grad_scale = ep_mesh, sequence_shards / ep
     logger.info(f"apply_ep: the experts of {len(experts)} MoE layers over ep_mesh size {ep} "
-                f"({experts[0][1].w1.shape[0] // ep} experts a rank), tokens exchanged by all-to-all")
+                f"({_n_experts(experts[0][1]) // ep} experts a rank), tokens exchanged by all-to-all")
     return model
 
 
@@ -88,10 +90,19 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             if getattr(type(module), "_expert_parallel", False) for w, p in module.named_parameters()]
 
 
+def _stacked_weights(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's weights stacked by expert: w1, w2, w3 unless it names others."""
+    return getattr(module, "stacked_weights", EXPERT_WEIGHTS)
+
+
+def _n_experts(module: nn.Module) -> int:
+    return getattr(module, _stacked_weights(module)[0]).shape[0]
+
+
 def _grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules()
             if all(isinstance(getattr(module, w, None), nn.Parameter) and getattr(module, w).ndim == 3
-                   for w in EXPERT_WEIGHTS) and callable(getattr(module, "compute", None))]
+                   for w in _stacked_weights(module)) and callable(getattr(module, "compute", None))]
 
 
 def _expert_parallel_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -141,5 +152,5 @@ def _expert_parallel_class(cls: type) -> type:
     """`cls` exchanging tokens with its EP mesh (as FSDP2 swaps a module's class for its own)."""
     if getattr(cls, "_expert_parallel", False):
         return cls
-    return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward,
-                                                          "_expert_parallel": True})
+    method = getattr(cls, "expert_parallel_method", "forward")
+    return type(f"ExpertParallel{cls.__name__}", (cls,), {method: _expert_parallel_forward, "_expert_parallel": True})

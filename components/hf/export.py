@@ -75,7 +75,8 @@ def export_to_hf(
     folder = require_complete_checkpoint(checkpoint_dir)
     out = Path(out_dir)
     check_output_folder(out)
-    model = _meta_model_as_saved(args, folder)
+    with torch.device("meta"):
+        model = spec_for_args(args).build(args)
     stored = model_tensor_metadata(folder, model, expected_by)
     if spec_for_args(args).backend == "transformers":  # and the buffers its folder held (DeepSeek V3's router bias)
         saved = read_dcp_metadata(folder).state_dict_metadata
@@ -84,19 +85,6 @@ def export_to_hf(
     write_model(out, args, {name: meta.size for name, meta in stored.items()},
                 lambda names: ((name, _read_dcp_tensor(folder, name, stored[name])) for name in names),
                 dtype=dtype, max_shard_bytes=max_shard_bytes, hf_files=hf_files)
-
-
-def _meta_model_as_saved(args: Any, checkpoint: Path) -> torch.nn.Module:
-    """The model of `args` on meta, as the checkpoint holds it: as built, or made ready for expert
-    parallelism where that renames its experts (a transformers MoE run under ep saves weft's
-    grouped experts) and the checkpoint holds those names."""
-    spec = spec_for_args(args)
-    with torch.device("meta"):
-        model = spec.build(args)
-    saved = read_dcp_metadata(checkpoint).state_dict_metadata
-    if spec.prepare_expert_parallel is not None and any(f"model.{n}" not in saved for n, _ in model.named_parameters()):
-        spec.prepare_expert_parallel(model)
-    return model
 
 
 def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, flavor: str | None = None,

@@ -15,9 +15,6 @@ import torch
 
 from weft.models.common.spec import HFConfigError
 
-GROUPED = "grouped"  # the GroupedExperts child of experts.py's module in transformers' experts' place
-# its weights: the transformers parameter each comes from and which of the folder's tensors joined there
-_GROUPED_WEIGHTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
 _PLAIN = re.compile(r"[\w.*]+")  # a converter's pattern read as text (its dots match dots); `*`: the expert
 
 
@@ -55,16 +52,11 @@ class ConvertedNames:
             prefix = stack.prefix(name)
             if prefix is not None:
                 return stack.sources, prefix
-        module, _, weight = name.rpartition(f".{GROUPED}.")  # weft's grouped experts in transformers' place
-        target, row = _GROUPED_WEIGHTS.get(weight, (None, 0))
-        for stack in self.stacks if target else ():
-            prefix = stack.prefix(f"{module}.{target}")
-            if prefix is not None and len(stack.sources) > row:
-                return [stack.sources[row]], prefix
         return None
 
     def holds_grouped_experts(self) -> bool:
-        """Whether the folder's per-expert tensors make weft's grouped experts' w1, w2 and w3."""
+        """Whether the folder's per-expert tensors make both `gate_up_proj` and `down_proj` (what
+        weft's grouped experts hold in transformers' place: experts.py)."""
         return {s.target.rsplit(".", 1)[-1] for s in self.stacks} >= {"gate_up_proj", "down_proj"}
 
     def to_hf(self, name: str) -> str:

@@ -1,9 +1,9 @@
 """weft's grouped experts (models/common/moe.py), which expert parallelism spreads, in place of a
 transformers family's routed experts where their arithmetic is plain: SwiGLU experts without biases
 held as `gate_up_proj` [experts, 2 x hidden, dim] (gate rows first) and `down_proj` [experts, dim,
-hidden], as transformers builds DeepSeek V3, GLM-4 MoE, Qwen3-MoE and Mixtral. The family's router,
-shared expert and the rest stay transformers' own; the new weights take the folder's per-expert
-tensors (conversions.py names them), so loads and exports are unchanged.
+hidden], as transformers builds DeepSeek V3, GLM-4 MoE, Qwen3-MoE and Mixtral. The new module holds
+those two parameters under their names and shapes, so its state (a checkpoint's, an export's) is the
+transformers module's in every layout; the family's router, shared expert and the rest stay its own.
 """
 
 from __future__ import annotations
@@ -17,14 +17,31 @@ from weft.models.common.spec import HFConfigError
 
 class TransformersRoutedExperts(nn.Module):
     """Routed experts called as transformers calls them (`hidden_states` [tokens, dim], each token's
-    `top_k_index` and `top_k_weights`), computed by weft's `GroupedExperts` (`grouped`: expert e's
-    w1 is its gate rows of gate_up_proj, w3 its up rows, w2 its down_proj): each token's outputs
-    weighted by its scores after the experts, summed."""
+    `top_k_index` and `top_k_weights`), holding transformers' `gate_up_proj` and `down_proj` and
+    computed by weft's `GroupedExperts.compute` (expert e's w1 is its gate rows of gate_up_proj, w3
+    its up rows, w2 its down_proj): each token's outputs weighted by its scores, summed.
+    `apply_ep` spreads both weights by expert and exchanges tokens in `grouped` (`stacked_weights`,
+    `expert_parallel_method`)."""
+
+    stacked_weights = ("gate_up_proj", "down_proj")
+    expert_parallel_method = "grouped"
+    compute = staticmethod(GroupedExperts.compute)
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
         self.n_experts = n_experts
-        self.grouped = GroupedExperts(dim, hidden_dim, n_experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+
+    def weights(self, local=lambda t: t) -> list[torch.Tensor]:
+        """w1, w2, w3 as `compute` takes them, from `local` (a parallel transform's local shard) of
+        each stacked weight."""
+        gate, up = local(self.gate_up_proj).chunk(2, dim=1)
+        return [gate, local(self.down_proj), up]
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""
+        return self.compute(x, counts, *self.weights())
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -281,7 +281,8 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported),
-    and DeepSeek V3's ep 2 run stopped after 3 steps and resumed."""
+    DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
+    step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
@@ -299,12 +300,16 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
     losses["ep_resumed"] = run(resumed, stop_after=3) + run(resumed)  # stopped after 3 steps, then resumed
+    losses["one_to_ep"] = run(sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "one_to_ep",
+                                       "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                       "--training.local_batch_size", "2"))
     return losses
 
 
 @pytest.mark.slow
 def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
-                                                                                      more_one_process):
+                                                                                      more_one_process, capsys):
+    shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
@@ -327,6 +332,19 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
                     str(root / "ep_cli")]) == 0
     cli, at_end = (load_file(root / folder / "model.safetensors") for folder in ("ep_cli", "ep_deepseek_v3/hf"))
     assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+    # the ep run's checkpoint holds transformers' names: it resumes in one process, and the reverse
+    shutil.copytree(root / "ep_deepseek_v3" / "checkpoint" / "step-3", root / "ep_to_one" / "checkpoint" / "step-3")
+    ep_to_one = run(sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_to_one"))
+    assert len(ep_to_one) == 3 and ep_to_one == pytest.approx(one_process["deepseek_v3"][3:], rel=1e-5)
+    assert len(losses["one_to_ep"]) == 3 and losses["one_to_ep"] == pytest.approx(losses["ep_deepseek_v3"][3:], rel=1e-5)
+    capsys.readouterr()
+    decoded = []  # and generate.py reads it as it reads the run's export
+    for source in (["--checkpoint", str(root / "ep_deepseek_v3" / "checkpoint" / "step-6")],
+                   ["--hf", str(root / "ep_deepseek_v3" / "hf")]):
+        assert generate.main([*source, "--tokenizer", str(SHIPPED_TOKENIZER), "--prompt", "ROMEO:",
+                              "--max-new-tokens", "12"]) == 0
+        decoded.append(capsys.readouterr().out)
+    assert decoded[0] == decoded[1]
     for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
         assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
@@ -366,8 +384,9 @@ SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's 
 
 @pytest.mark.parametrize("family", [*CONVERTED, *SWAPPED])
 def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_folder(root, tmp_path, family):
-    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta,
-    loaded from the folder's per-expert tensors, compute the folder's logits and export its keys."""
+    """What expert parallelism trains: weft's grouped experts swapped in for transformers' on meta
+    hold its state's names and shapes, and loaded from the folder's per-expert tensors, compute the
+    folder's logits and export its keys."""
     from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model
     from weft.models import TRANSFORMERS_SPEC
     from weft.parallelisms.materialize import materialize
@@ -379,8 +398,10 @@ def test_grouped_experts_in_transformers_place_give_its_logits_and_export_the_fo
     args = model_args_from_hf_folder(folder, "transformers")
     with torch.device("meta"):
         model = TRANSFORMERS_SPEC.build(args)
+    as_built = {name: t.shape for name, t in model.state_dict().items()}
     TRANSFORMERS_SPEC.prepare_expert_parallel(model)
-    assert any(name.endswith("experts.grouped.w1") for name, _ in model.named_parameters())
+    assert any(type(m).__name__ == "TransformersRoutedExperts" for m in model.modules())
+    assert {name: t.shape for name, t in model.state_dict().items()} == as_built  # a checkpoint's keys in every layout
     materialize(model, torch.device("cpu"), seed=0)
     load_hf_into_model(model, folder)
     with torch.no_grad():
