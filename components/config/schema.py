@@ -171,6 +171,8 @@ class Optimizer:
         "original", "Muon: learning rate of a [rows, cols] matrix: original, muon_lr sqrt(max(1, rows/cols)); "
         "match_rms_adamw, muon_lr 0.2 sqrt(max(rows, cols)), an AdamW-tuned lr reused",
         choices=("original", "match_rms_adamw"))
+    muon_per_head: bool = opt(
+        False, "Muon: orthogonalise attention's q, k, v and output projections head by head (weft's models)")
     muon_exclude: list[str] = opt(
         [], "Muon: parameter name patterns (fnmatch, e.g. '*.router.*') left to AdamW besides embeddings, output, "
         "norms and biases")

@@ -3,7 +3,7 @@
 One torch Optimizer holding both kinds of group, so the schedule, clipping and the DCP checkpoint
 see one optimizer. Sharded (DTensor) matrices are orthogonalised whole: each rank gathers the
 update, runs Newton–Schulz and keeps its own shard; stacked MoE experts ([E, out, in]) are
-orthogonalised expert by expert, each rank on the experts it holds. Numerically the update of
+orthogonalised expert by expert, each rank on the experts it holds; attention optionally head by head. Numerically the update of
 torch.optim.Muon, whose defaults and coefficients these are (torch/optim/_muon.py).
 """
 
@@ -61,13 +61,28 @@ def muon_parameters(model: nn.Module, exclude: list[str] = ()) -> tuple[list[str
     return muon, adamw
 
 
+def head_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{name: (dim, head_dim)} of attention's projections, to orthogonalise head by head: wq, wk and wv
+    split along their rows (dim 0), wo along its columns (dim 1); any module with an int `head_dim`
+    and linears wq, wk, wv, wo (weft's attention)."""
+    blocks = {}
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "head_dim", None), int):
+            for proj, dim in (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1)):
+                if isinstance(getattr(m, proj, None), nn.Linear):
+                    blocks[f"{name}.{proj}.weight"] = (dim, m.head_dim)
+    return blocks
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on `muon_params` (torch.optim.Muon's step, Newton–Schulz in `ns_dtype`), and torch's AdamW with
-    `adamw` keyword arguments on `adamw_params`, sharing this optimizer's state and param_groups."""
+    `adamw` keyword arguments on `adamw_params`, sharing this optimizer's state and param_groups.
+    `blocks`: {id(parameter): (dim, size)} of matrices orthogonalised in blocks of `size` along `dim` (heads)."""
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], *, lr: float,
                  momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.1, ns_steps: int = NS_STEPS,
-                 adjust_lr_fn: str = "original", ns_dtype: torch.dtype = torch.bfloat16, adamw: dict | None = None):
+                 adjust_lr_fn: str = "original", ns_dtype: torch.dtype = torch.bfloat16, adamw: dict | None = None,
+                 blocks: dict[int, tuple[int, int]] | None = None):
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn: expected one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         for p in muon_params:
@@ -76,7 +91,7 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
                     "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "use_muon": True}
         super().__init__([{"params": muon_params}], defaults)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.blocks = ns_dtype, blocks or {}
         self.adamw = torch.optim.AdamW(adamw_params, **(adamw or {})) if adamw_params else None
         self._link_adamw()
 
@@ -119,23 +134,30 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = self.orthogonalise(update, group["ns_steps"])
+            block = self.blocks.get(id(p))
+            update = self.orthogonalise(update, group["ns_steps"], block)
+            shape = list(p.shape[-2:])
+            if block is not None:
+                shape[block[0]] = block[1]
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], *p.shape[-2:]))
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], *shape))
 
-    def orthogonalise(self, update: torch.Tensor, steps: int) -> torch.Tensor:
+    def orthogonalise(self, update: torch.Tensor, steps: int, block: tuple[int, int] | None = None) -> torch.Tensor:
         """Newton–Schulz of each whole matrix of `update`, returned in its layout; a DTensor is gathered
         whole, or for stacked experts only to the experts this rank holds (its shards of dim 0 kept)."""
         if not isinstance(update, DTensor):
-            return self._each_matrix(update, steps)
+            return self._each_matrix(update, steps, block)
         keep = [pl if update.ndim == 3 and isinstance(pl, Shard) and pl.dim == 0 else Replicate()
                 for pl in update.placements]
         whole = update.redistribute(update.device_mesh, keep)
-        done = self._each_matrix(whole.to_local(), steps)
+        done = self._each_matrix(whole.to_local(), steps, block)
         done = DTensor.from_local(done, update.device_mesh, keep, shape=update.shape, stride=update.stride())
         return done.redistribute(update.device_mesh, update.placements)
 
-    def _each_matrix(self, update: torch.Tensor, steps: int) -> torch.Tensor:
+    def _each_matrix(self, update: torch.Tensor, steps: int, block: tuple[int, int] | None) -> torch.Tensor:
+        if block is not None:
+            dim, size = block
+            return torch.cat([self._each_matrix(b, steps, None) for b in update.split(size, dim)], dim)
         if update.ndim == 2:
             return newton_schulz(update, steps, self.ns_dtype).to(update.dtype)
         return torch.stack([newton_schulz(m, steps, self.ns_dtype) for m in update]).to(update.dtype) \

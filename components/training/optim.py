@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from weft.components.config import LRScheduler, Optimizer
-from weft.components.training.muon import Muon, muon_parameters
+from weft.components.training.muon import Muon, head_blocks, muon_parameters
 from weft.errors import UserError
 
 logger = logging.getLogger("weft")
@@ -61,10 +61,14 @@ def build_muon(model: nn.Module, cfg: Optimizer) -> Muon:
     logger.info(f"optimizer: Muon on {len(muon_names)} matrices ({numel:,} parameters, lr {cfg.muon_lr:g}), "
                 f"AdamW on {len(adamw_names)} others (lr {cfg.lr:g}): {', '.join(adamw_names) or 'none'}")
     adamw = [params[n] for n in adamw_names]
+    heads = head_blocks(model) if cfg.muon_per_head else {}
+    if cfg.muon_per_head and not any(n in heads for n in muon_names):
+        raise UserError("optimizer.muon_per_head: this model has no attention projections (wq, wk, wv, wo with a "
+                        "head_dim) that Muon updates; expected weft's attention")
     return Muon([params[n] for n in muon_names], adamw, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                 nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps,
                 adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype),
-                adamw=adamw_options(adamw, cfg))
+                adamw=adamw_options(adamw, cfg), blocks={id(params[n]): heads[n] for n in muon_names if n in heads})
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:

@@ -132,3 +132,32 @@ def test_resume_from_state_dict_is_exact():
     train(stopped, [resumed], tokens[2:])
     for a, b in zip(stopped.parameters(), straight.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_per_head_blocks_equal_one_torch_muon_per_head(adjust_lr):
+    """wq-like rows and wo-like columns split into heads of 4: each head as its own torch.optim.Muon matrix."""
+    torch.manual_seed(0)
+    wq, wo = torch.nn.Parameter(torch.randn(12, 16)), torch.nn.Parameter(torch.randn(16, 12))
+    heads = [torch.nn.Parameter(h.clone()) for h in wq.detach().split(4, 0)]
+    heads += [torch.nn.Parameter(h.clone()) for h in wo.detach().split(4, 1)]
+    ours = Muon([wq, wo], [], lr=0.02, ns_dtype=torch.float32, adjust_lr_fn=adjust_lr,
+                blocks={id(wq): (0, 4), id(wo): (1, 4)})
+    theirs = torch.optim.Muon(heads, lr=0.02, adjust_lr_fn=adjust_lr)
+    for _ in range(2):
+        wq.grad, wo.grad = torch.randn(12, 16), torch.randn(16, 12)
+        for p, g in zip(heads, [*wq.grad.split(4, 0), *wo.grad.split(4, 1)]):
+            p.grad = g.clone()
+        ours.step()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "bfloat16", lambda t: t.float())
+            theirs.step()
+    torch.testing.assert_close(wq, torch.cat(heads[:3], 0), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(wo, torch.cat(heads[3:], 1), rtol=1e-6, atol=1e-7)
+
+
+def test_per_head_option_splits_every_attention_projection():
+    optimizer = build_optimizer(tiny_llama(), replace(CFG, muon_per_head=True))
+    assert sorted(optimizer.blocks.values()) == [(0, 16)] * 6 + [(1, 16)] * 2  # wq, wk, wv by rows, wo by columns
+    with pytest.raises(UserError, match="optimizer.muon_per_head"):
+        build_optimizer(tiny_llama(), replace(CFG, muon_per_head=True, muon_exclude=["*.attention.*"]))
