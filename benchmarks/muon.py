@@ -4,11 +4,11 @@
    process, fsdp 2, tp 2; ep 2 over fsdp 2 on the debug MoE), median of the timed steps after
    warm-up, through train.py's plan, `build_trainer` and `train_step`;
 2. the debug model's training loss after --loss-steps steps (mean of the last 10) at each
-   learning rate of a small grid, AdamW's lr and Muon's muon_lr (AdamW on the rest at its default),
-   one process, train.py's `train` on the shipped corpus.
+   learning rate of a small grid, AdamW's lr, then Muon's muon_lr with AdamW on the rest at AdamW's
+   best lr; one process, train.py's `train` on the shipped corpus (its step lines filtered out below).
 
 Run from the repository root:
-    OMP_NUM_THREADS=1 python benchmarks/muon.py [--steps 6] [--warmup 2] [--loss-steps 100]
+    OMP_NUM_THREADS=1 python benchmarks/muon.py [--steps 6] [--warmup 2] [--loss-steps 100] | grep -v '^\[weft'
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ LAYOUTS = {
     "tp 2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "ep 2 (debug MoE)": (2, ["--job.config_file", "debug_moe", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
 }
-ADAMW_LRS, MUON_LRS = (3e-4, 1e-3, 3e-3), (0.005, 0.02, 0.05)
+ADAMW_LRS, MUON_LRS = (1e-3, 3e-3, 1e-2), (0.02, 0.05, 0.1)
 
 
 def step_times(overrides: list[str], steps: int, warmup: int) -> dict[str, float]:
@@ -107,12 +107,15 @@ def main() -> int:
               f"{m['optimizer'] * 1e3:9.1f}ms {m['step'] / a['step']:6.2f}")
     print(f"loss after {options.loss_steps} steps (mean of the last 10), one process:")
     best = {}
-    for label, key, lrs, extra in (("AdamW", "--optimizer.lr", ADAMW_LRS, []), ("Muon", "--optimizer.muon_lr",
-                                                                                  MUON_LRS, MUON)):
-        for lr in lrs[:options.lrs]:
-            loss = final_loss([*extra, key, str(lr)], options.loss_steps)
-            best[label] = min(best.get(label, (float("inf"), 0.0)), (loss, lr))
-            print(f"  {label:<6} {key} {lr:<8g} loss {loss:.4f}")
+    for lr in ADAMW_LRS[:options.lrs]:
+        loss = final_loss(["--optimizer.lr", str(lr)], options.loss_steps)
+        best["AdamW"] = min(best.get("AdamW", (float("inf"), 0.0)), (loss, lr))
+        print(f"  AdamW  --optimizer.lr {lr:<8g} loss {loss:.4f}")
+    rest = best["AdamW"][1]  # Muon's AdamW part (embedding, output, norms) at AdamW's best lr
+    for lr in MUON_LRS[:options.lrs]:
+        loss = final_loss([*MUON, "--optimizer.lr", str(rest), "--optimizer.muon_lr", str(lr)], options.loss_steps)
+        best["Muon"] = min(best.get("Muon", (float("inf"), 0.0)), (loss, lr))
+        print(f"  Muon   --optimizer.muon_lr {lr:<8g} (--optimizer.lr {rest:g}) loss {loss:.4f}")
     for label, (loss, lr) in best.items():
         print(f"best {label}: loss {loss:.4f} at lr {lr:g}")
     return 0
