@@ -263,7 +263,7 @@ def test_muon_state_count_equals_the_state_a_muon_step_keeps():
     from weft.components.memory import muon_state_bytes
     from weft.components.training.optim import build_optimizer
 
-    from tests.components.test_muon import batches, tiny_llama, train
+    from tests.support.tiny_llama import batches, tiny_llama, train
 
     model = tiny_llama()
     optimizer = build_optimizer(model, Optimizer(name="Muon"))

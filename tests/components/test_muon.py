@@ -1,6 +1,7 @@
 """Muon in one process: weft's step equals torch.optim.Muon on the matrices plus torch.optim.AdamW on
-the rest (its Newton–Schulz made fp32, and as shipped in bf16); stacked experts equal one
-torch.optim.Muon per expert; the parameter split; exact resume from the state dict."""
+the rest (its Newton–Schulz made fp32, and as shipped in bf16); stacked experts and attention heads
+equal one torch.optim.Muon per expert or head; the parameter split; exact resume from the state
+dict; an AdamW checkpoint refused by a Muon run."""
 
 from __future__ import annotations
 
@@ -9,39 +10,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from weft.components.config import Optimizer
 from weft.components.training.muon import Muon, muon_parameters
 from weft.components.training.optim import build_optimizer
 from weft.errors import UserError
-from weft.models.llama.args import LLAMA_FLAVORS
-from weft.models.llama.model import Transformer
 
-STEPS = 3
+from tests.support.tiny_llama import batches, tiny_llama, train
+
 CFG = Optimizer(name="Muon", lr=1e-3, weight_decay=0.05, muon_lr=0.02, muon_weight_decay=0.1, muon_ns_dtype="float32")
-
-
-def tiny_llama() -> Transformer:
-    args = replace(LLAMA_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights(seed=0)
-    return model
-
-
-def batches() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (2, 17), generator=generator) for _ in range(STEPS)]
-
-
-def train(model, optimizers, tokens_list) -> None:
-    for tokens in tokens_list:
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
 
 
 def torch_reference(model, cfg: Optimizer) -> list[torch.optim.Optimizer]:
@@ -161,3 +138,17 @@ def test_per_head_option_splits_every_attention_projection():
     assert sorted(optimizer.blocks.values()) == [(0, 16)] * 6 + [(1, 16)] * 2  # wq, wk, wv by rows, wo by columns
     with pytest.raises(UserError, match="optimizer.muon_per_head"):
         build_optimizer(tiny_llama(), replace(CFG, muon_per_head=True, muon_exclude=["*.attention.*"]))
+
+
+def test_an_adamw_checkpoint_is_refused_by_a_muon_run_in_one_line(tmp_path, capsys):
+    from weft import train as recipe
+
+    from tests.support.train_runs import run_args
+
+    assert recipe.main(run_args(tmp_path, steps=1, checkpoint_every=1)) == 0
+    before = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    capsys.readouterr()
+    assert recipe.main(run_args(tmp_path, "--optimizer.name", "Muon", steps=2, checkpoint_every=1)) == 2
+    err = capsys.readouterr().err
+    assert "its optimizer state is AdamW's and this run's optimizer.name is Muon" in err and "\n" not in err.strip()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == before
