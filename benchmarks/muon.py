@@ -42,11 +42,11 @@ LAYOUTS = {
 ADAMW_LRS, MUON_LRS = (1e-3, 3e-3, 1e-2), (0.02, 0.05, 0.1)
 
 
-def step_times(overrides: list[str], steps: int, warmup: int) -> dict[str, float]:
+def step_times(overrides: list[str], steps: int, warmup: int, seq: int = SEQ) -> dict[str, float]:
     """The median step and optimizer-step seconds of `steps` steps after `warmup`, on this process group."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     cfg = parse_args(["--job.config_file", "debug_model", "--training.local_batch_size", str(BATCH // world_size),
-                      "--training.seq_len", str(SEQ), "--training.mixed_precision_param", "float32", *overrides])
+                      "--training.seq_len", str(seq), "--training.mixed_precision_param", "float32", *overrides])
     plan = RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
     meshes = plan.dims.build_mesh("cpu") if world_size > 1 else None
     setup = build_trainer(plan, meshes, torch.device("cpu")).step
@@ -55,7 +55,7 @@ def step_times(overrides: list[str], steps: int, warmup: int) -> dict[str, float
     setup.optimizer.register_step_pre_hook(lambda *_: starts.append(time.perf_counter()))
     setup.optimizer.register_step_post_hook(lambda *_: optimizer_times.append(time.perf_counter() - starts[-1]))
     generator = torch.Generator().manual_seed(dist.get_rank() if world_size > 1 else 0)
-    shape = (2, BATCH // world_size, SEQ) if "--parallelism.tp" not in overrides else (2, BATCH, SEQ)
+    shape = (2, BATCH // world_size, seq) if "--parallelism.tp" not in overrides else (2, BATCH, seq)
     times = []
     for i in range(warmup + steps):
         batch = Batch(*torch.randint(0, plan.model_args.vocab_size, shape, generator=generator))
@@ -68,17 +68,17 @@ def step_times(overrides: list[str], steps: int, warmup: int) -> dict[str, float
     return {"step": statistics.median(times), "optimizer": statistics.median(optimizer_times[warmup:])}
 
 
-def layout_times(names: list[str], steps: int, warmup: int) -> dict[str, dict[str, dict[str, float]]]:
+def layout_times(names: list[str], steps: int, warmup: int, seq: int) -> dict[str, dict[str, dict[str, float]]]:
     """Worker: AdamW's and Muon's times of each layout of this world size."""
-    return {name: {"AdamW": step_times(LAYOUTS[name][1], steps, warmup),
-                   "Muon": step_times(LAYOUTS[name][1] + MUON, steps, warmup)} for name in names}
+    return {name: {"AdamW": step_times(LAYOUTS[name][1], steps, warmup, seq),
+                   "Muon": step_times(LAYOUTS[name][1] + MUON, steps, warmup, seq)} for name in names}
 
 
-def final_loss(overrides: list[str], steps: int) -> float:
+def final_loss(overrides: list[str], steps: int, seq: int) -> float:
     with tempfile.TemporaryDirectory() as dump:
         losses = train.train(parse_args([
             "--job.config_file", "debug_model", "--job.dump_folder", dump, "--training.steps", str(steps),
-            "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
+            "--training.seq_len", str(seq), "--training.local_batch_size", str(BATCH),
             "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", str(max(1, steps // 10)),
             "--metrics.log_freq", "1", "--no-metrics.enable_tensorboard", *overrides]))
     return statistics.mean(losses[-10:])
@@ -90,16 +90,18 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--loss-steps", type=int, default=100)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layout names")
+    parser.add_argument("--seq-len", type=int, default=SEQ)
     parser.add_argument("--lrs", type=int, default=len(ADAMW_LRS), help="learning rates of each grid tried")
     options = parser.parse_args()
     names = options.layouts.split(",")
-    print(f"debug model (dim 256, 4 layers) and debug MoE, fp32, global batch {BATCH} x {SEQ} tokens, gloo; "
+    print(f"debug model (dim 256, 4 layers) and debug MoE, fp32, global batch {BATCH} x {options.seq_len} tokens, gloo; "
           f"{options.steps} timed steps after {options.warmup}; Newton-Schulz fp32; torch {torch.__version__}")
     times = {}
     for world_size in sorted({LAYOUTS[n][0] for n in names}):
         group = [n for n in names if LAYOUTS[n][0] == world_size]
-        times.update(layout_times(group, options.steps, options.warmup) if world_size == 1 else
-                     run_distributed(layout_times, world_size, group, options.steps, options.warmup, timeout=900)[0])
+        times.update(layout_times(group, options.steps, options.warmup, options.seq_len) if world_size == 1 else
+                     run_distributed(layout_times, world_size, group, options.steps, options.warmup, options.seq_len,
+                                     timeout=900)[0])
     print(f"{'layout':<18} {'AdamW step':>11} {'(optimizer)':>11} {'Muon step':>11} {'(optimizer)':>11} {'ratio':>6}")
     for name in names:
         a, m = times[name]["AdamW"], times[name]["Muon"]
@@ -108,12 +110,13 @@ def main() -> int:
     print(f"loss after {options.loss_steps} steps (mean of the last 10), one process:")
     best = {}
     for lr in ADAMW_LRS[:options.lrs]:
-        loss = final_loss(["--optimizer.lr", str(lr)], options.loss_steps)
+        loss = final_loss(["--optimizer.lr", str(lr)], options.loss_steps, options.seq_len)
         best["AdamW"] = min(best.get("AdamW", (float("inf"), 0.0)), (loss, lr))
         print(f"  AdamW  --optimizer.lr {lr:<8g} loss {loss:.4f}")
     rest = best["AdamW"][1]  # Muon's AdamW part (embedding, output, norms) at AdamW's best lr
     for lr in MUON_LRS[:options.lrs]:
-        loss = final_loss([*MUON, "--optimizer.lr", str(rest), "--optimizer.muon_lr", str(lr)], options.loss_steps)
+        loss = final_loss([*MUON, "--optimizer.lr", str(rest), "--optimizer.muon_lr", str(lr)], options.loss_steps,
+                          options.seq_len)
         best["Muon"] = min(best.get("Muon", (float("inf"), 0.0)), (loss, lr))
         print(f"  Muon   --optimizer.muon_lr {lr:<8g} (--optimizer.lr {rest:g}) loss {loss:.4f}")
     for label, (loss, lr) in best.items():

@@ -152,3 +152,15 @@ def test_an_adamw_checkpoint_is_refused_by_a_muon_run_in_one_line(tmp_path, caps
     err = capsys.readouterr().err
     assert "its optimizer state is AdamW's and this run's optimizer.name is Muon" in err and "\n" not in err.strip()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == before
+
+
+def test_the_schedule_scales_both_learning_rates_and_the_logged_one_is_muons():
+    from weft.components.config import LRScheduler
+    from weft.components.training.optim import build_lr_scheduler
+
+    optimizer = build_optimizer(tiny_llama(), CFG)
+    scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=4), total_steps=8)
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(CFG.muon_lr * 0.5)  # step 1 of a 4-step warmup
+    assert [g["lr"] for g in optimizer.adamw.param_groups] == pytest.approx([CFG.lr * 0.5])
