@@ -1,8 +1,9 @@
 """Muon against AdamW on CPU (gloo, fp32; Newton-Schulz in fp32, as bf16 matmuls are slow on CPUs):
 
 1. the step time and the optimizer step's own time of the debug model under each layout (one
-   process, fsdp 2, tp 2; ep 2 over fsdp 2 on the debug MoE), median of the timed steps after
-   warm-up, through train.py's plan, `build_trainer` and `train_step`;
+   process, fsdp 2, tp 2, each also with optimizer.muon_owner_ranks; ep 2 over fsdp 2 on the debug
+   MoE), median of the timed steps after warm-up, through train.py's plan, `build_trainer` and
+   `train_step`;
 2. the debug model's training loss after --loss-steps steps (mean of the last 10) at each
    learning rate of a small grid, AdamW's lr, then Muon's muon_lr with AdamW on the rest at AdamW's
    best lr; one process, train.py's `train` on the shipped corpus (its step lines filtered out below).
@@ -32,12 +33,16 @@ from weft.recipe.step import train_step
 
 BATCH, SEQ = 8, 128
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
-# name -> (world size, overrides)
+OWNER = ["--optimizer.muon_owner_ranks"]
+# name -> (world size, overrides, Muon's own overrides)
 LAYOUTS = {
-    "one process": (1, ["--parallelism.dp_shard", "1"]),
-    "fsdp 2": (2, ["--parallelism.dp_shard", "2"]),
-    "tp 2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
-    "ep 2 (debug MoE)": (2, ["--job.config_file", "debug_moe", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "one process": (1, ["--parallelism.dp_shard", "1"], []),
+    "fsdp 2": (2, ["--parallelism.dp_shard", "2"], []),
+    "fsdp 2, owners": (2, ["--parallelism.dp_shard", "2"], OWNER),
+    "tp 2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], []),
+    "tp 2, owners": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], OWNER),
+    "ep 2 (debug MoE)": (2, ["--job.config_file", "debug_moe", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"],
+                         []),
 }
 ADAMW_LRS, MUON_LRS = (1e-3, 3e-3, 1e-2), (0.02, 0.05, 0.1)
 
@@ -71,7 +76,8 @@ def step_times(overrides: list[str], steps: int, warmup: int, seq: int = SEQ) ->
 def layout_times(names: list[str], steps: int, warmup: int, seq: int) -> dict[str, dict[str, dict[str, float]]]:
     """Worker: AdamW's and Muon's times of each layout of this world size."""
     return {name: {"AdamW": step_times(LAYOUTS[name][1], steps, warmup, seq),
-                   "Muon": step_times(LAYOUTS[name][1] + MUON, steps, warmup, seq)} for name in names}
+                   "Muon": step_times(LAYOUTS[name][1] + MUON + LAYOUTS[name][2], steps, warmup, seq)}
+            for name in names}
 
 
 def final_loss(overrides: list[str], steps: int, seq: int) -> float:

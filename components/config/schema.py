@@ -173,6 +173,9 @@ class Optimizer:
         choices=("original", "match_rms_adamw"))
     muon_per_head: bool = opt(
         False, "Muon: orthogonalise attention's q, k, v and output projections head by head (weft's models)")
+    muon_owner_ranks: bool = opt(
+        False, "Muon: a sharded matrix's Newton-Schulz runs on one owner rank and its result is scattered back "
+        "(divides the work, adds a scatter); off: every rank sharing a matrix computes it")
     muon_exclude: list[str] = opt(
         [], "Muon: parameter name patterns (fnmatch, e.g. '*.router.*') left to AdamW besides embeddings, output, "
         "norms and biases")

@@ -14,7 +14,7 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 # torch.optim.Muon's defaults (Keller Jordan's quintic coefficients, 5 steps, its epsilon).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -77,12 +77,13 @@ def head_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
 class Muon(torch.optim.Optimizer):
     """Muon on `muon_params` (torch.optim.Muon's step, Newton–Schulz in `ns_dtype`), and torch's AdamW with
     `adamw` keyword arguments on `adamw_params`, sharing this optimizer's state and param_groups.
-    `blocks`: {id(parameter): (dim, size)} of matrices orthogonalised in blocks of `size` along `dim` (heads)."""
+    `blocks`: {id(parameter): (dim, size)} of matrices orthogonalised in blocks of `size` along `dim` (heads);
+    `owner_ranks`: a sharded 2-D matrix's Newton–Schulz runs on one owner rank, its result scattered back."""
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], *, lr: float,
                  momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.1, ns_steps: int = NS_STEPS,
                  adjust_lr_fn: str = "original", ns_dtype: torch.dtype = torch.bfloat16, adamw: dict | None = None,
-                 blocks: dict[int, tuple[int, int]] | None = None):
+                 blocks: dict[int, tuple[int, int]] | None = None, owner_ranks: bool = False):
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn: expected one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         for p in muon_params:
@@ -91,7 +92,7 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
                     "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "use_muon": True}
         super().__init__([{"params": muon_params}], defaults)
-        self.ns_dtype, self.blocks = ns_dtype, blocks or {}
+        self.ns_dtype, self.blocks, self.owner_ranks = ns_dtype, blocks or {}, owner_ranks
         self.adamw = torch.optim.AdamW(adamw_params, **(adamw or {})) if adamw_params else None
         self._link_adamw()
 
@@ -125,7 +126,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
-        for p in group["params"]:
+        for index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -135,21 +136,32 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
             block = self.blocks.get(id(p))
-            update = self.orthogonalise(update, group["ns_steps"], block)
+            update = self.orthogonalise(update, group["ns_steps"], block, index if self.owner_ranks else None)
             shape = list(p.shape[-2:])
             if block is not None:
                 shape[block[0]] = block[1]
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], *shape))
 
-    def orthogonalise(self, update: torch.Tensor, steps: int, block: tuple[int, int] | None = None) -> torch.Tensor:
+    def orthogonalise(self, update: torch.Tensor, steps: int, block: tuple[int, int] | None = None,
+                      owner: int | None = None) -> torch.Tensor:
         """Newton–Schulz of each whole matrix of `update`, returned in its layout; a DTensor is gathered
-        whole, or for stacked experts only to the experts this rank holds (its shards of dim 0 kept)."""
+        whole, or for stacked experts only to the experts this rank holds (its shards of dim 0 kept).
+        `owner` (a 2-D DTensor): only the ranks at mesh coordinate owner % (smallest mesh dim) on every
+        dim compute; distribute_tensor scatters their result."""
         if not isinstance(update, DTensor):
             return self._each_matrix(update, steps, block)
         keep = [pl if update.ndim == 3 and isinstance(pl, Shard) and pl.dim == 0 else Replicate()
                 for pl in update.placements]
         whole = update.redistribute(update.device_mesh, keep)
+        mesh = update.device_mesh
+        if owner is not None and update.ndim == 2:
+            source = owner % min(mesh.shape)
+            if all(mesh.get_local_rank(d) == source for d in range(mesh.ndim)):
+                done = self._each_matrix(whole.to_local(), steps, block)
+            else:
+                done = torch.empty(update.shape, dtype=update.dtype, device=whole.to_local().device)
+            return distribute_tensor(done, mesh, update.placements, src_data_rank=source)
         done = self._each_matrix(whole.to_local(), steps, block)
         done = DTensor.from_local(done, update.device_mesh, keep, shape=update.shape, stride=update.stride())
         return done.redistribute(update.device_mesh, update.placements)

@@ -68,7 +68,8 @@ def build_muon(model: nn.Module, cfg: Optimizer) -> Muon:
     return Muon([params[n] for n in muon_names], adamw, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                 nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps,
                 adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype),
-                adamw=adamw_options(adamw, cfg), blocks={id(params[n]): heads[n] for n in muon_names if n in heads})
+                adamw=adamw_options(adamw, cfg), blocks={id(params[n]): heads[n] for n in muon_names if n in heads},
+                owner_ranks=cfg.muon_owner_ranks)
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:

@@ -48,7 +48,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # checkpoint of step 5 resumes in one process.
     "fsdp2_muon": (2, ["--parallelism.dp_shard", "2", *MUON, *CHECKPOINT_5]),
     "tp2_muon": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *MUON]),
-    "hsdp2x2_muon": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *MUON]),
+    # Each matrix's Newton-Schulz on one owner rank, scattered back (2-D mesh: the ranks (0, 0) and (1, 1)).
+    "fsdp2_muon_owner": (2, ["--parallelism.dp_shard", "2", *MUON, "--optimizer.muon_owner_ranks"]),
+    "hsdp2x2_muon": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *MUON,
+                         "--optimizer.muon_owner_ranks"]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
     # a minute): tp 2 without loss parallelism, selective AC every 2nd block, ddp 2 x tp 2, cp 4,
     # tp 4, and the 8-rank products hsdp 2x2 x tp 2 and hsdp 2x2 x cp 2.
