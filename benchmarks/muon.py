@@ -38,9 +38,9 @@ OWNER = ["--optimizer.muon_owner_ranks"]
 LAYOUTS = {
     "one process": (1, ["--parallelism.dp_shard", "1"], []),
     "fsdp 2": (2, ["--parallelism.dp_shard", "2"], []),
-    "fsdp 2, owners": (2, ["--parallelism.dp_shard", "2"], OWNER),
+    "fsdp 2 owners": (2, ["--parallelism.dp_shard", "2"], OWNER),
     "tp 2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], []),
-    "tp 2, owners": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], OWNER),
+    "tp 2 owners": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"], OWNER),
     "ep 2 (debug MoE)": (2, ["--job.config_file", "debug_moe", "--parallelism.dp_shard", "2", "--parallelism.ep", "2"],
                          []),
 }
