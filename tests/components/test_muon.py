@@ -164,3 +164,16 @@ def test_the_schedule_scales_both_learning_rates_and_the_logged_one_is_muons():
     scheduler.step()
     assert scheduler.get_last_lr()[0] == pytest.approx(CFG.muon_lr * 0.5)  # step 1 of a 4-step warmup
     assert [g["lr"] for g in optimizer.adamw.param_groups] == pytest.approx([CFG.lr * 0.5])
+
+
+def test_lora_adapters_are_the_matrices_muon_takes():
+    from weft.parallelisms.lora import LoRAOptions, apply_lora
+
+    model = apply_lora(tiny_llama(), LoRAOptions(rank=4))
+    muon, adamw = muon_parameters(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert muon and sorted(muon + adamw) == sorted(trainable) and all(".lora_" in n for n in trainable)
+    assert not adamw  # every adapter is 2-D; the frozen base goes to neither
+    optimizer = build_optimizer(model, CFG)
+    train(model, [optimizer], batches()[:2])
+    assert all("momentum_buffer" in optimizer.state[p] for p in optimizer.param_groups[0]["params"])
