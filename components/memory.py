@@ -1,7 +1,7 @@
 """Memory per device of one training step, estimated without a device: what the dry run prints.
 
-Parameters, gradients and AdamW state are counted exactly from the parallelised meta model's local
-shards; activations come from an analytic formula per block (`block_activation_bytes`: dense and
+Parameters, gradients and AdamW (or Muon) state are counted exactly from the parallelised meta model's
+local shards; activations come from an analytic formula per block (`block_activation_bytes`: dense and
 MoE blocks, expert parallelism, AC modes, float8, CP), transient buffers from FSDP's all-gathers
 and reduce-scatters and from the logits and the loss (`loss_bytes`). The formula, what it leaves
 out and how close it comes: docs/memory.md.
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.checkpoint.state import whole_model
 from weft.components.training.loss import CHUNK_BYTES
+from weft.components.training.muon import muon_parameters
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.fsdp import fsdp_shard_dim
@@ -102,6 +103,23 @@ def training_state_bytes(model: nn.Module) -> tuple[int, int, int]:
     return params, grads, optimizer
 
 
+def muon_state_bytes(model: nn.Module, exclude: tuple[str, ...], ns_bytes: int) -> tuple[int, int]:
+    """(optimizer state, step temporaries) bytes this rank holds under optimizer.name Muon: one fp32
+    momentum per element of Muon's matrices, AdamW's two fp32 for the rest; at the step, the largest
+    matrix gathered whole (stacked experts: the rank's experts) in fp32, its result in fp32, and three
+    Newton-Schulz working copies in the Newton-Schulz dtype."""
+    muon = set(muon_parameters(model, list(exclude))[0])
+    state = largest = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        local = local_tensor(p)
+        state += local.numel() * 4 * (1 if name in muon else 2)
+        if name in muon:
+            largest = max(largest, p.numel() if p.ndim == 2 else p.numel() // p.shape[0] * local.shape[0])
+    return state, largest * (4 + 4 + 3 * ns_bytes)
+
+
 def nf4_planned_weights(model: nn.Module) -> set[int]:
     """ids of the frozen LoRA base weights that QLoRA stores (or will store, on meta) in NF4: the
     targeted linears' weights and the stacked routed experts (quantized expert by expert)."""
@@ -161,6 +179,8 @@ class StepShape:
     compiled_loss: bool = False  # components/training/loss.py: compiled cross-entropy, else chunked (eager)
     autocast: bool = False  # one device, bf16 by autocast: it caches a bf16 copy of every weight in forward
     foreach_optimizer: bool = False  # foreach AdamW: ~one fp32 temporary per parameter; fused: none
+    muon_exclude: tuple[str, ...] | None = None  # optimizer.name Muon: its muon_exclude; None: AdamW
+    muon_ns_bytes: int = 2  # Muon: bytes per element of its Newton-Schulz dtype
     lora_rank: int = 0  # LoRA on every block linear: frozen norms keep no output, adapters keep A x
     # A pipeline rank: local_batch is then one micro-batch; `blocks` the block activations (one block,
     # one micro-batch each) it holds at its peak (0: every block once), `blocks_with_gradients` those
@@ -266,6 +286,7 @@ class MemoryEstimate:
     activations: int
     buffers: dict[str, int] = field(default_factory=dict)
     phases: dict[str, int] = field(default_factory=dict)
+    optimizer_kind: str = "AdamW, 2 x fp32"
 
     @property
     def peak(self) -> int:
@@ -277,7 +298,7 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients),
-                ("optimizer state (AdamW, 2 x fp32)", self.optimizer), ("activations (end of forward)", self.activations)]
+                (f"optimizer state ({self.optimizer_kind})", self.optimizer), ("activations (end of forward)", self.activations)]
         rows += [(name, size) for name, size in self.buffers.items()]
         scale, unit = (GIB, "GiB") if self.peak >= GIB else (1024**2, "MiB")  # the debug model is MiB-sized
         lines = [f"  {name:<44} {size / scale:9.2f} {unit}" for name, size in rows]
@@ -339,6 +360,11 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     """The estimate for one rank of the parallelised meta-device `model` running steps of shape `s`
     (`state`: parameter, gradient and optimizer bytes if already known, else counted from `model`)."""
     params, grads, optimizer = state or training_state_bytes(model)
+    step_temporaries, kind = (params if s.foreach_optimizer else 0), "AdamW, 2 x fp32"
+    if s.muon_exclude is not None:
+        muon_state, step_temporaries = muon_state_bytes(model, s.muon_exclude, s.muon_ns_bytes)
+        optimizer = optimizer if state else muon_state  # state from shapes (the layouts table): AdamW's, an upper bound
+        kind = "Muon 1 x fp32, AdamW 2 x fp32"
     if s.tp > 1 and s.fsdp == 1 and not s.args.tie_embeddings:
         # Measured (torch 2.13): without FSDP to reduce-scatter it, the gradient of the vocabulary-
         # split embedding comes back Replicate, so each rank holds the whole fp32 embedding gradient.
@@ -389,14 +415,16 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         "end of forward": params + optimizer + kept + logits + loss_forward + gather + autocast,
         "during backward": max(at_loss, at_first_block, end),
         # The optimizer step: fused AdamW updates state in place; foreach makes ~one fp32 temporary
-        # per parameter.
-        "optimizer step": params + grads + optimizer + (params if s.foreach_optimizer else 0),
+        # per parameter; Muon gathers one matrix whole at a time (muon_state_bytes).
+        "optimizer step": params + grads + optimizer + step_temporaries,
     }
     if s.blocks_with_gradients:  # a pipeline's next forwards run beside the gradients of earlier backwards
         kept_later = blocks_activation_bytes(s, s.blocks_with_gradients)[0]
         phases["backward, micro-batches in flight"] = (params + optimizer + grads + kept_later + logits + loss_backward
                                               + gather + scatter + recompute)
-    return MemoryEstimate(params, grads, optimizer, kept, buffers, phases)
+    if s.muon_exclude is not None:
+        buffers["Muon: 1 matrix gathered whole, Newton-Schulz"] = step_temporaries
+    return MemoryEstimate(params, grads, optimizer, kept, buffers, phases, kind)
 
 
 # torchao's dequantization of one NF4 weight, bytes a value beyond the result: the codes widened to

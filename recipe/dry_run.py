@@ -24,6 +24,7 @@ from weft.components.memory import (
     MemoryEstimate,
     StepShape,
     device_memory_gib,
+    dtype_bytes,
     estimate_memory,
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
@@ -75,6 +76,8 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
         ac_option=cfg.activation_checkpoint.selective_option, float8=cfg.float8.enable,
         loss_parallel=cfg.parallelism.loss_parallel, compiled_loss=cfg.compile.enable, autocast=policy.uses_autocast,
         foreach_optimizer=cfg.optimizer.implementation == "foreach",  # "auto" is fused on GPUs (components/training/optim.py)
+        muon_exclude=tuple(cfg.optimizer.muon_exclude) if cfg.optimizer.name == "Muon" else None,
+        muon_ns_bytes=dtype_bytes(DTYPES[cfg.optimizer.muon_ns_dtype]),
         lora_rank=cfg.lora.rank if cfg.lora.enable else 0,
     )
 

@@ -224,6 +224,17 @@ def check_loader_state(folder: Path, expected: dict[str, Any]) -> None:
                               f"{kind(expected)}; a run resumes only from a checkpoint of the same kind of data")
 
 
+def check_optimizer_kind(folder: Path, optimizer: torch.optim.Optimizer) -> None:
+    """The checkpoint's optimizer state is of this run's optimizer.name: Muon's momentum buffers and
+    AdamW's moments are not interchangeable, and DCP would only name a missing key."""
+    keys = [key for key in read_dcp_metadata(folder).state_dict_metadata if key.startswith("optimizer.state.")]
+    saved = "Muon" if any(key.endswith(".momentum_buffer") for key in keys) else "AdamW"
+    live = "Muon" if any(group.get("use_muon", False) for group in optimizer.param_groups) else "AdamW"
+    if keys and saved != live:
+        raise CheckpointError(f"checkpoint {folder}: its optimizer state is {saved}'s and this run's optimizer.name is "
+                              f"{live}; resume with optimizer.name = {saved}")
+
+
 def check_resume(cfg: Checkpoint, dump_folder: Path, last_step: int) -> None:
     """Refuse checkpoint states a run would otherwise misread, before anything is loaded or written:
 
@@ -460,6 +471,7 @@ class Checkpointer:
             self._check_lora_base(folder)
         state = self._state(step=0)
         check_loader_state(folder, state["dataloader"])
+        check_optimizer_kind(folder, self.optimizer)
         dcp_call("load", state, folder)
         load_model_state(self.model, state["model"], strict=self.base_identity is None)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])

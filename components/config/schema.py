@@ -150,14 +150,35 @@ class Parallelism:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer", choices=("AdamW",))
-    lr: float = opt(3e-4, "Peak learning rate", gt=0)
+    name: str = opt("AdamW", "Optimizer: AdamW on every parameter, or Muon on the hidden matrices and AdamW on "
+                    "the rest (embeddings, output, norms, biases; docs/muon.md)", choices=("AdamW", "Muon"))
+    lr: float = opt(3e-4, "Peak learning rate (with Muon: of the parameters AdamW updates)", gt=0)
     beta1: float = opt(0.9, "Decay rate of the first-moment estimate", min=0, lt=1)
     beta2: float = opt(0.95, "Decay rate of the second-moment estimate", min=0, lt=1)
     eps: float = opt(1e-8, "Term added to the denominator for numerical stability", gt=0)
     weight_decay: float = opt(0.1, "Decoupled weight decay coefficient", min=0)
     implementation: str = opt(
         "auto", "Optimizer kernel implementation", choices=("auto", "foreach", "fused", "for-loop"))
+    muon_lr: float = opt(0.02, "Muon: peak learning rate of the matrices (the schedule scales it as lr)", gt=0)
+    muon_momentum: float = opt(0.95, "Muon: momentum of the matrices' gradient average", min=0, lt=1)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (the gradient plus the momentum)")
+    muon_weight_decay: float = opt(0.1, "Muon: decoupled weight decay of the matrices", min=0)
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per update", min=1, max=99)
+    muon_ns_dtype: str = opt(
+        "bfloat16", "Muon: dtype Newton-Schulz computes in (float32: exact comparisons, slower)",
+        choices=("bfloat16", "float32"))
+    muon_adjust_lr: str = opt(
+        "original", "Muon: learning rate of a [rows, cols] matrix: original, muon_lr sqrt(max(1, rows/cols)); "
+        "match_rms_adamw, muon_lr 0.2 sqrt(max(rows, cols)), an AdamW-tuned lr reused",
+        choices=("original", "match_rms_adamw"))
+    muon_per_head: bool = opt(
+        False, "Muon: orthogonalise attention's q, k, v and output projections head by head (weft's models)")
+    muon_owner_ranks: bool = opt(
+        False, "Muon: a sharded matrix's Newton-Schulz runs on one owner rank and its result is scattered back "
+        "(divides the work, adds a scatter); off: every rank sharing a matrix computes it")
+    muon_exclude: list[str] = opt(
+        [], "Muon: parameter name patterns (fnmatch, e.g. '*.router.*') left to AdamW besides embeddings, output, "
+        "norms and biases")
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""AdamW, the warmup-then-decay learning-rate schedule, and clipping by the global gradient norm."""
+"""AdamW (or Muon beside it: muon.py), the warmup-then-decay learning-rate schedule, and clipping by the
+global gradient norm."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -11,6 +13,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from weft.components.config import LRScheduler, Optimizer
+from weft.components.training.muon import Muon, head_blocks, muon_parameters
+from weft.errors import UserError
+
+logger = logging.getLogger("weft")
 
 # Devices where torch's AdamW has a fused kernel: one kernel updates all of a parameter's state
 # in a single pass, where foreach runs a dozen multi-tensor element-wise ops. CPU has had one
@@ -20,27 +26,50 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
-    """AdamW over every parameter (weight decay on all of them, as in the Llama papers).
+    """AdamW over every parameter (weight decay on all of them, as in the Llama papers); with
+    optimizer.name Muon, Muon on the hidden matrices and AdamW on the rest (the split logged).
 
     optimizer.implementation "auto": fused where torch has the kernel (FUSED_ADAMW_DEVICES), else foreach;
     parameters mixing DTensors and plain tensors (a transformers model under TP alone, its norms
     left whole) take torch's per-parameter loop, as neither kernel takes both kinds at once.
     """
+    if cfg.name == "Muon":
+        return build_muon(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, **adamw_options(params, cfg))
+
+
+def adamw_options(params: list[nn.Parameter], cfg: Optimizer) -> dict:
+    """torch.optim.AdamW's keyword arguments for `params` from the [optimizer] section."""
     implementation = cfg.implementation
     if implementation == "auto" and len({isinstance(p, DTensor) for p in params}) > 1:
         implementation = "for-loop"
     elif implementation == "auto":
-        implementation = "fused" if params[0].device.type in FUSED_ADAMW_DEVICES else "foreach"
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=implementation == "fused",
-        foreach=implementation == "foreach",
-    )
+        implementation = "fused" if params and params[0].device.type in FUSED_ADAMW_DEVICES else "foreach"
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+            "fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
+def build_muon(model: nn.Module, cfg: Optimizer) -> Muon:
+    """Muon on muon_parameters(model)'s matrices, AdamW on the rest; the split logged."""
+    params = dict(model.named_parameters())
+    muon_names, adamw_names = muon_parameters(model, cfg.muon_exclude)
+    if not muon_names:
+        raise UserError("optimizer.name = Muon: no trainable matrix is left to Muon "
+                        f"(optimizer.muon_exclude = {cfg.muon_exclude}); expected at least one")
+    numel = sum(params[n].numel() for n in muon_names)
+    logger.info(f"optimizer: Muon on {len(muon_names)} matrices ({numel:,} parameters, lr {cfg.muon_lr:g}), "
+                f"AdamW on {len(adamw_names)} others (lr {cfg.lr:g}): {', '.join(adamw_names) or 'none'}")
+    adamw = [params[n] for n in adamw_names]
+    heads = head_blocks(model) if cfg.muon_per_head else {}
+    if cfg.muon_per_head and not any(n in heads for n in muon_names):
+        raise UserError("optimizer.muon_per_head: this model has no attention projections (wq, wk, wv, wo with a "
+                        "head_dim) that Muon updates; expected weft's attention")
+    return Muon([params[n] for n in muon_names], adamw, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov, weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps,
+                adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype),
+                adamw=adamw_options(adamw, cfg), blocks={id(params[n]): heads[n] for n in muon_names if n in heads},
+                owner_ranks=cfg.muon_owner_ranks)
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:

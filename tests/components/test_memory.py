@@ -254,3 +254,22 @@ def test_qlora_with_expert_adapters_estimate_counts_them_and_is_within_10_percen
     assert r["trainable"] == attention + experts
     assert r["est_params"] == r["params"] and r["est_optimizer"] == r["optimizer"] == 8 * r["trainable"]
     assert r["est_peak"] == pytest.approx(r["peak"], rel=0.10), f"ratio {r['est_peak'] / r['peak']:.3f}"
+
+
+def test_muon_state_count_equals_the_state_a_muon_step_keeps():
+    """One fp32 momentum per element of Muon's matrices, two fp32 moments for AdamW's parameters: what
+    torch holds after a real step (AdamW's `step` counters aside)."""
+    from weft.components.config import Optimizer
+    from weft.components.memory import muon_state_bytes
+    from weft.components.training.optim import build_optimizer
+
+    from tests.support.tiny_llama import batches, tiny_llama, train
+
+    model = tiny_llama()
+    optimizer = build_optimizer(model, Optimizer(name="Muon"))
+    train(model, [optimizer], batches()[:1])
+    kept = sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for key, t in state.items() if key != "step")
+    state, temporaries = muon_state_bytes(model, (), 2)
+    assert state == kept
+    assert temporaries == 192 * 64 * (4 + 4 + 3 * 2)  # the largest matrix: w1 and w3, [192, 64]

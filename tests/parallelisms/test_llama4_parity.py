@@ -1,5 +1,5 @@
 """Loss parity for Llama 4: train.py trains the debug MoE under HSDP, tensor and context parallelism, and
-under expert parallelism (alone, with cp and with gradient accumulation), and fine-tunes it with
+under expert parallelism (alone, with cp, with gradient accumulation and with Muon), and fine-tunes it with
 LoRA under fsdp, tp and ep, as one process does (fp32, CPU, gloo, 10 steps, the
 routing bias moving after every step, so that a token routed differently anywhere would part the
 losses), within 1e-5 relative at every step.
@@ -25,6 +25,7 @@ from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 STEPS, GLOBAL_BATCH, SEQ, QWEN3_SEQ = 10, 4, 128, 64
 
 LORA = ["--lora.enable", "--lora.rank", "4"]  # adapters on attention, shared experts and dense layers
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 # name -> (world size, overrides); a layout with LoRA is compared with LoRA in one process.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
@@ -35,6 +36,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ep2_lora": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *LORA]),  # experts frozen, spread
     "ep2_accumulation": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--training.local_batch_size", "1",
                              "--training.gradient_accumulation_steps", "2"]),
+    # Muon (fp32 Newton-Schulz), each local expert orthogonalised alone (against Muon in one process)
+    "ep2_muon": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *MUON]),
     "tp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),  # ep = tp's ranks
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
@@ -68,9 +71,9 @@ LAYOUTS |= {
 
 
 def reference_of(overrides: list[str]) -> str:
-    """The one-process run a layout is compared with: its flavor's, with LoRA if it has LoRA."""
+    """The one-process run a layout is compared with: its flavor's, with LoRA or Muon if it has them."""
     flavor = overrides[overrides.index("--model.flavor") + 1] if "--model.flavor" in overrides else "debugmodel_moe"
-    return flavor + ("_lora" if "--lora.enable" in overrides else "")
+    return flavor + ("_lora" if "--lora.enable" in overrides else "") + ("_muon" if "Muon" in overrides else "")
 
 
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
@@ -102,8 +105,8 @@ def references(tmp_path_factory) -> dict[str, list[float]]:
     from weft import train
 
     def one_process(name: str) -> list[float]:
-        flavor, lora = name.removesuffix("_lora"), name.endswith("_lora")
-        overrides = ["--model.flavor", flavor, *(LORA if lora else [])]
+        flavor = name.removesuffix("_muon").removesuffix("_lora")
+        overrides = ["--model.flavor", flavor, *(LORA if "_lora" in name else []), *(MUON if "_muon" in name else [])]
         return train.train(parse_args(config_args(str(tmp_path_factory.mktemp(f"single_{name}")), overrides)))
 
     return {name: one_process(name) for name in {reference_of(overrides) for _, overrides in LAYOUTS.values()}}

@@ -1,5 +1,5 @@
-"""Pipeline parallelism trains like one process: every schedule, and pp composed with FSDP, TP, CP
-and gradient accumulation, on gloo; Llama 4's debug MoE and dense Qwen3 through the stages too.
+"""Pipeline parallelism trains like one process: every schedule, and pp composed with FSDP, TP, CP,
+gradient accumulation and Muon, on gloo; Llama 4's debug MoE and dense Qwen3 through the stages too.
 
 Each layout trains the debug model (4 blocks, fp32, seq 32) for 10 steps on the same global batch
 of 8 samples as the single-process reference, through the recipe's own plan, build and step. Its
@@ -22,6 +22,7 @@ RTOL = 1e-5
 PP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]
 LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0"]
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]  # fp32 Newton-Schulz
 # Llama 4's debug MoE, its routing bias moving after each step (each stage balances its own layers).
 # At seq 64 torch's metadata inference before the first step (a real forward of one micro-batch)
 # moved a routing bias when its token counts were kept: 6.6e-5 apart by step 4 (seq 32 hid it).
@@ -45,6 +46,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2_accumulation2": (2, PP2 + ["--training.gradient_accumulation_steps", "2", "--training.local_batch_size", "4"]),
     # LoRA adapters on the stages' block linears (against a LoRA run in one process).
     "pp2_lora": (2, PP2 + LORA + schedule("Interleaved1F1B")),
+    # Muon on each stage's matrices (against Muon in one process).
+    "pp2_muon": (2, PP2 + MUON + schedule("1F1B")),
     # Llama 4 (against the debug MoE in one process).
     "pp2_moe": (2, PP2 + MOE + schedule("1F1B")),
     # Qwen3 (against the untied dense debug flavor in one process).
@@ -117,6 +120,11 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory):
+    return train_and_gather(config(str(tmp_path_factory.mktemp("single_muon")), MUON))
+
+
+@pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     return train_and_gather(config(str(tmp_path_factory.mktemp("single_moe")), MOE))
 
@@ -141,9 +149,10 @@ def layouts(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, np.ndarr
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, moe_reference, qwen3_reference,
-                                             layouts):
+                                             muon_reference, layouts):
     overrides = LAYOUTS[layout][1]
     ref_losses, ref_weights = (lora_reference if "--lora.enable" in overrides else
+                               muon_reference if "Muon" in overrides else
                                moe_reference if "debugmodel_moe" in overrides else
                                qwen3_reference if "debugmodel_qwen3_untied" in overrides else reference)
     losses, weights = layouts[layout]

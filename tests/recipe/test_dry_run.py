@@ -245,3 +245,20 @@ def test_every_shipped_config_passes_its_dry_run_in_a_minute_and_a_few_gb():
     assert set(seconds) == set(SHIPPED)
     slow = {config: round(s) for config, s in seconds.items() if s >= 60}
     assert not slow, f"over a minute: {slow}"
+
+
+def test_muon_dry_run_counts_one_momentum_per_matrix_element_and_its_gathered_matrix(tmp_path):
+    from weft.recipe.dry_run import dry_run
+
+    def estimate(*extra: str):
+        return dry_run(parse_args(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "out"),
+                                   "--job.dry_run", *extra]))
+
+    adamw, muon = estimate(), estimate("--optimizer.name", "Muon")
+    args = flavors()["debugmodel"]
+    hidden = (2 * args.dim * args.n_heads * (args.dim // args.n_heads)
+              + 2 * args.dim * args.n_kv_heads * (args.dim // args.n_heads))  # wq, wo, wk, wv
+    hidden += 3 * args.dim * args.ffn_hidden_dim  # w1, w2, w3
+    assert adamw.optimizer - muon.optimizer == 4 * hidden * args.n_layers  # one fp32 buffer fewer each
+    assert muon.buffers["Muon: 1 matrix gathered whole, Newton-Schulz"] == args.dim * args.ffn_hidden_dim * 14
+    assert "Muon 1 x fp32" in muon.table()
