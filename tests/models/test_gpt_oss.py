@@ -1,0 +1,170 @@
+"""gpt-oss against transformers' GptOssForCausalLM: the published models' parameter counts, logits and
+greedy decoding of a tiny random folder written by transformers (a sequence past the sliding window,
+random sinks and biases, a swiglu_limit that clamps, YaRN) through weft's own spec, the sinks'
+gradient against a plain softmax with a sink column, the export's key set and values (bit for bit
+after a step at a negligible learning rate), and the config fields weft refuses."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+
+from weft.components.hf import ConversionError, load_hf_into_model, model_args_from_hf_folder, save_hf_model
+from weft.layers.attention import sink_attention, window_block_mask, window_causal_mask
+from weft.models import spec_for_flavor, spec_for_hf_config
+from weft.models.gpt_oss import GPT_OSS_FLAVORS, Transformer
+from weft.models.gpt_oss.hf_mapping import hf_config, model_args_from_hf_config
+
+from tests.support.hf_folders import tiny_gpt_oss_hf_folder
+from tests.support.train_runs import run, run_args
+
+# The issue's figures, from transformers 5.24's GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+# and (36, 128), vocabulary 201088.
+PUBLISHED = {"gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672}
+TOKENS = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(1))  # 4 windows of 4
+
+
+def _hf_model(args):
+    config = {k: v for k, v in hf_config(args).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return GptOssForCausalLM(GptOssConfig(**config))
+
+
+@pytest.mark.parametrize("flavor", sorted(GPT_OSS_FLAVORS))
+def test_flavor_counts_match_transformers_and_config_json_reads_back(flavor):
+    args = GPT_OSS_FLAVORS[flavor]
+    with torch.device("meta"):
+        model, hf = spec_for_flavor(flavor).build(args), _hf_model(args)
+    ours, theirs = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in hf.parameters())
+    assert ours == theirs == PUBLISHED.get(flavor, theirs)
+    routed = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+    assert model.active_parameters() == theirs - routed + routed * args.top_k // args.n_experts
+    assert spec_for_flavor(flavor).block_numel(args) * args.n_layers == ours - 2 * args.vocab_size * args.dim - args.dim
+    assert model_args_from_hf_config(hf_config(args)) == args
+    assert spec_for_hf_config(hf_config(args)) is spec_for_flavor(flavor)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny transformers folder, its model, and weft's model loaded from it."""
+    path = tmp_path_factory.mktemp("gpt_oss") / "hf"
+    hf = tiny_gpt_oss_hf_folder(path)
+    model = Transformer(model_args_from_hf_folder(path))
+    load_hf_into_model(model, path)
+    return path, hf, model.eval()
+
+
+@torch.no_grad()
+def test_folder_gives_transformers_logits_and_each_feature_matters(folder):
+    path, hf, model = folder
+    assert model.args.layer_types == () and model.args.window(0) == 4 and model.args.window(1) is None
+    theirs = hf(TOKENS).logits
+    assert theirs.abs().max() > 1.0  # a random model, not a near-zero one
+    torch.testing.assert_close(model(TOKENS), theirs, rtol=0, atol=1e-5)
+    # Each feature changes the logits, so that matching them checks it: a window one longer (the
+    # off-by-one some mask libraries have), no clamp, no sinks, no YaRN attention factor.
+    core, experts = model.layers["0"].attention.core, model.layers["0"].feed_forward.experts
+    for module, attribute, value in [(core, "window", 5), (experts, "limit", 1e9)]:
+        kept = getattr(module, attribute)
+        setattr(module, attribute, value)
+        assert (model(TOKENS) - theirs).abs().max() > 1e-3, attribute
+        setattr(module, attribute, kept)
+    sinks = core.sinks.clone()
+    core.sinks.fill_(-1e4)  # no sinks
+    assert (model(TOKENS) - theirs).abs().max() > 1e-3
+    core.sinks.copy_(sinks)
+    rotations = model.rope_rotations.clone()
+    model.rope_rotations.div_(model.rope_rotations.abs())  # unit rotations: YaRN without its attention factor
+    assert (model(TOKENS) - theirs).abs().max() > 1e-3
+    model.rope_rotations.copy_(rotations)
+    torch.testing.assert_close(model(TOKENS), theirs, rtol=0, atol=1e-5)
+
+
+def test_generate_decodes_the_folder_greedily_as_transformers_does(folder, capsys):
+    """40 tokens past the window of 4, routed and clamped, equal to transformers' generate."""
+    from tests.support.greedy_decoding import assert_greedy_decoding_equals_transformers
+
+    path, hf, _ = folder
+    assert_greedy_decoding_equals_transformers(hf, path, "gpt-oss", 40, 4, capsys)
+
+
+def _plain_sink_attention(q, k, v, sinks, allowed):
+    """transformers' eager formula in plain PyTorch: scores, a sink column per head, softmax, the
+    column dropped."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], -1).softmax(-1)[..., :-1] @ v
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sink_attention_and_its_gradient_equal_a_plain_softmax_with_a_sink_column():
+    """SDPA with a zero key/value column biased by the sink (the CPU path), in a window of 4 over
+    two packed documents: values and the gradients of q, k, v and the sinks; FlexAttention's
+    out·σ(lse - sink) (the CUDA path) in forward, which is all FlexAttention does on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    sinks = torch.randn(4, generator=g) * 2
+    docs = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
+    allowed = window_causal_mask(16, 4, docs)
+    assert allowed[0, 0, 10].nonzero().flatten().tolist() == [7, 8, 9, 10]  # window and document
+    grads = []
+    for attend in (lambda *t: sink_attention(*t, allowed), lambda *t: _plain_sink_attention(*t, allowed)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = attend(*inputs)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append([out, *(t.grad for t in inputs)])
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert grads[0][4].abs().min() > 1e-4  # every sink has a gradient
+    with torch.no_grad():
+        flex = sink_attention(q, k, v, sinks, window_block_mask(16, 4, docs, 2, torch.device("cpu")))
+    torch.testing.assert_close(flex, grads[1][0].detach(), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_export_has_transformers_key_set_and_gives_weft_logits(folder, tmp_path):
+    path, _, model = folder
+    save_hf_model(model, tmp_path / "round_trip")
+    source, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "round_trip" / "model.safetensors")
+    assert sorted(exported) == sorted(source)
+    assert all(torch.equal(exported[key], source[key]) for key in source)  # interleaved gate/up split back
+    other = Transformer(model.args)
+    other.init_weights(seed=3)  # weft's own weights, exported and read back by transformers
+    save_hf_model(other, tmp_path / "export")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager").float().eval()
+    assert type(theirs) is GptOssForCausalLM
+    torch.testing.assert_close(theirs(TOKENS).logits, other.eval()(TOKENS), rtol=0, atol=1e-5)
+
+
+def test_an_export_after_a_step_at_a_negligible_rate_holds_every_tensor(folder, tmp_path):
+    """train.py from the folder (weft's spec), one step at lr 1e-12, exported in float32: every
+    tensor of the input, experts and biases included, of its shape and within 1e-6."""
+    path, _, _ = folder
+    run(run_args(tmp_path / "run", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(path),
+                 "--model.backend", "weft", "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-12",
+                 "--export.hf_folder", "export", "--no-validation.enable", steps=1, seq_len=32))
+    source, exported = load_file(path / "model.safetensors"), load_file(tmp_path / "run" / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(source)
+    assert sum(".experts." in key for key in source) == 8  # gate_up, down and their biases, 2 layers
+    for key in source:
+        torch.testing.assert_close(exported[key], source[key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"attention_bias": False}, "attention_bias is False; weft's gpt-oss supports only True"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+     "rope_parameters.rope_type is llama3; weft's gpt-oss implements default and yarn"),
+    ({"layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types holds chunked_attention; expected sliding_attention or full_attention"),
+    ({"num_experts_per_tok": 9}, "top_k 9 must lie in 1..n_experts (4)"),
+])
+def test_unrepresentable_config_is_refused_in_one_line_naming_the_field(folder, tmp_path, change, message):
+    path, _, _ = folder
+    config = json.loads((path / "config.json").read_text()) | change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError) as caught:
+        model_args_from_hf_folder(tmp_path)
+    assert str(caught.value) == f"HF folder {tmp_path}: {message}"
