@@ -17,6 +17,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from weft.components.checkpoint.checkpointer import listing
 from weft.components.checkpoint.state import model_parts, whole_model
 from weft.components.config import FROM_HF_CONFIG, ConfigError
+from weft.components.hf import mxfp4
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
@@ -101,7 +102,12 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
               if ".lora_" not in name and (names is None or name in names)}
     hf = spec_for_args(args).hf
     hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
-    missing = [part for parts in hf_names.values() for part in parts if part not in files]
+    # MXFP4 (gpt-oss as published): a tensor held as its blocks and scales, dequantized when read.
+    packed: set[str] = set()
+    if mxfp4.quantized(config, f"HF folder {folder}"):
+        packed = {part for parts in hf_names.values() for part in parts
+                  if part not in files and all(part + suffix in files for suffix in mxfp4.PARTS)}
+    missing = [part for parts in hf_names.values() for part in parts if part not in files and part not in packed]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
@@ -109,12 +115,19 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
 
     def read(hf_name: str, expected: list[int]) -> torch.Tensor:
-        with open_safetensors(files[hf_name]) as f:
-            tensor = f.get_tensor(hf_name)
+        if hf_name in packed:
+            blocks, scales = (read_one(hf_name + suffix) for suffix in mxfp4.PARTS)
+            tensor = mxfp4.dequantize(blocks, scales)
+        else:
+            tensor = read_one(hf_name)
         if list(tensor.shape) != expected:
             raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
                                   f"the model expects {expected}")
         return tensor
+
+    def read_one(hf_name: str) -> torch.Tensor:
+        with open_safetensors(files[hf_name]) as f:
+            return f.get_tensor(hf_name)
 
     with torch.no_grad(), implicit_replication():
         for name, param in params.items():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
 from weft.components.hf import ConversionError, load_hf_into_model, model_args_from_hf_folder, save_hf_model
@@ -168,3 +168,54 @@ def test_unrepresentable_config_is_refused_in_one_line_naming_the_field(folder, 
     with pytest.raises(ConversionError) as caught:
         model_args_from_hf_folder(tmp_path)
     assert str(caught.value) == f"HF folder {tmp_path}: {message}"
+
+
+def _mxfp4_by_the_format(blocks, scales):
+    """The published MXFP4 format read value by value: byte b of group g holds elements 2b (low
+    nibble) and 2b + 1 (high) of the group's 32, each an E2M1 code (sign, 2 exponent bits, 1
+    mantissa bit) times 2^(scale - 127); rows are output features, transposed to [in, out]."""
+    def e2m1(code):
+        sign, exponent, mantissa = -1.0 if code & 8 else 1.0, (code >> 1) & 3, code & 1
+        return sign * (mantissa * 0.5 if exponent == 0 else (1 + mantissa * 0.5) * 2.0 ** (exponent - 1))
+
+    lookup = torch.tensor([e2m1(c) for c in range(16)])
+    low, high = lookup[(blocks & 15).long()], lookup[(blocks >> 4).long()]
+    values = torch.stack([low, high], -1).flatten(-2) * 2.0 ** (scales.double() - 127).unsqueeze(-1)
+    return values.flatten(-2).transpose(-1, -2).to(torch.bfloat16)
+
+
+def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_path):
+    """The folder's experts as published (`*_blocks`, `*_scales`, `quantization_config`): weft's
+    experts hold the values the format defines (and transformers' own dequantization gives), in
+    bfloat16; the export writes the bf16 key set."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path, _, model = folder
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(2)
+    expected = {}
+    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        experts, fan_in, fan_out = tensors.pop(key).shape
+        blocks = torch.randint(0, 256, (experts, fan_out, fan_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 130, (experts, fan_out, fan_in // 32), generator=g, dtype=torch.uint8)
+        tensors |= {f"{key}_blocks": blocks, f"{key}_scales": scales}
+        expected[key] = _mxfp4_by_the_format(blocks, scales)
+        assert torch.equal(convert_moe_packed_tensors(blocks, scales), expected[key])
+    quantized = tmp_path / "mxfp4"
+    quantized.mkdir()
+    save_file(tensors, quantized / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                        "model.layers.*.mlp.router"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    loaded = Transformer(model.args)
+    load_hf_into_model(loaded, quantized)
+    save_hf_model(loaded, tmp_path / "export")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(load_file(path / "model.safetensors"))
+    for key, values in expected.items():
+        assert torch.equal(exported[key].to(torch.bfloat16), values), key
+    config["quantization_config"]["quant_method"] = "gptq"
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="quantization_config.quant_method is gptq; weft reads"):
+        load_hf_into_model(loaded, quantized)
