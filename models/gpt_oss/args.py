@@ -83,9 +83,9 @@ class ModelArgs:
 _GPT_OSS = ModelArgs()
 # fmt: off
 GPT_OSS_FLAVORS: dict[str, ModelArgs] = {
-    # CPU-sized, the shipped Shakespeare tokenizer's vocabulary: 8 experts (top 2), windows of 64.
+    # CPU-sized, the shipped Shakespeare tokenizer's vocabulary: 8 experts (top 2), windows of 32.
     "debugmodel_gpt_oss": replace(_GPT_OSS, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
-                                  vocab_size=2048, n_experts=8, top_k=2, moe_hidden_dim=256, sliding_window=64,
+                                  vocab_size=2048, n_experts=8, top_k=2, moe_hidden_dim=256, sliding_window=32,
                                   max_seq_len=2048),
     "gpt_oss_20b": replace(_GPT_OSS, n_layers=24, n_experts=32),
     "gpt_oss_120b": replace(_GPT_OSS, n_layers=36, n_experts=128),

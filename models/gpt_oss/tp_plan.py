@@ -43,7 +43,7 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_linears: Co
             float8_styles: dict[str, type[ParallelStyle]] | None = None) -> Plan:
     """An entry per block: the decoder's, the sinks', the MoE's."""
     plan = decoder_tp_plan(loss_parallel=loss_parallel, float8_linears=float8_linears, float8_styles=float8_styles,
-                           blocks=[f"layers.{name}" for name in model.layers])
+                           blocks=[f"layers.{name}" for name in model.layers], attention_inputs=3)
     for name, block in model.layers.items():
         path = f"layers.{name}.feed_forward"
         plan = {key: style for key, style in plan.items() if key != path and not key.startswith(f"{path}.")}
