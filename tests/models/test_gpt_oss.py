@@ -219,3 +219,32 @@ def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_p
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match="quantization_config.quant_method is gptq; weft reads"):
         load_hf_into_model(loaded, quantized)
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (["--parallelism.cp", "2"], "model.flavor = debugmodel_gpt_oss: apply_cp: cannot replace layers.0.attention.core "
+                                "(SinkAttention): context parallelism supports only the plain causal core"),
+    (["--parallelism.tp", "2"], "parallelism.tp = 2: apply_tp: layers.0.feed_forward: an MoE that weighs its experts' "
+                                "outputs by the scores"),
+], ids=["cp", "tp_without_ep"])
+def test_what_the_layouts_cannot_split_is_refused_in_one_line(layout, message, tmp_path, capsys):
+    """cp (the sinks and windows need a core of their own) and tp without ep (the scores weigh the
+    experts' outputs); tp with ep, fsdp, ep, pp: tests/parallelisms/test_llama4_parity.py."""
+    from weft import train
+
+    argv = ["--job.config_file", "debug_moe", "--model.flavor", "debugmodel_gpt_oss", "--job.dump_folder",
+            str(tmp_path), "--job.dry_run", "--parallelism.dp_shard", "1", *layout]
+    assert train.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"weft: error: {message}")
+
+
+def test_a_stopped_run_resumes_exactly(tmp_path):
+    """6 steps straight, or 3, a stop and 3 more from the checkpoint: the same losses, bit for bit."""
+    def args(dump):
+        return run_args(dump, "--model.flavor", "debugmodel_gpt_oss", "--moe.bias_update_rate", "0.01",
+                        "--no-validation.enable", config="debug_moe", steps=6, seq_len=64, checkpoint_every=3)
+
+    straight = run(args(tmp_path / "straight"))
+    first = run(args(tmp_path / "resumed"), stop_after=3)
+    assert len(first) == 3 and first + run(args(tmp_path / "resumed")) == straight
