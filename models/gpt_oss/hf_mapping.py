@@ -45,11 +45,13 @@ NAMES = HFNames(
     weft_only=["layers.{layer}.feed_forward.expert_bias"],  # weft's balancing state; transformers has none
 )
 
-# transformers' GptOssExperts in memory, as in the files: what PEFT's target_parameters adapt.
+# transformers' GptOssExperts in memory, as in the files: what PEFT's target_parameters adapt. Its
+# matrices are [in, out], but the module says so (`is_transposed`), and PEFT (0.21.2) then lays its
+# factors out as for an F.linear [out, in] matrix: x_at_w False, as PEFT reads it.
 EXPERT_PARAMETERS = ExpertParameters({
     f"layers.{{layer}}.{weft}": f"model.layers.{{layer}}.{hf}" for weft, hf in _EXPERTS.items()
     if weft.endswith(("w1", "w3", "w2"))
-}, x_at_w=True)
+}, x_at_w=False, interleaved=True)
 
 MODEL_TYPES = ("gpt_oss",)
 _JOINED = ("experts.w1", "experts.w3", "experts.b1", "experts.b3")

@@ -114,10 +114,10 @@ TINY_GPT_OSS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 
 
-def tiny_gpt_oss_hf_folder(folder: Path, seed: int = 0):
-    """A randomly initialised transformers GptOssForCausalLM (TINY_GPT_OSS) saved in `folder`; returns
-    the model. Weights std 0.1 (routers 1), sinks and biases random too, so that logits, routing and
-    the clamp are far from ties."""
+def tiny_gpt_oss_model(seed: int = 0):
+    """A randomly initialised transformers GptOssForCausalLM (TINY_GPT_OSS), float32, in eval mode.
+    Weights std 0.1 (routers and sinks 1), biases random too, so that logits, routing and the clamp
+    are far from ties."""
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(seed)
@@ -126,5 +126,11 @@ def tiny_gpt_oss_hf_folder(folder: Path, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 1.0 if ("router" in name or "sinks" in name) else 0.1)
-    model.float().save_pretrained(folder)
-    return model.eval()
+    return model.float().eval()
+
+
+def tiny_gpt_oss_hf_folder(folder: Path, seed: int = 0):
+    """`tiny_gpt_oss_model` saved in `folder`; returns the model."""
+    model = tiny_gpt_oss_model(seed)
+    model.save_pretrained(folder)
+    return model
