@@ -17,7 +17,7 @@ from weft.models import spec_for_flavor, spec_for_hf_config
 from weft.models.gpt_oss import GPT_OSS_FLAVORS, Transformer
 from weft.models.gpt_oss.hf_mapping import hf_config, model_args_from_hf_config
 
-from tests.support.hf_folders import tiny_gpt_oss_hf_folder
+from tests.support.hf_folders import tiny_gpt_oss_hf_folder, tiny_gpt_oss_model
 from tests.support.train_runs import run, run_args
 
 # The issue's figures, from transformers 5.24's GptOssConfig(num_hidden_layers=24, num_local_experts=32)
@@ -248,3 +248,41 @@ def test_a_stopped_run_resumes_exactly(tmp_path):
     straight = run(args(tmp_path / "straight"))
     first = run(args(tmp_path / "resumed"), stop_after=3)
     assert len(first) == 3 and first + run(args(tmp_path / "resumed")) == straight
+
+
+def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads_with_the_merged_logits(folder, tmp_path):
+    """train.py fine-tunes the folder with adapters on wq, wv and the experts, exports the merged model
+    and the PEFT folder: PeftModel on the folder's GptOssForCausalLM gives the merged export's logits."""
+    from peft import PeftModel
+
+    path, hf, _ = folder
+    run(run_args(tmp_path / "run", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(path),
+                 "--model.backend", "weft", "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-2",
+                 "--lora.enable", "--lora.target_modules", "wq,wv,experts", "--lora.rank", "4",
+                 "--export.hf_folder", "merged", "--export.peft_folder", "peft", "--no-validation.enable",
+                 steps=3, seq_len=32))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged", attn_implementation="eager").float().eval()
+    assert sorted(load_file(tmp_path / "run" / "merged" / "model.safetensors")) == sorted(load_file(path / "model.safetensors"))
+    adapter = json.loads((tmp_path / "run" / "peft" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    with torch.no_grad():
+        base, theirs = hf(TOKENS).logits, merged(TOKENS).logits
+        peft_logits = PeftModel.from_pretrained(tiny_gpt_oss_model(), tmp_path / "run" / "peft").eval()(TOKENS).logits
+    assert (theirs - base).abs().max() > 1e-2, "the adapters must change the model"
+    torch.testing.assert_close(peft_logits, theirs, rtol=0, atol=1e-5)
+
+
+def test_qlora_holds_the_experts_in_nf4_learns_and_exports_the_merged_model(tmp_path):
+    """QLoRA on the debug flavor (the tiny folder's matrices are smaller than NF4's blocks): the
+    experts and linears frozen in NF4, adapters on wq, wv and the experts; the loss falls, and the
+    merged export (dequantized base plus adapters) is the bf16 key set transformers loads."""
+    losses = run(run_args(tmp_path / "run", "--model.flavor", "debugmodel_gpt_oss", "--lora.enable",
+                          "--lora.target_modules", "wq,wv,experts", "--lora.rank", "4", "--lora.quantize_base", "nf4",
+                          "--optimizer.lr", "3e-3", "--export.hf_folder", "merged", "--no-validation.enable",
+                          "--checkpoint.initial_load_path=", config="debug_moe", steps=4, seq_len=64))
+    assert losses[-1] < losses[0]
+    exported = load_file(tmp_path / "run" / "merged" / "model.safetensors")
+    with torch.device("meta"):
+        hf = _hf_model(GPT_OSS_FLAVORS["debugmodel_gpt_oss"])
+    assert sorted(exported) == sorted(name for name, _ in hf.named_parameters())
+    assert not any(".lora_" in key or "nf4" in key for key in exported)
