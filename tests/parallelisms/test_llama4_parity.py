@@ -12,7 +12,8 @@ under cp 2 each rank still holds two 16-token pieces.
 The same sweep runs Qwen3 (`debugmodel_qwen3`) and Qwen3-MoE (`debugmodel_qwen3_moe`, softmax
 routing renormalised over the chosen experts, their scores weighing the experts' outputs) under
 FSDP, DDP, HSDP, CP, PP and EP with its compositions, each against its own flavor in one process;
-and gpt-oss (`debugmodel_gpt_oss`) under FSDP, EP (over the FSDP ranks), TP with EP and PP at seq_len 64.
+and gpt-oss (`debugmodel_gpt_oss`) under FSDP, EP (over the FSDP ranks, also with full AC), TP with EP and
+PP at seq_len 64.
 (Qwen3 under tp 2 and tp 2 x ep 2: tests/parallelisms/test_qwen3_tp_plan.py; AC and compile: test_llama4_transforms.py.)"""
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ LAYOUTS |= {
     "gpt_oss_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     "gpt_oss_tp2_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
     "gpt_oss_pp2": (2, [*GPT_OSS, *PP2, "--parallelism.dp_shard", "1"]),
+    "gpt_oss_ep2_full_ac": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                "--activation_checkpoint.mode", "full"]),
     # Also matched, and left out for the suite's time (4 ranks on 2 cores): fsdp 2 x tp 2 x ep 2.
 }
 
