@@ -286,3 +286,17 @@ def test_qlora_holds_the_experts_in_nf4_learns_and_exports_the_merged_model(tmp_
         hf = _hf_model(GPT_OSS_FLAVORS["debugmodel_gpt_oss"])
     assert sorted(exported) == sorted(name for name, _ in hf.named_parameters())
     assert not any(".lora_" in key or "nf4" in key for key in exported)
+
+
+@torch.no_grad()
+def test_packed_documents_see_only_themselves_through_windows_and_sinks(folder):
+    """Two documents packed in one row (positions restarting, document ids) give each document's
+    logits alone, within 1e-5: the sliding and full masks are block-causal."""
+    _, _, model = folder
+    first, second = TOKENS[0, :7], TOKENS[1, :9]
+    packed = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    documents = torch.tensor([[0] * 7 + [1] * 9])
+    logits = model(packed, positions, document_ids=documents)
+    torch.testing.assert_close(logits[0, :7], model(first[None])[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[0, 7:], model(second[None])[0], rtol=0, atol=1e-5)
