@@ -5,6 +5,7 @@ layout, one tensor at a time."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,17 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
 
+    # A dequantized tensor is kept until every parameter made of it has read it (gate_up_proj: w1 and w3).
+    readers = Counter(part for parts in hf_names.values() for part in parts if part in packed)
+    dequantized: dict[str, torch.Tensor] = {}
+
     def read(hf_name: str, expected: list[int]) -> torch.Tensor:
         if hf_name in packed:
-            blocks, scales = (read_one(hf_name + suffix) for suffix in mxfp4.PARTS)
-            tensor = mxfp4.dequantize(blocks, scales)
+            if hf_name not in dequantized:
+                blocks, scales = (read_one(hf_name + suffix) for suffix in mxfp4.PARTS)
+                dequantized[hf_name] = mxfp4.dequantize(blocks, scales)
+            readers[hf_name] -= 1
+            tensor = dequantized[hf_name] if readers[hf_name] else dequantized.pop(hf_name)
         else:
             tensor = read_one(hf_name)
         if list(tensor.shape) != expected:

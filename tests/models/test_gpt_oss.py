@@ -184,11 +184,14 @@ def _mxfp4_by_the_format(blocks, scales):
     return values.flatten(-2).transpose(-1, -2).to(torch.bfloat16)
 
 
-def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_path):
+def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_path, monkeypatch):
     """The folder's experts as published (`*_blocks`, `*_scales`, `quantization_config`): weft's
     experts hold the values the format defines (and transformers' own dequantization gives), in
-    bfloat16; the export writes the bf16 key set."""
+    bfloat16, each tensor dequantized once (gate_up_proj gives w1 and w3); the export writes the
+    bf16 key set."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from weft.components.hf import mxfp4
 
     path, _, model = folder
     tensors = load_file(path / "model.safetensors")
@@ -208,8 +211,11 @@ def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_p
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                         "model.layers.*.mlp.router"]}
     (quantized / "config.json").write_text(json.dumps(config))
-    loaded = Transformer(model.args)
+    loaded, calls = Transformer(model.args), []
+    dequantize = mxfp4.dequantize
+    monkeypatch.setattr(mxfp4, "dequantize", lambda *a: calls.append(1) or dequantize(*a))
     load_hf_into_model(loaded, quantized)
+    assert len(calls) == len(expected) == 4  # gate_up_proj and down_proj of 2 layers
     save_hf_model(loaded, tmp_path / "export")
     exported = load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(exported) == sorted(load_file(path / "model.safetensors"))
