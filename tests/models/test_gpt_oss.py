@@ -258,7 +258,8 @@ def test_a_stopped_run_resumes_exactly(tmp_path):
 
 def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads_with_the_merged_logits(folder, tmp_path):
     """train.py fine-tunes the folder with adapters on wq, wv and the experts, exports the merged model
-    and the PEFT folder: PeftModel on the folder's GptOssForCausalLM gives the merged export's logits."""
+    and the PEFT folder: PeftModel on the folder's GptOssForCausalLM gives the merged export's logits,
+    and so does the PEFT folder read back onto weft's model."""
     from peft import PeftModel
 
     path, hf, _ = folder
@@ -276,6 +277,14 @@ def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads_with_the_m
         peft_logits = PeftModel.from_pretrained(tiny_gpt_oss_model(), tmp_path / "run" / "peft").eval()(TOKENS).logits
     assert (theirs - base).abs().max() > 1e-2, "the adapters must change the model"
     torch.testing.assert_close(peft_logits, theirs, rtol=0, atol=1e-5)
+    # and read back onto weft's own model (generate.py --adapter): gate and up de-interleaved
+    from weft.components.hf.adapters import load_peft_adapter
+
+    ours = Transformer(model_args_from_hf_folder(path))
+    load_hf_into_model(ours, path)
+    ours = load_peft_adapter(ours, tmp_path / "run" / "peft").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), theirs, rtol=0, atol=1e-5)
 
 
 def test_qlora_holds_the_experts_in_nf4_learns_and_exports_the_merged_model(tmp_path):
