@@ -117,25 +117,31 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
 
     # A dequantized tensor is kept until every parameter made of it has read it (gate_up_proj: w1 and w3).
     readers = Counter(part for parts in hf_names.values() for part in parts if part in packed)
-    dequantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def read(hf_name: str, expected: list[int]) -> torch.Tensor:
-        if hf_name in packed:
-            if hf_name not in dequantized:
-                blocks, scales = (read_one(hf_name + suffix) for suffix in mxfp4.PARTS)
-                dequantized[hf_name] = mxfp4.dequantize(blocks, scales)
-            readers[hf_name] -= 1
-            tensor = dequantized[hf_name] if readers[hf_name] else dequantized.pop(hf_name)
-        else:
-            tensor = read_one(hf_name)
+        tensor = read_one(hf_name)
         if list(tensor.shape) != expected:
             raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
                                   f"the model expects {expected}")
         return tensor
 
-    def read_one(hf_name: str) -> torch.Tensor:
+    def read_one(hf_name: str, rows: slice | None = None) -> torch.Tensor:
         with open_safetensors(files[hf_name]) as f:
-            return f.get_tensor(hf_name)
+            return f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows]
+
+    def read_packed(hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
+        """The experts `rows` of an MXFP4 tensor, dequantized (only those read from disk)."""
+        key = (hf_name, rows.start, rows.stop)
+        if key not in dequantized:
+            blocks, scales = (read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
+            dequantized[key] = mxfp4.dequantize(blocks, scales)
+        readers[hf_name] -= 1
+        tensor = dequantized[key] if readers[hf_name] else dequantized.pop(key)
+        if list(tensor.shape) != expected:
+            raise ConversionError(f"HF folder {folder}: {hf_name} (MXFP4) has the experts' shape "
+                                  f"{list(tensor.shape)}, the model expects {expected}")
+        return tensor
 
     with torch.no_grad(), implicit_replication():
         for name, param in params.items():
@@ -144,8 +150,31 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
                               lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
                 continue
             (hf_name,) = hf_names[name]
+            if hf_name in packed:
+                _load_experts(param, lambda rows, shape, hf_name=hf_name: read_packed(hf_name, rows, shape),
+                              hf.shape(name, param.shape), lambda part, name=name: hf.from_hf_tensor(name, part, args))
+                continue
             full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def _load_experts(param: torch.Tensor, read_rows, hf_shape: list[int], to_weft) -> None:
+    """Fill a stacked experts parameter from one HF tensor of all experts (`read_rows(rows, shape)`
+    gives its experts `rows`), reading only the experts this rank holds (a DTensor split along them)."""
+    rows = slice(0, param.shape[0])
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        rows = slice(offset[0], offset[0] + shape[0])
+    part = to_weft(read_rows(rows, [rows.stop - rows.start, *hf_shape[1:]]))
+    if not isinstance(param, DTensor):
+        param.copy_(part.to(device=param.device, dtype=param.dtype))
+        return
+    local = param.to_local()
+    if local.numel() == 0:
+        return
+    for dim in range(1, part.ndim):  # other dimensions split too: this rank's slice
+        part = part.narrow(dim, offset[dim], shape[dim])
+    local.copy_(part.to(device=local.device, dtype=local.dtype))
 
 
 def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:
