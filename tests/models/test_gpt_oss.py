@@ -246,14 +246,14 @@ def test_what_the_layouts_cannot_split_is_refused_in_one_line(layout, message, t
 
 
 def test_a_stopped_run_resumes_exactly(tmp_path):
-    """6 steps straight, or 3, a stop and 3 more from the checkpoint: the same losses, bit for bit."""
+    """4 steps straight, or 2, a stop and 2 more from the checkpoint: the same losses, bit for bit."""
     def args(dump):
         return run_args(dump, "--model.flavor", "debugmodel_gpt_oss", "--moe.bias_update_rate", "0.01",
-                        "--no-validation.enable", config="debug_moe", steps=6, seq_len=64, checkpoint_every=3)
+                        "--no-validation.enable", config="debug_moe", steps=4, seq_len=64, checkpoint_every=2)
 
     straight = run(args(tmp_path / "straight"))
-    first = run(args(tmp_path / "resumed"), stop_after=3)
-    assert len(first) == 3 and first + run(args(tmp_path / "resumed")) == straight
+    first = run(args(tmp_path / "resumed"), stop_after=2)
+    assert len(first) == 2 and first + run(args(tmp_path / "resumed")) == straight
 
 
 def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads_with_the_merged_logits(folder, tmp_path):
