@@ -1,5 +1,6 @@
 """The attention core shared by the models: causal (and block-causal, for packed documents)
-softmax(q kᵀ / √d) v with grouped-query heads, on SDPA or FlexAttention.
+softmax(q kᵀ / √d) v with grouped-query heads, on SDPA or FlexAttention; and gpt-oss's core with
+per-head sinks over the whole past or a sliding window (`SinkAttention`).
 
 Models project q, k, v their own way and call a `CausalAttention` module, so that context
 parallelism can swap that one module for a version that sees the whole sequence.
