@@ -315,3 +315,31 @@ def test_packed_documents_see_only_themselves_through_windows_and_sinks(folder):
     logits = model(packed, positions, document_ids=documents)
     torch.testing.assert_close(logits[0, :7], model(first[None])[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(logits[0, 7:], model(second[None])[0], rtol=0, atol=1e-5)
+
+
+def _published_config(layers: int, experts: int) -> dict:
+    """config.json of openai/gpt-oss-20b (24, 32) and -120b (36, 128) as published (transformers 4's
+    format, rope_scaling beside rope_theta; the MXFP4 quantization_config)."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+        "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": layers, "num_key_value_heads": 8, "num_local_experts": experts,
+        "output_router_logits": False, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    }
+
+
+@pytest.mark.parametrize(("flavor", "layers", "experts"), [("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 128)])
+def test_the_published_config_files_read_as_their_flavors(flavor, layers, experts):
+    config = _published_config(layers, experts)
+    assert model_args_from_hf_config(config) == GPT_OSS_FLAVORS[flavor]
+    assert spec_for_hf_config(config) is spec_for_flavor(flavor)
