@@ -1,5 +1,6 @@
 """The attention core shared by the models: causal (and block-causal, for packed documents)
-softmax(q kᵀ / √d) v with grouped-query heads, on SDPA or FlexAttention.
+softmax(q kᵀ / √d) v with grouped-query heads, on SDPA or FlexAttention; and gpt-oss's core with
+per-head sinks over the whole past or a sliding window (`SinkAttention`).
 
 Models project q, k, v their own way and call a `CausalAttention` module, so that context
 parallelism can swap that one module for a version that sees the whole sequence.
@@ -120,3 +121,87 @@ class CausalAttention(nn.Module):
         if document_ids is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return document_attention(q, k, v, document_ids, document_ids)
+
+
+def window_causal_mask(seq_len: int, window: int | None, document_ids: torch.Tensor | None = None,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """Boolean [batch or 1, 1, seq, seq] (True = attend): causal, within the document where
+    `document_ids` are given, and, with a `window`, to the current token and the window - 1 before it."""
+    if document_ids is not None:
+        allowed = document_causal_mask(document_ids, document_ids)
+    else:
+        allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if window is not None:
+        at = torch.arange(seq_len, device=allowed.device)
+        allowed = allowed & (at[:, None] - at[None, :] < window)
+    return allowed
+
+
+def window_block_mask(seq_len: int, window: int | None, document_ids: torch.Tensor | None, batch: int,
+                      device: torch.device):
+    """FlexAttention's block mask of `window_causal_mask`: blocks wholly outside the window or another
+    document are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q_idx, kv_idx):
+        keep = kv_idx <= q_idx
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        return keep
+
+    make = create_block_mask
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        make = _compiled("create_block_mask", create_block_mask)
+    return make(allowed, batch if document_ids is not None else None, None, seq_len, seq_len, device=device)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask) -> torch.Tensor:
+    """softmax([q kᵀ / √d + mask, sink_h]) v without the sink's column: each head h has a learned
+    logit `sinks[h]` that takes its share of the softmax and gives nothing back (gpt-oss).
+
+    `mask`: a FlexAttention BlockMask (CUDA), where the kernel's log-sum-exp gives the same as
+    out · σ(lse - sink); else a boolean [batch or 1, 1, q, kv] for SDPA, with one zero key and
+    value more whose mask bias is the sink. Both differentiate through the sinks."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+    if isinstance(mask, BlockMask):
+        if q.is_cuda and not torch.compiler.is_compiling():
+            flex_attention = _compiled("flex_attention_lse", flex_attention)
+        out, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        kept = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))
+        return out * kept.unsqueeze(-1).to(out.dtype)
+    batch, heads, seq, _ = q.shape
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(bias.shape[0], heads, seq, 1)
+    bias = torch.cat([bias.expand(-1, heads, -1, -1), sink], dim=-1)
+    zero = k.new_zeros(*k.shape[:2], 1, k.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), attn_mask=bias,
+                                          enable_gqa=True)
+
+
+class SinkAttention(CausalAttention):
+    """Causal attention with a learned sink logit per query head (`sinks`, `sink_attention`), over
+    the whole past or a sliding `window` (the current token and the window - 1 before it). Context
+    parallelism does not replace it (its core is plain causal)."""
+
+    def __init__(self, n_heads: int, window: int | None = None):
+        super().__init__()
+        self.window = window
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+
+    def masks(self, seq_len: int, document_ids: torch.Tensor | None, batch: int, device: torch.device):
+        """The mask `forward` takes, built once per micro-batch: a block mask on CUDA, else boolean."""
+        if use_flex_attention(device):
+            return window_block_mask(seq_len, self.window, document_ids, batch, device)
+        return window_causal_mask(seq_len, self.window, document_ids, device)
+
+    def local_sinks(self) -> torch.Tensor:
+        """The sinks of the heads this module computes (all of them; tensor parallelism's its rank's)."""
+        return self.sinks
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is None:
+            mask = self.masks(q.shape[2], None, q.shape[0], q.device)
+        return sink_attention(q, k, v, self.local_sinks(), mask)

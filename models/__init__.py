@@ -8,12 +8,13 @@ from typing import Any
 from torch import nn
 
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
+from weft.models.gpt_oss.spec import GPT_OSS_SPEC
 from weft.models.llama.spec import LLAMA_SPEC
 from weft.models.llama4.spec import LLAMA4_SPEC
 from weft.models.qwen3.spec import QWEN3_SPEC
 from weft.models.transformers.spec import TRANSFORMERS_SPEC
 
-MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC)
+MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC, GPT_OSS_SPEC)
 BACKENDS = ("auto", "weft", "transformers")  # model.backend: who builds a Hugging Face folder's model
 
 

@@ -145,7 +145,8 @@ class _Experts:
         left = lora_b.reshape(d1, rank, experts).permute(2, 0, 1)  # [E, d1, r']
         joined_width = (right.shape[2] if self.layout.x_at_w else d1) // len(names)
         for j, name in enumerate(names):
-            part = slice(j * joined_width, (j + 1) * joined_width)
+            # each weight's features side by side, or alternating (gpt-oss's interleaved gate and up)
+            part = slice(j, None, len(names)) if self.layout.interleaved else slice(j * joined_width, (j + 1) * joined_width)
             if self.layout.x_at_w:  # P[e] = ΔWᵀ side by side: ΔW_j = R[:, part]ᵀ Lᵀ
                 yield name, left.transpose(1, 2).contiguous(), right[:, :, part].transpose(1, 2).contiguous(), rank
             else:  # P[e] = ΔW stacked: ΔW_j = L[part] R

@@ -5,6 +5,7 @@ layout, one tensor at a time."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from weft.components.checkpoint.checkpointer import listing
 from weft.components.checkpoint.state import model_parts, whole_model
 from weft.components.config import FROM_HF_CONFIG, ConfigError
+from weft.components.hf import mxfp4
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
@@ -106,19 +108,44 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
         params |= {name: b for part in model_parts(model) for name, b in persistent_buffers(part)
                    if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
     hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
-    missing = [part for parts in hf_names.values() for part in parts if part not in files]
+    # MXFP4 (gpt-oss as published): a tensor held as its blocks and scales, dequantized when read.
+    packed: set[str] = set()
+    if mxfp4.quantized(config, f"HF folder {folder}"):
+        packed = {part for parts in hf_names.values() for part in parts
+                  if part not in files and all(part + suffix in files for suffix in mxfp4.PARTS)}
+    missing = [part for parts in hf_names.values() for part in parts if part not in files and part not in packed]
     if missing:
         raise ConversionError(f"HF folder {folder} lacks tensors {listing(missing)}")
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
 
+    # A dequantized tensor is kept until every parameter made of it has read it (gate_up_proj: w1 and w3).
+    readers = Counter(part for parts in hf_names.values() for part in parts if part in packed)
+    dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
+
     def read(hf_name: str, expected: list[int]) -> torch.Tensor:
-        with open_safetensors(files[hf_name]) as f:
-            tensor = f.get_tensor(hf_name)
+        tensor = read_one(hf_name)
         if list(tensor.shape) != expected:
             raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
                                   f"the model expects {expected}")
+        return tensor
+
+    def read_one(hf_name: str, rows: slice | None = None) -> torch.Tensor:
+        with open_safetensors(files[hf_name]) as f:
+            return f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows]
+
+    def read_packed(hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
+        """The experts `rows` of an MXFP4 tensor, dequantized (only those read from disk)."""
+        key = (hf_name, rows.start, rows.stop)
+        if key not in dequantized:
+            blocks, scales = (read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
+            dequantized[key] = mxfp4.dequantize(blocks, scales)
+        readers[hf_name] -= 1
+        tensor = dequantized[key] if readers[hf_name] else dequantized.pop(key)
+        if list(tensor.shape) != expected:
+            raise ConversionError(f"HF folder {folder}: {hf_name} (MXFP4) has the experts' shape "
+                                  f"{list(tensor.shape)}, the model expects {expected}")
         return tensor
 
     with torch.no_grad(), implicit_replication():
@@ -128,6 +155,10 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
                               lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
                 continue
             (hf_name,) = hf_names[name]
+            if hf_name in packed:
+                _load_experts(param, lambda rows, shape, hf_name=hf_name: read_packed(hf_name, rows, shape),
+                              hf.shape(name, param.shape), lambda part, name=name: hf.from_hf_tensor(name, part, args))
+                continue
             full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
 
@@ -150,6 +181,25 @@ def _expert_readers(read, parts: list[str], shape: torch.Size) -> list:
         return lambda: torch.cat([read(part, expected) for part in chunk]) if len(chunk) > 1 else read(chunk[0], expected)
 
     return [reader(parts[e * per_expert:(e + 1) * per_expert]) for e in range(shape[0])]
+
+
+def _load_experts(param: torch.Tensor, read_rows, hf_shape: list[int], to_weft) -> None:
+    """Fill a stacked experts parameter from one HF tensor of all experts (`read_rows(rows, shape)`
+    gives its experts `rows`), reading only the experts this rank holds (a DTensor split along them)."""
+    rows = slice(0, param.shape[0])
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        rows = slice(offset[0], offset[0] + shape[0])
+    part = to_weft(read_rows(rows, [rows.stop - rows.start, *hf_shape[1:]]))
+    if not isinstance(param, DTensor):
+        param.copy_(part.to(device=param.device, dtype=param.dtype))
+        return
+    local = param.to_local()
+    if local.numel() == 0:
+        return
+    for dim in range(1, part.ndim):  # other dimensions split too: this rank's slice
+        part = part.narrow(dim, offset[dim], shape[dim])
+    local.copy_(part.to(device=local.device, dtype=local.dtype))
 
 
 def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:

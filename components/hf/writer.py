@@ -244,17 +244,18 @@ class _PeftExperts:
                 yield b_name, None
                 continue
             lora_a, lora_b = peft_expert_factors([pair and (pair[0].detach().cpu(), pair[1].detach().cpu())
-                                                  for pair in pairs], self.experts.x_at_w)
+                                                  for pair in pairs], self.experts.x_at_w, self.experts.interleaved)
             yield a_name, lora_a
             yield b_name, lora_b
 
 
 def peft_expert_factors(pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
-                        x_at_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        x_at_w: bool, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's (lora_A [r'·E, d2], lora_B [d1, r'·E]) of one transformers expert parameter from weft's
     (A [E, r, in], B [E, out, r]) of each weight joined in it, in order; None for one without an
     adapter, whose output features (as wide as the others', gate_up_proj's halves) stay as they are
-    (see `_PeftExperts`)."""
+    (see `_PeftExperts`). `interleaved`: the joined weights' output features alternate (gpt-oss),
+    so the factor holding them is reordered alike."""
     some_a, some_b = next(pair for pair in pairs if pair is not None)
     experts, width, inputs = some_b.shape[0], some_b.shape[1], some_a.shape[2]
     none_a, none_b = some_a.new_zeros(experts, 0, inputs), some_b.new_zeros(experts, width, 0)
@@ -265,6 +266,11 @@ def peft_expert_factors(pairs: list[tuple[torch.Tensor, torch.Tensor] | None],
     else:
         left = _block_diagonal(list(b_s))  # [E, out, r']
         right = torch.cat(a_s, dim=1)  # [E, r', in]
+    if interleaved and len(pairs) > 1:  # output features j of each weight, one after the other: k·n + j -> j·n + k
+        if x_at_w:
+            right = right.unflatten(2, (len(pairs), -1)).transpose(2, 3).flatten(2)
+        else:
+            left = left.unflatten(1, (len(pairs), -1)).transpose(1, 2).flatten(1, 2)
     rank, d1 = left.shape[2], left.shape[1]
     return right.reshape(experts * rank, -1).contiguous(), left.permute(1, 2, 0).reshape(d1, rank * experts).contiguous()
 

@@ -23,15 +23,16 @@ class GroupedQueryAttention(nn.Module):
 
     qk_norm_eps: when given, queries and keys pass a per-head RMSNorm with weights over head_dim
     (`q_norm`, `k_norm`) *before* rotary, as Qwen3 does; None: no such norm (Llama).
+    bias: wq, wk, wv and wo have biases (gpt-oss).
     """
 
-    def __init__(self, args, *, qk_norm_eps: float | None = None):
+    def __init__(self, args, *, qk_norm_eps: float | None = None, bias: bool = False):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
         self.core = CausalAttention()
         self.q_norm = None if qk_norm_eps is None else RMSNorm(args.head_dim, qk_norm_eps)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(args.head_dim, qk_norm_eps)

@@ -161,11 +161,14 @@ class ExpertParameters:
     output features in table order (gate, then up; as wide as each other), and the parameters come
     in the table in the order their module defines them (PEFT nests its wrappers in that order).
     `x_at_w`: each expert's matrix is [in, out], used as x @ W (Llama 4), not [out, in] as in
-    F.linear (Qwen3-MoE)."""
+    F.linear (Qwen3-MoE), as PEFT lays its factors out for the module. `interleaved`: the joined
+    weights alternate feature by feature (gpt-oss: gate in the even features of gate_up_proj, up in
+    the odd) instead of following each other."""
 
-    def __init__(self, table: Mapping[str, str], *, x_at_w: bool):
+    def __init__(self, table: Mapping[str, str], *, x_at_w: bool, interleaved: bool = False):
         self.names = HFNames(table)
         self.x_at_w = x_at_w
+        self.interleaved = interleaved
         self.order = list(dict.fromkeys(hf.rsplit(".", 1)[-1] for hf in table.values()))
 
     def covers(self, name: str) -> bool:

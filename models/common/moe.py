@@ -111,6 +111,37 @@ class GroupedExperts(nn.Module):
         return (masked if torch.compiler.is_compiling() else loop)(x, counts, w1, w2, w3)
 
 
+class ClampedSwiGLUExperts(GroupedExperts):
+    """gpt-oss's experts: GroupedExperts with a bias after each projection (b1, b3 [experts, hidden],
+    b2 [experts, dim]) and the clamped SwiGLU between them: with g = min(w1 x + b1, limit) and
+    u = clamp(w3 x + b3, ±limit), expert e computes w2 (g·σ(α g) ⊙ (u + 1)) + b2.
+
+    `weights` hands the biases after w1, w2, w3, so that expert parallelism spreads and passes them
+    like the weights (each a [experts, ...] stack)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, *, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__(dim, hidden_dim, n_experts)
+        self.b1 = nn.Parameter(torch.empty(n_experts, hidden_dim))
+        self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+        self.b3 = nn.Parameter(torch.empty(n_experts, hidden_dim))
+        self.alpha, self.limit = alpha, limit
+
+    def weights(self, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list:
+        """w1, w2, w3 as GroupedExperts hands them, then b1, b2, b3."""
+        return super().weights(local) + [local(getattr(self, b)) for b in ("b1", "b2", "b3")]
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1, w2, w3, b1, b2, b3) -> torch.Tensor:
+        """Each projection one multiply over all experts (`experts_matmul`: grouped, NF4 or adapted),
+        each row given its expert's bias."""
+        device = x.device.type
+        x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+        gate = (experts_matmul(x, counts, w1) + b1.to(x.dtype)[owner]).clamp(max=self.limit)
+        up = (experts_matmul(x, counts, w3) + b3.to(x.dtype)[owner]).clamp(-self.limit, self.limit)
+        h = gate * torch.sigmoid(self.alpha * gate) * (up + 1)
+        return experts_matmul(h, counts, w2) + b2.to(x.dtype)[owner]
+
+
 class LowRankAdapted(NamedTuple):
     """A stack of expert weights with a rank-r adapter per expert (LoRA, Hu et al., 2021): expert e
     computes with base[e] + scaling · lora_B[e] @ lora_A[e], never formed (`experts_matmul`)."""
@@ -205,11 +236,14 @@ def grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor) -> bool:
 class MoE(nn.Module):
     """out = shared_expert(x) + Σ over the token's top_k experts e of expert_e(score_e · x) (Llama 4,
     `score_before_experts`), or of score_e · expert_e(x) (the usual placement: Qwen3-MoE, which
-    has no shared expert). `norm_topk_prob`: the top_k scores renormalised to sum to 1 (`route`)."""
+    has no shared expert). `norm_topk_prob`: the top_k scores renormalised to sum to 1 (`route`).
+    `router_bias`: the router's logits have a learned bias (gpt-oss); `experts`: another stack than
+    SwiGLU's (`ClampedSwiGLUExperts`)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, *,
                  shared_hidden_dim: int | None = None, score_func: str = "sigmoid",
-                 score_before_experts: bool = True, norm_topk_prob: bool = False):
+                 score_before_experts: bool = True, norm_topk_prob: bool = False, router_bias: bool = False,
+                 experts: GroupedExperts | None = None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k {top_k} must lie in 1..n_experts ({n_experts})")
@@ -217,8 +251,8 @@ class MoE(nn.Module):
             raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
         self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts
         self.norm_topk_prob = norm_topk_prob
-        self.router = nn.Linear(dim, n_experts, bias=False)  # named as weft.layers.ROUTER: LoRA and float8 skip it
-        self.experts = GroupedExperts(dim, hidden_dim, n_experts)
+        self.router = nn.Linear(dim, n_experts, bias=router_bias)  # named as weft.layers.ROUTER: LoRA and float8 skip it
+        self.experts = GroupedExperts(dim, hidden_dim, n_experts) if experts is None else experts
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # checkpointed: balancing state
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts), persistent=False)

@@ -11,7 +11,9 @@ under cp 2 each rank still holds two 16-token pieces.
 
 The same sweep runs Qwen3 (`debugmodel_qwen3`) and Qwen3-MoE (`debugmodel_qwen3_moe`, softmax
 routing renormalised over the chosen experts, their scores weighing the experts' outputs) under
-FSDP, DDP, HSDP, CP, PP and EP with its compositions, each against its own flavor in one process.
+FSDP, DDP, HSDP, CP, PP and EP with its compositions, each against its own flavor in one process;
+and gpt-oss (`debugmodel_gpt_oss`) under FSDP, EP (over the FSDP ranks, also with full AC), TP with EP and
+PP at seq_len 64.
 (Qwen3 under tp 2 and tp 2 x ep 2: tests/parallelisms/test_qwen3_tp_plan.py; AC and compile: test_llama4_transforms.py.)"""
 
 from __future__ import annotations
@@ -68,6 +70,19 @@ LAYOUTS |= {
                                     "--parallelism.ep", "2"]),
     "qwen3_moe_pp2_fsdp2_ep2": (4, [*QWEN3_MOE, *PP2, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
 }
+# gpt-oss (`debugmodel_gpt_oss`): sinks, sliding windows of 32 (the 64-token samples cross them), biased
+# attention, router and experts, the clamped SwiGLU. Its scores weigh the experts' outputs, so tp
+# comes with ep (tp alone is refused, as for Qwen3-MoE); cp is refused in one line (test_gpt_oss_layouts).
+GPT_OSS = ["--model.flavor", "debugmodel_gpt_oss"]
+LAYOUTS |= {
+    "gpt_oss_fsdp2": (2, [*GPT_OSS, "--parallelism.dp_shard", "2"]),
+    "gpt_oss_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "gpt_oss_tp2_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
+    "gpt_oss_pp2": (2, [*GPT_OSS, *PP2, "--parallelism.dp_shard", "1"]),
+    "gpt_oss_ep2_full_ac": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                "--activation_checkpoint.mode", "full"]),
+    # Also matched, and left out for the suite's time (4 ranks on 2 cores): fsdp 2 x tp 2 x ep 2.
+}
 
 
 def reference_of(overrides: list[str]) -> str:
@@ -77,7 +92,7 @@ def reference_of(overrides: list[str]) -> str:
 
 
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
-    seq = QWEN3_SEQ if reference_of(overrides).startswith("debugmodel_qwen3") else SEQ
+    seq = QWEN3_SEQ if reference_of(overrides).startswith(("debugmodel_qwen3", "debugmodel_gpt_oss")) else SEQ
     return [
         "--job.config_file", "debug_moe", "--job.dump_folder", dump_folder,
         "--training.steps", str(STEPS), "--training.seq_len", str(seq),

@@ -101,3 +101,36 @@ def assert_same_tensors(a: Path, b: Path) -> None:
     assert ta.keys() == tb.keys()
     for key in ta:
         torch.testing.assert_close(tb[key], ta[key], rtol=0, atol=1e-6, msg=key)
+
+
+# Every gpt-oss feature a decode crosses: a sliding layer (window 4, sequences past it) beside a
+# full one, sinks and every bias random, a swiglu_limit that clamps, YaRN over 16 positions, 4
+# experts (top 2); the Shakespeare tokenizer's vocabulary.
+TINY_GPT_OSS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                    vocab_size=2048, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.5,
+                    max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+
+
+def tiny_gpt_oss_model(seed: int = 0):
+    """A randomly initialised transformers GptOssForCausalLM (TINY_GPT_OSS), float32, in eval mode.
+    Weights std 0.1 (routers and sinks 1), biases random too, so that logits, routing and the clamp
+    are far from ties."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**TINY_GPT_OSS, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 1.0 if ("router" in name or "sinks" in name) else 0.1)
+    return model.float().eval()
+
+
+def tiny_gpt_oss_hf_folder(folder: Path, seed: int = 0):
+    """`tiny_gpt_oss_model` saved in `folder`; returns the model."""
+    model = tiny_gpt_oss_model(seed)
+    model.save_pretrained(folder)
+    return model

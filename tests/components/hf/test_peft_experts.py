@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from weft.components.hf.writer import Adapters, ExportError, write_peft_adapter
+from weft.models.gpt_oss.hf_mapping import model_args_from_hf_config as gpt_oss_args
 from weft.models.llama4.hf_mapping import model_args_from_hf_config as llama4_args
 from weft.models.qwen3.hf_mapping import model_args_from_hf_config as qwen3_args
 
-from tests.support.hf_folders import TINY_QWEN3_MOE
+from tests.support.hf_folders import TINY_QWEN3_MOE, tiny_gpt_oss_model
 from tests.support.llama4_transformers import tiny_transformers_model
 
 RANK = 3
@@ -40,10 +41,13 @@ def _qwen3_moe(seed: int = 0):
 FAMILIES = {
     "llama4": (lambda: tiny_transformers_model(seed=2), llama4_args, "feed_forward.experts", True),
     "qwen3_moe": (_qwen3_moe, qwen3_args, "mlp.experts", False),
+    # gate and up interleaved in gate_up_proj [E, dim, 2H] (gate the even features), biases beside them
+    "gpt_oss": (lambda: tiny_gpt_oss_model(seed=2), gpt_oss_args, "mlp.experts", True),
 }
+INTERLEAVED = {"gpt_oss"}
 
 
-def _hand_merged(hf, adapters: dict, scaling: float, hf_experts: str, x_at_w: bool):
+def _hand_merged(hf, adapters: dict, scaling: float, hf_experts: str, x_at_w: bool, interleaved: bool = False):
     """transformers' model with weft's adapters merged by hand into its own expert parameters."""
     state = hf.state_dict()
     with torch.no_grad():
@@ -58,6 +62,8 @@ def _hand_merged(hf, adapters: dict, scaling: float, hf_experts: str, x_at_w: bo
             gate_up = state[f"{prefix}.gate_up_proj"]
             hidden = gate_up.shape[2 if x_at_w else 1] // 2
             part = slice(0, hidden) if w == "w1" else slice(hidden, 2 * hidden)
+            if interleaved:  # gate in the even features, up in the odd
+                part = slice(0, None, 2) if w == "w1" else slice(1, None, 2)
             if x_at_w:
                 gate_up[:, :, part] += delta.transpose(1, 2)
             else:
@@ -77,8 +83,9 @@ def test_peft_loads_expert_adapters_with_the_hand_merged_logits(tmp_path, family
     build, args_of, hf_experts, x_at_w = FAMILIES[family]
     hf = build()
     args = args_of(hf.config.to_dict())
-    moe_layers = [i for i in range(args.n_layers) if hasattr(hf.model.layers[i], "feed_forward" if x_at_w else "mlp")
-                  and hasattr(getattr(hf.model.layers[i], "feed_forward" if x_at_w else "mlp"), "experts")]
+    block = hf_experts.split(".")[0]  # the feed-forward's name: feed_forward (Llama 4) or mlp
+    moe_layers = [i for i in range(args.n_layers) if hasattr(hf.model.layers[i], block)
+                  and hasattr(getattr(hf.model.layers[i], block), "experts")]
     assert moe_layers
     g = torch.Generator().manual_seed(7)
     experts = {n: p for n, p in hf.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
@@ -110,7 +117,7 @@ def test_peft_loads_expert_adapters_with_the_hand_merged_logits(tmp_path, family
         {f"{hf_experts}.{'down_proj' if w == 'w2' else 'gate_up_proj'}" for w in weights})
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
     reference = build()
-    reference.load_state_dict(_hand_merged(reference, adapters, scaling, hf_experts, x_at_w))
+    reference.load_state_dict(_hand_merged(reference, adapters, scaling, hf_experts, x_at_w, family in INTERLEAVED))
     with torch.no_grad():
         expected, base_logits = reference(tokens).logits, hf(tokens).logits
         assert (expected - base_logits).abs().max() > 1e-2, "the adapters must change the logits"
