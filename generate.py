@@ -32,7 +32,7 @@ from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.adapters import load_peft_adapter
-from weft.components.hf.export import holds_adapters, run_hf_files
+from weft.components.hf.export import holds_adapters, recorded_backend, run_hf_files
 from weft.components.hf.writer import ExportError
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import BACKENDS, flavors, spec_for_args
@@ -200,7 +200,8 @@ def checkpoint_model(checkpoint: str, flavor: str | None) -> tuple[Any, str]:
     of `flavor` if given, else of the config.json its run recorded, else debugmodel's."""
     recorded = run_hf_files(checkpoint) if flavor is None else None
     if recorded is not None:
-        return model_args_from_hf_folder(recorded, "auto"), f"the model its run recorded in {recorded / 'config.json'}"
+        return (model_args_from_hf_folder(recorded, recorded_backend(recorded)),
+                f"the model its run recorded in {recorded / 'config.json'}")
     flavor = flavor or "debugmodel"
     return flavors()[flavor], f"--flavor {flavor}"
 

@@ -17,6 +17,7 @@ from weft.components.checkpoint.checkpointer import (
     require_complete_checkpoint,
 )
 from weft.components.config import Export
+from weft.components.config.parser import read_toml
 from weft.components.hf.load import hf_model_args, persistent_buffers
 from weft.components.hf.model_files import HF_FILES, write_hf_files
 from weft.components.hf.safetensors_io import (
@@ -99,12 +100,20 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
         raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "
                               f"{checkpoint_dir} (a checkpoint of an older weft, or moved); give --flavor")
     # A flavor given wins over the run's record (its shapes are checked against the checkpoint).
-    # built by weft where it implements the model_type, else by transformers (model.backend's default)
     args = None if flavor else hf_model_args(read_json(hf_files / "config.json", str(hf_files)),
-                                             str(hf_files / "config.json"), "auto")
+                                             str(hf_files / "config.json"), recorded_backend(hf_files))
     export_to_hf(checkpoint_dir, out_dir, flavor=flavor, model_args=args,
                  dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[dtype],
                  max_shard_bytes=max_shard_bytes, hf_files=hf_files)
+
+
+def recorded_backend(hf_files: Path) -> str:
+    """The model.backend of the run that recorded `hf_files` (its config.toml beside them), so that a
+    checkpoint is read by the code that wrote it (gpt-oss trains under both); "auto" without one."""
+    config = hf_files.parent / "config.toml"
+    if not config.is_file():
+        return "auto"
+    return read_toml(config, label=str(config)).get("model", {}).get("backend", "auto")
 
 
 def holds_adapters(checkpoint: Path) -> bool:

@@ -119,19 +119,25 @@ TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed
 @pytest.fixture(scope="module")
 def more_one_process(root) -> dict[str, list[float]]:
     """Each of MORE's families: 4 steps in one process."""
-    return {family: run(more_args(root, family, root / f"one_{family}")) for family in MORE}
+    return {family: run(more_args(root, family, root / f"one_{family}", *KEEP_GPT_OSS.get(family, ())))
+            for family in MORE}
+
+
+# gpt-oss trains under both backends: its transformers run's checkpoint and export, read back below.
+KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")}
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
     """MORE's runs read the shipped text (packed samples are refused for them: see below)."""
     return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / family),
-                    *FP32, *extra, steps=4, batch=4)
+                    "--model.backend", "transformers", *FP32, *extra, steps=4, batch=4)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE])
 def test_generate_decodes_greedily_as_transformers(root, family, capsys):
     prompt = "ROMEO: But, soft!"
-    assert generate.main(["--hf", str(root / family), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    assert generate.main(["--hf", str(root / family), "--backend", "transformers", "--prompt", prompt,
+                          "--max-new-tokens", "12"]) == 0
     ours = capsys.readouterr().out.rstrip("\n")
     tokenizer = load_tokenizer(str(SHIPPED_TOKENIZER))
     ids = tokenizer.encode(prompt, bos=True, eos=False)
@@ -206,6 +212,24 @@ def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_pro
     capsys.readouterr()
     decoded = []
     for source in (["--checkpoint", str(checkpoint)], ["--hf", str(root / "one_mistral" / "hf")]):
+        assert generate.main([*source, "--tokenizer", str(SHIPPED_TOKENIZER), "--prompt", "ROMEO:",
+                              "--max-new-tokens", "12"]) == 0
+        decoded.append(capsys.readouterr().out)
+    assert decoded[0] == decoded[1]
+
+
+def test_a_checkpoint_is_read_by_the_backend_its_run_used(root, more_one_process, tmp_path, capsys):
+    """gpt-oss is also an in-repo family: its transformers run's checkpoint (transformers' names) is
+    exported and decoded by transformers' code, as its run's config.toml records, not weft's."""
+    from weft.recipe.export import main as export_main
+
+    checkpoint = root / "one_gpt_oss" / "checkpoint" / "step-4"
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    cli, at_end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(root / "one_gpt_oss/hf/model.safetensors")
+    assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+    capsys.readouterr()
+    decoded = []
+    for source in (["--checkpoint", str(checkpoint)], ["--hf", str(root / "one_gpt_oss" / "hf"), "--backend", "transformers"]):
         assert generate.main([*source, "--tokenizer", str(SHIPPED_TOKENIZER), "--prompt", "ROMEO:",
                               "--max-new-tokens", "12"]) == 0
         decoded.append(capsys.readouterr().out)
@@ -358,7 +382,8 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
     cfg = parse_args(run_args(folder.parent / "plan", "--model.flavor", "from_hf_config",
-                              "--checkpoint.initial_load_path", str(folder), "--data.dataset_path", str(data), *extra))
+                              "--checkpoint.initial_load_path", str(folder), "--data.dataset_path", str(data),
+                              "--model.backend", "transformers", *extra))
     return RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
 
 
