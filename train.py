@@ -37,7 +37,7 @@ from weft.recipe.build import (
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
 from weft.recipe.plan import RunPlan, check_launch, tokenizer_path
-from weft.recipe.step import StepResult, evaluate, train_step
+from weft.recipe.step import StepResult, evaluate, evaluate_preference, train_step
 
 logger = logging.getLogger("weft")
 
@@ -109,8 +109,12 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
             # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
             if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
                 with metrics.untimed(), timeouts.long("validation"):
-                    losses = validation_losses(cfg, run)
-                metrics.log_validation(step, losses)
+                    if run.step.preference is not None:  # the pairs' objective and rewards
+                        rewards = evaluate_preference(run.step, run.validation_loaders[""](),
+                                                      cfg.validation.steps * cfg.training.gradient_accumulation_steps)
+                        metrics.log_validation(step, {"": rewards.pop("loss")}, rewards)
+                    else:
+                        metrics.log_validation(step, validation_losses(cfg, run))
 
             saved = checkpointer.should_save(step, cfg.training.steps)
             with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
@@ -145,7 +149,8 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
     cut or skipped so far for their length."""
     stats = StepStats(step, all_reduce_mean(result.loss, run.step.loss_group), result.grad_norm.item(), result.lr,
                       skipped_steps=skipped, moe_imbalance=result.moe_imbalance, ep_imbalance=result.ep_imbalance,
-                      source_tokens=source_tokens(run.loader.state_dict()), groups=groups)
+                      source_tokens=source_tokens(run.loader.state_dict()), groups=groups,
+                      preference=result.preference)
     metrics.log(stats)
     report_long_samples(run.loader)
     return stats.loss

@@ -7,6 +7,7 @@ train.py, the dry run and the benchmarks assemble the same pieces the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Collection
@@ -47,15 +48,16 @@ from weft.components.observe.wandb_logger import WandbLogger
 from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.training.nonfinite import NonFinitePolicy
 from weft.components.training.optim import build_lr_scheduler, build_optimizer
+from weft.components.training.preference import PreferenceOptions
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.lora import quantize_lora_base
+from weft.parallelisms.lora import adapters_off, quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
 from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
 from weft.recipe.plan import RunPlan, config_error
-from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup, model_forward
+from weft.recipe.step import PipelineLoss, PipelineStep, PreferenceStep, StepSetup, model_forward, reference_logps
 
 logger = logging.getLogger("weft")
 
@@ -99,8 +101,63 @@ def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device) ->
     (or none, in one process): what a benchmark feeding its own batches needs."""
     model = build_model(plan, meshes, device)
     optimizer, scheduler = build_optimizer_and_schedule(plan, model)
-    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler,
-                   step=build_step(plan, model, optimizer, scheduler, meshes, device))
+    step = build_step(plan, model, optimizer, scheduler, meshes, device)
+    if plan.cfg.data.format == "preference":
+        step.preference = build_preference(plan, step, meshes, device)
+    return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, step=step)
+
+
+def build_preference(plan: RunPlan, step: StepSetup, meshes: Meshes | None, device: torch.device) -> PreferenceStep:
+    """The pairs' objective and where its reference log-probabilities come from: none for SimPO
+    and ORPO; under LoRA without preference.reference_path, the policy itself with its adapters
+    switched off; else a frozen copy built and sharded like the policy (reference_model)."""
+    p = plan.cfg.preference
+    options = PreferenceOptions(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
+    pref = PreferenceStep(options, cp_group=meshes.cp.get_group() if plan.dims.cp > 1 else None)
+    if not options.needs_reference:
+        return pref
+    if plan.cfg.lora.enable and not p.reference_path:
+        pref.reference = functools.partial(_policy_reference, step)
+        logger.info("preference: the reference is the policy with its LoRA adapters switched off")
+        return pref
+    reference = reference_model(plan, meshes, device)
+    pref.reference = functools.partial(_frozen_reference, reference, step)
+    return pref
+
+
+def _policy_reference(step: StepSetup, batch) -> torch.Tensor:
+    return reference_logps(step.model, step, batch, context=adapters_off)
+
+
+def _frozen_reference(reference: nn.Module, step: StepSetup, batch) -> torch.Tensor:
+    return reference_logps(reference, step, batch)
+
+
+def reference_source(plan: RunPlan) -> str:
+    """Where the frozen reference's weights come from: preference.reference_path, else the run's
+    starting weights (checkpoint.initial_load_path, the seed checkpoint step-0); '' for the seeded
+    initialisation, which the reference draws as the policy did."""
+    cfg = plan.cfg
+    if cfg.preference.reference_path or cfg.checkpoint.initial_load_path:
+        return cfg.preference.reference_path or cfg.checkpoint.initial_load_path
+    seed = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / "step-0"
+    return str(seed) if cfg.checkpoint.enable and seed.is_dir() else ""
+
+
+def reference_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | None) -> nn.Module:
+    """The frozen reference: the model built by the policy's own path (meta -> parallelize ->
+    materialize, so sharded like it), without LoRA, its weights from `reference_source`, no
+    gradients; never in a checkpoint (it is read again at every start)."""
+    options = dataclasses.replace(plan.options, lora=None)
+    model = build_model(dataclasses.replace(plan, options=options), meshes, device)
+    if device is None:  # the dry run's meta model
+        return model
+    source = reference_source(plan)
+    if source:
+        load_initial_weights(model, Path(source))
+    model.requires_grad_(False)
+    logger.info(f"preference: the reference is a frozen copy of the model from {source or 'the seeded initialisation'}")
+    return model.eval()
 
 
 def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
@@ -236,6 +293,7 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
         **data_share(plan, meshes),
         text_field=cfg.data.text_field,
         long_samples=cfg.data.long_samples,
+        truncation=cfg.preference.truncation,
     )
     sources = plan.data_sources
     if sources:

@@ -19,6 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.data import Batch, batches
 from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.training.preference import (
+    METRICS,
+    PreferenceOptions,
+    answer_logps,
+    pair_losses,
+    sum_over_ranks,
+)
 from weft.components.training.moe_balance import balance_experts, ep_imbalance
 from weft.components.training.optim import clip_grad_norm_
 from weft.float8 import precompute_float8_scales
@@ -57,6 +64,20 @@ class PipelineStep:
 
 
 @dataclass
+class PreferenceStep:
+    """Under data.format = preference: the objective, and each micro-batch's reference log-probabilities
+    per row (`reference(batch)`, without gradients; None for a reference-free loss)."""
+
+    options: PreferenceOptions
+    reference: Callable[[Batch], torch.Tensor] | None = None
+    cp_group: torch.distributed.ProcessGroup | None = None  # under cp: a row's tokens are spread over it
+
+    @property
+    def cp(self) -> int:
+        return 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
+
+
+@dataclass
 class StepSetup:
     """What every step needs, built once by `recipe.build.build_step`."""
 
@@ -80,6 +101,7 @@ class StepSetup:
     routing_group: torch.distributed.ProcessGroup | None = None  # MoE routing counts summed: dp × cp (× tp under ep)
     # [fault_tolerance]: averages the gradients over the live replica groups before clipping (components/ft/groups.py)
     average_gradients: Callable[[list[nn.Parameter]], None] | None = None
+    preference: PreferenceStep | None = None  # data.format = preference: the pairs' objective replaces token_loss
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -93,6 +115,7 @@ class StepResult:
     lr: float  # the learning rate this step's update used
     moe_imbalance: dict[str, float] = field(default_factory=dict)  # each MoE layer's busiest expert / mean
     ep_imbalance: dict[str, float] = field(default_factory=dict)  # under ep: each layer's busiest rank / mean
+    preference: dict[str, float] = field(default_factory=dict)  # rewards and log-probabilities (METRICS), pair means
 
 
 def train_step(setup: StepSetup, micro_batches: list[Batch],
@@ -108,7 +131,10 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
     micro_batches = [place(setup, batch) for batch in micro_batches]
     supervised = global_supervised_count([batch.labels for batch in micro_batches], setup.loss_group)
     step_loss = torch.zeros((), device=setup.device)
-    if setup.pipeline is not None:  # torch's schedule runs each micro-batch, forwards and backwards interleaved
+    rewards: dict[str, float] = {}
+    if setup.preference is not None:
+        step_loss, rewards = preference_step(setup, micro_batches, on_phase)
+    elif setup.pipeline is not None:  # torch's schedule runs each micro-batch, forwards and backwards interleaved
         setup.pipeline.loss.global_count, setup.pipeline.loss.grad_ranks = supervised, setup.grad_ranks
         on_phase("backward")
         step_loss = sum((pipeline_run(setup, batch, train=True) for batch in micro_batches), step_loss)
@@ -136,7 +162,88 @@ def train_step(setup: StepSetup, micro_batches: list[Batch],
             precompute_float8_scales(setup.model)
     ranks = ep_imbalance(setup.model, setup.ep_group, setup.routing_group) if setup.ep_group is not None else {}
     imbalance = balance_experts(setup.model, setup.moe_bias_rate if updated else 0.0, setup.routing_group)
-    return StepResult(step_loss, grad_norm, lr, imbalance, ranks)
+    return StepResult(step_loss, grad_norm, lr, imbalance, ranks, rewards)
+
+
+def preference_step(setup: StepSetup, micro_batches: list[Batch],
+                    on_phase: Callable[[str], None]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward and backward of the pairs' objective over the micro-batches: each pair's loss / the
+    pairs of the global batch (ORPO adds the chosen answers' NLL / their tokens in the global batch),
+    so any layout or accumulation gives one big batch's gradients. Returns this rank's share of the
+    loss and the metrics' means over the global batch's pairs."""
+    pref, group = setup.preference, setup.loss_group
+    cp = pref.cp
+    counts = torch.stack([torch.tensor(float(sum(b.labels.shape[0] // 2 for b in micro_batches)), device=setup.device),
+                          sum((b.labels[0::2] != IGNORE_INDEX).sum() for b in micro_batches).float()])
+    if group is not None:
+        torch.distributed.all_reduce(counts, group=group)
+    pairs, chosen_tokens = counts[0] / cp, counts[1].clamp(min=1)  # pairs: each cp rank counted them
+    step_loss = torch.zeros((), device=setup.device)
+    sums = torch.zeros(len(METRICS), device=setup.device)
+    for batch in micro_batches:
+        reference = pref.reference(batch) if pref.reference is not None else None
+        with setup.loss_context():
+            with setup.forward_context():
+                logits = setup.forward(setup.model, batch)
+            logps, tokens = answer_logps(logits, batch.labels)
+            del logits
+        logps, tokens = sum_over_ranks(logps, pref.cp_group), sum_over_ranks(tokens, pref.cp_group)
+        losses, metrics = pair_losses(pref.options, logps, tokens, reference)
+        loss = losses.sum() / pairs
+        if pref.options.loss == "orpo":
+            loss = loss - logps[0::2].sum() / chosen_tokens
+        loss = loss * setup.grad_ranks
+        on_phase("backward")
+        loss.backward()
+        step_loss += loss.detach() / cp
+        sums += torch.stack([metrics[name].sum() for name in METRICS])
+        on_phase("forward")
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    return step_loss, dict(zip(METRICS, (sums / (pairs * cp)).tolist()))
+
+
+@torch.no_grad()
+def reference_logps(model: nn.Module, setup: StepSetup, batch: Batch, context=contextlib.nullcontext) -> torch.Tensor:
+    """The reference model's summed answer log-probabilities per row of a placed batch (summed over
+    the cp ranks), inside `context` (LoRA's adapters_off, for the policy as its own reference)."""
+    with context(setup.model), setup.loss_context():
+        with setup.forward_context():
+            logits = setup.forward(model, batch)
+        logps, _ = answer_logps(logits, batch.labels)
+    pref = setup.preference
+    if pref is not None and pref.cp_group is not None:
+        torch.distributed.all_reduce(logps, group=pref.cp_group)
+    return logps
+
+
+@torch.no_grad()
+def evaluate_preference(setup: StepSetup, loader, steps: int) -> dict[str, float]:
+    """The objective and its metrics (METRICS) as means over the pairs of the loader's first
+    `steps` micro-batches, in eval mode without gradients; every layout gets the same values."""
+    pref = setup.preference
+    setup.model.eval()
+    sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=setup.device)  # + loss, pairs
+    for _, batch in zip(range(steps), batches(loader)):
+        batch = place(setup, batch)
+        reference = pref.reference(batch) if pref.reference is not None else None
+        with setup.loss_context():
+            with setup.forward_context():
+                logits = setup.forward(setup.model, batch)
+            logps, tokens = answer_logps(logits, batch.labels)
+        if pref.cp_group is not None:
+            torch.distributed.all_reduce(logps, group=pref.cp_group)
+            torch.distributed.all_reduce(tokens, group=pref.cp_group)
+        losses, metrics = pair_losses(pref.options, logps, tokens, reference)
+        if pref.options.loss == "orpo":  # per pair: the chosen answer's mean NLL
+            losses = losses - logps[0::2] / tokens[0::2].clamp(min=1)
+        sums += torch.stack([*(metrics[name].sum() for name in METRICS), losses.sum(),
+                             torch.tensor(float(losses.numel()), device=setup.device)]).double()
+    if setup.loss_group is not None:
+        torch.distributed.all_reduce(sums, group=setup.loss_group)
+    setup.model.train()
+    means = (sums[:-1] / sums[-1].clamp(min=1)).tolist()
+    return {"loss": means[-1], **dict(zip(METRICS, means[:-1]))}
 
 
 @torch.no_grad()
