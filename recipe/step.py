@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from weft.components.data import Batch, batches
 from weft.components.training.loss import IGNORE_INDEX, global_supervised_count, token_loss
+from weft.components.training.moe_balance import balance_experts, ep_imbalance
+from weft.components.training.optim import clip_grad_norm_
 from weft.components.training.preference import (
     METRICS,
     PreferenceOptions,
@@ -26,8 +28,6 @@ from weft.components.training.preference import (
     pair_losses,
     sum_over_ranks,
 )
-from weft.components.training.moe_balance import balance_experts, ep_imbalance
-from weft.components.training.optim import clip_grad_norm_
 from weft.float8 import precompute_float8_scales
 from weft.parallelisms.cp import shard_sequence
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weft.components.data import sources
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Cursor
 from weft.components.data.errors import DataError
-from weft.components.data import sources
 from weft.components.data.files import DocStart, documents, file_documents, record_of, where
 from weft.components.data.formats import CHAT_ROLES, Sample, parse_record
 from weft.components.data.packing import PackedSamples
