@@ -50,9 +50,9 @@ def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
     logits [rows, seq, vocab] (a vocabulary-sharded DTensor under loss parallel); labels [rows, seq]."""
     rows, seq = labels.shape
+    if isinstance(logits, DTensor):  # gathered whole: torch's loss parallel has no per-token backward
+        logits = logits.full_tensor()
     nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    if isinstance(nll, DTensor):
-        nll = nll.full_tensor()
     return -nll.view(rows, seq).sum(-1), (labels != IGNORE_INDEX).sum(-1)
 
 
