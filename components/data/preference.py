@@ -140,10 +140,11 @@ class PreferencePairs(PackedSamples):
                                truncation=self.truncation)
 
     def length(self, pair: Pair) -> int:
-        """What every rank decides from (one rank built the pair): 0 for a pair that does not fit,
-        else its longer row's ids, plus seq_len + 1 for a truncated one."""
+        """What every rank decides from (one rank built the pair): 1 for a pair that does not fit
+        (a row that fits has at least 2 ids: prompt and answer), else its longer row's ids, plus
+        seq_len + 1 for a truncated one."""
         if not pair.fits:
-            return 0
+            return 1
         return max(len(pair.chosen.tokens), len(pair.rejected.tokens)) + pair.truncated * (self.seq_len + 1)
 
     def batches(self, cursor: Cursor, shape: BatchShape, group: dist.ProcessGroup | None) -> Iterator[Batch]:
@@ -155,7 +156,7 @@ class PreferencePairs(PackedSamples):
                 counted = cursor.peek(self.batch_tokens(shape) - 2 * len(taken) * shape.seq_len,
                                       2 * len(taken) * shape.seq_len, group)
                 cursor.counted.popleft()
-                if counted.length == 0:
+                if counted.length == 1:
                     self.dropped += 1
                     continue
                 self.truncated += counted.length > shape.seq_len + 1
