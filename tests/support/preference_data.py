@@ -34,3 +34,26 @@ def make_pairs(n: int, offset: int = 0, answer_chars: int = 60, chat: bool = Fal
         else:
             records.append({"prompt": question, "chosen": chosen_turn, "rejected": rejected_turn})
     return records
+
+
+def trl_ids(hf, prompt, answer) -> tuple[list[int], int]:
+    """TRL 1.16's tokenization of one answer, with a transformers tokenizer `hf` alone: the prompt
+    (with the generation prompt) and prompt + answer tokenized whole; the answer starts where the two
+    lists diverge (strings: EOS appended if missing). Returns the ids and that start."""
+    if isinstance(answer, str):
+        prompt_ids, ids = hf(prompt)["input_ids"], hf(prompt + answer)["input_ids"]
+        ids = ids if ids[-1] == hf.eos_token_id else ids + [hf.eos_token_id]
+    else:
+        prompt_ids = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = hf.apply_chat_template(prompt + answer, tokenize=True)
+        prompt_ids, ids = (list(getattr(x, "input_ids", x)) for x in (prompt_ids, ids))
+    start = next(i for i, (a, b) in enumerate(zip(ids, prompt_ids + [None] * len(ids))) if a != b)
+    return ids, start
+
+
+def split_record(record: dict) -> tuple:
+    """(prompt, (chosen answer, rejected answer)) of a record; a whole conversation's prompt is what
+    precedes its last assistant turn."""
+    if "prompt" in record:
+        return record["prompt"], (record["chosen"], record["rejected"])
+    return record["chosen"][:-1], (record["chosen"][-1:], record["rejected"][-1:])

@@ -14,7 +14,7 @@ from weft.components.training.loss import IGNORE_INDEX
 from tests.support import REPO
 from tests.support.chat_data import write_jsonl
 from tests.support.hf_tokenizer import build_qwen3_tokenizer_folder
-from tests.support.preference_data import make_pairs
+from tests.support.preference_data import make_pairs, split_record, trl_ids
 
 SP_MODEL = REPO / "assets/tokenizer/shakespeare.model"
 
@@ -30,30 +30,12 @@ def hf(folder):
     return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
-def trl_ids(hf, prompt, answer) -> tuple[list[int], int]:
-    """TRL 1.16's tokenization of one answer, with transformers alone: prompt (with the generation
-    prompt) and prompt + answer tokenized whole; the answer starts where the two lists diverge."""
-    if isinstance(answer, str):
-        prompt_ids, ids = hf(prompt)["input_ids"], hf(prompt + answer)["input_ids"]
-        ids = ids if ids[-1] == hf.eos_token_id else ids + [hf.eos_token_id]
-    else:
-        prompt_ids = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        ids = hf.apply_chat_template(prompt + answer, tokenize=True)
-        prompt_ids, ids = (list(getattr(x, "input_ids", x)) for x in (prompt_ids, ids))
-    start = next(i for i, (a, b) in enumerate(zip(ids, prompt_ids + [None] * len(ids))) if a != b)
-    return ids, start
-
-
 @pytest.mark.parametrize("chat", [False, True])
 def test_pairs_tokenized_as_trl_does(folder, hf, chat):
     tokenizer = HFTokenizer(folder)
     for record in make_pairs(6, chat=chat):
         pair = preference_pair(record, tokenizer, "r", max_tokens=10_000, truncation="keep_start")
-        if "prompt" in record:
-            prompt = record["prompt"]
-            answers = (record["chosen"], record["rejected"])
-        else:  # a whole conversation: its prompt is what precedes the last assistant turn
-            prompt, answers = record["chosen"][:-1], (record["chosen"][-1:], record["rejected"][-1:])
+        prompt, answers = split_record(record)
         for sample, answer in zip((pair.chosen, pair.rejected), answers):
             ids, start = trl_ids(hf, prompt, answer)
             assert sample.tokens == ids
