@@ -13,10 +13,14 @@ import pytest
 
 from weft.components.config import parse_args
 
+from tests.support.chat_data import write_jsonl
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
+from tests.support.preference_data import make_pairs
 
 STEPS = 10
 GLOBAL_BATCH = 8
+# A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH pairs a step.
+PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 
 # name -> (world size, command-line overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -35,6 +39,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
     "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2"]),
     "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"]),
+    # Preference training (DPO, a frozen reference copy sharded like the policy) on Hamlet's pairs; fsdp 2
+    # with accumulation (also matched alone).
+    "dpo_tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *PREFERENCE]),
+    "dpo_cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", *PREFERENCE]),
+    "dpo_fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2",
+                                    *PREFERENCE]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
     # a minute): tp 2 without loss parallelism, selective AC every 2nd block, ddp 2 x tp 2, cp 4,
     # tp 4, and the 8-rank products hsdp 2x2 x tp 2 and hsdp 2x2 x cp 2.
@@ -69,6 +79,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     for name in names:
         world_size, overrides = LAYOUTS[name]
         dp = data_parallel_degree(world_size, overrides)
+        overrides = [value.format(root=dump_root) for value in overrides]
         cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
         histories[name] = train.train(cfg)
         dist.barrier()
@@ -85,11 +96,34 @@ def reference(tmp_path_factory) -> list[float]:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict[str, list[float]]:
-    return run_by_world_size(train_layouts, LAYOUTS, str(tmp_path_factory.mktemp("layouts")))
+    root = tmp_path_factory.mktemp("layouts")
+    write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    return run_by_world_size(train_layouts, LAYOUTS, str(root))
+
+
+@pytest.fixture(scope="module")
+def preference_reference(tmp_path_factory) -> list[float]:
+    from weft import train
+
+    root = tmp_path_factory.mktemp("dpo_single")
+    write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    overrides = [value.format(root=root) for value in PREFERENCE]
+    return train.train(parse_args(config_args(str(root / "run"), overrides)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("dpo_")])
+def test_preference_layout_matches_single_device(layout, preference_reference, layout_losses):
+    """DPO: every step's loss within 1e-5 of one process's."""
+    losses, reference = layout_losses[layout], preference_reference
+    assert len(losses) == len(reference) == STEPS
+    assert reference[-1] < reference[0] - 0.1, "the reference run must actually learn"
+    for step, (got, want) in enumerate(zip(losses, reference), start=1):
+        assert got == pytest.approx(want, abs=1e-5), f"{layout} step {step}: {got} vs {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("dpo_")])
 def test_layout_matches_single_device(layout, reference, layout_losses):
     losses = layout_losses[layout]
     assert len(losses) == len(reference) == STEPS

@@ -121,19 +121,20 @@ def test_resume_is_exact(root, tmp_path):
     assert len(first) == 2 and first + second == pytest.approx(whole, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_dpo_after_sft_prefers_the_held_out_chosen_answers(tmp_path):
     """SFT of the debug model on Shakespeare, then DPO on pairs whose rejected answer is the chosen
     one's words reversed: on held-out pairs the rewards rank chosen above rejected."""
     sft = tmp_path / "sft"
-    run(run_args(sft, "--checkpoint.enable", "--checkpoint.interval", "40", "--optimizer.lr", "3e-3",
-                 steps=40, batch=8))
+    run(run_args(sft, "--checkpoint.enable", "--checkpoint.interval", "20", "--optimizer.lr", "3e-3",
+                 steps=20, batch=8))
     pairs = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(128, offset=0))
     held_out = write_jsonl(tmp_path / "held_out.jsonl", make_pairs(16, offset=400))
     dpo = tmp_path / "dpo"
-    run(run_args(dpo, "--checkpoint.initial_load_path", str(sft / "checkpoint" / "step-40"),
+    run(run_args(dpo, "--checkpoint.initial_load_path", str(sft / "checkpoint" / "step-20"),
                  "--data.format", "preference", "--data.dataset_path", str(pairs), "--optimizer.lr", "1e-3",
                  "--lr_scheduler.warmup_steps", "2", "--validation.enable", "--validation.dataset_path", str(held_out),
-                 "--validation.freq", "20", "--validation.steps", "2", steps=20, batch=8, seq_len=48))
+                 "--validation.freq", "10", "--validation.steps", "2", steps=10, batch=8, seq_len=48))
     validation = [r for r in map(json.loads, (dpo / "metrics.jsonl").read_text().splitlines())
                   if "validation/rewards/accuracies" in r]
     assert validation[-1]["validation/rewards/accuracies"] > 0.5
