@@ -48,7 +48,7 @@ from weft.components.observe.wandb_logger import WandbLogger
 from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.training.nonfinite import NonFinitePolicy
 from weft.components.training.optim import build_lr_scheduler, build_optimizer
-from weft.components.training.preference import PreferenceOptions
+from weft.components.training.preference import REFERENCE_FREE, PreferenceOptions
 from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import adapters_off, quantize_lora_base
@@ -114,15 +114,25 @@ def build_preference(plan: RunPlan, step: StepSetup, meshes: Meshes | None, devi
     p = plan.cfg.preference
     options = PreferenceOptions(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
     pref = PreferenceStep(options, cp_group=meshes.cp.get_group() if plan.dims.cp > 1 else None)
-    if not options.needs_reference:
+    mode = reference_mode(plan.cfg)
+    if mode == "none":
         return pref
-    if plan.cfg.lora.enable and not p.reference_path:
+    if mode == "adapters_off":
         pref.reference = functools.partial(_policy_reference, step)
         logger.info("preference: the reference is the policy with its LoRA adapters switched off")
         return pref
     reference = reference_model(plan, meshes, device)
     pref.reference = functools.partial(_frozen_reference, reference, step)
     return pref
+
+
+def reference_mode(cfg) -> str:
+    """Where a preference run's reference log-probabilities come from: 'none' (SimPO, ORPO; and
+    runs without preference data), 'adapters_off' (LoRA without preference.reference_path: the policy
+    itself, no second copy), else 'frozen_copy'."""
+    if cfg.data.format != "preference" or cfg.preference.loss in REFERENCE_FREE:
+        return "none"
+    return "adapters_off" if cfg.lora.enable and not cfg.preference.reference_path else "frozen_copy"
 
 
 def _policy_reference(step: StepSetup, batch) -> torch.Tensor:

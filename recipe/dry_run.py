@@ -27,6 +27,7 @@ from weft.components.memory import (
     estimate_memory,
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
+    training_state_bytes,
 )
 from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
@@ -43,7 +44,7 @@ from weft.parallelisms.pipeline import (
     split_model,
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
-from weft.recipe.build import build_model, model_line
+from weft.recipe.build import build_model, model_line, reference_mode, reference_model
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 
 logger = logging.getLogger("weft")
@@ -67,7 +68,7 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
                               device_type="cuda")
     compute = policy.compute_dtype
     return StepShape(
-        args=args, local_batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
+        args=args, local_batch=t.local_batch_size * (2 if cfg.data.format == "preference" else 1), seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
         fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep,
         ep_imbalance=cfg.job.dry_run_ep_imbalance, compute_dtype=compute,
         param_dtype=param_dtype,
@@ -158,6 +159,10 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
                f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
     if plan.pipeline is None:
         estimate = estimate_memory(model, shape)
+        if reference_mode(cfg) == "frozen_copy":  # held all run long beside the policy, sharded like it
+            reference = training_state_bytes(reference_model(plan, meshes, None))[0]
+            estimate.buffers["preference reference (frozen copy's weights)"] = reference
+            estimate.phases = {phase: size + reference for phase, size in estimate.phases.items()}
         print(f"{heading}:")
         print(estimate.table())
     else:
@@ -173,6 +178,8 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
         estimate = estimates[worst]
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
+    if reference_mode(cfg) == "adapters_off":
+        print("  preference reference: the model with its LoRA adapters off (no second copy)")
     if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
         startup = qlora_startup_bytes(model, args, shape.compute_dtype, plan.dims.ep)
         estimate.phases["QLoRA start-up"] = startup

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from weft.components.training.loss import IGNORE_INDEX
+from weft.components.training.loss import IGNORE_INDEX, chunked_cross_entropy
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -46,14 +46,14 @@ class PreferenceOptions:
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the sum of log p(label) over its supervised tokens (fp32), and how many there are.
+    """Per row: the sum of log p(label) over its supervised tokens (fp32, never holding fp32 logits
+    whole: `chunked_cross_entropy` row by row), and how many there are.
 
     logits [rows, seq, vocab] (a vocabulary-sharded DTensor under loss parallel); labels [rows, seq]."""
-    rows, seq = labels.shape
-    if isinstance(logits, DTensor):  # gathered whole: torch's loss parallel has no per-token backward
+    if isinstance(logits, DTensor):  # gathered whole: torch's loss parallel has no per-row loss
         logits = logits.full_tensor()
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return -nll.view(rows, seq).sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    nll = torch.stack([chunked_cross_entropy(logits[row], labels[row]) for row in range(labels.shape[0])])
+    return -nll, (labels != IGNORE_INDEX).sum(-1)
 
 
 class _SumOverRanks(torch.autograd.Function):
