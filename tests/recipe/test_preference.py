@@ -160,3 +160,26 @@ def test_refusals(tmp_path, capsys, extra, records, expected):
 def test_preference_keys_without_preference_data_refused(tmp_path, capsys):
     argv = run_args(tmp_path / "dump", "--preference.loss", "ipo")
     assert_clean_failure(run_in_process(train.main, argv, capsys), "preference.loss: configures preference training")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dry_run_counts_the_frozen_reference(world_size):
+    """The frozen copy holds the policy's weights again, sharded like them: in every phase; under
+    LoRA without reference_path there is no second copy."""
+    from weft.components.config import parse_args
+    from weft.recipe.dry_run import dry_run
+
+    def estimate(*extra: str):
+        try:
+            return dry_run(parse_args(["--job.config_file", "debug_model", "--job.dry_run", "--job.dry_run_world_size",
+                                       str(world_size), *extra]))
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+    plain, dpo = estimate("--data.format", "chat"), estimate("--data.format", "preference")
+    lora = estimate("--data.format", "preference", "--lora.enable")
+    reference = dpo.buffers["preference reference (frozen copy's weights)"]
+    assert reference == dpo.parameters == plain.parameters
+    assert dpo.phases["optimizer step"] == plain.phases["optimizer step"] + reference
+    assert not any("reference" in name for name in lora.buffers)
