@@ -162,6 +162,12 @@ def reference_model(plan: RunPlan, meshes: Meshes | None, device: torch.device |
     model = build_model(dataclasses.replace(plan, options=options), meshes, device)
     if device is None:  # the dry run's meta model
         return model
+    if plan.pipeline is not None:  # its own schedule, forward only, each row's log-probability its loss
+        loss = PipelineLoss(row_logps=True)
+        model.schedule = (build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
+                                         microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
+                                         pp_group=meshes.pp.get_group(), after_metadata_inference=reset_expert_counts),
+                          loss)
     source = reference_source(plan)
     if source:
         load_initial_weights(model, Path(source))

@@ -330,9 +330,6 @@ def check_preference(cfg: JobConfig, dims: ParallelDims) -> None:
     if p.loss in ("simpo", "orpo") and p.reference_path:
         raise ConfigError(f"preference.reference_path: preference.loss = {p.loss} uses no reference model; "
                           "leave reference_path empty or use loss = sigmoid or ipo")
-    if dims.pp > 1:
-        raise ConfigError(f"parallelism.pp = {dims.pp}: data.format = preference does not run under pipeline "
-                          "parallelism yet; use fsdp, tp or cp")
 
 
 @functools.lru_cache(maxsize=8)

@@ -43,14 +43,52 @@ def model_forward(model: nn.Module, batch: Batch, call: Callable[..., torch.Tens
 @dataclass
 class PipelineLoss:
     """A pipeline schedule's loss_fn(logits, labels): `token_loss` with the step's global supervised
-    count, set before each schedule step (the schedule itself never rescales gradients)."""
+    count, set before each schedule step (the schedule itself never rescales gradients). With
+    `preference` set (a PreferenceStep), the pairs' objective on targets from `pack_pairs`, its
+    metrics' sums added to `sums`; with `row_logps`, each row's answer log-probability (forward only)."""
 
     global_count: torch.Tensor | float = 1.0
     grad_ranks: int = 1
     compiled: bool = False
+    preference: object = None
+    chosen_tokens: torch.Tensor | float = 1.0  # ORPO's NLL: the chosen answers' tokens of the global batch
+    sums: torch.Tensor | None = None
+    row_logps: bool = False
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, labels, self.global_count, self.grad_ranks, compiled=self.compiled)
+        if self.row_logps:
+            logps, _ = answer_logps(logits, labels)
+            return logps
+        if self.preference is None:
+            return token_loss(logits, labels, self.global_count, self.grad_ranks, compiled=self.compiled)
+        labels, reference = unpack_pairs(labels)
+        loss, metrics = pairs_loss(self.preference, logits, labels, reference, self.global_count, self.chosen_tokens)
+        self.sums += torch.stack([metrics[name].sum() for name in METRICS])
+        return loss * self.grad_ranks
+
+
+def pack_pairs(labels: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
+    """The labels with each row's reference log-probability (fp64 bits) as one more column: the
+    target a pipeline schedule splits into micro-batches, so a row's reference travels with it."""
+    bits = (reference if reference is not None else torch.zeros(labels.shape[0], device=labels.device))
+    return torch.cat([labels, bits.double().view(torch.int64)[:, None]], dim=1)
+
+
+def unpack_pairs(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return target[:, :-1], target[:, -1].contiguous().view(torch.float64).float()
+
+
+def pairs_loss(pref, logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None,
+               pairs: torch.Tensor, chosen_tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's share of the step's objective (before the grad_ranks scale): its pairs' losses over
+    the global batch's `pairs` (ORPO: plus its chosen answers' NLL over their global count), and its metrics."""
+    logps, tokens = answer_logps(logits, labels)
+    logps, tokens = sum_over_ranks(logps, pref.cp_group), sum_over_ranks(tokens, pref.cp_group)
+    losses, metrics = pair_losses(pref.options, logps, tokens, reference if pref.options.needs_reference else None)
+    loss = losses.sum() / pairs
+    if pref.options.loss == "orpo":
+        loss = loss - logps[0::2].sum() / chosen_tokens
+    return loss, metrics
 
 
 @dataclass
@@ -180,18 +218,25 @@ def preference_step(setup: StepSetup, micro_batches: list[Batch],
     pairs, chosen_tokens = counts[0] / cp, counts[1].clamp(min=1)  # pairs: each cp rank counted them
     step_loss = torch.zeros((), device=setup.device)
     sums = torch.zeros(len(METRICS), device=setup.device)
-    for batch in micro_batches:
+    if setup.pipeline is not None:  # the schedule's loss_fn computes the objective on the last stage
+        loss_fn = setup.pipeline.loss
+        loss_fn.preference, loss_fn.global_count, loss_fn.chosen_tokens = pref, pairs, chosen_tokens
+        loss_fn.grad_ranks, loss_fn.sums = setup.grad_ranks, sums
+        try:
+            for batch in micro_batches:
+                reference = pref.reference(batch) if pref.reference is not None else None
+                on_phase("backward")
+                step_loss += pipeline_run(setup, batch, train=True, target=pack_pairs(batch.labels, reference)) / cp
+        finally:
+            loss_fn.preference = None
+        torch.distributed.all_reduce(sums, group=setup.pipeline.group)  # zero on ranks without the last stage
+    for batch in micro_batches if setup.pipeline is None else []:
         reference = pref.reference(batch) if pref.reference is not None else None
         with setup.loss_context():
             with setup.forward_context():
                 logits = setup.forward(setup.model, batch)
-            logps, tokens = answer_logps(logits, batch.labels)
+            loss, metrics = pairs_loss(pref, logits, batch.labels, reference, pairs, chosen_tokens)
             del logits
-        logps, tokens = sum_over_ranks(logps, pref.cp_group), sum_over_ranks(tokens, pref.cp_group)
-        losses, metrics = pair_losses(pref.options, logps, tokens, reference)
-        loss = losses.sum() / pairs
-        if pref.options.loss == "orpo":
-            loss = loss - logps[0::2].sum() / chosen_tokens
         loss = loss * setup.grad_ranks
         on_phase("backward")
         loss.backward()
@@ -205,8 +250,11 @@ def preference_step(setup: StepSetup, micro_batches: list[Batch],
 
 @torch.no_grad()
 def reference_logps(model: nn.Module, setup: StepSetup, batch: Batch, context=contextlib.nullcontext) -> torch.Tensor:
-    """The reference model's summed answer log-probabilities per row of a placed batch (summed over
-    the cp ranks), inside `context` (LoRA's adapters_off, for the policy as its own reference)."""
+    """`model`'s summed answer log-probabilities per row of a placed batch (summed over the cp ranks),
+    inside `context` (LoRA's adapters_off, for the policy as its own reference); under pp through a
+    schedule (the policy's, or a frozen copy's `schedule`), on every pipeline rank."""
+    if setup.pipeline is not None:
+        return pipeline_logps(setup, model, batch, context)
     with context(setup.model), setup.loss_context():
         with setup.forward_context():
             logits = setup.forward(model, batch)
@@ -227,12 +275,9 @@ def evaluate_preference(setup: StepSetup, loader, steps: int) -> dict[str, float
     for _, batch in zip(range(steps), batches(loader)):
         batch = place(setup, batch)
         reference = pref.reference(batch) if pref.reference is not None else None
-        with setup.loss_context():
-            with setup.forward_context():
-                logits = setup.forward(setup.model, batch)
-            logps, tokens = answer_logps(logits, batch.labels)
+        logps = reference_logps(setup.model, setup, batch)  # the policy's own, without gradients
+        tokens = (batch.labels != IGNORE_INDEX).sum(-1)
         if pref.cp_group is not None:
-            torch.distributed.all_reduce(logps, group=pref.cp_group)
             torch.distributed.all_reduce(tokens, group=pref.cp_group)
         losses, metrics = pair_losses(pref.options, logps, tokens, reference)
         if pref.options.loss == "orpo":  # per pair: the chosen answer's mean NLL
@@ -282,23 +327,46 @@ def summed_loss(setup: StepSetup, batch: Batch) -> torch.Tensor:
     return loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum
 
 
-def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool) -> torch.Tensor:
-    """One local batch through the pipeline schedule, forward and backward (train) or forward only;
-    its loss summed over micro-batches, on every pipeline rank (the last stage computed it).
-
-    Every stage is given the positions (and document ids) of its micro-batch: a stage without the
-    embedding cannot tell them from its input, which is sequence-sharded under tp."""
+def stage_kwargs(batch: Batch) -> dict[str, torch.Tensor]:
+    """What every stage is given besides its input: the positions (and document ids) of its micro-batch;
+    a stage without the embedding cannot tell them from its input, which is sequence-sharded under tp."""
     positions = batch.positions if batch.positions is not None else torch.arange(
         batch.inputs.shape[1], device=batch.inputs.device)
     kwargs = {"positions": positions.expand(batch.inputs.shape[0], -1) if positions.ndim == 1 else positions}
     if batch.document_ids is not None:
         kwargs["document_ids"] = batch.document_ids
+    return kwargs
+
+
+def pipeline_logps(setup: StepSetup, stages: nn.Module, batch: Batch, context) -> torch.Tensor:
+    """Each row's answer log-probability through a pipeline schedule, forward only (the policy's own,
+    its loss switched to rows; a frozen copy's, `stages.schedule`), on every pipeline rank."""
+    schedule, loss_fn = (setup.pipeline.schedule, setup.pipeline.loss) if stages is setup.model else stages.schedule
+    losses: list[torch.Tensor] = []
+    loss_fn.row_logps = True
+    try:
+        with context(setup.model), setup.loss_context(), setup.forward_context():
+            schedule.eval(batch.inputs, target=batch.labels, losses=losses, **stage_kwargs(batch))
+    finally:
+        loss_fn.row_logps = stages is not setup.model
+    logps = torch.cat(losses) if losses else torch.zeros(batch.labels.shape[0], device=setup.device)
+    torch.distributed.all_reduce(logps, group=setup.pipeline.group)  # zero on ranks without the last stage
+    if setup.preference is not None and setup.preference.cp_group is not None:
+        torch.distributed.all_reduce(logps, group=setup.preference.cp_group)
+    return logps
+
+
+def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool, target: torch.Tensor | None = None) -> torch.Tensor:
+    """One local batch through the pipeline schedule, forward and backward (train) or forward only;
+    its loss summed over micro-batches, on every pipeline rank (the last stage computed it).
+    `target`: what the loss reads (default: the labels)."""
+    kwargs = stage_kwargs(batch)
     losses: list[torch.Tensor] = []
     with setup.loss_context():
         with setup.forward_context():
             run = setup.pipeline.schedule.step if train else setup.pipeline.schedule.eval
             extra = {"return_outputs": False} if train else {}
-            run(batch.inputs, target=batch.labels, losses=losses, **extra, **kwargs)
+            run(batch.inputs, target=batch.labels if target is None else target, losses=losses, **extra, **kwargs)
     loss = torch.zeros((), device=setup.device)
     for part in losses:
         loss += (part.full_tensor() if isinstance(part, DTensor) else part).detach()

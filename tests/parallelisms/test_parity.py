@@ -43,6 +43,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # with accumulation (also matched alone).
     "dpo_tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *PREFERENCE]),
     "dpo_cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", *PREFERENCE]),
+    "dpo_pp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2",
+                    *PREFERENCE]),  # pairs kept whole in each micro-batch, the reference a pipelined copy
     "dpo_fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2",
                                     *PREFERENCE]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
