@@ -32,6 +32,7 @@ from weft.recipe.build import (
     build_metrics,
     build_training,
     log_summary,
+    precompute_reference,
     restore,
 )
 from weft.recipe.dry_run import dry_run
@@ -63,6 +64,8 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
     #    for the first step: a run that fails before it leaves the dump folder as it found it.
     checkpointer = build_checkpointer(plan, model, run.optimizer, run.scheduler, loader)
     start_step = restore(plan, checkpointer, model)
+    if cfg.preference.precompute_reference:  # a first pass over the pairs to come; the reference then freed
+        precompute_reference(plan, run, start_step)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
         write_config(Path(cfg.job.dump_folder), cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from weft.components.checkpoint.checkpointer import Checkpointer, CheckpointError, load_model_weights
 from weft.components.checkpoint.state import whole_model
-from weft.components.data import build_loader, prefetch
+from weft.components.data import batches, build_loader, prefetch
 from weft.components.data.fingerprint import FINGERPRINT_FILE
 from weft.components.data.mixture import Mixture
 from weft.components.distributed.flight_recorder import PhaseRecord, start_flight_recorder, trace_files_note
@@ -57,7 +58,16 @@ from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
 from weft.recipe.plan import RunPlan, config_error
-from weft.recipe.step import PipelineLoss, PipelineStep, PreferenceStep, StepSetup, model_forward, reference_logps
+from weft.recipe.step import (
+    PipelineLoss,
+    PipelineStep,
+    Precomputed,
+    PreferenceStep,
+    StepSetup,
+    model_forward,
+    place,
+    reference_logps,
+)
 
 logger = logging.getLogger("weft")
 
@@ -124,6 +134,32 @@ def build_preference(plan: RunPlan, step: StepSetup, meshes: Meshes | None, devi
     reference = reference_model(plan, meshes, device)
     pref.reference = functools.partial(_frozen_reference, reference, step)
     return pref
+
+
+def precompute_reference(plan: RunPlan, run: Training, start_step: int) -> None:
+    """preference.precompute_reference: the reference's log-probabilities of every micro-batch the run
+    will train on from `start_step` (a loader of its own, from the training loader's state) and of the
+    validation batches, computed now; the reference is then dropped, so training holds no copy of it.
+    Before the first step the optimizer holds no state yet: this pass needs the two models' weights
+    and one forward's activations."""
+    cfg, pref = plan.cfg, run.step.preference
+    loader = build_loader("preference", plan.data_files, plan.tokenizer, seq_len=cfg.training.seq_len,
+                          local_batch_size=cfg.training.local_batch_size, **data_share(plan, run.meshes),
+                          truncation=cfg.preference.truncation)
+    loader.load_state_dict(run.loader.state_dict())
+    micro_batches = (cfg.training.steps - start_step) * cfg.training.gradient_accumulation_steps
+    train = [pref.reference(place(run.step, b)).cpu() for _, b in zip(range(micro_batches), batches(loader))]
+    validation = []
+    if "" in run.validation_loaders:
+        steps = cfg.validation.steps * cfg.training.gradient_accumulation_steps
+        validation = [pref.reference(place(run.step, b)).cpu()
+                      for _, b in zip(range(steps), batches(run.validation_loaders[""]()))]
+    pref.reference, pref.validation_reference = Precomputed(train), Precomputed(validation, cycle=True)
+    gc.collect()
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    logger.info(f"preference: the reference's log-probabilities of {len(train)} training and {len(validation)} "
+                "validation micro-batches precomputed; the reference is freed")
 
 
 def reference_mode(cfg) -> str:

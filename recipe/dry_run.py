@@ -159,10 +159,13 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
                f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
     if plan.pipeline is None:
         estimate = estimate_memory(model, shape)
-        if reference_mode(cfg) == "frozen_copy":  # held all run long beside the policy, sharded like it
+        if reference_mode(cfg) == "frozen_copy":  # beside the policy, sharded like it
             reference = training_state_bytes(reference_model(plan, meshes, None))[0]
             estimate.buffers["preference reference (frozen copy's weights)"] = reference
-            estimate.phases = {phase: size + reference for phase, size in estimate.phases.items()}
+            if cfg.preference.precompute_reference:  # held only for the first pass, before any optimizer state
+                estimate.phases["reference precompute pass"] = estimate.parameters + reference
+            else:  # held all run long
+                estimate.phases = {phase: size + reference for phase, size in estimate.phases.items()}
         print(f"{heading}:")
         print(estimate.table())
     else:

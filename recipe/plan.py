@@ -327,6 +327,12 @@ def check_preference(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.data.mixture:
         raise ConfigError("data.mixture: mixes windows of text or samples, and data.format = preference trains on "
                           "pairs; give one data.dataset_path")
+    if p.loss in ("simpo", "orpo") and p.precompute_reference:
+        raise ConfigError(f"preference.precompute_reference: preference.loss = {p.loss} uses no reference model; "
+                          "leave it false or use loss = sigmoid or ipo")
+    if p.precompute_reference and cfg.fault_tolerance.enable:
+        raise ConfigError("preference.precompute_reference: a fault-tolerant run retries steps, which a precomputed "
+                          "sequence of reference batches cannot follow; leave it false")
     if p.loss in ("simpo", "orpo") and p.reference_path:
         raise ConfigError(f"preference.reference_path: preference.loss = {p.loss} uses no reference model; "
                           "leave reference_path empty or use loss = sigmoid or ipo")

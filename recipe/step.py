@@ -109,6 +109,7 @@ class PreferenceStep:
     options: PreferenceOptions
     reference: Callable[[Batch], torch.Tensor] | None = None
     cp_group: torch.distributed.ProcessGroup | None = None  # under cp: a row's tokens are spread over it
+    validation_reference: Callable[[Batch], torch.Tensor] | None = None  # precomputed: the validation batches'
 
     @property
     def cp(self) -> int:
@@ -265,6 +266,26 @@ def reference_logps(model: nn.Module, setup: StepSetup, batch: Batch, context=co
     return logps
 
 
+class Precomputed:
+    """Reference log-probabilities computed ahead, handed out in the order the batches come
+    (`cycle`: again from the first after the last, as each validation reads the same batches)."""
+
+    def __init__(self, rows: list[torch.Tensor], *, cycle: bool = False) -> None:
+        self.rows, self.cycle, self.next = rows, cycle, 0
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        if self.next == len(self.rows):
+            if not self.cycle:
+                raise RuntimeError("preference.precompute_reference: more batches than the first pass computed")
+            self.next = 0
+        logps = self.rows[self.next]
+        self.rows[self.next] = None if not self.cycle else logps  # a training batch's are needed once
+        self.next += 1
+        if logps.shape[0] != batch.labels.shape[0]:
+            raise RuntimeError("preference.precompute_reference: a batch's rows differ from the first pass's")
+        return logps.to(batch.labels.device)
+
+
 @torch.no_grad()
 def evaluate_preference(setup: StepSetup, loader, steps: int) -> dict[str, float]:
     """The objective and its metrics (METRICS) as means over the pairs of the loader's first
@@ -272,9 +293,10 @@ def evaluate_preference(setup: StepSetup, loader, steps: int) -> dict[str, float
     pref = setup.preference
     setup.model.eval()
     sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=setup.device)  # + loss, pairs
+    reference_of = pref.validation_reference or pref.reference
     for _, batch in zip(range(steps), batches(loader)):
         batch = place(setup, batch)
-        reference = pref.reference(batch) if pref.reference is not None else None
+        reference = reference_of(batch) if reference_of is not None else None
         logps = reference_logps(setup.model, setup, batch)  # the policy's own, without gradients
         tokens = (batch.labels != IGNORE_INDEX).sum(-1)
         if pref.cp_group is not None:

@@ -307,6 +307,9 @@ class Preference:
     reference_path: str = opt(
         "", "The reference model: a Hugging Face folder or a weft checkpoint; empty: the run's own starting weights "
         "(under LoRA, the model with its adapters switched off)")
+    precompute_reference: bool = opt(
+        False, "Compute the reference's log-probabilities of every pair the run will train and validate on in a first "
+        "pass, then free the reference: training holds no copy of it")
     truncation: str = opt(
         "keep_start", "A pair longer than seq_len + 1 tokens: keep_start cuts the answers' ends, keep_end cuts the "
         "prompt's start, drop skips it; a pair no rule fits is skipped; both are counted in the log",

@@ -183,3 +183,22 @@ def test_dry_run_counts_the_frozen_reference(world_size):
     assert reference == dpo.parameters == plain.parameters
     assert dpo.phases["optimizer step"] == plain.phases["optimizer step"] + reference
     assert not any("reference" in name for name in lora.buffers)
+
+
+def test_precomputed_reference_trains_and_validates_as_the_live_one(root, tmp_path):
+    """preference.precompute_reference: the same losses, training and validation metrics as a run
+    holding the reference, and after a resume too (the first pass starts at the resumed step)."""
+    def args(dump: Path, *extra: str) -> list[str]:
+        return dpo_args(root, dump, "--preference.reference_path", str(root / "reference"), "--validation.enable",
+                        "--validation.dataset_path", str(root / "pairs.jsonl"), "--validation.freq", "2",
+                        "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2", *extra, steps=4)
+
+    live = run(args(tmp_path / "live"))
+    first = run(args(tmp_path / "pre", "--preference.precompute_reference"), stop_after=2)
+    second = run(args(tmp_path / "pre", "--preference.precompute_reference"))
+    assert first + second == pytest.approx(live, abs=1e-6)
+    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("live", "pre")}
+    validation = {name: [r["validation/rewards/margins"] for r in rows if "validation/rewards/margins" in r]
+                  for name, rows in records.items()}
+    assert len(validation["live"]) == 2 and validation["pre"] == pytest.approx(validation["live"], abs=1e-6)
