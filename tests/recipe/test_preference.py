@@ -112,8 +112,8 @@ def test_resume_is_exact(root, tmp_path):
     """Stopped after step 2 and resumed: the same losses as one run; the reference (a path) is read
     again at the start, not restored from the checkpoint."""
     def args(dump: Path) -> list[str]:
-        return dpo_args(root, dump, "--checkpoint.enable", "--checkpoint.interval", "2",
-                        "--preference.reference_path", str(root / "reference"), steps=4)
+        return dpo_args(root, dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.local_batch_size",
+                        "2", "--preference.reference_path", str(root / "reference"), steps=4)
 
     whole = run(args(tmp_path / "whole"))
     first = run(args(tmp_path / "parts"), stop_after=2)
@@ -134,7 +134,7 @@ def test_dpo_after_sft_prefers_the_held_out_chosen_answers(tmp_path):
     run(run_args(dpo, "--checkpoint.initial_load_path", str(sft / "checkpoint" / "step-20"),
                  "--data.format", "preference", "--data.dataset_path", str(pairs), "--optimizer.lr", "1e-3",
                  "--lr_scheduler.warmup_steps", "2", "--validation.enable", "--validation.dataset_path", str(held_out),
-                 "--validation.freq", "10", "--validation.steps", "2", steps=10, batch=8, seq_len=48))
+                 "--validation.freq", "10", "--validation.steps", "2", steps=10, batch=4, seq_len=48))
     validation = [r for r in map(json.loads, (dpo / "metrics.jsonl").read_text().splitlines())
                   if "validation/rewards/accuracies" in r]
     assert validation[-1]["validation/rewards/accuracies"] > 0.5
@@ -191,7 +191,8 @@ def test_precomputed_reference_trains_and_validates_as_the_live_one(root, tmp_pa
     def args(dump: Path, *extra: str) -> list[str]:
         return dpo_args(root, dump, "--preference.reference_path", str(root / "reference"), "--validation.enable",
                         "--validation.dataset_path", str(root / "pairs.jsonl"), "--validation.freq", "2",
-                        "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2", *extra, steps=4)
+                        "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                        "--training.local_batch_size", "2", *extra, steps=4)
 
     live = run(args(tmp_path / "live"))
     first = run(args(tmp_path / "pre", "--preference.precompute_reference"), stop_after=2)
