@@ -19,7 +19,7 @@ from tests.support.preference_data import make_pairs
 
 STEPS = 10
 GLOBAL_BATCH = 8
-# A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH pairs a step.
+# A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH rows a step.
 PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 
 # name -> (world size, command-line overrides)
@@ -56,12 +56,13 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
     accumulation = int(overrides[overrides.index("--training.gradient_accumulation_steps") + 1]) \
         if "--training.gradient_accumulation_steps" in overrides else 1
+    batch = GLOBAL_BATCH // 2 if PREFERENCE[1] in overrides else GLOBAL_BATCH  # pairs: two rows each
     return [
         "--job.config_file", "debug_model",
         "--job.dump_folder", dump_folder,
         "--training.steps", str(STEPS),
         "--training.seq_len", "32",
-        "--training.local_batch_size", str(GLOBAL_BATCH // dp // accumulation),
+        "--training.local_batch_size", str(batch // dp // accumulation),
         "--training.mixed_precision_param", "float32",
         "--training.mixed_precision_reduce", "float32",
         "--lr_scheduler.warmup_steps", "2",
