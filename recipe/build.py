@@ -172,7 +172,14 @@ def reference_mode(cfg) -> str:
 
 
 def _policy_reference(step: StepSetup, batch) -> torch.Tensor:
-    return reference_logps(step.model, step, batch, context=adapters_off)
+    """The policy with its adapters off, in eval mode: MoE layers neither count these tokens for the
+    routing balance nor add their load-balancing loss."""
+    training = step.model.training
+    step.model.eval()
+    try:
+        return reference_logps(step.model, step, batch, context=adapters_off)
+    finally:
+        step.model.train(training)
 
 
 def _frozen_reference(reference: nn.Module, step: StepSetup, batch) -> torch.Tensor:
