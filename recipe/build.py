@@ -522,9 +522,10 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
                 f"{args.kv_heads} kv heads, vocab {args.vocab_size}); {backend_line(plan, model)}")
     logger.info(plan.precision.describe())
+    rows = plan.tokens_per_step // t.seq_len
+    samples = f"{rows // 2} pairs ({rows} rows)" if plan.cfg.data.format == "preference" else f"{rows} samples"
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x "
-                f"{plan.dims.dp} dp = {plan.tokens_per_step // t.seq_len} samples "
-                f"= {plan.tokens_per_step:,} tokens per step")
+                f"{plan.dims.dp} dp = {samples} = {plan.tokens_per_step:,} tokens per step")
 
 
 def backend_line(plan: RunPlan, model: nn.Module) -> str:
