@@ -18,7 +18,7 @@ from weft import train
 from tests.support import REPO
 from tests.support.chat_data import write_jsonl
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
-from tests.support.hf_folders import tiny_hf_folder
+from tests.support.hf_folders import tiny_hf_folder, tiny_qwen3_hf_folder
 from tests.support.hf_tokenizer import build_tokenizer_folder
 from tests.support.preference_data import make_pairs, split_record, trl_ids
 from tests.support.train_runs import run, run_args
@@ -43,12 +43,14 @@ def root(tmp_path_factory) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(root / "reference")
+    tiny_qwen3_hf_folder(root / "qwen3_moe_policy", moe=True, seed=0)  # Qwen3-MoE: two draws of one shape
+    tiny_qwen3_hf_folder(root / "qwen3_moe_reference", moe=True, seed=1)
     write_jsonl(root / "pairs.jsonl", make_pairs(16, chat=True))
     return root
 
 
-def dpo_args(root: Path, dump: Path, *extra: str, steps: int = 1) -> list[str]:
-    return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / "policy"),
+def dpo_args(root: Path, dump: Path, *extra: str, steps: int = 1, policy: str = "policy") -> list[str]:
+    return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / policy),
                     "--model.tokenizer_path", str(root / "tok"), "--data.format", "preference", "--data.dataset_path", str(root / "pairs.jsonl"),
                     "--preference.beta", str(BETA), *FP32, *extra, steps=steps, batch=PAIRS, seq_len=96)
 
@@ -57,11 +59,11 @@ def records_of_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def transformers_dpo(root: Path, records: list[dict]) -> tuple[float, float]:
+def transformers_dpo(root: Path, records: list[dict], prefix: str = "") -> tuple[float, float]:
     """DPO's mean loss and reward margin over `records`, with transformers alone: each answer's
     summed log-probability under the policy and the reference folders, TRL's tokenization."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(root / "tok")
-    models = [transformers.AutoModelForCausalLM.from_pretrained(root / name).float().eval()
+    models = [transformers.AutoModelForCausalLM.from_pretrained(root / (prefix + name)).float().eval()
               for name in ("policy", "reference")]
     losses, margins = [], []
     for record in records:
@@ -87,11 +89,13 @@ def first_record(dump: Path) -> dict:
     return json.loads((dump / "metrics.jsonl").read_text().splitlines()[0])
 
 
-@pytest.mark.parametrize("backend", ["weft", "transformers"])
-def test_dpo_step_one_equals_transformers(root, tmp_path, backend):
+@pytest.mark.parametrize("family, backend", [("", "weft"), ("", "transformers"), ("qwen3_moe_", "weft")])
+def test_dpo_step_one_equals_transformers(root, tmp_path, family, backend):
+    """Llama by weft's code and by transformers' (model.backend), and weft's Qwen3-MoE."""
     dump = tmp_path / backend
-    losses = run(dpo_args(root, dump, "--model.backend", backend, "--preference.reference_path", str(root / "reference")))
-    loss, margin = transformers_dpo(root, records_of_jsonl(root / "pairs.jsonl")[:PAIRS])
+    losses = run(dpo_args(root, dump, "--model.backend", backend, "--preference.reference_path",
+                          str(root / f"{family}reference"), policy=f"{family}policy"))
+    loss, margin = transformers_dpo(root, records_of_jsonl(root / "pairs.jsonl")[:PAIRS], family)
     assert abs(loss - math.log(2)) > 1e-3, "the reference must differ from the policy"
     assert losses[0] == pytest.approx(loss, abs=1e-5)
     assert first_record(dump)["rewards/margins"] == pytest.approx(margin, abs=1e-5)
