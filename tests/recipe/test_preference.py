@@ -114,19 +114,6 @@ def test_lora_policy_with_adapters_off_is_its_reference(root, tmp_path):
     assert own == pytest.approx(copy, abs=1e-6)
 
 
-def test_resume_is_exact(root, tmp_path):
-    """Stopped after step 2 and resumed: the same losses as one run; the reference (a path) is read
-    again at the start, not restored from the checkpoint."""
-    def args(dump: Path) -> list[str]:
-        return dpo_args(root, dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.local_batch_size",
-                        "2", "--preference.reference_path", str(root / "reference"), steps=4)
-
-    whole = run(args(tmp_path / "whole"))
-    first = run(args(tmp_path / "parts"), stop_after=2)
-    second = run(args(tmp_path / "parts"))
-    assert len(first) == 2 and first + second == pytest.approx(whole, abs=1e-6)
-
-
 @pytest.mark.slow
 def test_dpo_after_sft_prefers_the_held_out_chosen_answers(tmp_path):
     """SFT of the debug model on Shakespeare, then DPO on pairs whose rejected answer is the chosen
@@ -191,21 +178,26 @@ def test_dry_run_counts_the_frozen_reference(world_size):
     assert not any("reference" in name for name in lora.buffers)
 
 
-def test_precomputed_reference_trains_and_validates_as_the_live_one(root, tmp_path):
-    """preference.precompute_reference: the same losses, training and validation metrics as a run
-    holding the reference, and after a resume too (the first pass starts at the resumed step)."""
+def test_resume_is_exact_with_a_live_or_a_precomputed_reference(root, tmp_path):
+    """Stopped after step 2 and resumed: the same losses and validation rewards as one run, with the
+    reference held (a path: read again at the start, not saved in the checkpoint) or precomputed
+    (preference.precompute_reference: the first pass starts at the resumed step)."""
     def args(dump: Path, *extra: str) -> list[str]:
         return dpo_args(root, dump, "--preference.reference_path", str(root / "reference"), "--validation.enable",
                         "--validation.dataset_path", str(root / "pairs.jsonl"), "--validation.freq", "2",
                         "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
                         "--training.local_batch_size", "2", *extra, steps=4)
 
-    live = run(args(tmp_path / "live"))
-    first = run(args(tmp_path / "pre", "--preference.precompute_reference"), stop_after=2)
-    second = run(args(tmp_path / "pre", "--preference.precompute_reference"))
-    assert first + second == pytest.approx(live, abs=1e-6)
-    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-               for name in ("live", "pre")}
-    validation = {name: [r["validation/rewards/margins"] for r in rows if "validation/rewards/margins" in r]
-                  for name, rows in records.items()}
-    assert len(validation["live"]) == 2 and validation["pre"] == pytest.approx(validation["live"], abs=1e-6)
+    whole = run(args(tmp_path / "whole"))
+    for name, extra in (("live", ()), ("precomputed", ("--preference.precompute_reference",))):
+        first = run(args(tmp_path / name, *extra), stop_after=2)
+        second = run(args(tmp_path / name, *extra))
+        assert len(first) == 2 and first + second == pytest.approx(whole, abs=1e-6), name
+
+    def margins(name: str) -> list[float]:
+        records = map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+        return [r["validation/rewards/margins"] for r in records if "validation/rewards/margins" in r]
+
+    assert len(margins("whole")) == 2
+    for name in ("live", "precomputed"):
+        assert margins(name) == pytest.approx(margins("whole"), abs=1e-6), name
