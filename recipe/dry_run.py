@@ -232,15 +232,18 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
         plain = spec_for_args(args).build(args)
+        base = spec_for_args(args).build(args) if options.lora is not None else plain  # a frozen reference's shape
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
         apply_lora(plain, options.lora)
+    copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
     stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size, plain):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
-            results.append((estimate_memory(plain, shape, state).peak, dims))
+            reference = tp_fsdp_state_bytes(base, dims.tp, shape.fsdp)[0] if copy else 0
+            results.append((estimate_memory(plain, shape, state).peak + reference, dims))
             continue
         layout = pipeline_layout(cfg, args, dims)
         peaks = []
@@ -248,7 +251,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
             held = stages.of(layout, pp_rank)
             state = tp_fsdp_state_bytes(held, dims.tp, shape.fsdp)
             stage_shape = pipeline_step_shape(shape, layout, held, stages.group(dims.pp), pp_rank)
-            peaks.append(estimate_memory(held, stage_shape, state).peak)
+            peaks.append(estimate_memory(held, stage_shape, state).peak + (state[0] if copy else 0))
         results.append((max(peaks), dims))
     results.sort(key=lambda r: r[0])
     scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")

@@ -161,9 +161,9 @@ def test_preference_keys_without_preference_data_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_dry_run_counts_the_frozen_reference(world_size):
-    """The frozen copy holds the policy's weights again, sharded like them: in every phase; under
-    LoRA without reference_path there is no second copy."""
+def test_dry_run_counts_the_frozen_reference(world_size, capsys):
+    """The frozen copy holds the policy's weights again, sharded like them: in every phase, and in
+    the layouts table's row of this run; under LoRA without reference_path there is no second copy."""
     from weft.components.config import parse_args
     from weft.recipe.dry_run import dry_run
 
@@ -175,7 +175,11 @@ def test_dry_run_counts_the_frozen_reference(world_size):
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
 
-    plain, dpo = estimate("--data.format", "chat"), estimate("--data.format", "preference")
+    plain = estimate("--data.format", "chat")
+    capsys.readouterr()
+    dpo = estimate("--data.format", "preference")
+    this_run = next(line for line in capsys.readouterr().out.splitlines() if line.endswith("<- this run"))
+    assert float(this_run.split()[-4]) == pytest.approx(dpo.peak / 2**20, abs=0.01)
     lora = estimate("--data.format", "preference", "--lora.enable")
     reference = dpo.buffers["preference reference (frozen copy's weights)"]
     assert reference == dpo.parameters == plain.parameters
