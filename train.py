@@ -112,12 +112,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
             # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
             if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
                 with metrics.untimed(), timeouts.long("validation"):
-                    if run.step.preference is not None:  # the pairs' objective and rewards
-                        rewards = evaluate_preference(run.step, run.validation_loaders[""](),
-                                                      cfg.validation.steps * cfg.training.gradient_accumulation_steps)
-                        metrics.log_validation(step, {"": rewards.pop("loss")}, rewards)
-                    else:
-                        metrics.log_validation(step, validation_losses(cfg, run))
+                    validate(cfg, run, metrics, step)
 
             saved = checkpointer.should_save(step, cfg.training.steps)
             with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
@@ -157,6 +152,16 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
     metrics.log(stats)
     report_long_samples(run.loader)
     return stats.loss
+
+
+def validate(cfg: JobConfig, run: Training, metrics: MetricsLogger, step: int) -> None:
+    """One validation, logged: each source's loss, or a preference run's objective and rewards on its pairs."""
+    if run.step.preference is None:
+        metrics.log_validation(step, validation_losses(cfg, run))
+        return
+    batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
+    rewards = evaluate_preference(run.step, run.validation_loaders[""](), batches)
+    metrics.log_validation(step, {"": rewards.pop("loss")}, rewards)
 
 
 def validation_losses(cfg: JobConfig, run: Training) -> dict[str, float]:
