@@ -32,12 +32,13 @@ from weft.recipe.build import (
     build_metrics,
     build_training,
     log_summary,
+    precompute_reference,
     restore,
 )
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
 from weft.recipe.plan import RunPlan, check_launch, tokenizer_path
-from weft.recipe.step import StepResult, evaluate, train_step
+from weft.recipe.step import StepResult, evaluate, evaluate_preference, train_step
 
 logger = logging.getLogger("weft")
 
@@ -63,6 +64,8 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
     #    for the first step: a run that fails before it leaves the dump folder as it found it.
     checkpointer = build_checkpointer(plan, model, run.optimizer, run.scheduler, loader)
     start_step = restore(plan, checkpointer, model)
+    if cfg.preference.precompute_reference:  # a first pass over the pairs to come; the reference then freed
+        precompute_reference(plan, run, start_step)
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
         write_config(Path(cfg.job.dump_folder), cfg)
@@ -109,8 +112,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
             # Validation and checkpoint saves are left out of the throughput window (metrics.untimed).
             if run.validation_loaders and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
                 with metrics.untimed(), timeouts.long("validation"):
-                    losses = validation_losses(cfg, run)
-                metrics.log_validation(step, losses)
+                    validate(cfg, run, metrics, step)
 
             saved = checkpointer.should_save(step, cfg.training.steps)
             with metrics.untimed(), timeouts.long("checkpoint" if saved else None):  # saves wait on the slowest writer
@@ -145,10 +147,21 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
     cut or skipped so far for their length."""
     stats = StepStats(step, all_reduce_mean(result.loss, run.step.loss_group), result.grad_norm.item(), result.lr,
                       skipped_steps=skipped, moe_imbalance=result.moe_imbalance, ep_imbalance=result.ep_imbalance,
-                      source_tokens=source_tokens(run.loader.state_dict()), groups=groups)
+                      source_tokens=source_tokens(run.loader.state_dict()), groups=groups,
+                      preference=result.preference)
     metrics.log(stats)
     report_long_samples(run.loader)
     return stats.loss
+
+
+def validate(cfg: JobConfig, run: Training, metrics: MetricsLogger, step: int) -> None:
+    """One validation, logged: each source's loss, or a preference run's objective and rewards on its pairs."""
+    if run.step.preference is None:
+        metrics.log_validation(step, validation_losses(cfg, run))
+        return
+    batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
+    rewards = evaluate_preference(run.step, run.validation_loaders[""](), batches)
+    metrics.log_validation(step, {"": rewards.pop("loss")}, rewards)
 
 
 def validation_losses(cfg: JobConfig, run: Training) -> dict[str, float]:

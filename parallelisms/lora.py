@@ -11,9 +11,11 @@ Targeted routed experts get one adapter per expert; A starts as PEFT's, B at zer
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +185,22 @@ def apply_lora(model: nn.Module, options: LoRAOptions = LoRAOptions(), *, allow_
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """The model computing as its frozen base inside the block (PEFT's `disable_adapter`): every
+    adapter's output is scaled by 0, so the outputs are the base's exactly; the scales come back after."""
+    modules = [m for _, m in lora_modules(model)] + [m for _, m in expert_lora_modules(model)]
+    scales = [(m, "scaling" if isinstance(m, LoRALinear) else "lora_scaling") for m in modules]
+    saved = [getattr(m, name) for m, name in scales]
+    try:
+        for m, name in scales:
+            setattr(m, name, 0.0)
+        yield model
+    finally:
+        for (m, name), value in zip(scales, saved):
+            setattr(m, name, value)
 
 
 def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:

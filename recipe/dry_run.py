@@ -28,6 +28,7 @@ from weft.components.memory import (
     estimate_memory,
     qlora_startup_bytes,
     tp_fsdp_state_bytes,
+    training_state_bytes,
 )
 from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
@@ -44,7 +45,7 @@ from weft.parallelisms.pipeline import (
     split_model,
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
-from weft.recipe.build import build_model, model_line
+from weft.recipe.build import build_model, model_line, reference_mode, reference_model
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 
 logger = logging.getLogger("weft")
@@ -68,7 +69,7 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
                               device_type="cuda")
     compute = policy.compute_dtype
     return StepShape(
-        args=args, local_batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
+        args=args, local_batch=t.local_batch_size * (2 if cfg.data.format == "preference" else 1), seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
         fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep,
         ep_imbalance=cfg.job.dry_run_ep_imbalance, compute_dtype=compute,
         param_dtype=param_dtype,
@@ -161,6 +162,13 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
                f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
     if plan.pipeline is None:
         estimate = estimate_memory(model, shape)
+        if reference_mode(cfg) == "frozen_copy":  # beside the policy, sharded like it
+            reference = training_state_bytes(reference_model(plan, meshes, None))[0]
+            estimate.buffers["preference reference (frozen copy's weights)"] = reference
+            if cfg.preference.precompute_reference:  # held only for the first pass, before any optimizer state
+                estimate.phases["reference precompute pass"] = estimate.parameters + reference
+            else:  # held all run long
+                estimate.phases = {phase: size + reference for phase, size in estimate.phases.items()}
         print(f"{heading}:")
         print(estimate.table())
     else:
@@ -176,6 +184,8 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
         estimate = estimates[worst]
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
+    if reference_mode(cfg) == "adapters_off":
+        print("  preference reference: the model with its LoRA adapters off (no second copy)")
     if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
         startup = qlora_startup_bytes(model, args, shape.compute_dtype, plan.dims.ep)
         estimate.phases["QLoRA start-up"] = startup
@@ -225,15 +235,18 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     larger of its first and last stage's ranks); and the best one."""
     with torch.device("meta"):
         plain = spec_for_args(args).build(args)
+        base = spec_for_args(args).build(args) if options.lora is not None else plain  # a frozen reference's shape
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
         apply_lora(plain, options.lora)
+    copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
     stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size, plain):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
-            results.append((estimate_memory(plain, shape, state).peak, dims))
+            reference = tp_fsdp_state_bytes(base, dims.tp, shape.fsdp)[0] if copy else 0
+            results.append((estimate_memory(plain, shape, state).peak + reference, dims))
             continue
         layout = pipeline_layout(cfg, args, dims)
         peaks = []
@@ -241,7 +254,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
             held = stages.of(layout, pp_rank)
             state = tp_fsdp_state_bytes(held, dims.tp, shape.fsdp)
             stage_shape = pipeline_step_shape(shape, layout, held, stages.group(dims.pp), pp_rank)
-            peaks.append(estimate_memory(held, stage_shape, state).peak)
+            peaks.append(estimate_memory(held, stage_shape, state).peak + (state[0] if copy else 0))
         results.append((max(peaks), dims))
     results.sort(key=lambda r: r[0])
     scale, unit = (GIB, "GiB") if results[-1][0] >= GIB else (1024**2, "MiB")

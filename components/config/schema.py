@@ -198,7 +198,8 @@ class Data:
     format: str = opt(
         "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
         "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
-        "completion", choices=("text", "chat", "prompt_completion"))
+        "completion; preference: JSONL {prompt, chosen, rejected}, trained by [preference]'s objective",
+        choices=("text", "chat", "prompt_completion", "preference"))
     document_masking: bool = opt(
         False, "format text: attention stays within each document and positions restart at each BOS "
         "(chat and prompt_completion samples are always masked this way)")
@@ -219,7 +220,7 @@ class Validation:
     dataset_path: str = opt("", "A data file (as data.dataset_path), or a folder of them, read in data.format unless "
                             "validation.format is set; or a folder of token shards")
     format: str = opt("", "Format of the validation data; empty: data.format",
-                      choices=("", "text", "chat", "prompt_completion"))
+                      choices=("", "text", "chat", "prompt_completion", "preference"))
     mixture: list[str] = opt(
         [], "With data.mixture: one validation path per source, in data.mixture's order; one loss per source "
         "(in place of validation.dataset_path)")
@@ -315,6 +316,28 @@ class Lora:
 
 
 @dataclass
+class Preference:
+    loss: str = opt(
+        "sigmoid", "With data.format = preference: sigmoid (DPO), ipo, simpo (reference-free, margin gamma) or orpo "
+        "(reference-free, NLL plus beta times the odds-ratio loss)", choices=("sigmoid", "ipo", "simpo", "orpo"))
+    beta: float = opt(0.1, "DPO's beta (IPO: its tau; SimPO: the reward scale; ORPO: the odds-ratio weight lambda)",
+                      gt=0)
+    label_smoothing: float = opt(
+        0.0, "sigmoid and simpo: the probability that a pair's labels are flipped (conservative DPO)", min=0, lt=0.5)
+    gamma: float = opt(0.5, "simpo: the target reward margin gamma", min=0)
+    reference_path: str = opt(
+        "", "The reference model: a Hugging Face folder or a weft checkpoint; empty: the run's own starting weights "
+        "(under LoRA, the model with its adapters switched off)")
+    precompute_reference: bool = opt(
+        False, "Compute the reference's log-probabilities of every pair the run will train and validate on in a first "
+        "pass, then free the reference: training holds no copy of it")
+    truncation: str = opt(
+        "keep_start", "A pair longer than seq_len + 1 tokens: keep_start cuts the answers' ends, keep_end cuts the "
+        "prompt's start, drop skips it; a pair no rule fits is skipped; both are counted in the log",
+        choices=("keep_start", "keep_end", "drop"))
+
+
+@dataclass
 class Moe:
     bias_update_rate: float = opt(
         0.0, "MoE balancing: after each step, move each expert's routing bias by this much towards equal load "
@@ -407,6 +430,7 @@ class JobConfig:
     export: Export = field(default_factory=Export)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    preference: Preference = field(default_factory=Preference)
     moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -21,6 +21,7 @@ from weft.components.data.batch import Batch, BatchShape, document_layout
 from weft.components.data.cursor import Cursor
 from weft.components.data.files import DocStart, RawDoc
 from weft.components.data.packing import PackedSamples
+from weft.components.data.preference import PreferencePairs
 from weft.components.data.shards import ShardWindows, are_shards, check_shard_format, read_manifest
 from weft.components.data.windows import TextWindows
 from weft.components.distributed.processes import shared_gloo_group
@@ -118,10 +119,11 @@ def build_loader(
     dp_world_size: int = 1,
     text_field: str = "text",
     long_samples: str = "truncate",
+    truncation: str = "keep_start",
     cooperate: bool = True,
 ) -> Loader:
     """The loader of `files` in `data_format`: text windows for 'text', else packed samples of chat
-    or prompt/completion records. With `cooperate` (and a process group of more than one rank) it
+    or prompt/completion records, pairs of 'preference' records (cut by `truncation`). With `cooperate` (and a process group of more than one rank) it
     counts document lengths with every rank of the job. `files` that are the `.tokens` shards of a
     shard folder (components/data/shards.py) are read as text windows over their token ids."""
     if are_shards(files):
@@ -129,6 +131,8 @@ def build_loader(
         strategy: Strategy = ShardWindows(tokenizer, read_manifest(Path(files[0]).parent))
     elif data_format == "text":
         strategy = TextWindows(tokenizer, text_field=text_field)
+    elif data_format == "preference":
+        strategy = PreferencePairs(tokenizer, seq_len=seq_len, truncation=truncation)
     else:
         strategy = PackedSamples(tokenizer, data_format=data_format, long_samples=long_samples)
     return Loader(files, strategy, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,

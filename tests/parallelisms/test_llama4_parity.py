@@ -22,12 +22,15 @@ import pytest
 
 from weft.components.config import parse_args
 
+from tests.support.chat_data import write_jsonl
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
+from tests.support.preference_data import make_pairs
 
 STEPS, GLOBAL_BATCH, SEQ, QWEN3_SEQ = 10, 4, 128, 64
 
 LORA = ["--lora.enable", "--lora.rank", "4"]  # adapters on attention, shared experts and dense layers
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
+PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 # name -> (world size, overrides); a layout with LoRA is compared with LoRA in one process.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
@@ -40,6 +43,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                              "--training.gradient_accumulation_steps", "2"]),
     # Muon (fp32 Newton-Schulz), each local expert orthogonalised alone (against Muon in one process)
     "ep2_muon": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *MUON]),
+    # DPO (a frozen reference copy, experts spread like the policy's) on Hamlet's pairs, written to {root}
+    "dpo_ep2": (2, ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", *PREFERENCE]),
     "tp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),  # ep = tp's ranks
     "cp2_ep2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.ep", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
@@ -86,9 +91,11 @@ LAYOUTS |= {
 
 
 def reference_of(overrides: list[str]) -> str:
-    """The one-process run a layout is compared with: its flavor's, with LoRA or Muon if it has them."""
+    """The one-process run a layout is compared with: its flavor's, with LoRA or Muon if it has them, on
+    pairs if it trains on them."""
     flavor = overrides[overrides.index("--model.flavor") + 1] if "--model.flavor" in overrides else "debugmodel_moe"
-    return flavor + ("_lora" if "--lora.enable" in overrides else "") + ("_muon" if "Muon" in overrides else "")
+    return (flavor + ("_lora" if "--lora.enable" in overrides else "") + ("_muon" if "Muon" in overrides else "")
+            + ("_dpo" if PREFERENCE[1] in overrides else ""))
 
 
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
@@ -109,6 +116,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     histories = {}
     for name in names:
         world_size, overrides = LAYOUTS[name]
+        overrides = [value.format(root=dump_root) for value in overrides]
         cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, data_parallel_degree(world_size, overrides)))
         histories[name] = train.train(cfg)
     return histories
@@ -120,16 +128,23 @@ def references(tmp_path_factory) -> dict[str, list[float]]:
     from weft import train
 
     def one_process(name: str) -> list[float]:
-        flavor = name.removesuffix("_muon").removesuffix("_lora")
-        overrides = ["--model.flavor", flavor, *(LORA if "_lora" in name else []), *(MUON if "_muon" in name else [])]
-        return train.train(parse_args(config_args(str(tmp_path_factory.mktemp(f"single_{name}")), overrides)))
+        flavor, dpo = name.removesuffix("_dpo"), name.endswith("_dpo")
+        flavor, muon = flavor.removesuffix("_muon"), flavor.endswith("_muon")
+        flavor, lora = flavor.removesuffix("_lora"), flavor.endswith("_lora")
+        root = tmp_path_factory.mktemp(f"single_{name}")
+        write_jsonl(root / "pairs.jsonl", make_pairs(64))
+        overrides = ["--model.flavor", flavor, *(LORA if lora else []), *(MUON if muon else []),
+                     *(PREFERENCE if dpo else [])]
+        return train.train(parse_args(config_args(str(root / "run"), [v.format(root=root) for v in overrides])))
 
     return {name: one_process(name) for name in {reference_of(overrides) for _, overrides in LAYOUTS.values()}}
 
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict[str, list[float]]:
-    return run_by_world_size(train_layouts, LAYOUTS, str(tmp_path_factory.mktemp("moe_layouts")))
+    root = tmp_path_factory.mktemp("moe_layouts")
+    write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    return run_by_world_size(train_layouts, LAYOUTS, str(root))
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
 from weft.parallelisms.cp import shard_sequence
 from weft.parallelisms.fsdp import FSDPOptions
-from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_modules, quantize_lora_base
+from weft.parallelisms.lora import LoRAOptions, adapters_off, apply_lora, lora_modules, quantize_lora_base
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
@@ -102,6 +102,32 @@ def test_training_matches_peft(use_rslora):
 def build(args: ModelArgs = TINY) -> nn.Module:
     with torch.device("meta"):
         return Transformer(args)
+
+
+def test_adapters_off_computes_as_peft_disable_adapter():
+    """adapters_off: trained adapters (B nonzero) leave the outputs exactly the base's, as PEFT's
+    disable_adapter does, and come back after the block, even one that raised."""
+    from peft import LoraConfig, get_peft_model
+
+    base = hf_llama()
+    ours = apply_lora(copy.deepcopy(base), LoRAOptions(rank=4, alpha=8.0))
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, module in lora_modules(ours):
+            theirs = peft.get_submodule(f"base_model.model.{name}")
+            for factor in ("lora_A", "lora_B"):
+                getattr(module, factor).weight.normal_(generator=generator)
+                getattr(theirs, factor)["default"].weight.copy_(getattr(module, factor).weight)
+        tokens = batch()
+        plain, adapted = base(tokens).logits, ours(tokens).logits
+        assert torch.allclose(adapted, peft(tokens).logits, atol=1e-5) and not torch.allclose(adapted, plain)
+        with adapters_off(ours), peft.disable_adapter():
+            off = ours(tokens).logits
+            assert torch.equal(off, plain) and torch.allclose(off, peft(tokens).logits, atol=1e-6)
+        with pytest.raises(ZeroDivisionError), adapters_off(ours):
+            1 / 0
+        assert torch.equal(ours(tokens).logits, adapted)
 
 
 def test_weft_llama_starts_as_its_base():

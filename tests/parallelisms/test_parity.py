@@ -18,10 +18,14 @@ import pytest
 from weft.components.checkpoint.checkpointer import step_folder
 from weft.components.config import parse_args
 
+from tests.support.chat_data import write_jsonl
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
+from tests.support.preference_data import make_pairs
 
 STEPS = 10
 GLOBAL_BATCH = 8
+# A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH rows a step.
+PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 CHECKPOINT_5 = ["--checkpoint.enable", "--checkpoint.interval", "5"]
@@ -52,6 +56,14 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_muon_owner": (2, ["--parallelism.dp_shard", "2", *MUON, "--optimizer.muon_owner_ranks"]),
     "hsdp2x2_muon": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *MUON,
                          "--optimizer.muon_owner_ranks"]),
+    # Preference training (DPO, a frozen reference copy sharded like the policy) on Hamlet's pairs; fsdp 2
+    # with accumulation (also matched alone).
+    "dpo_tp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *PREFERENCE]),
+    "dpo_cp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", *PREFERENCE]),
+    "dpo_pp2": (2, ["--parallelism.dp_shard", "1", "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2",
+                    *PREFERENCE]),  # pairs kept whole in each micro-batch, the reference a pipelined copy
+    "dpo_fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2",
+                                    *PREFERENCE]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
     # a minute): tp 2 without loss parallelism, selective AC every 2nd block, ddp 2 x tp 2, cp 4,
     # tp 4, and the 8-rank products hsdp 2x2 x tp 2 and hsdp 2x2 x cp 2.
@@ -61,12 +73,13 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 def config_args(dump_folder: str, overrides: list[str], dp: int = 1) -> list[str]:
     accumulation = int(overrides[overrides.index("--training.gradient_accumulation_steps") + 1]) \
         if "--training.gradient_accumulation_steps" in overrides else 1
+    batch = GLOBAL_BATCH // 2 if PREFERENCE[1] in overrides else GLOBAL_BATCH  # pairs: two rows each
     return [
         "--job.config_file", "debug_model",
         "--job.dump_folder", dump_folder,
         "--training.steps", str(STEPS),
         "--training.seq_len", "32",
-        "--training.local_batch_size", str(GLOBAL_BATCH // dp // accumulation),
+        "--training.local_batch_size", str(batch // dp // accumulation),
         "--training.mixed_precision_param", "float32",
         "--training.mixed_precision_reduce", "float32",
         "--lr_scheduler.warmup_steps", "2",
@@ -86,6 +99,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     for name in names:
         world_size, overrides = LAYOUTS[name]
         dp = data_parallel_degree(world_size, overrides)
+        overrides = [value.format(root=dump_root) for value in overrides]
         cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
         histories[name] = train.train(cfg)
         dist.barrier()
@@ -109,7 +123,9 @@ def muon_reference(tmp_path_factory) -> list[float]:
 
 @pytest.fixture(scope="module")
 def layouts_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("layouts")
+    root = tmp_path_factory.mktemp("layouts")
+    write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +133,30 @@ def layout_losses(layouts_root) -> dict[str, list[float]]:
     return run_by_world_size(train_layouts, LAYOUTS, str(layouts_root))
 
 
+@pytest.fixture(scope="module")
+def preference_reference(tmp_path_factory) -> list[float]:
+    from weft import train
+
+    root = tmp_path_factory.mktemp("dpo_single")
+    write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    overrides = [value.format(root=root) for value in PREFERENCE]
+    return train.train(parse_args(config_args(str(root / "run"), overrides)))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "--optimizer.name" not in LAYOUTS[name][1]])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("dpo_")])
+def test_preference_layout_matches_single_device(layout, preference_reference, layout_losses):
+    """DPO: every step's loss within 1e-5 of one process's."""
+    losses, reference = layout_losses[layout], preference_reference
+    assert len(losses) == len(reference) == STEPS
+    assert reference[-1] < reference[0] - 0.1, "the reference run must actually learn"
+    for step, (got, want) in enumerate(zip(losses, reference), start=1):
+        assert got == pytest.approx(want, abs=1e-5), f"{layout} step {step}: {got} vs {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS
+                                    if "--optimizer.name" not in LAYOUTS[name][1] and not name.startswith("dpo_")])
 def test_layout_matches_single_device(layout, reference, layout_losses):
     losses = layout_losses[layout]
     assert len(losses) == len(reference) == STEPS
