@@ -71,7 +71,7 @@ def _plain(q, k, v, sinks, allowed):
     return torch.cat([scores, column], -1).softmax(-1)[..., :-1] @ v
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="debugmodel_gpt_oss")
     parser.add_argument("--device", default="cpu")
@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    opts = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    opts = parse_cli(argv)
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     differences = check_sinks(device)
     print("sink attention on", device, "against the plain formula (float32), largest difference:",

@@ -4,7 +4,7 @@
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
 #   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
 #                                             observe, data, simulated; still to run (issues 37, 38,
-#                                             40): perf, perf_ab, moe_block, qwen3, qlora_moe
+#                                             40, 49): perf, perf_ab, moe_block, qwen3, qlora_moe, newer
 # BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
 # PRINT=1 prints each step's command instead of running it (no GPU, nothing installed; the tests
 # parse what it prints: tests/benchmarks/test_gpu_checks.py).
@@ -84,6 +84,18 @@ qlora_moe)  # issue 38 item 5: Scout cut to 2 blocks, QLoRA with and without exp
        --training.gradient_accumulation_steps 1 --metrics.log_freq 1"
     eval step 120 python3 benchmarks/memory_check.py --layers 2 -- $M
     eval step 120 python3 benchmarks/memory_check.py --layers 2 -- $M --lora.target_modules wq,wk,wv,wo,w1,w2,w3,experts
+    ;;
+newer)  # issue 49 item 3: the transformers backend beside weft's Qwen3, DPO's step beside SFT's, Muon's
+    # beside AdamW's (llama3_1b, bf16 Newton-Schulz), gpt-oss's sink attention beside SDPA
+    step 150 python3 benchmarks/hf_backend.py --dim 2048 --layers 8 --seq-len 1024 --steps 6 --repeats 1
+    step 150 python3 benchmarks/preference.py --flavor llama3_1b --seq-len 1024 --batch 4 --steps 6 --repeats 1
+    for optimizer in AdamW Muon; do
+        step 90 python3 train.py --job.config_file debug_model --model.flavor llama3_1b \
+            --training.seq_len 2048 --training.local_batch_size 2 --training.steps 12 --metrics.log_freq 4 \
+            --training.mixed_precision_param bfloat16 --optimizer.name $optimizer \
+            --optimizer.muon_ns_dtype bfloat16 --checkpoint.enable false --job.dump_folder /tmp/newer/$optimizer
+    done
+    step 120 python3 benchmarks/gpt_oss.py --device cuda --dtype bfloat16 --flavor gpt_oss_20b --seq 4096
     ;;
 moe)  # Llama 4: the grouped multiply and the MoE block on one Scout layer; the debug MoE on CUDA
     step 150 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10

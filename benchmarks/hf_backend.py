@@ -46,7 +46,7 @@ def step_seconds(folder: Path, backend: str, seq_len: int, batch: int, warmup: i
     return statistics.median(batch * seq_len / r["train/tokens_per_second"] for r in records[warmup:])
 
 
-def main() -> None:
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -55,7 +55,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_cli()
 
     times: dict[str, list[float]] = {backend: [] for backend in BACKENDS}
     with tempfile.TemporaryDirectory() as folder:

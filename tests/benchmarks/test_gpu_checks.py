@@ -1,4 +1,4 @@
-"""benchmarks/gpu_checks.sh's groups for the GPU checks still to run (issues 37, 38, 40): every
+"""benchmarks/gpu_checks.sh's groups for the GPU checks still to run (issues 37, 38, 40, 49): every
 command each prints (PRINT=1: no GPU, nothing run) parses with the script or train.py it calls, so
 that a lent GPU's few minutes are not lost to a misspelt option or row name."""
 
@@ -10,12 +10,12 @@ import subprocess
 
 import pytest
 
-from benchmarks import gpu_throughput, lora, moe
+from benchmarks import gpt_oss, gpu_throughput, hf_backend, lora, moe, preference
 from weft.components.config import ConfigError, parse_args
 
 from tests.support import REPO
 
-GROUPS = ("perf", "perf_ab", "moe_block", "qwen3", "qlora_moe")
+GROUPS = ("perf", "perf_ab", "moe_block", "qwen3", "qlora_moe", "newer")
 
 
 def printed_commands(group: str, tmp_path) -> list[list[str]]:
@@ -45,6 +45,8 @@ def check_parses(command: list[str]) -> None:
         opts = lora.parse_cli(args)
         for mode in opts.modes:  # lora.py lays its modes' options over debug_model.toml and these
             parse_args(["--job.config_file", "debug_model", *train_args, *lora.MODES[mode]])
+    elif script in ("benchmarks/hf_backend.py", "benchmarks/preference.py", "benchmarks/gpt_oss.py"):
+        {"hf_backend": hf_backend, "preference": preference, "gpt_oss": gpt_oss}[script[11:-3]].parse_cli(args)
     elif script == "benchmarks/memory_check.py":
         parse_args(train_args)
     else:
