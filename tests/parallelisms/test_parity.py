@@ -1,7 +1,8 @@
 """Loss parity: every parallel layout trains the debug model like a single device does.
 
 Each layout runs train.py's `train` for 10 steps on CPU (gloo, fp32, fixed seed) with the same
-global batch as the single-device reference; its per-step global loss must match the
+global batch as the single-device reference, on the debug model cut to 2 blocks (every layout
+splits each block alike: two cost half of four, and check the same); its per-step global loss must match the
 reference's: step 1 within 1e-6 relative (identical weights and data), every step within 1e-4
 relative (only the order of floating-point reductions differs). Layouts sharing a world size
 run one after another in the same processes, so process start-up is paid once per world size.
@@ -13,10 +14,12 @@ import pytest
 
 from weft.components.config import parse_args
 
+from tests.support.blocks import fewer_blocks
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
 STEPS = 10
 GLOBAL_BATCH = 8
+BLOCKS = 2
 
 # name -> (world size, command-line overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -66,12 +69,13 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     from weft import train
 
     histories = {}
-    for name in names:
-        world_size, overrides = LAYOUTS[name]
-        dp = data_parallel_degree(world_size, overrides)
-        cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
-        histories[name] = train.train(cfg)
-        dist.barrier()
+    with fewer_blocks(BLOCKS, "debugmodel"):
+        for name in names:
+            world_size, overrides = LAYOUTS[name]
+            dp = data_parallel_degree(world_size, overrides)
+            cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
+            histories[name] = train.train(cfg)
+            dist.barrier()
     return histories
 
 
@@ -79,8 +83,8 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
 def reference(tmp_path_factory) -> list[float]:
     from weft import train
 
-    cfg = parse_args(config_args(str(tmp_path_factory.mktemp("single")), []))
-    return train.train(cfg)
+    with fewer_blocks(BLOCKS, "debugmodel"):
+        return train.train(parse_args(config_args(str(tmp_path_factory.mktemp("single")), [])))
 
 
 @pytest.fixture(scope="module")
