@@ -19,7 +19,7 @@ from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
 STEPS = 10
 GLOBAL_BATCH = 8
-BLOCKS = 2
+BLOCKS = {"debugmodel": 2}
 
 # name -> (world size, command-line overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -69,7 +69,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     from weft import train
 
     histories = {}
-    with fewer_blocks(BLOCKS, "debugmodel"):
+    with fewer_blocks(BLOCKS):
         for name in names:
             world_size, overrides = LAYOUTS[name]
             dp = data_parallel_degree(world_size, overrides)
@@ -83,7 +83,7 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
 def reference(tmp_path_factory) -> list[float]:
     from weft import train
 
-    with fewer_blocks(BLOCKS, "debugmodel"):
+    with fewer_blocks(BLOCKS):
         return train.train(parse_args(config_args(str(tmp_path_factory.mktemp("single")), [])))
 
 

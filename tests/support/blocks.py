@@ -9,12 +9,13 @@ from weft.models import spec_for_flavor
 
 
 @contextmanager
-def fewer_blocks(n_layers: int, *names: str) -> Iterator[None]:
-    """The flavors `names` with `n_layers` blocks while inside (in this process), as they were after."""
-    saved = {name: spec_for_flavor(name).flavors[name] for name in names}
+def fewer_blocks(blocks: dict[str, int]) -> Iterator[None]:
+    """Each flavor named in `blocks` (flavor -> n_layers) with that many blocks while inside (in this
+    process), as it was after."""
+    saved = {name: spec_for_flavor(name).flavors[name] for name in blocks}
     try:
         for name, args in saved.items():
-            spec_for_flavor(name).flavors[name] = replace(args, n_layers=n_layers)
+            spec_for_flavor(name).flavors[name] = replace(args, n_layers=blocks[name])
         yield
     finally:
         for name, args in saved.items():
