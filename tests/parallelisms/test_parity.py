@@ -1,7 +1,8 @@
 """Loss parity: every parallel layout trains the debug model like a single device does.
 
 Each layout runs train.py's `train` for 10 steps on CPU (gloo, fp32, fixed seed) with the same
-global batch as the single-device reference; its per-step global loss must match the
+global batch as the single-device reference, on the debug model cut to 2 blocks (every layout
+splits each block alike: two cost half of four, and check the same); its per-step global loss must match the
 reference's: step 1 within 1e-6 relative (identical weights and data), every step within 1e-4
 relative (only the order of floating-point reductions differs). Muon layouts match Muon in one
 process within 1e-5 at every step, and Muon's state saved under fsdp 2 resumes in one process.
@@ -18,12 +19,14 @@ import pytest
 from weft.components.checkpoint.checkpointer import step_folder
 from weft.components.config import parse_args
 
+from tests.support.blocks import fewer_blocks
 from tests.support.chat_data import write_jsonl
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 from tests.support.preference_data import make_pairs
 
 STEPS = 10
 GLOBAL_BATCH = 8
+BLOCKS = {"debugmodel": 2}
 # A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH rows a step.
 PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 
@@ -96,13 +99,14 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
     from weft import train
 
     histories = {}
-    for name in names:
-        world_size, overrides = LAYOUTS[name]
-        dp = data_parallel_degree(world_size, overrides)
-        overrides = [value.format(root=dump_root) for value in overrides]
-        cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
-        histories[name] = train.train(cfg)
-        dist.barrier()
+    with fewer_blocks(BLOCKS):
+        for name in names:
+            world_size, overrides = LAYOUTS[name]
+            dp = data_parallel_degree(world_size, overrides)
+            overrides = [value.format(root=dump_root) for value in overrides]
+            cfg = parse_args(config_args(f"{dump_root}/{name}", overrides, dp))
+            histories[name] = train.train(cfg)
+            dist.barrier()
     return histories
 
 
@@ -110,15 +114,16 @@ def train_layouts(names: list[str], dump_root: str) -> dict[str, list[float]]:
 def reference(tmp_path_factory) -> list[float]:
     from weft import train
 
-    cfg = parse_args(config_args(str(tmp_path_factory.mktemp("single")), []))
-    return train.train(cfg)
+    with fewer_blocks(BLOCKS):
+        return train.train(parse_args(config_args(str(tmp_path_factory.mktemp("single")), [])))
 
 
 @pytest.fixture(scope="module")
 def muon_reference(tmp_path_factory) -> list[float]:
     from weft import train
 
-    return train.train(parse_args(config_args(str(tmp_path_factory.mktemp("single_muon")), MUON)))
+    with fewer_blocks(BLOCKS):
+        return train.train(parse_args(config_args(str(tmp_path_factory.mktemp("single_muon")), MUON)))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +145,8 @@ def preference_reference(tmp_path_factory) -> list[float]:
     root = tmp_path_factory.mktemp("dpo_single")
     write_jsonl(root / "pairs.jsonl", make_pairs(64))
     overrides = [value.format(root=root) for value in PREFERENCE]
-    return train.train(parse_args(config_args(str(root / "run"), overrides)))
+    with fewer_blocks(BLOCKS):
+        return train.train(parse_args(config_args(str(root / "run"), overrides)))
 
 
 @pytest.mark.slow
@@ -183,7 +189,8 @@ def test_muon_fsdp2_checkpoint_resumes_in_one_process(layouts_root, layout_losse
 
     shutil.copytree(layouts_root / "fsdp2_muon", tmp_path / "resumed")
     shutil.rmtree(step_folder(tmp_path / "resumed" / "checkpoint", STEPS))  # resume from step 5
-    resumed = train.train(parse_args(config_args(str(tmp_path / "resumed"), [*MUON, *CHECKPOINT_5])))
+    with fewer_blocks(BLOCKS):
+        resumed = train.train(parse_args(config_args(str(tmp_path / "resumed"), [*MUON, *CHECKPOINT_5])))
     assert len(resumed) == STEPS - 5
     for step, (got, want) in enumerate(zip(resumed, layout_losses["fsdp2_muon"][5:]), start=6):
         assert got == pytest.approx(want, rel=MUON_RTOL), f"step {step}: {got} vs {want}"

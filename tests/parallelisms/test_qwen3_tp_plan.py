@@ -6,7 +6,8 @@ Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the exper
 dense Qwen3 under tp 2 (the adapters' outputs split by head before the q/k norms) against LoRA in one
 process. Qwen3-MoE
 under tp alone is refused in one line: its score weighs the experts' outputs, so their hidden
-dimension cannot be split. (The full sweep of layouts belongs to the Qwen3 layout parity tests.)"""
+dimension cannot be split. (The full sweep of layouts belongs to the Qwen3 layout parity tests.) Both
+flavors are cut to 2 blocks: Qwen3-MoE's MoE block 0 and dense block 1, each split as in 4."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 
 from weft.components.config import parse_args
 
+from tests.support.blocks import fewer_blocks
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run_args
 
 STEPS = 10
+BLOCKS = {"debugmodel_qwen3": 2, "debugmodel_qwen3_moe": 2}
 TP2 = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]
 LORA = ["--lora.enable", "--lora.rank", "4", "--lora.dropout", "0", "--optimizer.lr", "3e-3"]
 LAYOUTS = {  # name -> (flavor, overrides), each on 2 ranks
@@ -49,7 +52,8 @@ def train_layouts(root: str) -> dict[str, list[float] | str]:
     results: dict[str, list[float] | str] = {}
     for name, (flavor, overrides) in LAYOUTS.items():
         try:
-            results[name] = train.train(parse_args(config_args(f"{root}/{name}", flavor, overrides)))
+            with fewer_blocks(BLOCKS):
+                results[name] = train.train(parse_args(config_args(f"{root}/{name}", flavor, overrides)))
         except UserError as e:
             results[name] = str(e)
     return results
@@ -60,8 +64,9 @@ def results(tmp_path_factory) -> dict[str, list[float] | str]:
     from weft import train
 
     root = tmp_path_factory.mktemp("qwen3_tp")
-    single = {name: train.train(parse_args(config_args(str(root / name), flavor, overrides)))
-              for name, (flavor, overrides) in REFERENCES.items()}
+    with fewer_blocks(BLOCKS):
+        single = {name: train.train(parse_args(config_args(str(root / name), flavor, overrides)))
+                  for name, (flavor, overrides) in REFERENCES.items()}
     return single | run_distributed(train_layouts, 2, str(root / "layouts"))[0]
 
 
