@@ -67,6 +67,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                     *PREFERENCE]),  # pairs kept whole in each micro-batch, the reference a pipelined copy
     "dpo_fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2",
                                     *PREFERENCE]),
+    "dpo_hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *PREFERENCE]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
     # a minute): tp 2 without loss parallelism, selective AC every 2nd block, ddp 2 x tp 2, cp 4,
     # tp 4, and the 8-rank products hsdp 2x2 x tp 2 and hsdp 2x2 x cp 2.
