@@ -113,7 +113,7 @@ class RunPlan:
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
-                   options=parallelize_options(cfg, dims, device_type),
+                   options=parallelize_options(cfg, dims, device_type, model_args),
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
@@ -277,8 +277,7 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if spec_for_args(args).backend != "transformers":
         return
     built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
-    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1,
-                   "float8.enable": cfg.float8.enable, "compile.enable": cfg.compile.enable}
+    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1}
     for key, used in unsupported.items():
         if used:
             raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
@@ -364,20 +363,32 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
                          model=model_source(cfg))
 
 
-def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:
-    """parallelize()'s options, each transform's from its config section (`read_options`)."""
+def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str,
+                        model_args: Any = None) -> ParallelizeOptions:
+    """parallelize()'s options, each transform's from its config section (`read_options`); with
+    `model_args`, float8's filter in that model's module names (`float8_filter`)."""
     p, f8 = cfg.parallelism, cfg.float8
     all_gather = (f8.enable and dims.world_size > 1 and
                   float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe))
     return ParallelizeOptions(
         lora=read_options(cfg, LoRAOptions) if cfg.lora.enable else None,
-        float8=read_options(cfg, Float8Options) if f8.enable else None,
+        float8=read_options(cfg, Float8Options, filter_fqns=float8_filter(cfg, model_args)) if f8.enable else None,
         tp=read_options(cfg, TPOptions, float8_all_gather=bool(all_gather)),
         ac=read_options(cfg, ACOptions),
         compile=read_options(cfg, CompileOptions) if cfg.compile.enable else None,
         fsdp=read_options(cfg, FSDPOptions),
         pipeline=read_options(cfg, PipelineOptions) if dims.pp_enabled else None,
     )
+
+
+def float8_filter(cfg: JobConfig, model_args: Any) -> tuple[str, ...]:
+    """float8.filter_fqns, its entry "output" (weft's output head) naming a transformers model's head
+    (`lm_head`) too, so that the default keeps the head in high precision on either backend."""
+    entries = tuple(cfg.float8.filter_fqns)
+    if "output" in entries and model_args is not None and spec_for_args(model_args).backend == "transformers":
+        head = spec_for_args(model_args).hf.tied_output.removesuffix(".weight")
+        entries += (head,) if head not in entries else ()
+    return entries
 
 
 def check_lora(plan: RunPlan) -> None:

@@ -365,7 +365,6 @@ def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPl
 @pytest.mark.parametrize("extra, message", [
     (("--parallelism.dp_shard", "1", "--parallelism.pp", "2"), "parallelism.pp = 2: "),
     (("--parallelism.dp_shard", "1", "--parallelism.cp", "2"), "parallelism.cp = 2: "),
-    (("--compile.enable",), "compile.enable = True: "),
     (("--lora.enable", "--lora.quantize_base", "nf4"), "lora.quantize_base = 'nf4': "),
 ])
 def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, message):
@@ -373,6 +372,38 @@ def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, 
         plan_of(root / "mistral", root / "sft.jsonl", *extra)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
     assert "transformers" in str(refused.value)
+
+
+@pytest.mark.slow  # inductor compiles the two blocks' graphs: 20 s
+def test_compiled_blocks_train_as_eager(root, one_process):
+    """compile.enable: each of transformers' decoder layers compiled whole (fullgraph, inductor), the
+    same six steps as the eager run."""
+    losses = run(sft_args(root / "mistral", root / "sft.jsonl", root / "compiled", "--compile.enable",
+                          "--no-checkpoint.enable"))
+    assert losses == pytest.approx(one_process["mistral"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "deepseek_v3"])
+def test_float8_converts_the_linears_weft_s_filter_lets_through(root, family):
+    """float8.enable on transformers' own nn.Linear layers as weft's filter decides: the head kept by the
+    default filter_fqns ("output" names lm_head here), a linear whose dims are not multiples of 16 kept
+    (DeepSeek V3's kv_a_proj_with_mqa, 32 -> 24), the router (not a Linear) and stacked experts left
+    alone. On CPU float8 cannot multiply: the numbers are the GPU runbook's (benchmarks/results/README.md)."""
+    from weft.components.hf import model_args_from_hf_folder
+    from weft.float8 import converted_modules
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.recipe.build import build_model
+
+    with torch.device("meta"):
+        plain = TRANSFORMERS_SPEC.build(model_args_from_hf_folder(root / family, "transformers"))
+    linears = {name: m for name, m in plain.named_modules() if type(m) is torch.nn.Linear}
+    eligible = {name for name, m in linears.items() if m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    assert "lm_head" in eligible and (family == "mistral" or eligible != set(linears))
+    float8 = ("--float8.enable", "--float8.min_dim", "16")
+    plan = plan_of(root / family, root / "sft.jsonl", *float8, world_size=1)
+    assert set(converted_modules(build_model(plan, None, None))) == eligible - {"lm_head"}
+    unfiltered = plan_of(root / family, root / "sft.jsonl", *float8, "--float8.filter_fqns", "", world_size=1)
+    assert set(converted_modules(build_model(unfiltered, None, None))) == eligible
 
 
 SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's under another module name
