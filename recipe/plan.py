@@ -33,6 +33,7 @@ from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.models.common.moe_tp import check_moe_tp
+from weft.models.transformers.spec import context_parallel_refusal
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -277,11 +278,10 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if spec_for_args(args).backend != "transformers":
         return
     built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
-    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1}
-    for key, used in unsupported.items():
-        if used:
-            raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
-                              "(docs/transformers-backend.md)")
+    if dims.pp > 1:
+        raise ConfigError(f"parallelism.pp = {dims.pp}: {built} does not support it yet (docs/transformers-backend.md)")
+    if dims.cp > 1:
+        check_backend_cp(cfg, args, built, dims.cp)
     refuse_ep = spec_for_args(args).expert_parallel_refusal
     if dims.ep > 1 and refuse_ep is not None and (refusal := refuse_ep(args)) is not None:
         raise ConfigError(f"parallelism.ep = {dims.ep}: {built}: {refusal}, and expert parallelism spreads weft's "
@@ -291,6 +291,24 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
     if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+def check_backend_cp(cfg: JobConfig, args, built: str, cp: int) -> None:
+    """Context parallelism of a transformers model: its attention layers dispatch to weft's core
+    (parallelisms/cp.py), which is plain causal over the sequence's global positions, so the model
+    must have only plain causal attention and the rows no packed documents (which that core would
+    let see each other)."""
+    if (refusal := context_parallel_refusal(args)) is not None:
+        raise ConfigError(f"parallelism.cp = {cp}: {built}: {refusal}; set parallelism.cp = 1")
+    formats = {"data.format": cfg.data.format, "validation.format": cfg.validation.format or cfg.data.format}
+    for key, value in formats.items():
+        if value in ("chat", "prompt_completion") and (key == "data.format" or cfg.validation.enable):
+            raise ConfigError(f"parallelism.cp = {cp}: {key} = {value} packs samples into rows, and the "
+                              f"context-parallel core of {built} does not keep them apart; train it on "
+                              "data.format = text without data.document_masking, or set parallelism.cp = 1")
+    if cfg.data.document_masking:
+        raise ConfigError(f"parallelism.cp = {cp}: data.document_masking = true: the context-parallel core of {built} "
+                          "does not keep packed documents apart; set it to false, or set parallelism.cp = 1")
 
 
 def check_packed_documents(cfg: JobConfig, args) -> None:

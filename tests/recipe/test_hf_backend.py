@@ -39,7 +39,7 @@ MOE = {**SHAPE, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_pe
        "n_shared_experts": 1}
 del MOE["head_dim"]
 CONFIGS = {
-    "mistral": lambda: transformers.MistralConfig(**SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=None),  # as Mistral 7B v0.3 ships
     # one sliding layer (window 8, shorter than the 32-token samples) and one global, embeddings tied
     "gemma3": lambda: transformers.Gemma3TextConfig(**SHAPE, sliding_window=8, pad_token_id=0,
                                                     layer_types=["sliding_attention", "full_attention"]),
@@ -280,7 +280,7 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported),
+    MORE's under fsdp 2, Mistral under tp 2 and (on text) cp 2, the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -290,6 +290,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
             for family in FAMILIES}
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
                                           "--training.local_batch_size", "2") for family in MORE}
+    runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
+                                   "--parallelism.cp", "2")
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
@@ -325,6 +327,8 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    text = run(more_args(root, "mistral", root / "one_text_mistral"))  # cp 2 trains on text: packing is refused
+    assert losses["cp_mistral"] == pytest.approx(text, rel=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
     from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
 
@@ -364,7 +368,6 @@ def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPl
 
 @pytest.mark.parametrize("extra, message", [
     (("--parallelism.dp_shard", "1", "--parallelism.pp", "2"), "parallelism.pp = 2: "),
-    (("--parallelism.dp_shard", "1", "--parallelism.cp", "2"), "parallelism.cp = 2: "),
     (("--lora.enable", "--lora.quantize_base", "nf4"), "lora.quantize_base = 'nf4': "),
 ])
 def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, message):
@@ -450,6 +453,24 @@ def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
                                           r"set parallelism.ep = 1$"):
         plan_of(root / "gpt_oss", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
     assert plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
+
+
+@pytest.mark.parametrize("family, extra, reason", [
+    ("gemma3", (), "its attention has sliding-window layers (sliding_window 8), and the context-parallel core is "
+                   "plain causal; "),
+    ("gpt_oss", (), "its attention adds learned sinks to the softmax, which the context-parallel core does not; "),
+    ("qwen3_5", (), "its linear-attention layers run a recurrence along the sequence, which the split would cut; "),
+    ("mistral", ("--data.format", "prompt_completion"), "data.format = prompt_completion packs samples into rows"),
+    ("mistral", ("--data.document_masking",), "data.document_masking = true: "),
+])
+def test_cp_is_refused_where_the_plain_causal_core_would_compute_another_model(root, family, extra, reason):
+    """parallelism.cp swaps every attention layer's core for weft's plain causal one (cp 2 of Mistral
+    equals one process: the fsdp 2 test): sliding windows, sinks, linear attention and packed rows
+    are refused in one line naming why."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", *extra)
+    message = str(refused.value)
+    assert message.startswith("parallelism.cp = 2: ") and reason in message and "\n" not in message
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
