@@ -33,7 +33,7 @@ from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.models.common.moe_tp import check_moe_tp
-from weft.models.transformers.spec import context_parallel_refusal
+from weft.models.transformers.spec import uncommon_attention
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -271,17 +271,21 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
 
 
 def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """What the transformers backend (models/transformers) does not reach yet, refused in one line
-    naming the key: pipeline and context parallelism, float8, compile; expert parallelism of
-    experts other than plain SwiGLU ones; tensor parallelism of a model that declares no plan
-    (`_tp_plan`)."""
+    """What the transformers backend (models/transformers) does not reach, refused in one line naming
+    the key: context parallelism and pipeline stages of a model whose attention is not plain causal
+    (sliding windows, sinks, linear attention: `uncommon_attention`), context parallelism of packed
+    rows (`check_backend_cp`); expert parallelism of experts other than plain SwiGLU ones; tensor
+    parallelism of a model that declares no plan (`_tp_plan`) or one apply_tp cannot translate.
+    compile.enable (each decoder layer compiled) and float8.enable (transformers' nn.Linear layers,
+    the head kept by float8_filter) go through as for weft's models."""
     if spec_for_args(args).backend != "transformers":
         return
     built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
-    if dims.pp > 1:
-        raise ConfigError(f"parallelism.pp = {dims.pp}: {built} does not support it yet (docs/transformers-backend.md)")
     if dims.cp > 1:
         check_backend_cp(cfg, args, built, dims.cp)
+    if dims.pp > 1 and (what := uncommon_attention(args)) is not None:
+        raise ConfigError(f"parallelism.pp = {dims.pp}: {built}: {what}, and its pipeline stage "
+                          "(parallelisms/hf_stages.py) gives every layer one plain causal mask; set parallelism.pp = 1")
     refuse_ep = spec_for_args(args).expert_parallel_refusal
     if dims.ep > 1 and refuse_ep is not None and (refusal := refuse_ep(args)) is not None:
         raise ConfigError(f"parallelism.ep = {dims.ep}: {built}: {refusal}, and expert parallelism spreads weft's "
@@ -298,8 +302,12 @@ def check_backend_cp(cfg: JobConfig, args, built: str, cp: int) -> None:
     (parallelisms/cp.py), which is plain causal over the sequence's global positions, so the model
     must have only plain causal attention and the rows no packed documents (which that core would
     let see each other)."""
-    if (refusal := context_parallel_refusal(args)) is not None:
-        raise ConfigError(f"parallelism.cp = {cp}: {built}: {refusal}; set parallelism.cp = 1")
+    what = uncommon_attention(args)
+    if what is None and args.config.get("attn_logit_softcapping"):
+        what = "its attention caps its logits (attn_logit_softcapping)"
+    if what is not None:
+        raise ConfigError(f"parallelism.cp = {cp}: {built}: {what}, and the context-parallel core computes plain "
+                          "causal attention over the whole sequence; set parallelism.cp = 1")
     formats = {"data.format": cfg.data.format, "validation.format": cfg.validation.format or cfg.data.format}
     for key, value in formats.items():
         if value in ("chat", "prompt_completion") and (key == "data.format" or cfg.validation.enable):

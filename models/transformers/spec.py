@@ -153,21 +153,19 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
     return None
 
 
-def context_parallel_refusal(args: HFModelArgs) -> str | None:
-    """Why context parallelism (parallelisms/cp.py: every attention layer's core swapped for a plain
-    causal one over the whole sequence) would compute another model than this one; None where its
-    attention layers are all plain causal softmax attention."""
+def uncommon_attention(args: HFModelArgs) -> str | None:
+    """What, in this model's attention, one plain causal mask over the whole sequence does not
+    compute (sliding windows, sinks, linear attention), as context parallelism's core and a pipeline
+    stage (parallelisms/cp.py, hf_stages.py) give every layer; None where every layer is plain causal
+    softmax attention."""
     config = args.config
     layer_types = set(config.get("layer_types") or ())
     if "linear_attention" in layer_types:
-        return "its linear-attention layers run a recurrence along the sequence, which the split would cut"
+        return "its linear-attention layers run a recurrence along the sequence"
     if args.model_type in _ATTENTION_SINKS:
-        return "its attention adds learned sinks to the softmax, which the context-parallel core does not"
+        return "its attention adds learned sinks to the softmax"
     if config.get("sliding_window") or layer_types - {"full_attention"}:
-        return (f"its attention has sliding-window layers (sliding_window {config.get('sliding_window')}), and the "
-                "context-parallel core is plain causal")
-    if config.get("attn_logit_softcapping"):
-        return "its attention caps its logits (attn_logit_softcapping), and the context-parallel core is plain causal"
+        return f"its attention has sliding-window layers (sliding_window {config.get('sliding_window')})"
     return None
 
 

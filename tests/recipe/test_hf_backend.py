@@ -278,9 +278,12 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
     assert first + run(args) == one_process[family]
 
 
+PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (parallelisms/hf_stages.py)
+
+
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2 and (on text) cp 2, the MoE families of CONVERTED under ep 2 (exported),
+    MORE's under fsdp 2, Mistral under tp 2 and (on text) cp 2, PIPELINED's under pp 2, the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -292,6 +295,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                           "--training.local_batch_size", "2") for family in MORE}
     runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
                                    "--parallelism.cp", "2")
+    runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
+                                      "1", "--parallelism.pp", "2", "--no-checkpoint.enable") for family in PIPELINED}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
@@ -327,6 +332,8 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    for family in PIPELINED:  # two stages (embedding and a layer; a layer, the norm and the head), packed samples
+        assert losses[f"pp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
     text = run(more_args(root, "mistral", root / "one_text_mistral"))  # cp 2 trains on text: packing is refused
     assert losses["cp_mistral"] == pytest.approx(text, rel=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
@@ -367,7 +374,6 @@ def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPl
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--parallelism.dp_shard", "1", "--parallelism.pp", "2"), "parallelism.pp = 2: "),
     (("--lora.enable", "--lora.quantize_base", "nf4"), "lora.quantize_base = 'nf4': "),
 ])
 def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, message):
@@ -456,10 +462,9 @@ def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
 
 
 @pytest.mark.parametrize("family, extra, reason", [
-    ("gemma3", (), "its attention has sliding-window layers (sliding_window 8), and the context-parallel core is "
-                   "plain causal; "),
-    ("gpt_oss", (), "its attention adds learned sinks to the softmax, which the context-parallel core does not; "),
-    ("qwen3_5", (), "its linear-attention layers run a recurrence along the sequence, which the split would cut; "),
+    ("gemma3", (), "its attention has sliding-window layers (sliding_window 8), and the context-parallel core "),
+    ("gpt_oss", (), "its attention adds learned sinks to the softmax, and the context-parallel core "),
+    ("qwen3_5", (), "its linear-attention layers run a recurrence along the sequence, and the context-parallel "),
     ("mistral", ("--data.format", "prompt_completion"), "data.format = prompt_completion packs samples into rows"),
     ("mistral", ("--data.document_masking",), "data.document_masking = true: "),
 ])
@@ -471,6 +476,19 @@ def test_cp_is_refused_where_the_plain_causal_core_would_compute_another_model(r
         plan_of(root / family, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", *extra)
     message = str(refused.value)
     assert message.startswith("parallelism.cp = 2: ") and reason in message and "\n" not in message
+
+
+@pytest.mark.parametrize("family, reason", [
+    ("gemma3", "its attention has sliding-window layers (sliding_window 8), and its pipeline stage "),
+    ("qwen3_5", "its linear-attention layers run a recurrence along the sequence, and its pipeline stage "),
+])
+def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_model(root, family, reason):
+    """A pipeline stage of a transformers model gives every layer one causal mask and one rotary table
+    (Mistral and DeepSeek V3 under pp 2 equal one process: the fsdp 2 test): refused otherwise."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.pp", "2")
+    message = str(refused.value)
+    assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
