@@ -499,7 +499,8 @@ def test_cp_is_refused_where_the_plain_causal_core_would_compute_another_model(r
     equals one process: the fsdp 2 test): sliding windows, sinks, linear attention and packed rows
     are refused in one line naming why."""
     with pytest.raises(ConfigError) as refused:
-        plan_of(root / family, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.cp", "2", *extra)
+        plan_of(root / family, root / "sft.jsonl", "--model.backend", "transformers", "--parallelism.dp_shard", "1",
+                "--parallelism.cp", "2", *extra)
     message = str(refused.value)
     assert message.startswith("parallelism.cp = 2: ") and reason in message and "\n" not in message
 
@@ -512,7 +513,8 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
     """A pipeline stage of a transformers model gives every layer one causal mask and one rotary table
     (Mistral and DeepSeek V3 under pp 2 equal one process: the fsdp 2 test): refused otherwise."""
     with pytest.raises(ConfigError) as refused:
-        plan_of(root / family, root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.pp", "2")
+        plan_of(root / family, root / "sft.jsonl", "--model.backend", "transformers", "--parallelism.dp_shard", "1",
+                "--parallelism.pp", "2")
     message = str(refused.value)
     assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
 
