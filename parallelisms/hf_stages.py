@@ -26,7 +26,8 @@ def hf_causal_lm_units(model: nn.Module) -> list[list[str]] | None:
 
 class HFCausalLMStage(nn.Module):
     """One pipeline stage of a transformers *ForCausalLM: token ids in on the first stage, hidden
-    states between stages, logits out of the last.
+    states between stages, logits out of the last. Packed documents are told apart by their
+    positions, which restart at each (transformers' packed-sequence mask); document_ids add nothing.
 
     Every stage computes the rotary embeddings of its positions (`model.rotary_emb` is in each)
     and the causal mask with transformers' own `create_causal_mask`, as the whole model's forward
@@ -37,14 +38,19 @@ class HFCausalLMStage(nn.Module):
         self.model = part.model  # held under the unsplit model's names
         self.lm_head = part.lm_head
         self.config = part.config
+        self._hf_init_weights = part._init_weights  # the model's own, so that `materialize` initialises a stage
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """transformers' initialisation of one module (the rotary tables' buffers included)."""
+        self._hf_init_weights(module)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        if document_ids is not None:
-            raise ValueError("HFCausalLMStage: packed documents (document_ids) are not supported; "
-                             "train a transformers model under a pipeline on unpacked text")
+        if document_ids is not None and positions is None:
+            raise ValueError("HFCausalLMStage: packed documents (document_ids) need their positions, restarting at "
+                             "each document, from which transformers builds its packed-sequence mask")
         inner = self.model
         h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
         position_ids = positions if positions is not None else torch.arange(h.shape[1], device=h.device)[None]

@@ -313,6 +313,11 @@ def stream_qlora_base(plan: RunPlan, model: nn.Module, meshes: Meshes | None, de
                                                            for p, _ in model.get_submodule(name).named_parameters()})
         for name in unit:
             quantize_lora_base(model.get_submodule(name), shards=shards, log=False)
+    # modules no unit holds (a transformers model's rotary table, model.rotary_emb): materialised and seeded
+    rest = [name for name, module in model.named_modules() if name and any(
+        t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))]
+    if rest:
+        materialize_part(model, rest, device, seed=seed)
     logger.info(f"QLoRA start-up: {len(pipeline_units(model))} units materialised, "
                 f"{'loaded from ' + path if path else 'seeded'} and quantized to NF4 one at a time")
     return model

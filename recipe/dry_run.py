@@ -34,6 +34,7 @@ from weft.components.observe.log import setup_logging
 from weft.components.training.moe_balance import moe_layers
 from weft.errors import UserError
 from weft.models import spec_for_args
+from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.lora import apply_lora
 from weft.parallelisms.parallel_dims import LayoutError, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions
@@ -86,7 +87,8 @@ def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
 def pipeline_step_shape(shape: StepShape, layout, stages, pp_group, pp_rank: int) -> StepShape:
     """The step shape of pipeline rank `pp_rank`'s stages: one micro-batch at a time, its blocks only,
     as many micro-batches in flight as its schedule keeps, the embedding and output where it has them."""
-    blocks = {stage_id: len(stage.layers) for stage_id, stage in zip(stages.stage_ids, stages)}
+    blocks = {stage_id: len(transformer_blocks(stage, "pipeline_step_shape"))  # weft's layers, transformers' model.layers
+              for stage_id, stage in zip(stages.stage_ids, stages)}
     held = activations_in_flight(layout, pp_rank, pp_group, blocks)
     return dataclasses.replace(
         shape, local_batch=shape.local_batch // layout.microbatches, blocks=held.blocks,

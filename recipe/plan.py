@@ -33,6 +33,7 @@ from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
 from weft.models.common.moe_tp import check_moe_tp
+from weft.models.transformers.spec import uncommon_attention
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -114,7 +115,7 @@ class RunPlan:
         warnings = [line for line in [attention_kernel_warning(device_type, precision.compute_dtype,
                                                                model_args.n_heads, model_args.kv_heads)] if line]
         plan = cls(cfg, model_args, dims, tokenizer, data_files, validation_files, precision,
-                   options=parallelize_options(cfg, dims, device_type),
+                   options=parallelize_options(cfg, dims, device_type, model_args),
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
@@ -272,19 +273,21 @@ def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str
 
 
 def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
-    """What the transformers backend (models/transformers) does not reach yet, refused in one line
-    naming the key: pipeline and context parallelism, float8, compile; expert parallelism of
-    experts other than plain SwiGLU ones; tensor parallelism of a model that declares no plan
-    (`_tp_plan`)."""
+    """What the transformers backend (models/transformers) does not reach, refused in one line naming
+    the key: context parallelism and pipeline stages of a model whose attention is not plain causal
+    (sliding windows, sinks, linear attention: `uncommon_attention`), context parallelism of packed
+    rows (`check_backend_cp`); expert parallelism of experts other than plain SwiGLU ones; tensor
+    parallelism of a model that declares no plan (`_tp_plan`) or one apply_tp cannot translate.
+    compile.enable (each decoder layer compiled) and float8.enable (transformers' nn.Linear layers,
+    the head kept by float8_filter) go through as for weft's models."""
     if spec_for_args(args).backend != "transformers":
         return
     built = f"{args.architecture} (model_type {args.model_type}, built by transformers)"
-    unsupported = {"parallelism.pp": dims.pp > 1, "parallelism.cp": dims.cp > 1,
-                   "float8.enable": cfg.float8.enable, "compile.enable": cfg.compile.enable}
-    for key, used in unsupported.items():
-        if used:
-            raise ConfigError(f"{key} = {config_value(cfg, key)}: {built} does not support it yet "
-                              "(docs/transformers-backend.md)")
+    if dims.cp > 1:
+        check_backend_cp(cfg, args, built, dims.cp)
+    if dims.pp > 1 and (what := uncommon_attention(args)) is not None:
+        raise ConfigError(f"parallelism.pp = {dims.pp}: {built}: {what}, and its pipeline stage "
+                          "(parallelisms/hf_stages.py) gives every layer one plain causal mask; set parallelism.pp = 1")
     refuse_ep = spec_for_args(args).expert_parallel_refusal
     if dims.ep > 1 and refuse_ep is not None and (refusal := refuse_ep(args)) is not None:
         raise ConfigError(f"parallelism.ep = {dims.ep}: {built}: {refusal}, and expert parallelism spreads weft's "
@@ -294,6 +297,28 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
     if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+def check_backend_cp(cfg: JobConfig, args, built: str, cp: int) -> None:
+    """Context parallelism of a transformers model: its attention layers dispatch to weft's core
+    (parallelisms/cp.py), which is plain causal over the sequence's global positions, so the model
+    must have only plain causal attention and the rows no packed documents (which that core would
+    let see each other)."""
+    what = uncommon_attention(args)
+    if what is None and args.config.get("attn_logit_softcapping"):
+        what = "its attention caps its logits (attn_logit_softcapping)"
+    if what is not None:
+        raise ConfigError(f"parallelism.cp = {cp}: {built}: {what}, and the context-parallel core computes plain "
+                          "causal attention over the whole sequence; set parallelism.cp = 1")
+    formats = {"data.format": cfg.data.format, "validation.format": cfg.validation.format or cfg.data.format}
+    for key, value in formats.items():
+        if value in ("chat", "prompt_completion") and (key == "data.format" or cfg.validation.enable):
+            raise ConfigError(f"parallelism.cp = {cp}: {key} = {value} packs samples into rows, and the "
+                              f"context-parallel core of {built} does not keep them apart; train it on "
+                              "data.format = text without data.document_masking, or set parallelism.cp = 1")
+    if cfg.data.document_masking:
+        raise ConfigError(f"parallelism.cp = {cp}: data.document_masking = true: the context-parallel core of {built} "
+                          "does not keep packed documents apart; set it to false, or set parallelism.cp = 1")
 
 
 def check_packed_documents(cfg: JobConfig, args) -> None:
@@ -397,20 +422,32 @@ def pipeline_layout(cfg: JobConfig, args: Any, dims: ParallelDims) -> PipelineLa
                          model=model_source(cfg))
 
 
-def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str) -> ParallelizeOptions:
-    """parallelize()'s options, each transform's from its config section (`read_options`)."""
+def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str,
+                        model_args: Any = None) -> ParallelizeOptions:
+    """parallelize()'s options, each transform's from its config section (`read_options`); with
+    `model_args`, float8's filter in that model's module names (`float8_filter`)."""
     p, f8 = cfg.parallelism, cfg.float8
     all_gather = (f8.enable and dims.world_size > 1 and
                   float8_tp_all_gather(device_type, collective_backend(device_type, share_gpus=p.share_gpus), f8.recipe))
     return ParallelizeOptions(
         lora=read_options(cfg, LoRAOptions) if cfg.lora.enable else None,
-        float8=read_options(cfg, Float8Options) if f8.enable else None,
+        float8=read_options(cfg, Float8Options, filter_fqns=float8_filter(cfg, model_args)) if f8.enable else None,
         tp=read_options(cfg, TPOptions, float8_all_gather=bool(all_gather)),
         ac=read_options(cfg, ACOptions),
         compile=read_options(cfg, CompileOptions) if cfg.compile.enable else None,
         fsdp=read_options(cfg, FSDPOptions),
         pipeline=read_options(cfg, PipelineOptions) if dims.pp_enabled else None,
     )
+
+
+def float8_filter(cfg: JobConfig, model_args: Any) -> tuple[str, ...]:
+    """float8.filter_fqns, its entry "output" (weft's output head) naming a transformers model's head
+    (`lm_head`) too, so that the default keeps the head in high precision on either backend."""
+    entries = tuple(cfg.float8.filter_fqns)
+    if "output" in entries and model_args is not None and spec_for_args(model_args).backend == "transformers":
+        head = spec_for_args(model_args).hf.tied_output.removesuffix(".weight")
+        entries += (head,) if head not in entries else ()
+    return entries
 
 
 def check_lora(plan: RunPlan) -> None:

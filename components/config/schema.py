@@ -297,7 +297,8 @@ class Float8:
     enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8 to halve traffic")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(
         False, "Compute float8 scales for all FSDP parameters in one fused step after each optimizer step")
-    filter_fqns: list[str] = opt(["output"], "Module names kept in high precision")
+    filter_fqns: list[str] = opt(["output"], "Module names kept in high precision ('output' also names lm_head, "
+                                 "the head of a model the transformers backend builds)")
     min_dim: int = opt(1024, "Keep linear layers with a dimension below this in high precision (too small to gain)",
                        min=16)
     auto_filter: bool = opt(False, "Also keep in high precision the linears torchao's size filter for the recipe "

@@ -153,6 +153,25 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
     return None
 
 
+def uncommon_attention(args: HFModelArgs) -> str | None:
+    """What, in this model's attention, one plain causal mask over the whole sequence does not
+    compute (sliding windows, sinks, linear attention), as context parallelism's core and a pipeline
+    stage (parallelisms/cp.py, hf_stages.py) give every layer; None where every layer is plain causal
+    softmax attention."""
+    config = args.config
+    layer_types = set(config.get("layer_types") or ())
+    if "linear_attention" in layer_types:
+        return "its linear-attention layers run a recurrence along the sequence"
+    if args.model_type in _ATTENTION_SINKS:
+        return "its attention adds learned sinks to the softmax"
+    if config.get("sliding_window") or layer_types - {"full_attention"}:
+        return f"its attention has sliding-window layers (sliding_window {config.get('sliding_window')})"
+    return None
+
+
+_ATTENTION_SINKS = ("gpt_oss",)
+
+
 def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
     """PEFT (0.21, with transformers 5) reads the adapters of a family whose experts transformers stacks
     on load by the experts' old names: an adapter on a linear of that name (`gate_proj` of a shared
@@ -327,6 +346,6 @@ TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
     tp_plan=_unsupported, pipeline_units=_unsupported, hf=TRANSFORMERS_HF, flops_per_token=flops_per_token,
     block_numel=block_numel, lora_block_numel=lora_block_numel,
-    nf4_refusal="is built by transformers, whose QLoRA weft does not reach yet", backend=BACKEND, forward=forward,
+    backend=BACKEND, forward=forward,
     packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,
     experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal)

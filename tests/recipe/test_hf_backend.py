@@ -2,11 +2,12 @@
 written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings;
 DeepSeek V3 and GLM-4 MoE, whose per-expert tensors transformers stacks on load), decode greedily as
 transformers does and train under the recipe. Six SFT steps (prompt/completion, packed) in one
-process equal fsdp 2, tp 2 (the model's `_tp_plan`) and ep 2 (weft's grouped experts in
-transformers' place); the exports reload in transformers with the source's key set and the trained
-weights; LoRA's PEFT folder loads in `peft` with the merged export's logits; a stopped run resumes
-bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach yet is refused in one
-line naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
+process equal fsdp 2, tp 2 (the model's `_tp_plan`), ep 2 (weft's grouped experts in
+transformers' place), pp 2 (transformers' stage), cp 2 (on text) and compiled blocks; float8 converts
+the linears weft's filter lets through; the exports reload in transformers with the source's key set and the trained
+weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
+run resumes bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach is refused in one line
+naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
 under fsdp 2; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from weft import generate
 from weft.components.config import ConfigError, parse_args
@@ -39,7 +40,7 @@ MOE = {**SHAPE, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_pe
        "n_shared_experts": 1}
 del MOE["head_dim"]
 CONFIGS = {
-    "mistral": lambda: transformers.MistralConfig(**SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=None),  # as Mistral 7B v0.3 ships
     # one sliding layer (window 8, shorter than the 32-token samples) and one global, embeddings tied
     "gemma3": lambda: transformers.Gemma3TextConfig(**SHAPE, sliding_window=8, pad_token_id=0,
                                                     layer_types=["sliding_attention", "full_attention"]),
@@ -295,6 +296,41 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
         load_file(root / family / "model.safetensors"))
 
 
+BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default targets
+
+
+def test_qlora_trains_as_lora_on_its_nf4_base_and_its_peft_folder_loads_as_the_merged_export(root, tmp_path):
+    """lora.quantize_base = nf4 on a Mistral folder (dim 128: NF4 needs 16,384 values a weight): its
+    losses are a LoRA run's on the folder with every block linear quantized by torchao and
+    dequantized (the weights QLoRA holds), and its PEFT folder loads in `peft` onto that base with
+    the logits of its merged export."""
+    peft = pytest.importorskip("peft")
+    from torchao.quantization import to_nf4
+
+    from weft.parallelisms.lora import NF4_BLOCK, nf4_scaler_block
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**{**SHAPE, "hidden_size": 128, "intermediate_size": 128,
+                                           "num_key_value_heads": 4, "head_dim": 32}, sliding_window=None)
+    transformers.MistralForCausalLM(config).save_pretrained(folder := tmp_path / "mistral")
+    tensors = load_file(folder / "model.safetensors")
+    for key, tensor in tensors.items():
+        if key.rsplit(".", 2)[-2] in BLOCK_LINEARS:
+            tensors[key] = to_nf4(tensor, NF4_BLOCK, nf4_scaler_block(tensor.numel())).get_original_weight()
+    shutil.copytree(folder, nf4 := tmp_path / "nf4")
+    save_file(tensors, nf4 / "model.safetensors", metadata={"format": "pt"})
+    lora = ("--lora.enable", "--lora.rank", "4", "--no-checkpoint.enable")
+    qlora = run(sft_args(folder, root / "sft.jsonl", tmp_path / "qlora", *lora, "--lora.quantize_base", "nf4",
+                         "--export.peft_folder", "peft", "--export.hf_folder", "merged"))
+    assert qlora == pytest.approx(run(sft_args(nf4, root / "sft.jsonl", tmp_path / "lora", *lora)), rel=1e-5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(nf4).eval()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "qlora" / "peft").eval()(TOKENS).logits
+    merged = logits_of(tmp_path / "qlora" / "merged", TOKENS)
+    torch.testing.assert_close(theirs, merged, rtol=0, atol=1e-5)
+    assert (merged - logits_of(nf4, TOKENS)).abs().max() > 1e-3  # the adapters trained
+
+
 @pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
 def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
     args = sft_args(root / family, root / "sft.jsonl", tmp_path)
@@ -302,9 +338,12 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
     assert first + run(args) == one_process[family]
 
 
+PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (parallelisms/hf_stages.py)
+
+
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2, the MoE families of CONVERTED under ep 2 (exported),
+    MORE's under fsdp 2, Mistral under tp 2 and (on text) cp 2, PIPELINED's under pp 2, the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -314,6 +353,10 @@ def other_layouts(root: str) -> dict[str, list[float]]:
             for family in FAMILIES}
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
                                           "--training.local_batch_size", "2") for family in MORE}
+    runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
+                                   "--parallelism.cp", "2")
+    runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
+                                      "1", "--parallelism.pp", "2", "--no-checkpoint.enable") for family in PIPELINED}
     runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
                                   "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
@@ -349,6 +392,10 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    for family in PIPELINED:  # two stages (embedding and a layer; a layer, the norm and the head), packed samples
+        assert losses[f"pp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+    text = run(more_args(root, "mistral", root / "one_text_mistral"))  # cp 2 trains on text: packing is refused
+    assert losses["cp_mistral"] == pytest.approx(text, rel=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
     from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
 
@@ -387,17 +434,36 @@ def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPl
     return RunPlan.from_config(cfg, world_size, device_type="cpu", check_environment=False)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--parallelism.dp_shard", "1", "--parallelism.pp", "2"), "parallelism.pp = 2: "),
-    (("--parallelism.dp_shard", "1", "--parallelism.cp", "2"), "parallelism.cp = 2: "),
-    (("--compile.enable",), "compile.enable = True: "),
-    (("--lora.enable", "--lora.quantize_base", "nf4"), "lora.quantize_base = 'nf4': "),
-])
-def test_what_the_backend_does_not_reach_is_refused_naming_the_key(root, extra, message):
-    with pytest.raises(ConfigError) as refused:
-        plan_of(root / "mistral", root / "sft.jsonl", *extra)
-    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
-    assert "transformers" in str(refused.value)
+@pytest.mark.slow  # inductor compiles the two blocks' graphs: 20 s
+def test_compiled_blocks_train_as_eager(root, one_process):
+    """compile.enable: each of transformers' decoder layers compiled whole (fullgraph, inductor), the
+    same six steps as the eager run."""
+    losses = run(sft_args(root / "mistral", root / "sft.jsonl", root / "compiled", "--compile.enable",
+                          "--no-checkpoint.enable"))
+    assert losses == pytest.approx(one_process["mistral"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "deepseek_v3"])
+def test_float8_converts_the_linears_weft_s_filter_lets_through(root, family):
+    """float8.enable on transformers' own nn.Linear layers as weft's filter decides: the head kept by the
+    default filter_fqns ("output" names lm_head here), a linear whose dims are not multiples of 16 kept
+    (DeepSeek V3's kv_a_proj_with_mqa, 32 -> 24), the router (not a Linear) and stacked experts left
+    alone. On CPU float8 cannot multiply: the numbers are the GPU runbook's (benchmarks/results/README.md)."""
+    from weft.components.hf import model_args_from_hf_folder
+    from weft.float8 import converted_modules
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.recipe.build import build_model
+
+    with torch.device("meta"):
+        plain = TRANSFORMERS_SPEC.build(model_args_from_hf_folder(root / family, "transformers"))
+    linears = {name: m for name, m in plain.named_modules() if type(m) is torch.nn.Linear}
+    eligible = {name for name, m in linears.items() if m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    assert "lm_head" in eligible and (family == "mistral" or eligible != set(linears))
+    float8 = ("--float8.enable", "--float8.min_dim", "16")
+    plan = plan_of(root / family, root / "sft.jsonl", *float8, world_size=1)
+    assert set(converted_modules(build_model(plan, None, None))) == eligible - {"lm_head"}
+    unfiltered = plan_of(root / family, root / "sft.jsonl", *float8, "--float8.filter_fqns", "", world_size=1)
+    assert set(converted_modules(build_model(unfiltered, None, None))) == eligible
 
 
 SWAPPED = {  # MoE families whose folders hold one tensor per expert, Mixtral's under another module name
@@ -444,6 +510,38 @@ def test_ep_is_refused_for_experts_weft_s_grouped_experts_do_not_compute(root):
                                           r"set parallelism.ep = 1$"):
         plan_of(root / "gpt_oss", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
     assert plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.ep", "2")
+
+
+@pytest.mark.parametrize("family, extra, reason", [
+    ("gemma3", (), "its attention has sliding-window layers (sliding_window 8), and the context-parallel core "),
+    ("gpt_oss", (), "its attention adds learned sinks to the softmax, and the context-parallel core "),
+    ("qwen3_5", (), "its linear-attention layers run a recurrence along the sequence, and the context-parallel "),
+    ("mistral", ("--data.format", "prompt_completion"), "data.format = prompt_completion packs samples into rows"),
+    ("mistral", ("--data.document_masking",), "data.document_masking = true: "),
+])
+def test_cp_is_refused_where_the_plain_causal_core_would_compute_another_model(root, family, extra, reason):
+    """parallelism.cp swaps every attention layer's core for weft's plain causal one (cp 2 of Mistral
+    equals one process: the fsdp 2 test): sliding windows, sinks, linear attention and packed rows
+    are refused in one line naming why."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--model.backend", "transformers", "--parallelism.dp_shard", "1",
+                "--parallelism.cp", "2", *extra)
+    message = str(refused.value)
+    assert message.startswith("parallelism.cp = 2: ") and reason in message and "\n" not in message
+
+
+@pytest.mark.parametrize("family, reason", [
+    ("gemma3", "its attention has sliding-window layers (sliding_window 8), and its pipeline stage "),
+    ("qwen3_5", "its linear-attention layers run a recurrence along the sequence, and its pipeline stage "),
+])
+def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_model(root, family, reason):
+    """A pipeline stage of a transformers model gives every layer one causal mask and one rotary table
+    (Mistral and DeepSeek V3 under pp 2 equal one process: the fsdp 2 test): refused otherwise."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--model.backend", "transformers", "--parallelism.dp_shard", "1",
+                "--parallelism.pp", "2")
+    message = str(refused.value)
+    assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
