@@ -31,7 +31,6 @@ from weft.components.memory import (
     training_state_bytes,
 )
 from weft.components.observe.log import setup_logging
-from weft.components.training.moe_balance import moe_layers
 from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
@@ -200,16 +199,12 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
 TABLE_MAX_PP = 16
 
 
-def candidate_layouts(cfg: JobConfig, args: Any, world_size: int, model: nn.Module | None = None) -> list[ParallelDims]:
+def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[ParallelDims]:
     """pp × dp_shard × cp × tp factorisations of the world (dp_replicate as configured; pp up to
     TABLE_MAX_PP; tp dividing the query and key/value heads) where the config's run is valid
-    (`check_layout`: the sequence split, the transforms' composition, the model's experts and MoE
-    layers, the pipeline's schedule and micro-batches). A model with experts also gets each ep that
-    divides dp_shard × cp × tp and is a multiple of tp. `model`: the plain meta model (built if None)."""
-    if model is None:
-        with torch.device("meta"):
-            model = spec_for_args(args).build(args)
-    moes = moe_layers(model)
+    (`check_layout`: the sequence split, the transforms' composition, the model's experts, the
+    pipeline's schedule and micro-batches). A model with experts also gets each ep that
+    divides dp_shard × cp × tp and is a multiple of tp."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
     layouts = []
@@ -223,7 +218,7 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int, model: nn.Modu
                     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world_size,
                                         pp=pp, ep=ep)
                     try:
-                        check_layout(cfg, args, dims, "cuda", moes)
+                        check_layout(cfg, args, dims, "cuda")
                     except UserError:
                         continue
                     layouts.append(dims)
@@ -243,7 +238,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
     stages = TableStages(plain)
     results = []
-    for dims in candidate_layouts(cfg, args, current.world_size, plain):
+    for dims in candidate_layouts(cfg, args, current.world_size):
         shape = step_shape(cfg, args, dims)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)

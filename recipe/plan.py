@@ -11,13 +11,11 @@ what a real start would run.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
-from torch import nn
 
 from weft.components.checkpoint.checkpointer import check_resume, resume_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
@@ -32,7 +30,6 @@ from weft.components.observe.profiling import check_profiling
 from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
-from weft.models.common.moe_tp import check_moe_tp
 from weft.models.transformers.spec import uncommon_attention
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
@@ -252,21 +249,17 @@ def model_and_layout(cfg: JobConfig, world_size: int, device_type: str) -> tuple
     return args, dims
 
 
-def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str,
-                 moes: Sequence[tuple[str, nn.Module]] = ()) -> None:
+def check_layout(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -> None:
     """Whether the model of `args` trains in layout `dims` with the config's transforms on
     `device_type`; if not, a ConfigError or LayoutError (one line naming the key) saying why: the
     sequence split, the model's family, expert parallelism, the transforms' composition, the
-    pipeline, and with `moes` (a model's MoE layers, `moe_layers`) whether tensor parallelism can
-    split them (the plan leaves that to `apply_tp`, which checks the same)."""
+    pipeline."""
     dims.check_seq_len(cfg.training.seq_len)
     check_model_support(cfg, args, dims)
     check_backend(cfg, args, dims)
     check_expert_parallel(cfg, args, dims)
     try:
         check_composes(parallelize_options(cfg, dims, device_type), dims.tp)
-        for path, moe in moes if dims.tp > 1 else ():
-            check_moe_tp(path, moe, expert_parallel=dims.ep > 1)
     except TransformError as e:
         raise config_error(cfg, e) from None
     pipeline_layout(cfg, args, dims)

@@ -95,6 +95,11 @@ class GroupedExperts(nn.Module):
                                self.lora_scaling) if hasattr(adapted, w) else local(getattr(self, w))
                 for w in ("w1", "w2", "w3")]
 
+    def weigh(self, out: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs times their tokens' scores [rows, 1] (`MoE` with score_before_experts
+        False); a parallel transform whose outputs are partial sums makes the scores' gradient whole."""
+        return out * scores
+
     @staticmethod
     def compute(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
         """The experts with these weights, in the dtype autocast gives a Linear (autocast does not
@@ -273,7 +278,7 @@ class MoE(nn.Module):
         if self.score_before_experts:
             routed = self.experts(routed_in * weight, counts)
         else:
-            routed = self.experts(routed_in, counts) * weight
+            routed = self.experts.weigh(self.experts(routed_in, counts), weight)
         out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, source, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)

@@ -2,11 +2,11 @@
 `MoE` module, which a model's tensor-parallel plan adds for each of its MoE layers.
 
 The routed experts are split by their hidden dimension (w1, w3: [experts, hidden/tp, dim]; w2:
-[experts, dim, hidden/tp]; their LoRA adapters alike), as Megatron splits a dense SwiGLU: the
-input is all-gathered along the sequence, every tp rank routes every token alike and the partial
-outputs are reduce-scattered back. This needs the score before the experts (`score_before_experts`).
-Under expert parallelism the experts stay whole and only the shared expert splits. Why, and the
-backward: docs/moe.md.
+[experts, dim, hidden/tp]; their LoRA adapters and gpt-oss's b1, b3 alike, its output bias b2 added
+by the first rank), as Megatron splits a dense SwiGLU: the input is all-gathered along the sequence,
+every tp rank routes every token alike and the partial outputs are reduce-scattered back; scores
+weighing the outputs get their gradient summed over the ranks. Under expert parallelism the experts
+stay whole and only the shared expert splits. Why, and the backward: docs/moe.md.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from weft.errors import TransformError
-
 # Which dimension of each stacked expert weight is the hidden one.
 EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+# The biases of `ClampedSwiGLUExperts` ([experts, hidden]) split with w1's and w3's rows; b2 ([experts,
+# dim]), added after w2's partial sums, stays whole and only the first rank adds it.
+BIAS_HIDDEN_DIMS = {"b1": 1, "b3": 1}
+OUTPUT_BIAS = "b2"
 # And of their LoRA adapters (parallelisms/lora.py): B of w1, w3 [experts, hidden, rank] by rows, A of
 # w2 [experts, rank, hidden] by columns; the other factor whole on every rank.
 ADAPTER_HIDDEN_DIMS = {("lora_B", "w1"): 1, ("lora_B", "w3"): 1, ("lora_A", "w2"): 2,
@@ -38,9 +40,7 @@ ADAPTER_HIDDEN_DIMS = {("lora_B", "w1"): 1, ("lora_B", "w3"): 1, ("lora_A", "w2"
 def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
     """The plan entries for the `MoE` at `path`, whose input and output are sequence-sharded
     (Shard(1)) as the rest of a sequence-parallel block's are."""
-    expert_parallel = getattr(type(module.experts), "_expert_parallel", False)
-    check_moe_tp(path, module, expert_parallel)
-    if expert_parallel:
+    if getattr(type(module.experts), "_expert_parallel", False):
         return _tokens_sharded_plan(path, module)
     plan: dict[str, ParallelStyle] = {
         path: PrepareModuleInputOutput(
@@ -54,16 +54,6 @@ def moe_tp_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
         plan[f"{path}.shared_expert.w3"] = ColwiseParallel()
         plan[f"{path}.shared_expert.w2"] = RowwiseParallel(output_layouts=Partial())
     return plan
-
-
-def check_moe_tp(path: str, module: nn.Module, expert_parallel: bool) -> None:
-    """Refuse tensor parallelism for the MoE at `path` where it would split experts (no expert
-    parallelism holding them whole) whose outputs the scores weigh: the gradient of the scores
-    would be a partial sum."""
-    if not expert_parallel and not module.score_before_experts:
-        raise TransformError("apply_tp", "plan", f"{path}: an MoE that weighs its experts' outputs by the scores "
-                             "(score_before_experts False) cannot split its experts by hidden dimension; "
-                             "tensor parallelism needs the score applied before the experts")
 
 
 def _tokens_sharded_plan(path: str, module: nn.Module) -> dict[str, ParallelStyle]:
@@ -104,10 +94,11 @@ class ExpertHiddenParallel(ParallelStyle):
     weight_split_dims = EXPERT_HIDDEN_DIMS  # what it splits, which `apply_tp` checks the mesh size divides
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, dim in EXPERT_HIDDEN_DIMS.items():
-            weight = getattr(module, name)
-            split = distribute_tensor(weight, device_mesh, [Shard(dim)])
-            module.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
+        for name, dim in (EXPERT_HIDDEN_DIMS | BIAS_HIDDEN_DIMS | {OUTPUT_BIAS: None}).items():
+            weight = getattr(module, name, None)
+            if weight is not None:
+                split = distribute_tensor(weight, device_mesh, [Shard(dim) if dim else Replicate()])
+                module.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
         for (factor, name), dim in ADAPTER_HIDDEN_DIMS.items():  # LoRA's, where it adapted the experts
             holder = getattr(module, factor, None)
             if holder is not None and hasattr(holder, name):
@@ -124,9 +115,21 @@ def _hidden_split_forward(self, x, counts):
     # gradient of its input, summed over the ranks in backward (grad placement Partial). So does
     # a whole adapter factor's gradient: each rank's comes through its slice of the hidden dimension.
     x = DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-    group = self.tp_mesh.get_group()
-    local = lambda w: _SumGradient.apply(w.to_local(), group) if w.placements[0].is_replicate() else w.to_local()  # noqa: E731
+    # The output bias is added once to the partial sums: by rank 0 (zero elsewhere, its gradient summed).
+    group, bias, first = self.tp_mesh.get_group(), getattr(self, OUTPUT_BIAS, None), self.tp_mesh.get_local_rank() == 0
+
+    def local(w):
+        if not w.placements[0].is_replicate():
+            return w.to_local()
+        whole = _SumGradient.apply(w.to_local(), group)
+        return whole * 0 if w is bias and not first else whole
+
     return self.compute(x, counts, *self.weights(local))
+
+
+def _hidden_split_weigh(self, out, scores):
+    # Each rank's out is a partial sum: so is its gradient of the scores, summed over the ranks.
+    return out * _SumGradient.apply(scores, self.tp_mesh.get_group())
 
 
 class _SumGradient(torch.autograd.Function):
@@ -147,4 +150,5 @@ def _hidden_split_class(cls: type) -> type:
     """`cls` computing on its rank's slices (as FSDP2 swaps a module's class for its own)."""
     if getattr(cls, "_hidden_split", False):
         return cls
-    return type(f"HiddenSplit{cls.__name__}", (cls,), {"forward": _hidden_split_forward, "_hidden_split": True})
+    return type(f"HiddenSplit{cls.__name__}", (cls,), {"forward": _hidden_split_forward, "weigh": _hidden_split_weigh,
+                                                    "_hidden_split": True})

@@ -1,8 +1,7 @@
 """How tensor parallelism splits weft's gpt-oss: the decoder plan for attention (q/k/v biases split
 with their heads' rows, o's bias added once after the reduction), each head's sink on the rank of
-its head, and the MoE layer's own entries (models/common/moe_tp.py: its scores weigh the experts'
-outputs, so the experts stay whole under expert parallelism and tp alone is refused). The model
-file knows nothing of it."""
+its head, and the MoE layer's own entries (models/common/moe_tp.py: the experts and their biases
+split by hidden dimension, or whole under expert parallelism). The model file knows nothing of it."""
 
 from __future__ import annotations
 

@@ -230,12 +230,10 @@ def test_a_hand_built_mxfp4_folder_loads_to_the_dequantized_values(folder, tmp_p
 @pytest.mark.parametrize(("layout", "message"), [
     (["--parallelism.cp", "2"], "model.flavor = debugmodel_gpt_oss: apply_cp: cannot replace layers.0.attention.core "
                                 "(SinkAttention): context parallelism supports only the plain causal core"),
-    (["--parallelism.tp", "2"], "parallelism.tp = 2: apply_tp: layers.0.feed_forward: an MoE that weighs its experts' "
-                                "outputs by the scores"),
-], ids=["cp", "tp_without_ep"])
+], ids=["cp"])
 def test_what_the_layouts_cannot_split_is_refused_in_one_line(layout, message, tmp_path, capsys):
-    """cp (the sinks and windows need a core of their own) and tp without ep (the scores weigh the
-    experts' outputs); tp with ep, fsdp, ep, pp: tests/parallelisms/test_llama4_parity.py."""
+    """cp (the sinks and windows need a core of their own); tp with and without ep, fsdp, ep, pp:
+    tests/parallelisms/test_llama4_parity.py."""
     from weft import train
 
     argv = ["--job.config_file", "debug_moe", "--model.flavor", "debugmodel_gpt_oss", "--job.dump_folder",

@@ -14,8 +14,8 @@ under cp 2 each rank still holds two 16-token pieces.
 The same sweep runs Qwen3 (`debugmodel_qwen3`) and Qwen3-MoE (`debugmodel_qwen3_moe`, softmax
 routing renormalised over the chosen experts, their scores weighing the experts' outputs) under
 FSDP, DDP, HSDP, CP, PP and EP with its compositions, each against its own flavor in one process;
-and gpt-oss (`debugmodel_gpt_oss`) under FSDP, EP (over the FSDP ranks, also with full AC), TP with EP and
-PP at seq_len 64.
+and gpt-oss (`debugmodel_gpt_oss`) under FSDP, EP (over the FSDP ranks, also with full AC), TP alone
+(experts, their biases and the clamped SwiGLU split by hidden dimension) and with EP, and PP at seq_len 64.
 (Qwen3 under tp 2 and tp 2 x ep 2: tests/parallelisms/test_qwen3_tp_plan.py; AC and compile: test_llama4_transforms.py.)"""
 
 from __future__ import annotations
@@ -81,12 +81,14 @@ LAYOUTS |= {
     "qwen3_moe_pp2_fsdp2_ep2": (4, [*QWEN3_MOE, *PP2, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
 }
 # gpt-oss (`debugmodel_gpt_oss`): sinks, sliding windows of 32 (the 64-token samples cross them), biased
-# attention, router and experts, the clamped SwiGLU. Its scores weigh the experts' outputs, so tp
-# comes with ep (tp alone is refused, as for Qwen3-MoE); cp is refused in one line (test_gpt_oss_layouts).
+# attention, router and experts, the clamped SwiGLU. Under tp alone the experts split by hidden dimension
+# (b1, b3 with their rows, b2 added once) and the scores weighing their outputs get a summed gradient;
+# cp is refused in one line (tests/models/test_gpt_oss.py).
 GPT_OSS = ["--model.flavor", "debugmodel_gpt_oss"]
 LAYOUTS |= {
     "gpt_oss_fsdp2": (2, [*GPT_OSS, "--parallelism.dp_shard", "2"]),
     "gpt_oss_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "gpt_oss_tp2": (2, [*GPT_OSS, "--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "gpt_oss_tp2_ep2": (2, [*GPT_OSS, "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
     "gpt_oss_pp2": (2, [*GPT_OSS, *PP2, "--parallelism.dp_shard", "1"]),
     "gpt_oss_ep2_full_ac": (2, [*GPT_OSS, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",

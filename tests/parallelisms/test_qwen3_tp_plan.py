@@ -2,12 +2,12 @@
 (fp32, CPU, gloo, 10 steps with the MoE routing bias moving after every step, within 1e-5
 relative at every step): dense Qwen3 under tp 2 (the q/k
 norms' weights whole, their input this rank's heads, their gradient summed over the ranks), and
-Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the experts' ranks), and LoRA on
-dense Qwen3 under tp 2 (the adapters' outputs split by head before the q/k norms) against LoRA in one
-process. Qwen3-MoE
-under tp alone is refused in one line: its score weighs the experts' outputs, so their hidden
-dimension cannot be split. (The full sweep of layouts belongs to the Qwen3 layout parity tests.) Both
-flavors are cut to 2 blocks: Qwen3-MoE's MoE block 0 and dense block 1, each split as in 4."""
+Qwen3-MoE under tp 2 with ep 2 (each tp rank routing its own tokens to the experts' ranks) and under
+tp 2 alone (the experts split by hidden dimension, the gradient of the scores that weigh their
+outputs summed over the ranks), and LoRA on dense Qwen3 under tp 2 (the adapters' outputs split by
+head before the q/k norms) against LoRA in one process. (The full sweep of layouts belongs to the
+Qwen3 layout parity tests.) Both flavors are cut to 2 blocks: Qwen3-MoE's MoE block 0 and dense
+block 1, each split as in 4."""
 
 from __future__ import annotations
 
@@ -71,18 +71,10 @@ def results(tmp_path_factory) -> dict[str, list[float] | str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dense_tp2", "moe_tp2_ep2", "dense_tp2_lora"])
+@pytest.mark.parametrize("layout", ["dense_tp2", "moe_tp2_ep2", "moe_tp2", "dense_tp2_lora"])
 def test_tensor_parallel_qwen3_matches_one_process(layout, results):
     losses, reference = results[layout], results[reference_of(layout)]
     assert len(losses) == len(reference) == STEPS
     assert reference[-1] < reference[0] - 0.1, "the reference run must learn"
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         assert got == pytest.approx(want, rel=1e-5), f"{layout} step {step}: {got} vs {want}"
-
-
-@pytest.mark.slow
-def test_tensor_parallel_qwen3_moe_without_ep_is_refused_in_one_line(results):
-    assert results["moe_tp2"] == (
-        "parallelism.tp = 2: apply_tp: layers.0.feed_forward: an MoE that weighs its experts' outputs by the scores "
-        "(score_before_experts False) cannot split its experts by hidden dimension; tensor parallelism needs the "
-        "score applied before the experts")
