@@ -320,7 +320,7 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
                                           "--training.local_batch_size", "2") for family in MORE}
     runs |= {f"tp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"tp_{family}",
-                                      "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+                                      "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--export.hf_folder", "hf")
              for family in TP_FAMILIES}
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
@@ -356,6 +356,13 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
     for family in TP_FAMILIES:
         assert losses[f"tp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        # the norms' trained weights too: a q/k norm's gradient from this rank's heads alone moves the
+        # losses by 1e-6 only, its weights by 1e-2 (Adam amplifies the split layers' float noise to 3e-5)
+        exported = load_file(root / f"tp_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(single)
+        for key in (key for key in single if key.endswith("norm.weight")):
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
     from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
 
