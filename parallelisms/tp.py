@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -118,7 +119,38 @@ def _hf_style(name: str, loss_parallel: bool) -> ParallelStyle | None:
         return _output_style(loss_parallel, input_layouts=Replicate())
     if name == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
+    if name == "replicated_with_grad_allreduce":  # a norm over each head, between colwise projections
+        return ReplicatedOverSplitHeads()
     return None
+
+
+class ReplicatedOverSplitHeads(ParallelStyle):
+    """A module whose parameters stay whole on every rank while its input holds this rank's heads
+    (Gemma 3's per-head q/k norms after the column-split q/k projections). The parameters become
+    `Replicate()` DTensors and the input [..., heads, head_dim] a `Shard` of the heads, so each rank's
+    parameter gradient is a `Partial` sum, all-reduced to `Replicate()` once accumulated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            whole = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(whole, requires_grad=param.requires_grad))
+
+        def heads_sharded(_, args):
+            x, *rest = args
+            for param in module.parameters(recurse=False):  # FSDP may register other objects: hook each once
+                if param.requires_grad and not getattr(param, "_weft_sums_partial_grad", False):
+                    param.register_post_accumulate_grad_hook(_replicate_grad)
+                    param._weft_sums_partial_grad = True
+            return DTensor.from_local(x, device_mesh, [Shard(x.ndim - 2)], run_check=False), *rest
+
+        module.register_forward_pre_hook(heads_sharded)
+        module.register_forward_hook(lambda _, __, out: out.to_local())
+        return module
+
+
+def _replicate_grad(param: torch.Tensor) -> None:
+    if isinstance(param.grad, DTensor) and any(isinstance(p, Partial) for p in param.grad.placements):
+        param.grad = param.grad.redistribute(placements=[Replicate()] * len(param.grad.placements))
 
 
 def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:

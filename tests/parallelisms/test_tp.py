@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.tp import TPOptions, apply_tp, default_tp_plan, hf_tp_plan
+from weft.parallelisms.tp import ReplicatedOverSplitHeads, TPOptions, apply_tp, default_tp_plan, hf_tp_plan
 
 from tests.support.own_models import NanoGPT, hf_llama
 
@@ -42,6 +42,18 @@ def test_hf_plan_comes_from_the_model_declaration():
     assert head.output_layouts == (Replicate(),) and head.use_local_output
     sharded_head = hf_tp_plan(model, loss_parallel=True)["lm_head"]
     assert sharded_head.output_layouts == (Shard(-1),) and not sharded_head.use_local_output
+
+
+def test_gemma3_s_per_head_norms_keep_whole_weights_over_split_heads():
+    """replicated_with_grad_allreduce (its q/k norms) is translated; tests/recipe/test_hf_backend.py
+    trains Gemma 3 under tp 2 equal to one process."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
+    plan = hf_tp_plan(model)
+    norms = {path for path, style in plan.items() if isinstance(style, ReplicatedOverSplitHeads)}
+    assert norms == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
 
 
 def test_weft_model_gets_the_sequence_parallel_llama_plan():

@@ -339,11 +339,15 @@ def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
 
 
 PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (parallelisms/hf_stages.py)
+# The families trained under tp 2 from their `_tp_plan`: Gemma 3's declares its q/k norms
+# replicated_with_grad_allreduce (whole weights over each rank's heads, gradients summed).
+TP_FAMILIES = ("mistral", "gemma3")
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral under tp 2 and (on text) cp 2, PIPELINED's under pp 2, the MoE families of CONVERTED under ep 2 (exported),
+    MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
+    the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -357,8 +361,9 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                    "--parallelism.cp", "2")
     runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
                                       "1", "--parallelism.pp", "2", "--no-checkpoint.enable") for family in PIPELINED}
-    runs["tp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "tp_mistral",
-                                  "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    runs |= {f"tp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"tp_{family}",
+                                      "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--export.hf_folder", "hf")
+             for family in TP_FAMILIES}
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
                                       "--export.hf_folder", "hf")
@@ -391,7 +396,15 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
-    assert losses["tp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
+    for family in TP_FAMILIES:
+        assert losses[f"tp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        # the norms' trained weights too: a q/k norm's gradient from this rank's heads alone moves the
+        # losses by 1e-6 only, its weights by 1e-2 (Adam amplifies the split layers' float noise to 3e-5)
+        exported = load_file(root / f"tp_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(single)
+        for key in (key for key in single if key.endswith("norm.weight")):
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
     for family in PIPELINED:  # two stages (embedding and a layer; a layer, the norm and the head), packed samples
         assert losses[f"pp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
     text = run(more_args(root, "mistral", root / "one_text_mistral"))  # cp 2 trains on text: packing is refused
@@ -545,9 +558,11 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
 
 
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
-    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Gemma3ForCausalLM declares style "
-                                          r"'replicated_with_grad_allreduce' for model.layers.\*.self_attn.q_norm, "):
-        plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    """DeepSeek V3's stacked experts declare packed_colwise (gate and up rows in one tensor)."""
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: DeepseekV3ForCausalLM declares style "
+                                          r"'packed_colwise' for model.layers.\*.mlp.experts.gate_up_proj, "):
+        plan_of(root / "deepseek_v3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    assert plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
 
 
 def test_tp_is_refused_for_a_family_without_a_plan_and_custom_code_without_the_flag(root, tmp_path):
