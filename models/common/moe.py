@@ -20,6 +20,7 @@ from torch import nn
 
 from weft.layers.nf4_experts import NF4Experts, frozen_experts_matmul
 from weft.models.common.feed_forward import FeedForward
+from weft.models.common.shape_checks import check_top_k
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
@@ -250,8 +251,7 @@ class MoE(nn.Module):
                  score_before_experts: bool = True, norm_topk_prob: bool = False, router_bias: bool = False,
                  experts: GroupedExperts | None = None):
         super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k {top_k} must lie in 1..n_experts ({n_experts})")
+        check_top_k(top_k, n_experts)
         if score_func not in SCORE_FUNCTIONS:
             raise ValueError(f"score_func {score_func!r}: expected one of {', '.join(SCORE_FUNCTIONS)}")
         self.top_k, self.score_func, self.score_before_experts = top_k, score_func, score_before_experts

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from weft.models.common.rotary import YarnScaling
+from weft.models.common.shape_checks import check_heads, check_top_k
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -64,12 +65,8 @@ class ModelArgs:
         return float(self.top_k)
 
     def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate channel pairs")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must lie in 1..n_experts ({self.n_experts})")
+        check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
+        check_top_k(self.top_k, self.n_experts)
         if self.layer_types and len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
         unknown = set(self.layer_types) - set(LAYER_TYPES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from weft.models.common.rotary import RopeScaling
+from weft.models.common.shape_checks import check_heads
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate channel pairs")
+        check_heads(self.n_heads, self.kv_heads, self.head_dim)
 
 
 _LLAMA2 = ModelArgs(vocab_size=32000, rope_theta=10000.0, max_seq_len=4096)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from weft.models.common.rotary import RopeScaling
+from weft.models.common.shape_checks import check_heads, check_top_k
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,8 @@ class ModelArgs:
         return (layer + 1) % self.nope_every != 0
 
     def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate channel pairs")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must lie in 1..n_experts ({self.n_experts})")
+        check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
+        check_top_k(self.top_k, self.n_experts)
         if self.moe_every < 1 or self.nope_every < 1:
             raise ValueError(f"moe_every {self.moe_every} and nope_every {self.nope_every} must be >= 1")
 

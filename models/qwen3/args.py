@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from weft.models.common.rotary import RopeScaling
+from weft.models.common.shape_checks import check_heads, check_top_k
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,9 @@ class ModelArgs:
         return self.n_moe_layers * self.top_k / self.n_layers
 
     def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} is odd; rotary embeddings rotate channel pairs")
-        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k {self.top_k} must lie in 1..n_experts ({self.n_experts})")
+        check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
+        if self.n_experts:
+            check_top_k(self.top_k, self.n_experts)
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
 
