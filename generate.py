@@ -191,8 +191,16 @@ def _generate(opts: argparse.Namespace, device: torch.device, stack: contextlib.
     prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator,
                      eos_id=tokenizer.eos_id)
-    print(tokenizer.decode(prompt_ids + new_ids))
+    print(tokenizer.decode(text_ids(prompt_ids + new_ids, tokenizer)))
     return 0
+
+
+def text_ids(ids: list[int], tokenizer) -> list[int]:
+    """`ids` without a leading BOS and a closing EOS: a Hugging Face folder's tokenizer.json decodes
+    them as text ("<s>"), SentencePiece drops them; the printed text is the same from either."""
+    start = 1 if ids and ids[0] == tokenizer.bos_id else 0
+    end = len(ids) - 1 if len(ids) > start and ids[-1] == tokenizer.eos_id else len(ids)
+    return ids[start:end]
 
 
 def checkpoint_model(checkpoint: str, flavor: str | None) -> tuple[Any, str]:

@@ -111,6 +111,19 @@ def test_command_line_samples_from_a_hugging_face_folder(tmp_path, debug_checkpo
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+def test_a_folder_with_its_own_tokenizer_prints_the_text_as_the_checkpoint_does(tmp_path, debug_checkpoint, capsys):
+    """A run's export carries its tokenizer as tokenizer.json, whose decoding keeps special tokens
+    (chat masks read them): the printed continuation still starts at the prompt, without BOS/EOS."""
+    from weft.components.hf.model_files import write_hf_files
+
+    folder, text = debug_checkpoint
+    write_hf_files(tmp_path / "recorded", LLAMA_FLAVORS["debugmodel"], TOKENIZER, None)
+    export_to_hf(folder, tmp_path / "hf", flavor="debugmodel", hf_files=tmp_path / "recorded")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert main(["--hf", str(tmp_path / "hf"), "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
 def test_command_line_errors_are_one_line(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(TOKENIZER)]) == 2
     err = capsys.readouterr().err
