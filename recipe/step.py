@@ -249,6 +249,11 @@ def preference_step(setup: StepSetup, micro_batches: list[Batch],
     return step_loss, dict(zip(METRICS, (sums / (pairs * cp)).tolist()))
 
 
+def cp_group_of(setup: StepSetup) -> torch.distributed.ProcessGroup | None:
+    """The group a preference run's rows are spread over by context parallelism (None: whole rows)."""
+    return None if setup.preference is None else setup.preference.cp_group
+
+
 @torch.no_grad()
 def reference_logps(model: nn.Module, setup: StepSetup, batch: Batch, context=contextlib.nullcontext) -> torch.Tensor:
     """`model`'s summed answer log-probabilities per row of a placed batch (summed over the cp ranks),
@@ -260,10 +265,7 @@ def reference_logps(model: nn.Module, setup: StepSetup, batch: Batch, context=co
         with setup.forward_context():
             logits = setup.forward(model, batch)
         logps, _ = answer_logps(logits, batch.labels)
-    pref = setup.preference
-    if pref is not None and pref.cp_group is not None:
-        torch.distributed.all_reduce(logps, group=pref.cp_group)
-    return logps
+    return sum_over_ranks(logps, cp_group_of(setup))
 
 
 class Precomputed:
@@ -298,9 +300,7 @@ def evaluate_preference(setup: StepSetup, loader, steps: int) -> dict[str, float
         batch = place(setup, batch)
         reference = reference_of(batch) if reference_of is not None else None
         logps = reference_logps(setup.model, setup, batch)  # the policy's own, without gradients
-        tokens = (batch.labels != IGNORE_INDEX).sum(-1)
-        if pref.cp_group is not None:
-            torch.distributed.all_reduce(tokens, group=pref.cp_group)
+        tokens = sum_over_ranks((batch.labels != IGNORE_INDEX).sum(-1), pref.cp_group)
         losses, metrics = pair_losses(pref.options, logps, tokens, reference)
         if pref.options.loss == "orpo":  # per pair: the chosen answer's mean NLL
             losses = losses - logps[0::2] / tokens[0::2].clamp(min=1)
@@ -373,9 +373,7 @@ def pipeline_logps(setup: StepSetup, stages: nn.Module, batch: Batch, context) -
         loss_fn.row_logps = stages is not setup.model
     logps = torch.cat(losses) if losses else torch.zeros(batch.labels.shape[0], device=setup.device)
     torch.distributed.all_reduce(logps, group=setup.pipeline.group)  # zero on ranks without the last stage
-    if setup.preference is not None and setup.preference.cp_group is not None:
-        torch.distributed.all_reduce(logps, group=setup.preference.cp_group)
-    return logps
+    return sum_over_ranks(logps, cp_group_of(setup))
 
 
 def pipeline_run(setup: StepSetup, batch: Batch, *, train: bool, target: torch.Tensor | None = None) -> torch.Tensor:
