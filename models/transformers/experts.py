@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from weft.models.common.moe import GroupedExperts
+from weft.models.common.moe import GroupedExperts, LowRankAdapted
 from weft.models.common.spec import HFConfigError
 
 
@@ -33,11 +33,23 @@ class TransformersRoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
-    def weights(self, local=lambda t: t) -> list[torch.Tensor]:
+    def weights(self, local=lambda t: t) -> list:
         """w1, w2, w3 as `compute` takes them, from `local` (a parallel transform's local shard) of
-        each stacked weight."""
-        gate, up = local(self.gate_up_proj).chunk(2, dim=1)
-        return [gate, local(self.down_proj), up]
+        each stacked weight; each a `LowRankAdapted` where LoRA gave its weight an adapter
+        (`lora_A.gate_up_proj` [experts, rank, dim], `lora_B.gate_up_proj` [experts, 2 x hidden, rank],
+        parallelisms/lora.py): gate_up_proj's one adapter, as PEFT holds it, adapts the gate and up
+        rows with its A shared and its B's rows cut as the weight's."""
+        gate, up = (self._weight("gate_up_proj", local, half) for half in (0, 1))
+        return [gate, self._weight("down_proj", local), up]
+
+    def _weight(self, name: str, local, half: int | None = None):
+        """The stacked weight `name` (its gate or up half: half 0 or 1), with its adapter if it has one."""
+        weight = local(getattr(self, name))
+        b = local(getattr(self.lora_B, name)) if hasattr(getattr(self, "lora_B", None), name) else None
+        if half is not None:
+            weight = weight.chunk(2, dim=1)[half]
+            b = None if b is None else b.chunk(2, dim=1)[half]
+        return weight if b is None else LowRankAdapted(weight, local(getattr(self.lora_A, name)), b, self.lora_scaling)
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [tokens, dim] sorted by expert, counts[e] of them for expert e → [tokens, dim]."""

@@ -13,15 +13,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from weft.models.common.hf_names import ExpertParameters
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
-from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
+from weft.models.transformers.experts import (
+    TransformersRoutedExperts,
+    grouped_experts_refusal,
+    routed_experts,
+    swap_in_grouped_experts,
+)
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -339,7 +346,24 @@ def hf_mapping(args: HFModelArgs) -> HFMapping:
     """The folder's names: the parameters' own, or where transformers converts the folder on load
     (per-expert tensors stacked), the folder's (conversions.py)."""
     names = converted_names(args.model_type)
-    return TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    if names is None:
+        return TRANSFORMERS_HF
+    return dataclasses.replace(TRANSFORMERS_HF, names=names, expert_parameters=_expert_parameters(args))
+
+
+@functools.lru_cache(maxsize=8)
+def _expert_parameters(args: HFModelArgs) -> ExpertParameters | None:
+    """The routed experts' parameters as PEFT's `target_parameters` name them (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`), each LoRA adapter of weft's grouped experts in transformers' place one
+    adapter of that parameter ([experts, out, in], as F.linear uses it); None where weft's grouped
+    experts do not take their place (`experts_refusal`)."""
+    if experts_refusal(args) is not None:
+        return None
+    with torch.device("meta"):
+        model = build(args)
+    patterns = {re.sub(r"\.layers\.\d+\.", ".layers.{layer}.", name) for name, _ in routed_experts(model)}
+    return ExpertParameters({f"{p}.{w}": f"{p}.{w}" for p in sorted(patterns)
+                             for w in TransformersRoutedExperts.stacked_weights}, x_at_w=False)
 
 
 TRANSFORMERS_SPEC = ModelSpec(
