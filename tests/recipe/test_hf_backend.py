@@ -13,6 +13,7 @@ under fsdp 2; a Llama folder trains alike under both backends on each data forma
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -273,8 +274,26 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
+# LoRA on the routed experts too (`experts`: each MoE layer's gate_up_proj and down_proj, PEFT's
+# `target_parameters`) beside CONVERTED's linears, 6 steps in one process, exported (<run>/peft, merged).
+EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged",
+               "--no-checkpoint.enable")
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def expert_lora_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
+    return sft_args(root / family, root / "sft.jsonl", dump, *EXPERT_LORA, "--lora.target_modules",
+                    f"{CONVERTED[family]},experts", *extra)
+
+
+@pytest.fixture(scope="module")
+def expert_lora(root) -> dict[str, list[float]]:
+    """Each of CONVERTED's LoRA runs with adapters on its routed experts, in one process (<root>/lora_<family>)."""
+    return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in CONVERTED}
+
+
 @pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
-def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
     if family in CONVERTED:
@@ -282,9 +301,11 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
                                               r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
                                               r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
             plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
-        lora += ("--lora.target_modules", CONVERTED[family])
-    run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
-                 "--no-checkpoint.enable"))
+        request.getfixturevalue("expert_lora")  # its linears and its routed experts adapted
+        tmp_path = root / f"lora_{family}"
+    else:
+        run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
+                     "--no-checkpoint.enable"))
     base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
@@ -294,6 +315,64 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
     assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
         load_file(root / family / "model.safetensors"))
+    if family in CONVERTED:  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
+        config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+        assert config["target_parameters"] == EXPERT_PARAMETERS and config["r"] == 4 and not config["rank_pattern"]
+        source, exported = load_file(root / family / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+        adapted_names = (".mlp.experts.", *(f".{linear}." for linear in CONVERTED[family].split(",")))
+        assert all(torch.equal(exported[k], source[k]) for k in source if not any(n in k for n in adapted_names))
+        assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
+
+
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder(root, tmp_path, family):
+    """weft's grouped experts in transformers' place, each stacked weight with an adapter (B away from
+    zero): the model's logits are those of PEFT's `target_parameters` on transformers' model loaded
+    from the PEFT folder, and of the merged folder in transformers; without the adapters, the folder's."""
+    peft = pytest.importorskip("peft")
+    from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model, save_peft_adapter
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.parallelisms.lora import LoRAOptions, adapters_off, apply_lora, expert_lora_modules
+    from weft.parallelisms.materialize import materialize
+
+    with torch.device("meta"):
+        model = TRANSFORMERS_SPEC.build(model_args_from_hf_folder(root / family, "transformers"))
+    TRANSFORMERS_SPEC.prepare_expert_parallel(model)
+    apply_lora(model, LoRAOptions(rank=4, alpha=8.0, use_rslora=True, target_modules=["experts"]))
+    materialize(model, torch.device("cpu"), seed=0)
+    load_hf_into_model(model, root / family)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        f"model.layers.1.mlp.experts.lora_{f}.{w}" for f in "AB" for w in ("gate_up_proj", "down_proj")]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, experts in expert_lora_modules(model):
+            for b in experts.lora_B.parameters():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.3)
+        ours = model.eval()(TOKENS).logits
+        with adapters_off(model):
+            torch.testing.assert_close(model(TOKENS).logits, logits_of(root / family, TOKENS), rtol=0, atol=1e-5)
+    save_peft_adapter(model, tmp_path / "peft")
+    save_hf_model(model, tmp_path / "merged")
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(TOKENS).logits
+    assert (ours - logits_of(root / family, TOKENS)).abs().max() > 1e-2  # the adapters count
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_of(tmp_path / "merged", TOKENS), ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, extra, reason", [
+    ("gpt_oss", (), r"its experts \(model.layers.0.mlp.experts\) hold .*, and adapters of routed experts go on weft's "
+                    r"grouped experts in their place, which compute plain SwiGLU experts; target its linears"),
+    ("mistral", (), r"it has no routed experts, and adapters of routed experts"),
+    ("deepseek_v3", ("--parallelism.tp", "2"), r"adapters of DeepseekV3ForCausalLM \(.*\)'s routed experts are not "
+                                               r"split by tensor parallelism yet; set parallelism.tp = 1"),
+])
+def test_lora_on_routed_experts_is_refused_where_weft_s_grouped_experts_cannot_hold_them(root, family, extra, reason):
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--lora.enable", "--lora.target_modules", "q_proj,experts", *extra)
+    assert "\n" not in str(refused.value)
+    assert re.match(rf"lora.target_modules = \['q_proj', 'experts'\]: .*{reason}", str(refused.value))
 
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default targets
