@@ -275,9 +275,9 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
 
 
 # LoRA on the routed experts too (`experts`: each MoE layer's gate_up_proj and down_proj, PEFT's
-# `target_parameters`) beside CONVERTED's linears, 6 steps in one process, exported (<run>/peft, merged).
-EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged",
-               "--no-checkpoint.enable")
+# `target_parameters`) beside CONVERTED's linears, 6 steps in one process, exported (<run>/peft, merged)
+# and checkpointed (adapters only) every 3 steps.
+EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged")
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -322,6 +322,20 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
         adapted_names = (".mlp.experts.", *(f".{linear}." for linear in CONVERTED[family].split(",")))
         assert all(torch.equal(exported[k], source[k]) for k in source if not any(n in k for n in adapted_names))
         assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
+
+
+def test_a_lora_run_on_routed_experts_resumes_bit_for_bit_and_its_checkpoint_exports_as_the_run_did(root, expert_lora,
+                                                                                                    tmp_path):
+    from weft.recipe.export import main as export_main
+
+    args = expert_lora_args(root, "deepseek_v3", tmp_path / "stopped")
+    assert run(args, stop_after=3) + run(args) == expert_lora["deepseek_v3"]
+    whole = root / "lora_deepseek_v3"
+    assert export_main(["--checkpoint", str(whole / "checkpoint" / "step-6"), "--out", str(tmp_path / "merged"),
+                        "--peft-out", str(tmp_path / "peft")]) == 0
+    for written in ("merged/model.safetensors", "peft/adapter_model.safetensors"):
+        cli, at_end = load_file(tmp_path / written), load_file(whole / written)
+        assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
 
 
 @pytest.mark.parametrize("family", list(CONVERTED))
@@ -426,7 +440,7 @@ TP_FAMILIES = ("mistral", "gemma3")
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
-    the MoE families of CONVERTED under ep 2 (exported),
+    the MoE families of CONVERTED under ep 2 (exported), DeepSeek V3's LoRA on its experts under ep 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -447,6 +461,10 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
                                       "--export.hf_folder", "hf")
              for family in CONVERTED}
+    # LoRA with adapters on DeepSeek V3's routed experts: spread with their experts (exported: peft, merged)
+    runs["ep_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "ep_lora_deepseek_v3",
+                                                   "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                                   "--training.local_batch_size", "2", "--no-checkpoint.enable")
     losses = {name: run(args) for name, args in runs.items()}
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
@@ -459,7 +477,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
-                                                                                      more_one_process, capsys):
+                                                                                      more_one_process, expert_lora,
+                                                                                      capsys):
     shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
@@ -517,6 +536,18 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    # the experts' adapters under ep 2: one process's losses and merged export, and PEFT reads its folder so
+    assert losses["ep_lora_deepseek_v3"] == pytest.approx(expert_lora["deepseek_v3"], rel=1e-5)
+    ep_lora, one_lora = root / "ep_lora_deepseek_v3", root / "lora_deepseek_v3"
+    exported, single = (load_file(folder / "merged" / "model.safetensors") for folder in (ep_lora, one_lora))
+    assert sorted(exported) == sorted(single)
+    for key in single:
+        torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+    peft = pytest.importorskip("peft")
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "deepseek_v3").eval()
+        theirs = peft.PeftModel.from_pretrained(base, ep_lora / "peft").eval()(TOKENS).logits
+    torch.testing.assert_close(theirs, logits_of(ep_lora / "merged", TOKENS), rtol=0, atol=1e-5)
 
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
