@@ -31,7 +31,7 @@ from weft.components.observe.profiling import check_profiling
 from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
-from weft.models.transformers.spec import uncommon_attention
+from weft.models.transformers.spec import expert_adapters_refusal, uncommon_attention
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -296,14 +296,13 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
 
 
 def check_backend_expert_lora(cfg: JobConfig, args, built: str, dims: ParallelDims) -> None:
-    """LoRA on a transformers model's routed experts: the adapters go on weft's grouped experts in
+    """LoRA on a transformers model's routed experts: the adapters go on weft's experts in
     transformers' place (`prepare_experts`), so only where those compute the family's experts, and
     not yet under tensor parallelism (its plan for the stacked experts splits no adapters)."""
     key = f"lora.target_modules = {list(cfg.lora.target_modules)}"
-    refuse = spec_for_args(args).expert_parallel_refusal
-    if refuse is not None and (refusal := refuse(args)) is not None:
-        raise ConfigError(f"{key}: {built}: {refusal}, and adapters of routed experts go on weft's grouped experts "
-                          "in their place, which compute plain SwiGLU experts; target its linears")
+    if (refusal := expert_adapters_refusal(args)) is not None:
+        raise ConfigError(f"{key}: {built}: {refusal}, and adapters of routed experts go on weft's experts in "
+                          "their place, which compute plain SwiGLU experts and gpt-oss's; target its linears")
     if dims.tp > 1:
         raise ConfigError(f"{key}: adapters of {built}'s routed experts are not split by tensor parallelism yet; "
                           f"set parallelism.tp = 1 (parallelism.ep spreads them) or target its linears")

@@ -279,6 +279,8 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
 # and checkpointed (adapters only) every 3 steps.
 EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged")
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+GPT_OSS_LORA = "q_proj,v_proj,experts"  # gpt-oss's experts (biased, clamped; used as x @ W) adapted too
+MOE_LAYERS = {"deepseek_v3": [1], "glm4_moe": [1], "gpt_oss": [0, 1]}
 
 
 def expert_lora_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
@@ -292,11 +294,13 @@ def expert_lora(root) -> dict[str, list[float]]:
     return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in CONVERTED}
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED, "gpt_oss"])
 def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
-    if family in CONVERTED:
+    if family == "gpt_oss":  # on text (packed samples are refused for it), its attention and its experts adapted
+        run(more_args(root, family, tmp_path, *EXPERT_LORA, "--lora.target_modules", GPT_OSS_LORA))
+    elif family in CONVERTED:
         with pytest.raises(ConfigError, match=rf"^export.peft_folder = 'peft': PEFT reads a {family} adapter's "
                                               r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
                                               r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
@@ -315,12 +319,14 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
     assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
         load_file(root / family / "model.safetensors"))
-    if family in CONVERTED:  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
+    if family != "gemma3":  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
         config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
         assert config["target_parameters"] == EXPERT_PARAMETERS and config["r"] == 4 and not config["rank_pattern"]
         source, exported = load_file(root / family / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
-        adapted_names = (".mlp.experts.", *(f".{linear}." for linear in CONVERTED[family].split(",")))
-        assert all(torch.equal(exported[k], source[k]) for k in source if not any(n in k for n in adapted_names))
+        linears = GPT_OSS_LORA if family == "gpt_oss" else CONVERTED[family]
+        adapted = (".mlp.experts.", *(f".{linear}.weight" for linear in linears.split(",") if linear != "experts"))
+        frozen = [k for k in source if not any(n in k for n in adapted) or k.endswith("_bias")]  # gpt-oss's biases
+        assert frozen and all(torch.equal(exported[k], source[k]) for k in frozen)
         assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
 
 
@@ -338,7 +344,7 @@ def test_a_lora_run_on_routed_experts_resumes_bit_for_bit_and_its_checkpoint_exp
         assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
 
 
-@pytest.mark.parametrize("family", list(CONVERTED))
+@pytest.mark.parametrize("family", [*CONVERTED, "gpt_oss"])
 def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder(root, tmp_path, family):
     """weft's grouped experts in transformers' place, each stacked weight with an adapter (B away from
     zero): the model's logits are those of PEFT's `target_parameters` on transformers' model loaded
@@ -356,7 +362,8 @@ def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder
     materialize(model, torch.device("cpu"), seed=0)
     load_hf_into_model(model, root / family)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == [
-        f"model.layers.1.mlp.experts.lora_{f}.{w}" for f in "AB" for w in ("gate_up_proj", "down_proj")]
+        f"model.layers.{i}.mlp.experts.lora_{f}.{w}" for i in MOE_LAYERS[family] for f in "AB"
+        for w in ("gate_up_proj", "down_proj")]
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, experts in expert_lora_modules(model):
@@ -375,18 +382,25 @@ def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder
     torch.testing.assert_close(logits_of(tmp_path / "merged", TOKENS), ours, rtol=0, atol=1e-5)
 
 
+LORA_ON_EXPERTS = r"lora.target_modules = \['q_proj', 'experts'\]: "
+
+
 @pytest.mark.parametrize("family, extra, reason", [
-    ("gpt_oss", (), r"its experts \(model.layers.0.mlp.experts\) hold .*, and adapters of routed experts go on weft's "
-                    r"grouped experts in their place, which compute plain SwiGLU experts; target its linears"),
-    ("mistral", (), r"it has no routed experts, and adapters of routed experts"),
-    ("deepseek_v3", ("--parallelism.tp", "2"), r"adapters of DeepseekV3ForCausalLM \(.*\)'s routed experts are not "
-                                               r"split by tensor parallelism yet; set parallelism.tp = 1"),
+    ("mistral", (), LORA_ON_EXPERTS + r"MistralForCausalLM \(.*\): it has no routed experts, and adapters of routed "
+                    r"experts go on weft's experts in their place, which compute plain SwiGLU experts and gpt-oss's; "
+                    r"target its linears$"),
+    ("deepseek_v3", ("--parallelism.tp", "2"), LORA_ON_EXPERTS + r"adapters of DeepseekV3ForCausalLM \(.*\)'s routed "
+                                               r"experts are not split by tensor parallelism yet; set parallelism.tp = 1"),
+    ("gpt_oss", ("--parallelism.ep", "2"), r"parallelism.ep = 2: GptOssForCausalLM \(.*\): its experts .* hold "
+                                           r"down_proj_bias, gate_up_proj_bias beside gate_up_proj and down_proj"),
 ])
-def test_lora_on_routed_experts_is_refused_where_weft_s_grouped_experts_cannot_hold_them(root, family, extra, reason):
+def test_lora_on_routed_experts_is_refused_where_weft_s_experts_cannot_hold_them(root, family, extra, reason):
+    """Where weft's experts in transformers' place do not compute the family's (or it has none), and
+    under tp; gpt-oss's adapted experts train in one process or under FSDP, not expert parallelism."""
     with pytest.raises(ConfigError) as refused:
         plan_of(root / family, root / "sft.jsonl", "--lora.enable", "--lora.target_modules", "q_proj,experts", *extra)
     assert "\n" not in str(refused.value)
-    assert re.match(rf"lora.target_modules = \['q_proj', 'experts'\]: .*{reason}", str(refused.value))
+    assert re.match(reason, str(refused.value))
 
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default targets
