@@ -454,7 +454,8 @@ TP_FAMILIES = ("mistral", "gemma3")
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
-    the MoE families of CONVERTED under ep 2 (exported), DeepSeek V3's LoRA on its experts under ep 2,
+    the MoE families of CONVERTED under ep 2 (exported), DeepSeek V3's LoRA on its experts under ep 2
+    and pp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -479,6 +480,9 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     runs["ep_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "ep_lora_deepseek_v3",
                                                    "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
                                                    "--training.local_batch_size", "2", "--no-checkpoint.enable")
+    runs["pp_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "pp_lora_deepseek_v3",
+                                                   "--parallelism.dp_shard", "1", "--parallelism.pp", "2",
+                                                   "--no-checkpoint.enable")
     losses = {name: run(args) for name, args in runs.items()}
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
@@ -550,13 +554,15 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
-    # the experts' adapters under ep 2: one process's losses and merged export, and PEFT reads its folder so
-    assert losses["ep_lora_deepseek_v3"] == pytest.approx(expert_lora["deepseek_v3"], rel=1e-5)
+    # the experts' adapters under ep 2 and pp 2: one process's losses and merged export, and PEFT reads
+    # the ep run's folder so
     ep_lora, one_lora = root / "ep_lora_deepseek_v3", root / "lora_deepseek_v3"
-    exported, single = (load_file(folder / "merged" / "model.safetensors") for folder in (ep_lora, one_lora))
-    assert sorted(exported) == sorted(single)
-    for key in single:
-        torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+    for layout in ("ep_lora_deepseek_v3", "pp_lora_deepseek_v3"):
+        assert losses[layout] == pytest.approx(expert_lora["deepseek_v3"], rel=1e-5)
+        exported, single = (load_file(folder / "merged" / "model.safetensors") for folder in (root / layout, one_lora))
+        assert sorted(exported) == sorted(single)
+        for key in single:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
     peft = pytest.importorskip("peft")
     with torch.no_grad():
         base = transformers.AutoModelForCausalLM.from_pretrained(root / "deepseek_v3").eval()
