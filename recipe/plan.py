@@ -305,7 +305,7 @@ def check_backend_expert_lora(cfg: JobConfig, args, built: str, dims: ParallelDi
                           "their place, which compute plain SwiGLU experts and gpt-oss's; target its linears")
     if dims.tp > 1:
         raise ConfigError(f"{key}: adapters of {built}'s routed experts are not split by tensor parallelism yet; "
-                          f"set parallelism.tp = 1 (parallelism.ep spreads them) or target its linears")
+                          "set parallelism.tp = 1 (parallelism.ep spreads them) or target its linears")
 
 
 def prepare_experts(args, model: nn.Module, *, ep: int = 1, lora: LoRAOptions | None = None) -> None:

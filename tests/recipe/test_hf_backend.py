@@ -396,7 +396,7 @@ LORA_ON_EXPERTS = r"lora.target_modules = \['q_proj', 'experts'\]: "
 ])
 def test_lora_on_routed_experts_is_refused_where_weft_s_experts_cannot_hold_them(root, family, extra, reason):
     """Where weft's experts in transformers' place do not compute the family's (or it has none), and
-    under tp; gpt-oss's adapted experts train in one process or under FSDP, not expert parallelism."""
+    under tp; gpt-oss's adapted experts refuse expert parallelism as its plain ones do."""
     with pytest.raises(ConfigError) as refused:
         plan_of(root / family, root / "sft.jsonl", "--lora.enable", "--lora.target_modules", "q_proj,experts", *extra)
     assert "\n" not in str(refused.value)
