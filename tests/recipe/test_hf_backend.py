@@ -275,36 +275,38 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
 
 
 # LoRA on the routed experts too (`experts`: each MoE layer's gate_up_proj and down_proj, PEFT's
-# `target_parameters`) beside CONVERTED's linears, 6 steps in one process, exported (<run>/peft, merged)
-# and checkpointed (adapters only) every 3 steps.
+# `target_parameters`) beside the linears of LORA_LINEARS, exported (<run>/peft, merged): CONVERTED's
+# 6 SFT steps, checkpointed (adapters only) every 3; gpt-oss's (biased, clamped experts used as x @ W)
+# 4 steps on text, as packed samples are refused for it.
 EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged")
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-GPT_OSS_LORA = "q_proj,v_proj,experts"  # gpt-oss's experts (biased, clamped; used as x @ W) adapted too
+LORA_LINEARS = {**CONVERTED, "gpt_oss": "q_proj,v_proj"}
 MOE_LAYERS = {"deepseek_v3": [1], "glm4_moe": [1], "gpt_oss": [0, 1]}
 
 
 def expert_lora_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
-    return sft_args(root / family, root / "sft.jsonl", dump, *EXPERT_LORA, "--lora.target_modules",
-                    f"{CONVERTED[family]},experts", *extra)
+    lora = (*EXPERT_LORA, "--lora.target_modules", f"{LORA_LINEARS[family]},experts", *extra)
+    if family in MORE:
+        return more_args(root, family, dump, *lora)
+    return sft_args(root / family, root / "sft.jsonl", dump, *lora)
 
 
 @pytest.fixture(scope="module")
 def expert_lora(root) -> dict[str, list[float]]:
-    """Each of CONVERTED's LoRA runs with adapters on its routed experts, in one process (<root>/lora_<family>)."""
-    return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in CONVERTED}
+    """Each LoRA run of LORA_LINEARS with adapters on its routed experts, in one process (<root>/lora_<family>)."""
+    return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in LORA_LINEARS}
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED, "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", *LORA_LINEARS])
 def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
-    if family == "gpt_oss":  # on text (packed samples are refused for it), its attention and its experts adapted
-        run(more_args(root, family, tmp_path, *EXPERT_LORA, "--lora.target_modules", GPT_OSS_LORA))
-    elif family in CONVERTED:
+    if family in CONVERTED:
         with pytest.raises(ConfigError, match=rf"^export.peft_folder = 'peft': PEFT reads a {family} adapter's "
                                               r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
                                               r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
             plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
+    if family in LORA_LINEARS:
         request.getfixturevalue("expert_lora")  # its linears and its routed experts adapted
         tmp_path = root / f"lora_{family}"
     else:
@@ -319,13 +321,12 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
     assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
         load_file(root / family / "model.safetensors"))
-    if family != "gemma3":  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
+    if family in LORA_LINEARS:  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
         config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
         assert config["target_parameters"] == EXPERT_PARAMETERS and config["r"] == 4 and not config["rank_pattern"]
         source, exported = load_file(root / family / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
-        linears = GPT_OSS_LORA if family == "gpt_oss" else CONVERTED[family]
-        adapted = (".mlp.experts.", *(f".{linear}.weight" for linear in linears.split(",") if linear != "experts"))
-        frozen = [k for k in source if not any(n in k for n in adapted) or k.endswith("_bias")]  # gpt-oss's biases
+        changed = (".mlp.experts.", *(f".{linear}.weight" for linear in LORA_LINEARS[family].split(",")))
+        frozen = [k for k in source if not any(n in k for n in changed) or k.endswith("_bias")]  # gpt-oss's biases
         assert frozen and all(torch.equal(exported[k], source[k]) for k in frozen)
         assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
 
@@ -454,8 +455,8 @@ TP_FAMILIES = ("mistral", "gemma3")
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
-    the MoE families of CONVERTED under ep 2 (exported), DeepSeek V3's LoRA on its experts under ep 2
-    and pp 2,
+    the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
+    and pp 2 and of gpt-oss under fsdp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -483,6 +484,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     runs["pp_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "pp_lora_deepseek_v3",
                                                    "--parallelism.dp_shard", "1", "--parallelism.pp", "2",
                                                    "--no-checkpoint.enable")
+    runs["fsdp_lora_gpt_oss"] = expert_lora_args(root, "gpt_oss", root / "fsdp_lora_gpt_oss", "--parallelism.dp_shard",
+                                                 "2", "--training.local_batch_size", "2")
     losses = {name: run(args) for name, args in runs.items()}
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
@@ -554,12 +557,13 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
-    # the experts' adapters under ep 2 and pp 2: one process's losses and merged export, and PEFT reads
-    # the ep run's folder so
-    ep_lora, one_lora = root / "ep_lora_deepseek_v3", root / "lora_deepseek_v3"
-    for layout in ("ep_lora_deepseek_v3", "pp_lora_deepseek_v3"):
-        assert losses[layout] == pytest.approx(expert_lora["deepseek_v3"], rel=1e-5)
-        exported, single = (load_file(folder / "merged" / "model.safetensors") for folder in (root / layout, one_lora))
+    # the experts' adapters under ep 2, pp 2 (DeepSeek V3) and fsdp 2 (gpt-oss): one process's losses and
+    # merged export, and PEFT reads the ep run's folder so
+    ep_lora = root / "ep_lora_deepseek_v3"
+    for layout, family in (("ep_lora", "deepseek_v3"), ("pp_lora", "deepseek_v3"), ("fsdp_lora", "gpt_oss")):
+        assert losses[f"{layout}_{family}"] == pytest.approx(expert_lora[family], rel=1e-5)
+        exported, single = (load_file(folder / "merged" / "model.safetensors")
+                            for folder in (root / f"{layout}_{family}", root / f"lora_{family}"))
         assert sorted(exported) == sorted(single)
         for key in single:
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
