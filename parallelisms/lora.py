@@ -285,15 +285,17 @@ def _matching(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
 def lora_expert_targets(model: nn.Module, target_modules, allow_no_targets: bool = False
                         ) -> dict[str, tuple[nn.Module, list[str]]]:
     """The stacks of routed experts `target_modules` names: experts module name → (module, the
-    projections to adapt, of w1 w2 w3). A TransformError names a target such as `experts.w4`
-    (no such projection) or `experts` where the model has no routed experts."""
+    projections to adapt, of its stacked weights: w1 w2 w3, or those it names in `stacked_weights`).
+    A TransformError names a target such as `experts.w4` (no such projection) or `experts` where the
+    model has no routed experts."""
     if target_modules is None:
         return {}
     patterns = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    stacks = stacked_experts(model)
+    stacks = adaptable_experts(model)
+    weights = list(dict.fromkeys(w for _, module in stacks for w in _stacked_weights(module))) or list(EXPERT_WEIGHTS)
     found: dict[str, tuple[nn.Module, list[str]]] = {}
     for name, module in stacks:
-        projections = [w for w in EXPERT_WEIGHTS
+        projections = [w for w in _stacked_weights(module)
                        if any(_name_matches(name, p) or _projection_matches(f"{name}.{w}", p) for p in patterns)]
         if projections:
             found[name] = (module, projections)
@@ -301,16 +303,38 @@ def lora_expert_targets(model: nn.Module, target_modules, allow_no_targets: bool
         segments = pattern.split(".")
         if any(c in pattern for c in "*?[") or EXPERTS not in segments[-2:]:
             continue
-        if segments[-1] != EXPERTS and segments[-1] not in EXPERT_WEIGHTS:
-            names = ", ".join([EXPERTS, *(f"{EXPERTS}.{w}" for w in EXPERT_WEIGHTS)])
+        if segments[-1] != EXPERTS and segments[-1] not in weights:
+            names = ", ".join([EXPERTS, *(f"{EXPERTS}.{w}" for w in weights)])
             raise TransformError("apply_lora", "target_modules", f"target_modules names {pattern!r}: routed experts "
-                                 f"take adapters on {', '.join(EXPERT_WEIGHTS)} ({names})")
+                                 f"take adapters on {', '.join(weights)} ({names})")
         if not allow_no_targets and not any(_name_matches(n, pattern) or any(_projection_matches(f"{n}.{w}", pattern)
-                                                                         for w in EXPERT_WEIGHTS) for n, _ in stacks):
+                                                                         for w in _stacked_weights(m)) for n, m in stacks):
             raise TransformError("apply_lora", "target_modules",
                                  f"target_modules names {pattern!r}, and {type(model).__name__} has no routed experts "
-                                 "(stacked w1, w2, w3) of that name; target its linears")
+                                 f"(stacked {', '.join(weights)}) of that name; target its linears")
     return found
+
+
+def names_routed_experts(target_modules) -> bool:
+    """Whether `target_modules` names routed experts (`experts`, `experts.<weight>`, or a name or
+    glob ending so), as `lora_expert_targets` reads it: before the model holds them (the
+    transformers backend swaps in weft's grouped experts to adapt them)."""
+    patterns = [] if target_modules is None else [target_modules] if isinstance(target_modules, str) else target_modules
+    return any(EXPERTS in p.split(".")[-2:] for p in patterns)
+
+
+def adaptable_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of stacked routed experts adapters can go on: weft's (`stacked_experts`) and
+    those naming their own 3-D weights in `stacked_weights` (the transformers backend's
+    `gate_up_proj` and `down_proj`, models/transformers/experts.py)."""
+    return [(n, m) for n, m in model.named_modules()
+            if not isinstance(m, ExpertAdapters)
+            and all(isinstance(getattr(m, w, None), (nn.Parameter, NF4Experts)) and len(getattr(m, w).shape) == 3
+                    for w in _stacked_weights(m))]
+
+
+def _stacked_weights(module: nn.Module) -> tuple[str, ...]:
+    return tuple(getattr(module, "stacked_weights", EXPERT_WEIGHTS))
 
 
 def _projection_matches(name: str, pattern: str) -> bool:

@@ -57,7 +57,7 @@ from weft.parallelisms.materialize import materialize, materialize_part
 from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
-from weft.recipe.plan import RunPlan, config_error
+from weft.recipe.plan import RunPlan, config_error, prepare_experts
 from weft.recipe.step import (
     PipelineLoss,
     PipelineStep,
@@ -255,8 +255,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     spec = spec_for_args(plan.model_args)
     with torch.device("meta"):
         model = spec.build(plan.model_args)
-    if plan.dims.ep > 1 and spec.prepare_expert_parallel is not None:
-        spec.prepare_expert_parallel(model)
+    prepare_experts(plan.model_args, model, ep=plan.dims.ep, lora=plan.options.lora)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     qlora = plan.options.lora is not None and plan.options.lora.quantize_base is not None

@@ -46,7 +46,7 @@ from weft.parallelisms.pipeline import (
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.recipe.build import build_model, model_line, reference_mode, reference_model
-from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
+from weft.recipe.plan import RunPlan, check_layout, pipeline_layout, prepare_experts
 
 logger = logging.getLogger("weft")
 
@@ -234,6 +234,7 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
         plain = spec_for_args(args).build(args)
         base = spec_for_args(args).build(args) if options.lora is not None else plain  # a frozen reference's shape
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
+        prepare_experts(args, plain, lora=options.lora)
         apply_lora(plain, options.lora)
     copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
     stages = TableStages(plain)

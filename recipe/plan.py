@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
+from torch import nn
 
 from weft.components.checkpoint.checkpointer import check_resume, resume_folder
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig, check_dump_folder
@@ -30,12 +31,12 @@ from weft.components.observe.profiling import check_profiling
 from weft.components.observe.wandb_logger import check_wandb
 from weft.float8 import Float8Options, check_float8_compute, check_float8_support, float8_tp_all_gather
 from weft.models import spec_for_args
-from weft.models.transformers.spec import uncommon_attention
+from weft.models.transformers.spec import expert_adapters_refusal, uncommon_attention
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
 from weft.parallelisms.fsdp import FSDPOptions
-from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules
+from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules, names_routed_experts
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
@@ -285,11 +286,35 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if dims.ep > 1 and refuse_ep is not None and (refusal := refuse_ep(args)) is not None:
         raise ConfigError(f"parallelism.ep = {dims.ep}: {built}: {refusal}, and expert parallelism spreads weft's "
                           "grouped experts, which compute plain SwiGLU experts; set parallelism.ep = 1")
+    if cfg.lora.enable and names_routed_experts(cfg.lora.target_modules):
+        check_backend_expert_lora(cfg, args, built, dims)
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
     if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
+
+
+def check_backend_expert_lora(cfg: JobConfig, args, built: str, dims: ParallelDims) -> None:
+    """LoRA on a transformers model's routed experts: the adapters go on weft's experts in
+    transformers' place (`prepare_experts`), so only where those compute the family's experts, and
+    not yet under tensor parallelism (its plan for the stacked experts splits no adapters)."""
+    key = f"lora.target_modules = {list(cfg.lora.target_modules)}"
+    if (refusal := expert_adapters_refusal(args)) is not None:
+        raise ConfigError(f"{key}: {built}: {refusal}, and adapters of routed experts go on weft's experts in "
+                          "their place, which compute plain SwiGLU experts and gpt-oss's; target its linears")
+    if dims.tp > 1:
+        raise ConfigError(f"{key}: adapters of {built}'s routed experts are not split by tensor parallelism yet; "
+                          "set parallelism.tp = 1 (parallelism.ep spreads them) or target its linears")
+
+
+def prepare_experts(args, model: nn.Module, *, ep: int = 1, lora: LoRAOptions | None = None) -> None:
+    """Swap weft's grouped experts in for a transformers model's routed experts where a run needs
+    them (models/transformers/experts.py): expert parallelism spreads them, and LoRA's adapters of
+    routed experts go on them. Before `parallelize`, on the meta model."""
+    prepare = spec_for_args(args).prepare_expert_parallel
+    if prepare is not None and (ep > 1 or (lora is not None and names_routed_experts(lora.target_modules))):
+        prepare(model)
 
 
 def check_backend_cp(cfg: JobConfig, args, built: str, cp: int) -> None:
@@ -460,6 +485,7 @@ def check_lora(plan: RunPlan) -> None:
                           "lora.enable and give its step-0 as checkpoint.initial_load_path")
     with torch.device("meta"):
         model = spec_for_args(plan.model_args).build(plan.model_args)
+    prepare_experts(plan.model_args, model, lora=lora)
     try:
         apply_lora(model, lora)
         spec = spec_for_args(plan.model_args)

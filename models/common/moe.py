@@ -142,10 +142,15 @@ class ClampedSwiGLUExperts(GroupedExperts):
         device = x.device.type
         x = x.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w1.dtype)
         owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
-        gate = (experts_matmul(x, counts, w1) + b1.to(x.dtype)[owner]).clamp(max=self.limit)
-        up = (experts_matmul(x, counts, w3) + b3.to(x.dtype)[owner]).clamp(-self.limit, self.limit)
-        h = gate * torch.sigmoid(self.alpha * gate) * (up + 1)
-        return experts_matmul(h, counts, w2) + b2.to(x.dtype)[owner]
+        gate = experts_matmul(x, counts, w1) + b1.to(x.dtype)[owner]
+        up = experts_matmul(x, counts, w3) + b3.to(x.dtype)[owner]
+        return experts_matmul(clamped_swiglu(gate, up, self.alpha, self.limit), counts, w2) + b2.to(x.dtype)[owner]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: g·σ(α g) ⊙ (u + 1), with g = min(gate, limit), u = clamp(up, ±limit)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
 class LowRankAdapted(NamedTuple):

@@ -13,15 +13,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from weft.models.common.hf_names import ExpertParameters
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
-from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
+from weft.models.transformers.experts import (
+    TransformersRoutedExperts,
+    clamped_experts,
+    grouped_experts_refusal,
+    routed_experts,
+    swap_in_grouped_experts,
+)
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -337,9 +345,42 @@ TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_conf
 
 def hf_mapping(args: HFModelArgs) -> HFMapping:
     """The folder's names: the parameters' own, or where transformers converts the folder on load
-    (per-expert tensors stacked), the folder's (conversions.py)."""
+    (per-expert tensors stacked), the folder's (conversions.py); and where LoRA can adapt the
+    routed experts, PEFT's names of them (`_expert_parameters`)."""
     names = converted_names(args.model_type)
-    return TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    mapping = TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    experts = _expert_parameters(args)
+    return mapping if experts is None else dataclasses.replace(mapping, expert_parameters=experts)
+
+
+@functools.lru_cache(maxsize=8)
+def expert_adapters_refusal(args: HFModelArgs) -> str | None:
+    """Why LoRA cannot adapt this model's routed experts: its adapters go on weft's experts in
+    transformers' place (experts.py), which compute plain SwiGLU experts (`experts_refusal`) and
+    gpt-oss's; None where they can."""
+    with torch.device("meta"):
+        model = build(args)
+    return None if clamped_experts(model) else experts_refusal(args)
+
+
+@functools.lru_cache(maxsize=8)
+def _expert_parameters(args: HFModelArgs) -> ExpertParameters | None:
+    """The routed experts' parameters as PEFT's `target_parameters` name them (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`), each LoRA adapter of weft's experts in transformers' place one
+    adapter of that parameter (scaling x B_e A_e added to expert e's matrix as it is held, which
+    PEFT writes transposed where the module uses it as x @ W); None where no adapters can go on
+    them (`expert_adapters_refusal`)."""
+    if expert_adapters_refusal(args) is not None:
+        return None
+    with torch.device("meta"):
+        model = build(args)
+    found = routed_experts(model)
+    patterns = {re.sub(r"\.layers\.\d+\.", ".layers.{layer}.", name) for name, _ in found}
+    # PEFT lays its factors out by how the module uses the weight: [experts, in, out] (x @ W) where
+    # transformers marks it is_transposed (gpt-oss), [experts, out, in] otherwise
+    x_at_w = any(getattr(module, "is_transposed", False) for _, module in found)
+    return ExpertParameters({f"{p}.{w}": f"{p}.{w}" for p in sorted(patterns)
+                             for w in TransformersRoutedExperts.stacked_weights}, x_at_w=x_at_w)
 
 
 TRANSFORMERS_SPEC = ModelSpec(

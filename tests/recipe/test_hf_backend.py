@@ -13,6 +13,7 @@ under fsdp 2; a Llama folder trains alike under both backends on each data forma
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -273,8 +274,31 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
-def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
+# LoRA on the routed experts too (`experts`: each MoE layer's gate_up_proj and down_proj, PEFT's
+# `target_parameters`) beside the linears of LORA_LINEARS, exported (<run>/peft, merged): CONVERTED's
+# 6 SFT steps, checkpointed (adapters only) every 3; gpt-oss's (biased, clamped experts used as x @ W)
+# 4 steps on text, as packed samples are refused for it.
+EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged")
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+LORA_LINEARS = {**CONVERTED, "gpt_oss": "q_proj,v_proj"}
+MOE_LAYERS = {"deepseek_v3": [1], "glm4_moe": [1], "gpt_oss": [0, 1]}
+
+
+def expert_lora_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
+    lora = (*EXPERT_LORA, "--lora.target_modules", f"{LORA_LINEARS[family]},experts", *extra)
+    if family in MORE:
+        return more_args(root, family, dump, *lora)
+    return sft_args(root / family, root / "sft.jsonl", dump, *lora)
+
+
+@pytest.fixture(scope="module")
+def expert_lora(root) -> dict[str, list[float]]:
+    """Each LoRA run of LORA_LINEARS with adapters on its routed experts, in one process (<root>/lora_<family>)."""
+    return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in LORA_LINEARS}
+
+
+@pytest.mark.parametrize("family", ["gemma3", *LORA_LINEARS])
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
     if family in CONVERTED:
@@ -282,9 +306,12 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
                                               r"down_proj/gate_proj/up_proj as its stacked experts', so the adapter on "
                                               r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
             plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
-        lora += ("--lora.target_modules", CONVERTED[family])
-    run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
-                 "--no-checkpoint.enable"))
+    if family in LORA_LINEARS:
+        request.getfixturevalue("expert_lora")  # its linears and its routed experts adapted
+        tmp_path = root / f"lora_{family}"
+    else:
+        run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
+                     "--no-checkpoint.enable"))
     base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
@@ -294,6 +321,87 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
     assert (merged - logits_of(root / family, TOKENS)).abs().max() > 1e-3  # the adapters trained
     assert sorted(load_file(tmp_path / "merged" / "model.safetensors")) == sorted(
         load_file(root / family / "model.safetensors"))
+    if family in LORA_LINEARS:  # the experts' adapters are PEFT's target_parameters, trained; the base stayed frozen
+        config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+        assert config["target_parameters"] == EXPERT_PARAMETERS and config["r"] == 4 and not config["rank_pattern"]
+        source, exported = load_file(root / family / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+        changed = (".mlp.experts.", *(f".{linear}.weight" for linear in LORA_LINEARS[family].split(",")))
+        frozen = [k for k in source if not any(n in k for n in changed) or k.endswith("_bias")]  # gpt-oss's biases
+        assert frozen and all(torch.equal(exported[k], source[k]) for k in frozen)
+        assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
+
+
+def test_a_lora_run_on_routed_experts_resumes_bit_for_bit_and_its_checkpoint_exports_as_the_run_did(root, expert_lora,
+                                                                                                    tmp_path):
+    from weft.recipe.export import main as export_main
+
+    args = expert_lora_args(root, "deepseek_v3", tmp_path / "stopped")
+    assert run(args, stop_after=3) + run(args) == expert_lora["deepseek_v3"]
+    whole = root / "lora_deepseek_v3"
+    assert export_main(["--checkpoint", str(whole / "checkpoint" / "step-6"), "--out", str(tmp_path / "merged"),
+                        "--peft-out", str(tmp_path / "peft")]) == 0
+    for written in ("merged/model.safetensors", "peft/adapter_model.safetensors"):
+        cli, at_end = load_file(tmp_path / written), load_file(whole / written)
+        assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
+
+
+@pytest.mark.parametrize("family", [*CONVERTED, "gpt_oss"])
+def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder(root, tmp_path, family):
+    """weft's grouped experts in transformers' place, each stacked weight with an adapter (B away from
+    zero): the model's logits are those of PEFT's `target_parameters` on transformers' model loaded
+    from the PEFT folder, and of the merged folder in transformers; without the adapters, the folder's."""
+    peft = pytest.importorskip("peft")
+    from weft.components.hf import load_hf_into_model, model_args_from_hf_folder, save_hf_model, save_peft_adapter
+    from weft.models import TRANSFORMERS_SPEC
+    from weft.parallelisms.lora import LoRAOptions, adapters_off, apply_lora, expert_lora_modules
+    from weft.parallelisms.materialize import materialize
+
+    with torch.device("meta"):
+        model = TRANSFORMERS_SPEC.build(model_args_from_hf_folder(root / family, "transformers"))
+    TRANSFORMERS_SPEC.prepare_expert_parallel(model)
+    apply_lora(model, LoRAOptions(rank=4, alpha=8.0, use_rslora=True, target_modules=["experts"]))
+    materialize(model, torch.device("cpu"), seed=0)
+    load_hf_into_model(model, root / family)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        f"model.layers.{i}.mlp.experts.lora_{f}.{w}" for i in MOE_LAYERS[family] for f in "AB"
+        for w in ("gate_up_proj", "down_proj")]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, experts in expert_lora_modules(model):
+            for b in experts.lora_B.parameters():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.3)
+        ours = model.eval()(TOKENS).logits
+        with adapters_off(model):
+            torch.testing.assert_close(model(TOKENS).logits, logits_of(root / family, TOKENS), rtol=0, atol=1e-5)
+    save_peft_adapter(model, tmp_path / "peft")
+    save_hf_model(model, tmp_path / "merged")
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(TOKENS).logits
+    assert (ours - logits_of(root / family, TOKENS)).abs().max() > 1e-2  # the adapters count
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_of(tmp_path / "merged", TOKENS), ours, rtol=0, atol=1e-5)
+
+
+LORA_ON_EXPERTS = r"lora.target_modules = \['q_proj', 'experts'\]: "
+
+
+@pytest.mark.parametrize("family, extra, reason", [
+    ("mistral", (), LORA_ON_EXPERTS + r"MistralForCausalLM \(.*\): it has no routed experts, and adapters of routed "
+                    r"experts go on weft's experts in their place, which compute plain SwiGLU experts and gpt-oss's; "
+                    r"target its linears$"),
+    ("deepseek_v3", ("--parallelism.tp", "2"), LORA_ON_EXPERTS + r"adapters of DeepseekV3ForCausalLM \(.*\)'s routed "
+                                               r"experts are not split by tensor parallelism yet; set parallelism.tp = 1"),
+    ("gpt_oss", ("--parallelism.ep", "2"), r"parallelism.ep = 2: GptOssForCausalLM \(.*\): its experts .* hold "
+                                           r"down_proj_bias, gate_up_proj_bias beside gate_up_proj and down_proj"),
+])
+def test_lora_on_routed_experts_is_refused_where_weft_s_experts_cannot_hold_them(root, family, extra, reason):
+    """Where weft's experts in transformers' place do not compute the family's (or it has none), and
+    under tp; gpt-oss's adapted experts refuse expert parallelism as its plain ones do."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / family, root / "sft.jsonl", "--lora.enable", "--lora.target_modules", "q_proj,experts", *extra)
+    assert "\n" not in str(refused.value)
+    assert re.match(reason, str(refused.value))
 
 
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA's default targets
@@ -347,7 +455,8 @@ TP_FAMILIES = ("mistral", "gemma3")
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
-    the MoE families of CONVERTED under ep 2 (exported),
+    the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
+    and pp 2 and of gpt-oss under fsdp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
     root = Path(root)
@@ -368,6 +477,15 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
                                       "--export.hf_folder", "hf")
              for family in CONVERTED}
+    # LoRA with adapters on DeepSeek V3's routed experts: spread with their experts (exported: peft, merged)
+    runs["ep_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "ep_lora_deepseek_v3",
+                                                   "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                                   "--training.local_batch_size", "2", "--no-checkpoint.enable")
+    runs["pp_lora_deepseek_v3"] = expert_lora_args(root, "deepseek_v3", root / "pp_lora_deepseek_v3",
+                                                   "--parallelism.dp_shard", "1", "--parallelism.pp", "2",
+                                                   "--no-checkpoint.enable")
+    runs["fsdp_lora_gpt_oss"] = expert_lora_args(root, "gpt_oss", root / "fsdp_lora_gpt_oss", "--parallelism.dp_shard",
+                                                 "2", "--training.local_batch_size", "2")
     losses = {name: run(args) for name, args in runs.items()}
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
@@ -380,7 +498,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
-                                                                                      more_one_process, capsys):
+                                                                                      more_one_process, expert_lora,
+                                                                                      capsys):
     shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
@@ -438,6 +557,21 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
             torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(logits_of(root / f"ep_{family}" / "hf", TOKENS),
                                    logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    # the experts' adapters under ep 2, pp 2 (DeepSeek V3) and fsdp 2 (gpt-oss): one process's losses and
+    # merged export, and PEFT reads the ep run's folder so
+    ep_lora = root / "ep_lora_deepseek_v3"
+    for layout, family in (("ep_lora", "deepseek_v3"), ("pp_lora", "deepseek_v3"), ("fsdp_lora", "gpt_oss")):
+        assert losses[f"{layout}_{family}"] == pytest.approx(expert_lora[family], rel=1e-5)
+        exported, single = (load_file(folder / "merged" / "model.safetensors")
+                            for folder in (root / f"{layout}_{family}", root / f"lora_{family}"))
+        assert sorted(exported) == sorted(single)
+        for key in single:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+    peft = pytest.importorskip("peft")
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "deepseek_v3").eval()
+        theirs = peft.PeftModel.from_pretrained(base, ep_lora / "peft").eval()(TOKENS).logits
+    torch.testing.assert_close(theirs, logits_of(ep_lora / "merged", TOKENS), rtol=0, atol=1e-5)
 
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
