@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from weft.components.hf.writer import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, ExportError
-from weft.models import spec_for_model
+from weft.models import spec_for_args, spec_for_model
 from weft.models.common.hf_names import ExpertParameters
 from weft.parallelisms.lora import LoRAOptions, apply_lora, lora_scaling
 
@@ -25,7 +25,8 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     one adapter per weft weight: the same A for gate and up, B split between them. weft holds one
     rank and scaling for all adapters, so each is padded with zeros to the largest rank and its B
     scaled by its own scaling over the common one, which leaves what it adds unchanged."""
-    hf = spec_for_model(model).hf
+    spec = spec_for_model(model) or spec_for_args(model.args)  # weft's family, or transformers' backend
+    hf = spec.hf_of(model.args)
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -45,6 +46,12 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     # weft target -> (A, B in weft's layout, rank, scaling)
     adapters: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]] = {}
     experts = _Experts(hf.expert_parameters, config, folder)
+    if experts.targeted and spec.prepare_expert_parallel is not None:
+        # a transformers model's routed experts take adapters as weft's experts in their place
+        # (models/transformers/experts.py), which hold the same names: its loaded weights move over
+        weights = model.state_dict()
+        spec.prepare_expert_parallel(model)
+        model.load_state_dict(weights)
     for hf_module, factors in pairs.items():
         if set(factors) != {"A", "B"}:
             raise ExportError(f"adapter folder {folder}: {hf_module} has lora_{next(iter(factors))} without its pair")

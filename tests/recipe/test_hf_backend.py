@@ -298,7 +298,7 @@ def expert_lora(root) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("family", ["gemma3", *LORA_LINEARS])
-def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request):
+def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request, capsys):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
     if family in CONVERTED:
@@ -329,6 +329,13 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
         frozen = [k for k in source if not any(n in k for n in changed) or k.endswith("_bias")]  # gpt-oss's biases
         assert frozen and all(torch.equal(exported[k], source[k]) for k in frozen)
         assert any(not torch.equal(exported[k], source[k]) for k in source if ".mlp.experts." in k)
+    capsys.readouterr()  # generate.py --adapter puts the PEFT folder on the source as the merged export decodes
+    decoded = []
+    for source in (["--hf", str(root / family), "--adapter", str(tmp_path / "peft")], ["--hf", str(tmp_path / "merged")]):
+        assert generate.main([*source, "--backend", "transformers", "--tokenizer", str(SHIPPED_TOKENIZER),
+                              "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
+        decoded.append(capsys.readouterr().out.splitlines()[-1])  # after apply_lora's line
+    assert decoded[0] == decoded[1]
 
 
 def test_a_lora_run_on_routed_experts_resumes_bit_for_bit_and_its_checkpoint_exports_as_the_run_did(root, expert_lora,
