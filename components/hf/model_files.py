@@ -44,8 +44,9 @@ def model_config(args: Any, dtype: torch.dtype, source: dict[str, Any], tokenize
     tokenizer where the source gave none."""
     config = {k: v for k, v in source.items() if k not in _ROTARY_KEYS + _DTYPE_KEYS}
     config.update(spec_for_args(args).hf.hf_config(args, dtype))
-    config.setdefault("bos_token_id", tokenizer.bos_id)
-    config.setdefault("eos_token_id", tokenizer.eos_id)
+    if "text_config" not in config:  # a multimodal folder's config stays as it was
+        config.setdefault("bos_token_id", tokenizer.bos_id)
+        config.setdefault("eos_token_id", tokenizer.eos_id)
     return config
 
 
