@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +170,7 @@ def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": adapters.rank, "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout,
         "use_rslora": adapters.use_rslora, "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "target_modules": sorted({_hf_module(hf, m).rsplit(".", 1)[-1] for m in adapters.modules}) or None,
+        "target_modules": _target_modules(hf, [_hf_module(hf, m) for m in adapters.modules]),
         "inference_mode": True, "modules_to_save": None,
     }
     if experts is not None:
@@ -315,6 +316,17 @@ def _adapted(adapters: Adapters | None) -> dict[str, tuple[str, str]]:
 
 def _lora(weight_name: str, which: str) -> str:
     return f"{weight_name.removesuffix('.weight')}.lora_{which}.weight"
+
+
+def _target_modules(hf: HFMapping, modules: list[str]) -> list[str] | str | None:
+    """PEFT's target_modules: the adapted linears' own names, or where the folder holds other towers
+    whose linears share those names (a multimodal folder's vision tower), a pattern PEFT matches
+    against whole module names, covering the text model's adapted linears in every layer."""
+    if not modules:
+        return None
+    if not hf.carried():
+        return sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return "|".join(sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules}))
 
 
 def _hf_module(hf: HFMapping, weft_module: str) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,9 +104,9 @@ def _multimodal_text_config(config: dict[str, Any], hf_config, folder: str):
     """The text model's config of a multimodal folder (transformers' `get_text_config`), refused in
     one line where its tensors could not be read: no folder, or a text family whose tensors
     transformers converts on load (stacked experts)."""
-    if not folder:
+    if not folder or not (Path(folder) / "config.json").is_file():
         raise HFConfigError(f"model_type {config['model_type']} is multimodal (config.json has text_config): its text "
-                            "model's tensors are named by its folder, and no folder was given")
+                            f"model's tensors are named by its folder, which is not there ({folder!r})")
     text = hf_config.get_text_config(decoder=True)
     if text is hf_config:
         raise HFConfigError(f"model_type {config['model_type']}: transformers finds no text model's config in "
