@@ -1,8 +1,8 @@
 """The text model of a multimodal folder on the transformers backend (models/transformers/multimodal.py):
 tiny Gemma 3 (SigLIP vision tower, tied head) and Mistral 3 (Pixtral vision tower, its own head)
-folders written by transformers. The references are transformers' own: the ConditionalGeneration
-class on the folder, and a text-only folder of the same text weights (its causal LM, built from the
-multimodal model's modules) that the backend trains as any text folder."""
+folders written by transformers around a text folder's causal LM (tests/support/hf_multimodal.py).
+The references are transformers' own: the ConditionalGeneration class on the folder, and the text
+folder, which the backend trains as any text folder, with the same losses and trained weights."""
 
 from __future__ import annotations
 
@@ -19,47 +19,30 @@ from weft import generate
 from weft.components.config.shipped import SHIPPED_TOKENIZER
 from weft.components.data import load_tokenizer
 
+from tests.support.hf_multimodal import write_multimodal_folder
 from tests.support.train_runs import run, run_args
 
 transformers = pytest.importorskip("transformers")
 
 TEXT = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
-VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-              patch_size=8)
-CONFIGS = {
-    # Gemma 3 4B's layout: a SigLIP tower, a sliding and a global layer, the head tied to the embedding
-    "gemma3": lambda: transformers.Gemma3Config(
-        text_config=transformers.Gemma3TextConfig(**TEXT, sliding_window=8, pad_token_id=0,
-                                                  layer_types=["sliding_attention", "full_attention"]).to_dict(),
-        vision_config=transformers.SiglipVisionConfig(**VISION).to_dict(), mm_tokens_per_image=4,
-        image_token_index=2047),
-    # Mistral Small 3.1's: a Pixtral tower, a Mistral text model with its own head
-    "mistral3": lambda: transformers.Mistral3Config(
-        text_config=transformers.MistralConfig(**TEXT, sliding_window=None).to_dict(),
-        vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8).to_dict(), image_token_index=2047,
-        spatial_merge_size=2, tie_word_embeddings=False),
+TEXT_CONFIGS = {
+    # Gemma 3 4B's layout: a sliding and a global layer, the head tied to the embedding (and a SigLIP tower)
+    "gemma3": lambda: transformers.Gemma3TextConfig(**TEXT, sliding_window=8, pad_token_id=0,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+    # Mistral Small 3.1's: a Mistral text model with its own head (and a Pixtral tower)
+    "mistral3": lambda: transformers.MistralConfig(**TEXT, sliding_window=None, tie_word_embeddings=False),
 }
+CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
 FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
 TOKENS = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
-
-
 def write_folders(root: Path, family: str) -> None:
-    """<family>: the multimodal folder; <family>_text: its text model alone, as transformers' causal LM."""
+    """<family>_text: a text model, as transformers' causal LM; <family>: the multimodal folder around it."""
     torch.manual_seed(0)
-    config = CONFIGS[family]()
-    model = getattr(transformers, CLASSES[family])(config)
-    model.save_pretrained(root / family)
-    text = transformers.AutoModelForCausalLM.from_config(config.text_config)
-    text.model.load_state_dict(model.model.language_model.state_dict())
-    if not config.tie_word_embeddings:
-        text.lm_head.load_state_dict(model.lm_head.state_dict())
-    text.config.tie_word_embeddings = config.tie_word_embeddings
-    text.tie_weights()
-    text.save_pretrained(root / f"{family}_text")
+    transformers.AutoModelForCausalLM.from_config(TEXT_CONFIGS[family]()).save_pretrained(root / f"{family}_text")
+    write_multimodal_folder(root / f"{family}_text", root / family)
 
 
 def sft_args(root: Path, folder: str, dump: Path, *extra: str) -> list[str]:
@@ -71,7 +54,7 @@ def sft_args(root: Path, folder: str, dump: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf_multimodal")
-    for family in CONFIGS:
+    for family in TEXT_CONFIGS:
         write_folders(root, family)
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -84,7 +67,7 @@ def runs(root) -> dict[str, list[float]]:
     each exported at the end (<run>/hf)."""
     return {folder: run(sft_args(root, folder, root / f"run_{folder}", "--export.hf_folder", "hf",
                                  *(("--checkpoint.enable", "--checkpoint.interval", "3") if folder == "gemma3" else ())))
-            for family in CONFIGS for folder in (family, f"{family}_text")}
+            for family in TEXT_CONFIGS for folder in (family, f"{family}_text")}
 
 
 def logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
@@ -98,7 +81,7 @@ def load_multimodal(family: str, folder: Path):
     return model
 
 
-@pytest.mark.parametrize("family", CONFIGS)
+@pytest.mark.parametrize("family", TEXT_CONFIGS)
 def test_the_text_model_trains_as_its_text_folder_and_exports_the_source_folder_with_the_trained_weights(
         root, runs, family):
     torch.testing.assert_close(runs[family], runs[f"{family}_text"], rtol=0, atol=1e-5)
@@ -116,7 +99,7 @@ def test_the_text_model_trains_as_its_text_folder_and_exports_the_source_folder_
     assert (ours - logits(load_multimodal(family, root / family))).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", CONFIGS)
+@pytest.mark.parametrize("family", TEXT_CONFIGS)
 def test_generate_decodes_greedily_as_the_multimodal_class(root, family, capsys):
     prompt = "ROMEO: But, soft!"
     assert generate.main(["--hf", str(root / family), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
