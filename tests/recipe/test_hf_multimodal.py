@@ -33,7 +33,13 @@ TEXT_CONFIGS = {
     # Mistral Small 3.1's: a Mistral text model with its own head (and a Pixtral tower)
     "mistral3": lambda: transformers.MistralConfig(**TEXT, sliding_window=None, tie_word_embeddings=False),
 }
-CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+# Decoded only (its linear-attention layers refuse packed samples): Qwen3.5, whose folder transformers
+# writes under its newer names (`model.language_model.`, `lm_head.`) where the others keep the older ones.
+DECODED = {"qwen3_5": lambda: transformers.Qwen3_5TextConfig(
+    **TEXT, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)}
+CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 FP32 = ("--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3")
 TOKENS = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -41,7 +47,8 @@ TOKENS = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed
 def write_folders(root: Path, family: str) -> None:
     """<family>_text: a text model, as transformers' causal LM; <family>: the multimodal folder around it."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(TEXT_CONFIGS[family]()).save_pretrained(root / f"{family}_text")
+    config = (TEXT_CONFIGS | DECODED)[family]()
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / f"{family}_text")
     write_multimodal_folder(root / f"{family}_text", root / family)
 
 
@@ -54,7 +61,7 @@ def sft_args(root: Path, folder: str, dump: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf_multimodal")
-    for family in TEXT_CONFIGS:
+    for family in (*TEXT_CONFIGS, *DECODED):
         write_folders(root, family)
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -99,7 +106,7 @@ def test_the_text_model_trains_as_its_text_folder_and_exports_the_source_folder_
     assert (ours - logits(load_multimodal(family, root / family))).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", TEXT_CONFIGS)
+@pytest.mark.parametrize("family", [*TEXT_CONFIGS, *DECODED])
 def test_generate_decodes_greedily_as_the_multimodal_class(root, family, capsys):
     prompt = "ROMEO: But, soft!"
     assert generate.main(["--hf", str(root / family), "--prompt", prompt, "--max-new-tokens", "12"]) == 0

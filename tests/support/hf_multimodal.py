@@ -1,7 +1,8 @@
 """Multimodal Hugging Face folders for the transformers backend's tests, written by transformers
 around a text folder's model: Gemma 3 (a tiny SigLIP vision tower, the head tied as the text
-model's) and Mistral 3 (a tiny Pixtral vision tower, its own head), their text model holding the
-text folder's weights, the towers drawn at random."""
+model's), Mistral 3 (a tiny Pixtral vision tower, its own head) and Qwen3.5 (its own vision tower,
+saved under transformers' newer names, `model.language_model.`), their text model holding the text
+folder's weights, the towers drawn at random."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
               patch_size=8)
-CLASSES = {"gemma3_text": "Gemma3ForConditionalGeneration", "mistral": "Mistral3ForConditionalGeneration"}
+CLASSES = {"gemma3_text": "Gemma3ForConditionalGeneration", "mistral": "Mistral3ForConditionalGeneration",
+           "qwen3_5_text": "Qwen3_5ForConditionalGeneration"}
 
 
 def multimodal_config(text_config):
@@ -23,6 +25,12 @@ def multimodal_config(text_config):
         return transformers.Gemma3Config(text_config=text_config.to_dict(), mm_tokens_per_image=4,
                                          vision_config=transformers.SiglipVisionConfig(**VISION).to_dict(),
                                          image_token_index=text_config.vocab_size - 1, tie_word_embeddings=tied)
+    if text_config.model_type == "qwen3_5_text":
+        vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                  patch_size=8, out_hidden_size=text_config.hidden_size,
+                                                  num_position_embeddings=16)
+        return transformers.Qwen3_5Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
+                                          tie_word_embeddings=tied)
     return transformers.Mistral3Config(text_config=text_config.to_dict(), image_token_index=text_config.vocab_size - 1,
                                        vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8).to_dict(),
                                        spatial_merge_size=2, tie_word_embeddings=tied)
