@@ -23,7 +23,7 @@ from torch import nn
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
 from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
-from weft.models.transformers.multimodal import multimodal_names
+from weft.models.transformers.multimodal import multimodal_class, multimodal_names
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -107,6 +107,7 @@ def _multimodal_text_config(config: dict[str, Any], hf_config, folder: str):
     if not folder or not (Path(folder) / "config.json").is_file():
         raise HFConfigError(f"model_type {config['model_type']} is multimodal (config.json has text_config): its text "
                             f"model's tensors are named by its folder, which is not there ({folder!r})")
+    multimodal_class(config)  # HFConfigError where transformers has no class of its architectures
     text = hf_config.get_text_config(decoder=True)
     if text is hf_config:
         raise HFConfigError(f"model_type {config['model_type']}: transformers finds no text model's config in "

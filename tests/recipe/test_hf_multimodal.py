@@ -156,3 +156,18 @@ def test_a_lora_run_s_peft_folder_loads_on_the_multimodal_class_as_the_merged_ex
     merged = logits(load_multimodal("gemma3", tmp_path / "run" / "merged"))
     torch.testing.assert_close(logits(adapted), merged, rtol=0, atol=1e-5)
     assert (merged - logits(load_multimodal("gemma3", root / "gemma3"))).abs().max() > 1e-3  # the adapters trained
+
+
+def test_a_multimodal_folder_whose_text_tensors_transformers_converts_is_refused_naming_it(tmp_path):
+    from weft.components.hf import ConversionError
+    from weft.components.hf.load import model_args_from_hf_folder
+
+    text = transformers.Qwen3_5MoeTextConfig(**TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             layer_types=["full_attention", "full_attention"])
+    config = transformers.Qwen3_5MoeConfig(text_config=text.to_dict())
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ConversionError, match=r"^HF folder .*: model_type qwen3_5_moe: transformers converts its text "
+                                              r"model's \(qwen3_5_moe_text\) tensors on load") as refused:
+        model_args_from_hf_folder(tmp_path, "auto")
+    assert "\n" not in str(refused.value)
