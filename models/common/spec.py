@@ -57,7 +57,7 @@ class HFMapping:
     def carried(self) -> dict[str, Any]:
         """The folder's tensors that are not the model's, each with its file: an export copies them
         unchanged from the source (a multimodal folder's vision tower and projector); {} for most."""
-        return dict(getattr(self.names, "others", {}))
+        return dict(getattr(self.names, "carried", {}))
 
     def hf_to_weft_name(self, name: str) -> str:
         """A Hugging Face tensor's weft parameter name (ValueError for one weft has no place for)."""

@@ -47,11 +47,11 @@ def folder_keys(folder: str) -> dict[str, Path]:
 
 class MultimodalNames:
     """`HFNames`' interface (models/common/hf_names.py) for the text model of a multimodal folder:
-    each text parameter is the folder's tensor transformers loads it into it from; `others` are the
+    each text parameter is the folder's tensor transformers loads into it; `carried`: the
     folder's tensors of the other towers (vision, projector), each with the file holding it."""
 
-    def __init__(self, to_folder: dict[str, str], to_multimodal: dict[str, str], others: dict[str, Path]):
-        self._to_folder, self._to_multimodal, self.others = to_folder, to_multimodal, others
+    def __init__(self, to_folder: dict[str, str], to_multimodal: dict[str, str], carried: dict[str, Path]):
+        self._to_folder, self._to_multimodal, self.carried = to_folder, to_multimodal, carried
         self._to_text = {key: name for name, key in to_folder.items()}
 
     def to_hf(self, name: str) -> str:
@@ -109,19 +109,19 @@ def multimodal_names(config_json: str, folder: str, decoder_type: type[nn.Module
             return f"{text_prefix}.{multimodal_name.removeprefix(decoder)}"
         return None if multimodal_name.startswith(base) else multimodal_name  # the head: lm_head in both
 
-    to_folder, to_multimodal, others = {}, {}, {}
+    to_folder, to_multimodal, carried = {}, {}, {}
     for key, path in folder_keys(folder).items():
         multimodal_name, converted = rename_source_key(key, renamings, converters, multimodal.base_model_prefix,
                                                        dict.fromkeys(meta_names, True))
         name = text_name(multimodal_name)
         if name is None or name not in text_names:
-            others[key] = path
+            carried[key] = path
             continue
         if converted is not None:
             raise HFConfigError(f"{type(multimodal).__name__}: transformers converts the text tensor {key} on load "
                                 f"({converted}), which the transformers backend does not make for a multimodal folder")
         to_folder[name], to_multimodal[name] = key, multimodal_name
-    return MultimodalNames(to_folder, to_multimodal, others)
+    return MultimodalNames(to_folder, to_multimodal, carried)
 
 
 def _build_multimodal(config: dict) -> nn.Module:
