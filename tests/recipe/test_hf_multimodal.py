@@ -50,6 +50,7 @@ def write_folders(root: Path, family: str) -> None:
     config = (TEXT_CONFIGS | DECODED)[family]()
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / f"{family}_text")
     write_multimodal_folder(root / f"{family}_text", root / family)
+    (root / family / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": family}))
 
 
 def sft_args(root: Path, folder: str, dump: Path, *extra: str) -> list[str]:
@@ -99,6 +100,8 @@ def test_the_text_model_trains_as_its_text_folder_and_exports_the_source_folder_
     assert all(not torch.equal(exported[k], source[k]) for k in source if k not in towers and "norm" not in k)
     config = json.loads((root / family / "config.json").read_text())
     assert json.loads((root / f"run_{family}" / "hf" / "config.json").read_text()) == config
+    processor = "preprocessor_config.json"  # the towers' settings too
+    assert (root / f"run_{family}" / "hf" / processor).read_text() == (root / family / processor).read_text()
     # The ConditionalGeneration class reads every tensor, and computes the text-only run's model.
     ours = logits(load_multimodal(family, root / f"run_{family}" / "hf"))
     text = transformers.AutoModelForCausalLM.from_pretrained(root / f"run_{family}_text" / "hf")
