@@ -224,8 +224,12 @@ def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
 
 def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """config.json: the folder's own (a multimodal folder's whole), its dtype that of the export."""
+    name = str(dtype).removeprefix("torch.")
     config = {k: v for k, v in args.folder_config.items() if k not in _DTYPE_KEYS}
-    return config | {"dtype": str(dtype).removeprefix("torch.")}
+    if isinstance(config.get("text_config"), dict):  # the text model's tensors are the export's dtype too
+        text = config["text_config"]
+        config["text_config"] = {k: name if k in _DTYPE_KEYS else v for k, v in text.items()}
+    return config | {"dtype": name}
 
 
 def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
