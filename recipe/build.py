@@ -541,7 +541,10 @@ def backend_line(plan: RunPlan, model: nn.Module) -> str:
     if spec.backend == "transformers":
         import transformers
 
-        return f"built by transformers {transformers.__version__} ({type(whole_model(model)).__name__})"
+        built = type(whole_model(model)).__name__
+        if getattr(plan.model_args, "multimodal", False):  # the text model of a multimodal folder
+            built = plan.model_args.architecture
+        return f"built by transformers {transformers.__version__} ({built})"
     return f"built by weft ({spec.name})"
 
 

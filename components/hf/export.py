@@ -101,7 +101,8 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
                               f"{checkpoint_dir} (a checkpoint of an older weft, or moved); give --flavor")
     # A flavor given wins over the run's record (its shapes are checked against the checkpoint).
     args = None if flavor else hf_model_args(read_json(hf_files / "config.json", str(hf_files)),
-                                             str(hf_files / "config.json"), recorded_backend(hf_files))
+                                             str(hf_files / "config.json"), recorded_backend(hf_files),
+                                             folder=recorded_source(hf_files))
     export_to_hf(checkpoint_dir, out_dir, flavor=flavor, model_args=args,
                  dtype={name: dtype for dtype, name in DTYPE_NAMES.items()}[dtype],
                  max_shard_bytes=max_shard_bytes, hf_files=hf_files)
@@ -114,6 +115,16 @@ def recorded_backend(hf_files: Path) -> str:
     if not config.is_file():
         return "auto"
     return read_toml(config, label=str(config)).get("model", {}).get("backend", "auto")
+
+
+def recorded_source(hf_files: Path) -> str:
+    """The Hugging Face folder the run that recorded `hf_files` started from (its config.toml's
+    checkpoint.initial_load_path): a multimodal folder's export names and copies its tensors; ""
+    without one."""
+    config = hf_files.parent / "config.toml"
+    if not config.is_file():
+        return ""
+    return read_toml(config, label=str(config)).get("checkpoint", {}).get("initial_load_path", "")
 
 
 def holds_adapters(checkpoint: Path) -> bool:

@@ -26,6 +26,8 @@ HF_FILES = "hf_files"
 # What a Hugging Face tokenizer folder may hold (transformers 4 and 5 names): copied as they are.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model")
+# A multimodal folder's image (and video) processor settings: copied as they are, for its other towers.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 _ROTARY_KEYS = ("rope_scaling", "rope_parameters", "rope_theta")
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 
@@ -44,8 +46,9 @@ def model_config(args: Any, dtype: torch.dtype, source: dict[str, Any], tokenize
     tokenizer where the source gave none."""
     config = {k: v for k, v in source.items() if k not in _ROTARY_KEYS + _DTYPE_KEYS}
     config.update(spec_for_args(args).hf.hf_config(args, dtype))
-    config.setdefault("bos_token_id", tokenizer.bos_id)
-    config.setdefault("eos_token_id", tokenizer.eos_id)
+    if "text_config" not in config:  # a multimodal folder's config stays as it was
+        config.setdefault("bos_token_id", tokenizer.bos_id)
+        config.setdefault("eos_token_id", tokenizer.eos_id)
     return config
 
 
@@ -115,6 +118,10 @@ def write_hf_files(out: Path, args: Any, tokenizer_path: str | Path, source: str
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = generation_config(source_generation, tokenizer)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if "text_config" in source_config:
+        for name in PROCESSOR_FILES:
+            if (source_folder / name).is_file():
+                shutil.copy2(source_folder / name, out / name)
 
 
 def finish_hf_folder(recorded: Path, out: Path, args: Any, dtype: torch.dtype) -> None:

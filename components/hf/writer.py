@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from weft.components.checkpoint.state import full_tensors, model_parts, whole_model
 from weft.components.hf.model_files import finish_hf_folder
-from weft.components.hf.safetensors_io import new_folder, plan_shards, write_shards
+from weft.components.hf.safetensors_io import new_folder, open_safetensors, plan_shards, write_shards
 from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.models.common.spec import HFMapping
@@ -118,8 +119,10 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
     adapted = _adapted(adapters)
     order = [x for group, _ in units for n in group for x in ([n, *adapted[n]] if n in adapted else [n])]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    files = plan_shards(((hf_name, sum(shapes[n].numel() for n in group) * itemsize // len(hf_names))
-                         for group, hf_names in units for hf_name in hf_names), max_shard_bytes)
+    carried = hf.carried()  # the source folder's other tensors (a multimodal folder's vision tower), as they are
+    files = plan_shards([*((hf_name, sum(shapes[n].numel() for n in group) * itemsize // len(hf_names))
+                           for group, hf_names in units for hf_name in hf_names),
+                         *((key, _stored_bytes(key, path)) for key, path in carried.items())], max_shard_bytes)
 
     def tensors():
         stream = source(order)
@@ -132,6 +135,8 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
                         tensor = tensor.float() + adapters.scaling * (b.float() @ a.float())
                 parts.append(tensor)
             yield from zip(hf_names, _to_hf_parts(hf, group, parts, args, dtype, len(hf_names)))
+        for key, path in carried.items():  # one at a time, read by the writer only
+            yield key, _read_stored(key, path) if is_writer() else None
 
     def finish(folder: Path) -> None:
         if hf_files is None:
@@ -165,7 +170,7 @@ def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": adapters.rank, "lora_alpha": adapters.alpha, "lora_dropout": adapters.dropout,
         "use_rslora": adapters.use_rslora, "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "target_modules": sorted({_hf_module(hf, m).rsplit(".", 1)[-1] for m in adapters.modules}) or None,
+        "target_modules": _target_modules(hf, [_hf_module(hf, m) for m in adapters.modules]),
         "inference_mode": True, "modules_to_save": None,
     }
     if experts is not None:
@@ -285,6 +290,21 @@ def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def _stored_bytes(key: str, path: Path) -> int:
+    with open_safetensors(path) as f:
+        part = f.get_slice(key)
+        return math.prod(part.get_shape()) * _SAFETENSORS_ITEMSIZE[part.get_dtype()]
+
+
+def _read_stored(key: str, path: Path) -> torch.Tensor:
+    with open_safetensors(path) as f:
+        return f.get_tensor(key)
+
+
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
+                         "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 def _adapted(adapters: Adapters | None) -> dict[str, tuple[str, str]]:
     """Each adapted weight's name -> the names of its A and B (a linear's or a stacked expert weight's)."""
     if adapters is None:
@@ -298,8 +318,19 @@ def _lora(weight_name: str, which: str) -> str:
     return f"{weight_name.removesuffix('.weight')}.lora_{which}.weight"
 
 
+def _target_modules(hf: HFMapping, modules: list[str]) -> list[str] | str | None:
+    """PEFT's target_modules: the adapted linears' own names, or where the folder holds other towers
+    whose linears share those names (a multimodal folder's vision tower), a pattern PEFT matches
+    against whole module names, covering the text model's adapted linears in every layer."""
+    if not modules:
+        return None
+    if not hf.carried():
+        return sorted({m.rsplit(".", 1)[-1] for m in modules})
+    return "|".join(sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules}))
+
+
 def _hf_module(hf: HFMapping, weft_module: str) -> str:
-    return hf.weft_to_hf_name(f"{weft_module}.weight").removesuffix(".weight")
+    return hf.weft_to_peft_name(f"{weft_module}.weight").removesuffix(".weight")
 
 
 def _to_hf_parts(hf: HFMapping, weft_names: list[str], tensors: list, args, dtype: torch.dtype,

@@ -48,6 +48,17 @@ class HFMapping:
         """A weft parameter's Hugging Face tensor name (ValueError for one it has no place for)."""
         return self.names.to_hf(name)
 
+    def weft_to_peft_name(self, name: str) -> str:
+        """A weft parameter's name in the Hugging Face model in memory, as PEFT names its modules: the
+        folder's name, but for names transformers changes on load (a multimodal folder's text model)."""
+        to_peft = getattr(self.names, "to_peft", None)
+        return self.weft_to_hf_name(name) if to_peft is None else to_peft(name)
+
+    def carried(self) -> dict[str, Any]:
+        """The folder's tensors that are not the model's, each with its file: an export copies them
+        unchanged from the source (a multimodal folder's vision tower and projector); {} for most."""
+        return dict(getattr(self.names, "carried", {}))
+
     def hf_to_weft_name(self, name: str) -> str:
         """A Hugging Face tensor's weft parameter name (ValueError for one weft has no place for)."""
         return self.names.to_weft(name)

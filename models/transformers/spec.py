@@ -15,6 +15,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from weft.models.transformers.experts import (
     routed_experts,
     swap_in_grouped_experts,
 )
+from weft.models.transformers.multimodal import multimodal_class, multimodal_names
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -55,10 +57,21 @@ class HFModelArgs:
     declares_tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
     trust_remote_code: bool = False
     folder: str = ""
+    text_config_json: str = ""  # a multimodal folder's text model's config (transformers' full one); "" otherwise
 
     @property
     def config(self) -> dict[str, Any]:
+        """The config of the model built: the folder's, or its text model's in a multimodal folder."""
+        return json.loads(self.text_config_json or self.config_json)
+
+    @property
+    def folder_config(self) -> dict[str, Any]:
+        """The folder's config.json, as the export writes it."""
         return json.loads(self.config_json)
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.text_config_json)
 
 
 def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = False, folder: str = "") -> HFModelArgs:
@@ -71,12 +84,15 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         raise HFConfigError(f"config.json has auto_map (the model's own code, model_type {model_type}), which the "
                             "transformers backend runs only when trusted: model.trust_remote_code = true "
                             "(generate.py --trust-remote-code)")
-    if "text_config" in config:
-        raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
-                            "transformers backend does not build yet; give a text-only folder")
-    converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
+    text_config_json = ""
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
+    if "text_config" in config:  # the text model of a multimodal folder, as transformers' causal LM of its text config
+        hf_config = _multimodal_text_config(config, hf_config, folder)
+        text_config_json = json.dumps(hf_config.to_dict(), sort_keys=True)
+        architecture = f"{_causal_lm_class(hf_config).__name__}, the text model of {architecture}"
+    else:
+        converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
     n_heads = _field(hf_config, "num_attention_heads")
     dim = _field(hf_config, "hidden_size")
     return HFModelArgs(
@@ -89,7 +105,28 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
-        trust_remote_code=trust_remote_code, folder=folder)
+        trust_remote_code=trust_remote_code, folder=folder, text_config_json=text_config_json)
+
+
+def _multimodal_text_config(config: dict[str, Any], hf_config, folder: str):
+    """The text model's config of a multimodal folder (transformers' `get_text_config`), refused in
+    one line where its tensors could not be read: no folder, or a text family whose tensors
+    transformers converts on load (stacked experts)."""
+    if not folder or not (Path(folder) / "config.json").is_file():
+        raise HFConfigError(f"model_type {config['model_type']} is multimodal (config.json has text_config): its text "
+                            f"model's tensors are named by its folder, which is not there ({folder!r})")
+    multimodal_class(config)  # HFConfigError where transformers has no class of its architectures
+    text = hf_config.get_text_config(decoder=True)
+    if text is hf_config:
+        raise HFConfigError(f"model_type {config['model_type']}: transformers finds no text model's config in "
+                            "its config.json")
+    _causal_lm_class(text)
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))  # as the multimodal model ties
+    if converted_names(text.model_type) is not None:
+        raise HFConfigError(f"model_type {config['model_type']}: transformers converts its text model's "
+                            f"({text.model_type}) tensors on load, which the transformers backend does not make "
+                            "for a multimodal folder yet")
+    return text
 
 
 def _field(hf_config, name: str) -> int:
@@ -194,9 +231,13 @@ def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
 
 
 def hf_config(args: HFModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json: the folder's own, its dtype that of the export."""
-    config = {k: v for k, v in args.config.items() if k not in _DTYPE_KEYS}
-    return config | {"dtype": str(dtype).removeprefix("torch.")}
+    """config.json: the folder's own (a multimodal folder's whole), its dtype that of the export."""
+    name = str(dtype).removeprefix("torch.")
+    config = {k: v for k, v in args.folder_config.items() if k not in _DTYPE_KEYS}
+    if isinstance(config.get("text_config"), dict):  # the text model's tensors are the export's dtype too
+        text = config["text_config"]
+        config["text_config"] = {k: name if k in _DTYPE_KEYS else v for k, v in text.items()}
+    return config | {"dtype": name}
 
 
 def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -343,10 +384,19 @@ TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_conf
                             tied_output="lm_head.weight")
 
 
+@functools.lru_cache(maxsize=8)
 def hf_mapping(args: HFModelArgs) -> HFMapping:
     """The folder's names: the parameters' own, or where transformers converts the folder on load
-    (per-expert tensors stacked), the folder's (conversions.py); and where LoRA can adapt the
-    routed experts, PEFT's names of them (`_expert_parameters`)."""
+    (per-expert tensors stacked), the folder's (conversions.py); in a multimodal folder, the text
+    model's tensors under the folder's names (multimodal.py); and where LoRA can adapt the routed
+    experts, PEFT's names of them (`_expert_parameters`)."""
+    if args.multimodal:
+        with torch.device("meta"):
+            model = build(args)
+        decoder = type(getattr(model, model.base_model_prefix))
+        names = multimodal_names(args.config_json, args.folder, decoder, model.base_model_prefix,
+                                 frozenset(model.state_dict(keep_vars=True)))
+        return dataclasses.replace(TRANSFORMERS_HF, names=names)
     names = converted_names(args.model_type)
     mapping = TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
     experts = _expert_parameters(args)

@@ -30,6 +30,7 @@ from weft.recipe.plan import RunPlan
 
 from tests.support.chat_data import make_chats, write_jsonl
 from tests.support.dist_utils import run_distributed
+from tests.support.hf_multimodal import write_multimodal_folder
 from tests.support.hf_tokenizer import build_qwen3_tokenizer_folder
 from tests.support.train_runs import run, run_args
 
@@ -465,7 +466,8 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
     and pp 2 and of gpt-oss under fsdp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
-    step 3 (copied to one_to_ep) resumed under ep 2."""
+    step 3 (copied to one_to_ep) resumed under ep 2; the multimodal folder around Gemma 3's (exported)
+    under fsdp 2."""
     root = Path(root)
     runs = {f"fsdp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"fsdp_{family}",
                                        "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
@@ -493,6 +495,10 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                                    "--no-checkpoint.enable")
     runs["fsdp_lora_gpt_oss"] = expert_lora_args(root, "gpt_oss", root / "fsdp_lora_gpt_oss", "--parallelism.dp_shard",
                                                  "2", "--training.local_batch_size", "2")
+    # the text model of a multimodal folder (Gemma 3's text model with a SigLIP tower) under fsdp 2
+    runs["fsdp_gemma3_mm"] = sft_args(root / "gemma3_mm", root / "sft.jsonl", root / "fsdp_gemma3_mm",
+                                      "--parallelism.dp_shard", "2", "--training.local_batch_size", "2",
+                                      "--export.hf_folder", "hf")
     losses = {name: run(args) for name, args in runs.items()}
     resumed = sft_args(root / "deepseek_v3", root / "sft.jsonl", root / "ep_resumed", "--parallelism.dp_shard", "2",
                        "--parallelism.ep", "2", "--training.local_batch_size", "2")
@@ -508,6 +514,7 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
                                                                                       more_one_process, expert_lora,
                                                                                       capsys):
     shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
+    write_multimodal_folder(root / "gemma3", root / "gemma3_mm")  # the gemma3 folder's model as its text model
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
@@ -555,6 +562,16 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
                               "--max-new-tokens", "12"]) == 0
         decoded.append(capsys.readouterr().out)
     assert decoded[0] == decoded[1]
+    # The multimodal folder's text model trains as the text folder; its export is the source folder's
+    # keys, the towers as they were, and transformers' multimodal class computes the text run's export.
+    assert losses["fsdp_gemma3_mm"] == pytest.approx(one_process["gemma3"], rel=1e-5)
+    source, exported = (load_file(root / folder / "model.safetensors") for folder in ("gemma3_mm", "fsdp_gemma3_mm/hf"))
+    assert sorted(exported) == sorted(source)
+    assert all(torch.equal(exported[k], source[k]) for k in source if not k.startswith("language_model."))
+    multimodal = transformers.Gemma3ForConditionalGeneration.from_pretrained(root / "fsdp_gemma3_mm" / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(multimodal(TOKENS).logits, logits_of(root / "one_gemma3" / "hf", TOKENS),
+                                   rtol=0, atol=1e-5)
     for family in CONVERTED:  # weft's grouped experts spread over 2 ranks, the rest sharded by FSDP
         assert losses[f"ep_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         exported = load_file(root / f"ep_{family}" / "hf" / "model.safetensors")
