@@ -119,13 +119,14 @@ TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed
 
 @pytest.fixture(scope="module")
 def more_one_process(root) -> dict[str, list[float]]:
-    """Each of MORE's families: 4 steps in one process."""
-    return {family: run(more_args(root, family, root / f"one_{family}", *KEEP_GPT_OSS.get(family, ())))
+    """Each of MORE's families: 4 steps in one process, exported at the end (<run>/hf)."""
+    return {family: run(more_args(root, family, root / f"one_{family}", "--export.hf_folder", "hf",
+                                  *KEEP_GPT_OSS.get(family, ())))
             for family in MORE}
 
 
-# gpt-oss trains under both backends: its transformers run's checkpoint and export, read back below.
-KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")}
+# gpt-oss trains under both backends: its transformers run's checkpoint, read back below.
+KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4")}
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
@@ -273,7 +274,12 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
     assert backend_line(plan, model) == f"built by transformers {transformers.__version__} (MistralForCausalLM)"
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
+# MORE's LoRA runs (on text): Qwen3.5's every block linear (its linear-attention layer's in_proj_*
+# and out_proj, the full-attention layer's and the MLPs'), gpt-oss's attention linears.
+MORE_LORA = {"qwen3_5": (), "gpt_oss": ("--lora.target_modules", "q_proj,k_proj,v_proj,o_proj")}
+
+
+@pytest.mark.parametrize("family", ["gemma3", *CONVERTED, *MORE])
 def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
@@ -283,8 +289,15 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
                                               r"model.layers.0.mlp.gate_proj would not load there; set lora.target"):
             plan_of(root / family, root / "sft.jsonl", *lora, world_size=1)
         lora += ("--lora.target_modules", CONVERTED[family])
-    run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
-                 "--no-checkpoint.enable"))
+    if family in MORE:
+        run(more_args(root, family, tmp_path, *lora, *MORE_LORA[family], "--export.hf_folder", "merged"))
+        adapted_linears = {key.split(".lora_")[0].rsplit(".", 1)[-1]
+                           for key in load_file(tmp_path / "peft" / "adapter_model.safetensors")}
+        assert adapted_linears == ({"q_proj", "k_proj", "v_proj", "o_proj"} if family == "gpt_oss" else
+                                   {*BLOCK_LINEARS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"})
+    else:
+        run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
+                     "--no-checkpoint.enable"))
     base = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
@@ -331,11 +344,16 @@ def test_qlora_trains_as_lora_on_its_nf4_base_and_its_peft_folder_loads_as_the_m
     assert (merged - logits_of(nf4, TOKENS)).abs().max() > 1e-3  # the adapters trained
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
-def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
-    args = sft_args(root / family, root / "sft.jsonl", tmp_path)
-    first = run(args, stop_after=3)
-    assert first + run(args) == one_process[family]
+@pytest.mark.parametrize("family", ["mistral", "gemma3", *CONVERTED, *MORE])
+def test_a_stopped_run_resumes_bit_for_bit(root, one_process, more_one_process, tmp_path, family):
+    """Stopped after half its steps (MORE's: 2 of 4 on text), resumed from the checkpoint."""
+    if family in MORE:
+        args = more_args(root, family, tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
+        stop, uninterrupted = 2, more_one_process[family]
+    else:
+        args, stop, uninterrupted = sft_args(root / family, root / "sft.jsonl", tmp_path), 3, one_process[family]
+    first = run(args, stop_after=stop)
+    assert len(first) == stop and first + run(args) == uninterrupted
 
 
 PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (parallelisms/hf_stages.py)
