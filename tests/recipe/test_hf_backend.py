@@ -360,11 +360,22 @@ PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (para
 # The families trained under tp 2 from their `_tp_plan`: Gemma 3's declares its q/k norms
 # replicated_with_grad_allreduce (whole weights over each rank's heads, gradients summed).
 TP_FAMILIES = ("mistral", "gemma3")
+# MORE's fsdp 2 and tp 2 runs (4 steps on text) keep their last step's checkpoint and an export.
+MORE_SAVED = ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")
+
+
+def checkpointed_weights(run_folder: Path, step: int) -> dict[str, torch.Tensor]:
+    """The weights a run's DCP checkpoint holds (whole tensors, transformers' names), read by torch's converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run_folder / "checkpoint" / f"step-{step}", run_folder / "weights.pt")
+    return torch.load(run_folder / "weights.pt", weights_only=False)["model"]
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
+    MORE's under fsdp 2 and tp 2 (exported, checkpointed), Mistral under DDP (dp_replicate 2),
+    Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
     the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
@@ -374,7 +385,12 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                        "--activation_checkpoint.mode", "full", "--export.hf_folder", "hf")
             for family in FAMILIES}
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
-                                          "--training.local_batch_size", "2") for family in MORE}
+                                          "--training.local_batch_size", "2", *MORE_SAVED) for family in MORE}
+    runs |= {f"tp_{family}": more_args(root, family, root / f"tp_{family}", "--parallelism.dp_shard", "1",
+                                        "--parallelism.tp", "2", *MORE_SAVED) for family in MORE}
+    runs["ddp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "ddp_mistral",
+                                   "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
+                                   "--training.local_batch_size", "2", "--no-checkpoint.enable")
     runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
                                    "--parallelism.cp", "2")
     runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
@@ -403,7 +419,23 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
-        assert losses[f"fsdp_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
+        source = load_file(root / family / "model.safetensors")
+        for layout in ("fsdp", "tp"):  # tp 2: Qwen3.5's whole plan (linear attention's gathered), gpt-oss's embedding
+            assert losses[f"{layout}_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
+            # the export holds the source's keys and the weights the run trained (its checkpoint's)
+            exported = load_file(root / f"{layout}_{family}" / "hf" / "model.safetensors")
+            trained = checkpointed_weights(root / f"{layout}_{family}", 4)
+            assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], trained[k]) for k in source)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"fsdp_{family}" / "hf")  # as exported
+        exported = load_file(root / f"fsdp_{family}" / "hf" / "model.safetensors")
+        assert all(torch.equal(t, exported[k]) for k, t in reloaded.state_dict().items())
+        if family == "qwen3_5":  # gpt-oss's Adam steps amplify the layouts' float noise to 2e-5 in a few weights
+            single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+            for key in source:
+                torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
+                                       logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    assert losses["ddp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
     for family in FAMILIES:
         assert losses[f"fsdp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         source = load_file(root / family / "model.safetensors")
