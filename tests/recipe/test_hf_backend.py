@@ -7,8 +7,8 @@ transformers' place), pp 2 (transformers' stage), cp 2 (on text) and compiled bl
 the linears weft's filter lets through; the exports reload in transformers with the source's key set and the trained
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
 run resumes bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach is refused in one line
-naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
-under fsdp 2; a Llama folder trains alike under both backends on each data format."""
+naming the key. Qwen3.5 text and gpt-oss (MORE) go through the same on text (fsdp 2, tp 2, exports,
+LoRA, resume); Mistral under DDP; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
