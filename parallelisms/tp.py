@@ -110,13 +110,15 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
 
 
 # The style names transformers uses in `base_model_tp_plan` / `_tp_plan`, and what they mean.
-def _hf_style(name: str, loss_parallel: bool) -> ParallelStyle | None:
+def _hf_style(name: str, loss_parallel: bool, head: bool) -> ParallelStyle | None:
     if name == "colwise":
         return ColwiseParallel()
     if name == "rowwise":
         return RowwiseParallel()
-    if name in ("colwise_rep", "colwise_gather_output"):  # the LM head
+    if name in ("colwise_rep", "colwise_gather_output") and head:  # the LM head: loss parallel may keep it split
         return _output_style(loss_parallel, input_layouts=Replicate())
+    if name in ("colwise_rep", "colwise_gather_output"):  # a layer whose caller reshapes the whole output
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":  # a norm over each head, between colwise projections
@@ -161,8 +163,9 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     MLP inputs are whole on every rank, their outputs all-reduced.
     """
     plan = {}
+    head = _output_embeddings_path(model)
     for path, name in _hf_declared_plan(model).items():
-        style = _hf_style(name, loss_parallel)
+        style = _hf_style(name, loss_parallel, head=path == head)
         if style is None:
             raise TransformError(
                 "apply_tp", "plan", f"{type(model).__name__} declares style {name!r} for {path}, which weft does "
@@ -170,6 +173,13 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
             )
         plan[path] = style
     return plan
+
+
+def _output_embeddings_path(model: nn.Module) -> str | None:
+    """The module path of the model's output projection (transformers' `get_output_embeddings`)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
 
 
 def _hf_declared_plan(model: nn.Module) -> dict[str, str]:

@@ -56,6 +56,24 @@ def test_gemma3_s_per_head_norms_keep_whole_weights_over_split_heads():
     assert norms == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
 
 
+def test_qwen3_5_s_linear_attention_projections_gather_their_output_whatever_the_loss():
+    """colwise_gather_output on Qwen3.5's linear-attention projections means whole outputs (its code
+    reshapes them into heads); only the head's may stay split for loss parallelism. tests/recipe/
+    test_hf_backend.py trains Qwen3.5 under tp 2 equal to one process."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3_5TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            layer_types=["linear_attention", "full_attention"])
+    model = meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
+    plan = hf_tp_plan(model, loss_parallel=True)
+    gathered = {path: style for path, style in plan.items() if "linear_attn" in path}
+    assert {path.rsplit(".", 1)[-1] for path in gathered} == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                              "out_proj"}
+    for style in gathered.values():
+        assert type(style) is ColwiseParallel and style.output_layouts == (Replicate(),) and style.use_local_output
+    assert plan["lm_head"].output_layouts == (Shard(-1),)
+
+
 def test_weft_model_gets_the_sequence_parallel_llama_plan():
     plan = default_tp_plan(meta(lambda: Transformer(LLAMA_FLAVORS["debugmodel"])))
     assert "layers.*.attention_norm" in plan and "tok_embeddings" in plan

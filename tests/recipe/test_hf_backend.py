@@ -7,8 +7,8 @@ transformers' place), pp 2 (transformers' stage), cp 2 (on text) and compiled bl
 the linears weft's filter lets through; the exports reload in transformers with the source's key set and the trained
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
 run resumes bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach is refused in one line
-naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
-under fsdp 2; a Llama folder trains alike under both backends on each data format."""
+naming the key. Qwen3.5 text and gpt-oss (MORE) go through the same on text (fsdp 2, tp 2, exports,
+LoRA, resume); Mistral under DDP; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
@@ -121,13 +121,14 @@ TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed
 
 @pytest.fixture(scope="module")
 def more_one_process(root) -> dict[str, list[float]]:
-    """Each of MORE's families: 4 steps in one process."""
-    return {family: run(more_args(root, family, root / f"one_{family}", *KEEP_GPT_OSS.get(family, ())))
+    """Each of MORE's families: 4 steps in one process, exported at the end (<run>/hf)."""
+    return {family: run(more_args(root, family, root / f"one_{family}", "--export.hf_folder", "hf",
+                                  *KEEP_GPT_OSS.get(family, ())))
             for family in MORE}
 
 
-# gpt-oss trains under both backends: its transformers run's checkpoint and export, read back below.
-KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")}
+# gpt-oss trains under both backends: its transformers run's checkpoint, read back below.
+KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4")}
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
@@ -278,7 +279,8 @@ def test_the_start_up_line_names_the_backend_and_the_dry_run_counts_the_meta_mod
 # LoRA on the routed experts too (`experts`: each MoE layer's gate_up_proj and down_proj, PEFT's
 # `target_parameters`) beside the linears of LORA_LINEARS, exported (<run>/peft, merged): CONVERTED's
 # 6 SFT steps, checkpointed (adapters only) every 3; gpt-oss's (biased, clamped experts used as x @ W)
-# 4 steps on text, as packed samples are refused for it.
+# 4 steps on text, as packed samples are refused for it. Qwen3.5's (on text too): every block
+# linear, its linear-attention layer's in_proj_* and out_proj among them.
 EXPERT_LORA = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft", "--export.hf_folder", "merged")
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_LINEARS = {**CONVERTED, "gpt_oss": "q_proj,v_proj"}
@@ -298,7 +300,7 @@ def expert_lora(root) -> dict[str, list[float]]:
     return {family: run(expert_lora_args(root, family, root / f"lora_{family}")) for family in LORA_LINEARS}
 
 
-@pytest.mark.parametrize("family", ["gemma3", *LORA_LINEARS])
+@pytest.mark.parametrize("family", ["gemma3", *LORA_LINEARS, "qwen3_5"])
 def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(root, tmp_path, family, request, capsys):
     peft = pytest.importorskip("peft")
     lora = ("--lora.enable", "--lora.rank", "4", "--export.peft_folder", "peft")
@@ -310,6 +312,11 @@ def test_a_lora_run_exports_a_peft_folder_that_peft_loads_as_the_merged_export(r
     if family in LORA_LINEARS:
         request.getfixturevalue("expert_lora")  # its linears and its routed experts adapted
         tmp_path = root / f"lora_{family}"
+    elif family in MORE:
+        run(more_args(root, family, tmp_path, *lora, "--export.hf_folder", "merged"))
+        adapted_linears = {key.split(".lora_")[0].rsplit(".", 1)[-1]
+                           for key in load_file(tmp_path / "peft" / "adapter_model.safetensors")}
+        assert adapted_linears == {*BLOCK_LINEARS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
     else:
         run(sft_args(root / family, root / "sft.jsonl", tmp_path, *lora, "--export.hf_folder", "merged",
                      "--no-checkpoint.enable"))
@@ -447,22 +454,38 @@ def test_qlora_trains_as_lora_on_its_nf4_base_and_its_peft_folder_loads_as_the_m
     assert (merged - logits_of(nf4, TOKENS)).abs().max() > 1e-3  # the adapters trained
 
 
-@pytest.mark.parametrize("family", ["gemma3", *CONVERTED])
-def test_a_stopped_run_resumes_bit_for_bit(root, one_process, tmp_path, family):
-    args = sft_args(root / family, root / "sft.jsonl", tmp_path)
-    first = run(args, stop_after=3)
-    assert first + run(args) == one_process[family]
+@pytest.mark.parametrize("family", ["mistral", "gemma3", *CONVERTED, *MORE])
+def test_a_stopped_run_resumes_bit_for_bit(root, one_process, more_one_process, tmp_path, family):
+    """Stopped after half its steps (MORE's: 2 of 4 on text), resumed from the checkpoint."""
+    if family in MORE:
+        args = more_args(root, family, tmp_path, "--checkpoint.enable", "--checkpoint.interval", "2")
+        stop, uninterrupted = 2, more_one_process[family]
+    else:
+        args, stop, uninterrupted = sft_args(root / family, root / "sft.jsonl", tmp_path), 3, one_process[family]
+    first = run(args, stop_after=stop)
+    assert len(first) == stop and first + run(args) == uninterrupted
 
 
 PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (parallelisms/hf_stages.py)
 # The families trained under tp 2 from their `_tp_plan`: Gemma 3's declares its q/k norms
 # replicated_with_grad_allreduce (whole weights over each rank's heads, gradients summed).
 TP_FAMILIES = ("mistral", "gemma3")
+# MORE's fsdp 2 and tp 2 runs (4 steps on text) keep their last step's checkpoint and an export.
+MORE_SAVED = ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")
+
+
+def checkpointed_weights(run_folder: Path, step: int) -> dict[str, torch.Tensor]:
+    """The weights a run's DCP checkpoint holds (whole tensors, transformers' names), read by torch's converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run_folder / "checkpoint" / f"step-{step}", run_folder / "weights.pt")
+    return torch.load(run_folder / "weights.pt", weights_only=False)["model"]
 
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
+    MORE's under fsdp 2 and tp 2 (exported, checkpointed), Mistral under DDP (dp_replicate 2),
+    Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
     the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
     and pp 2 and of gpt-oss under fsdp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
@@ -474,7 +497,12 @@ def other_layouts(root: str) -> dict[str, list[float]]:
                                        "--activation_checkpoint.mode", "full", "--export.hf_folder", "hf")
             for family in FAMILIES}
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
-                                          "--training.local_batch_size", "2") for family in MORE}
+                                          "--training.local_batch_size", "2", *MORE_SAVED) for family in MORE}
+    runs |= {f"tp_{family}": more_args(root, family, root / f"tp_{family}", "--parallelism.dp_shard", "1",
+                                        "--parallelism.tp", "2", *MORE_SAVED) for family in MORE}
+    runs["ddp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "ddp_mistral",
+                                   "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
+                                   "--training.local_batch_size", "2", "--no-checkpoint.enable")
     runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
                                    "--parallelism.cp", "2")
     runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
@@ -518,7 +546,24 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
-        assert losses[f"fsdp_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
+        source = load_file(root / family / "model.safetensors")
+        for layout in ("fsdp", "tp"):  # tp 2: Qwen3.5's whole plan (linear attention's gathered), gpt-oss's embedding
+            assert losses[f"{layout}_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
+            # the export holds the source's keys and the weights the run trained (its checkpoint's)
+            exported = load_file(root / f"{layout}_{family}" / "hf" / "model.safetensors")
+            trained = checkpointed_weights(root / f"{layout}_{family}", 4)
+            assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], trained[k]) for k in source)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"fsdp_{family}" / "hf")  # as exported
+        exported = load_file(root / f"fsdp_{family}" / "hf" / "model.safetensors")
+        assert all(torch.equal(t, exported[k]) for k, t in reloaded.state_dict().items())
+        # gpt-oss's weights: 2e-5 off in a few, as far as one process accumulating 2 x 2 samples (Adam's float noise)
+        if family == "qwen3_5":
+            single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+            for key in source:
+                torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits_of(root / f"fsdp_{family}" / "hf", TOKENS),
+                                       logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    assert losses["ddp_mistral"] == pytest.approx(one_process["mistral"], rel=1e-5)
     for family in FAMILIES:
         assert losses[f"fsdp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
         source = load_file(root / family / "model.safetensors")
