@@ -255,7 +255,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     spec = spec_for_args(plan.model_args)
     with torch.device("meta"):
         model = spec.build(plan.model_args)
-    if plan.dims.ep > 1 and spec.prepare_expert_parallel is not None:
+    # experts that apply_ep spreads, or apply_tp splits by expert (a transformers MoE model's)
+    if (plan.dims.ep > 1 or plan.dims.tp > 1) and spec.prepare_expert_parallel is not None:
         spec.prepare_expert_parallel(model)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)

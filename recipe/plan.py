@@ -40,7 +40,7 @@ from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
-from weft.parallelisms.tp import TPOptions, hf_tp_plan
+from weft.parallelisms.tp import TPOptions, check_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 
@@ -288,7 +288,11 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
-    if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
+    if dims.tp > 1 and dims.ep > 1:
+        raise ConfigError(f"parallelism.tp = {dims.tp} with parallelism.ep = {dims.ep}: {built} keeps every token on "
+                          "each tp rank (no sequence parallelism), and tensor parallelism splits its experts by expert "
+                          "itself; set parallelism.ep = 1 or parallelism.tp = 1")
+    if dims.tp > 1 and (refusal := tp_plan_refusal(args, dims.tp)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
 
 
@@ -362,13 +366,17 @@ def check_preference(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def tp_plan_refusal(args) -> str | None:
-    """Why apply_tp cannot translate the plan a transformers model declares (a style it does not
-    know), from the model on meta; None where it can."""
+def tp_plan_refusal(args, tp: int) -> str | None:
+    """Why apply_tp cannot split a transformers model over tp ranks by the plan it declares (a style
+    it does not translate, experts or heads tp does not divide), from the model on meta as the
+    recipe builds it; None where it can."""
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        model = spec_for_args(args).build(args)
+        model = spec.build(args)
+    if spec.prepare_expert_parallel is not None:
+        spec.prepare_expert_parallel(model)
     try:
-        hf_tp_plan(model)
+        check_tp_plan(model, tp)
     except TransformError as e:
         return str(e)
     return None

@@ -301,8 +301,11 @@ def experts_refusal(args: HFModelArgs) -> str | None:
 
 
 def prepare_expert_parallel(model: nn.Module) -> None:
-    """Swap the model's routed experts for weft's grouped experts, which `apply_ep` spreads."""
-    swap_in_grouped_experts(model)
+    """Swap the model's routed experts for weft's grouped experts where they are plain SwiGLU ones:
+    `apply_ep` spreads those, `apply_tp` splits them by expert (its `moe_tp_experts` style). Others
+    stay transformers' (expert parallelism refuses them before the model is built)."""
+    if grouped_experts_refusal(model) is None:
+        swap_in_grouped_experts(model)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
