@@ -2,7 +2,7 @@
 written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings;
 DeepSeek V3 and GLM-4 MoE, whose per-expert tensors transformers stacks on load), decode greedily as
 transformers does and train under the recipe. Six SFT steps (prompt/completion, packed) in one
-process equal fsdp 2, tp 2 (the model's `_tp_plan`), ep 2 (weft's grouped experts in
+process equal fsdp 2, tp 2 (the model's `_tp_plan`, MoE experts split by expert), ep 2 (weft's grouped experts in
 transformers' place), pp 2 (transformers' stage), cp 2 (on text) and compiled blocks; float8 converts
 the linears weft's filter lets through; the exports reload in transformers with the source's key set and the trained
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
