@@ -292,6 +292,10 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
         raise ConfigError(f"parallelism.tp = {dims.tp} with parallelism.ep = {dims.ep}: {built} keeps every token on "
                           "each tp rank (no sequence parallelism), and tensor parallelism splits its experts by expert "
                           "itself; set parallelism.ep = 1 or parallelism.tp = 1")
+    if dims.tp > 1 and cfg.compile.enable and spec_for_args(args).experts(args) is not None:
+        raise ConfigError(f"compile.enable = true with parallelism.tp = {dims.tp}: {built} splits its experts by "
+                          "expert, each rank's share of the tokens cut on the host, which compile cannot trace; set "
+                          "compile.enable = false")
     if dims.tp > 1 and (refusal := tp_plan_refusal(args, dims.tp)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
 

@@ -579,8 +579,9 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
 
 def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_path):
     """DeepSeek V3's and GLM-4 MoE's experts split by expert (trained under tp 2 in the fsdp 2 test):
-    refused where tp does not divide them and beside ep; a style apply_tp does not translate (Llama 4
-    text's transposed experts, packed_rowwise) is refused naming it."""
+    refused where tp does not divide them, beside ep and with compile (their share of the tokens is cut
+    on the host); a style apply_tp does not translate (Llama 4 text's transposed experts,
+    packed_rowwise) is refused naming it."""
     configs = {"deepseek_six": transformers.DeepseekV3Config(  # 6 routed experts, 3 a group
         **{**MOE, "n_routed_experts": 6}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1),
@@ -599,6 +600,10 @@ def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_p
                                           r"type glm4_moe, built by transformers\) keeps every token on each tp rank "):
         plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
                 "--parallelism.ep", "2", world_size=4)
+    with pytest.raises(ConfigError, match=r"^compile.enable = true with parallelism.tp = 2: DeepseekV3ForCausalLM "
+                                          r"\(model_type deepseek_v3, built by transformers\) splits its experts by "):
+        plan_of(root / "deepseek_v3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2",
+                "--compile.enable")
     with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Llama4ForCausalLM declares style "
                                           r"'packed_rowwise' for layers.\*.feed_forward.experts.gate_up_proj, "):
         plan_of(tmp_path / "llama4_text", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
