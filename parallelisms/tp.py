@@ -261,17 +261,19 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
 
 
 def _per_head_norms(model: nn.Module, declared: dict[str, str]) -> Plan:
-    """The q/k norms over each head that the plan leaves out while it splits their projections by
-    head (GLM-4 MoE's `use_qk_norm`): whole weights over each rank's heads, their gradients summed,
-    as Gemma 3's plan declares its own (`replicated_with_grad_allreduce`). Left alone, each rank's
-    copy would train on its own heads' gradient only and drift from the others'."""
-    names = [name for name, _ in model.named_modules() if name]
+    """The q/k norms that the plan leaves out while it splits their projections by head (GLM-4 MoE's
+    `use_qk_norm`), one weight shared by every head ([head_dim]): whole weights over each rank's
+    heads, their gradients summed, as Gemma 3's plan declares its own (`replicated_with_grad_allreduce`).
+    Left alone, each rank's copy would train on its own heads' gradient only and drift from the others'."""
+    modules = dict(model.named_modules())
     plan = {}
     for path, name in declared.items():
         attention, _, projection = path.rpartition(".")
         norm = f"{attention}.{projection[0]}_norm"
-        if name == "colwise" and projection in ("q_proj", "k_proj") and norm not in declared \
-                and any(path_matches(n, norm) for n in names):
+        if name != "colwise" or projection not in ("q_proj", "k_proj") or norm in declared:
+            continue
+        norms = [m for n, m in modules.items() if n and path_matches(n, norm)]
+        if norms and all(getattr(getattr(m, "weight", None), "ndim", 0) == 1 for m in norms):
             plan[norm] = ReplicatedOverSplitHeads()
     return plan
 
