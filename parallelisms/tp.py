@@ -204,8 +204,8 @@ def _by_expert_class(cls: type) -> type:
     """`cls` computing its rank's experts (as FSDP2 swaps a module's class for its own)."""
     if getattr(cls, "_experts_by_expert", False):
         return cls
-    return type(f"ByExpert{cls.__name__}", (cls,), {"forward": _sum_over_ranks(cls.forward), cls.expert_parallel_method: _own_experts,
-                                                  "_experts_by_expert": True})
+    methods = {"forward": _sum_over_ranks(cls.forward), cls.expert_parallel_method: _own_experts}
+    return type(f"ByExpert{cls.__name__}", (cls,), methods | {"_experts_by_expert": True})
 
 
 class ReplicatedOverSplitHeads(ParallelStyle):

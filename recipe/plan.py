@@ -288,11 +288,12 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
-    if dims.tp > 1 and dims.ep > 1:
+    split_experts = dims.tp > 1 and spec_for_args(args).experts(args) is not None  # by expert (parallelisms/tp.py)
+    if split_experts and dims.ep > 1:
         raise ConfigError(f"parallelism.tp = {dims.tp} with parallelism.ep = {dims.ep}: {built} keeps every token on "
                           "each tp rank (no sequence parallelism), and tensor parallelism splits its experts by expert "
                           "itself; set parallelism.ep = 1 or parallelism.tp = 1")
-    if dims.tp > 1 and cfg.compile.enable and spec_for_args(args).experts(args) is not None:
+    if split_experts and cfg.compile.enable:
         raise ConfigError(f"compile.enable = true with parallelism.tp = {dims.tp}: {built} splits its experts by "
                           "expert, each rank's share of the tokens cut on the host, which compile cannot trace; set "
                           "compile.enable = false")
