@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -79,7 +79,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptio
     _check_split_dims(targets, tp)
     tied = _tied_places(model, targets)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    parallelize_module(model, tp_mesh, plan)
+    for name, _, style in targets:  # by name, in the plan's order: a pattern some blocks lack (an MoE entry
+        parallelize_module(model, tp_mesh, {name: style})  # in a dense block) is not warned of per block
     _retie_split(tied)
     for name, param in model.named_parameters():  # some styles re-create parameters trainable
         if name in frozen:
@@ -89,6 +90,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptio
         f"({_plan_name(model)} plan, loss_parallel={loss_parallel})"
     )
     return model
+
+
+def check_tp_plan(model: nn.Module, tp: int) -> None:
+    """What `apply_tp` checks before splitting `model` by its own plan over `tp` ranks (the styles
+    translated, the heads and split dimensions divisible), on the meta model: TransformError if not."""
+    targets = _plan_targets(model, _entries_present(model, default_tp_plan(model)))
+    _check_heads(model, tp)
+    _check_split_dims(targets, tp)
 
 
 def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all_gather: bool = False) -> Plan:
@@ -123,7 +132,82 @@ def _hf_style(name: str, loss_parallel: bool, head: bool) -> ParallelStyle | Non
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":  # a norm over each head, between colwise projections
         return ReplicatedOverSplitHeads()
+    if name == "moe_tp_experts":  # the routed experts; the styles of their weights are left out (below)
+        return ExpertsByExpert()
     return None
+
+
+# The styles transformers declares for the weights of a `moe_tp_experts` module (its gate and up rows
+# packed in one tensor, its down projection), which `ExpertsByExpert` replaces: it splits by expert.
+_EXPERT_WEIGHT_STYLES = ("packed_colwise", "rowwise")
+
+
+class ExpertsByExpert(ParallelStyle):
+    """Routed experts split by expert over the tp mesh: each weight the module stacks by expert
+    (`stacked_weights`) becomes a Shard(0) DTensor, as `apply_ep` spreads them, so that checkpoints
+    and exports see whole tensors in every layout. The tokens stay whole on every rank: each rank
+    computes its own experts' share of every token's output, the shares are summed over the ranks,
+    and so are the gradients of the module's inputs (the tokens and their routing weights).
+
+    For a module called as transformers calls its experts (`hidden_states`, each token's chosen
+    experts and their weights) whose `expert_parallel_method` computes `(x, counts)`, x sorted by
+    expert (models/transformers/experts.py). The experts must divide by the mesh size."""
+
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
+        """TransformError where `module` is not such experts, is already split, or tp does not divide them."""
+        stacked = getattr(module, "stacked_weights", None)
+        if not stacked or not callable(getattr(module, getattr(module, "expert_parallel_method", ""), None)):
+            raise TransformError("apply_tp", "plan", f"{name} ({type(module).__name__}) is not a module of stacked "
+                                 "experts computing its tokens sorted by expert (stacked_weights, expert_parallel_method)")
+        if any(isinstance(getattr(module, w), DTensor) for w in stacked):
+            raise TransformError("apply_tp", "model", f"{name}'s experts are already split (by apply_ep)")
+        n_experts = getattr(module, stacked[0]).shape[0]
+        if n_experts % tp:
+            raise TransformError("apply_tp", "tp_mesh", f"tp_mesh size {tp} does not divide the {n_experts} experts of "
+                                 f"{name}; each rank holds as many whole experts as the others")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(module, type(module).__name__, device_mesh.size())
+        for name in module.stacked_weights:
+            weight = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)]),
+                                                         requires_grad=weight.requires_grad))
+        module.__class__ = _by_expert_class(type(module))
+        module.tp_mesh = device_mesh
+        return module
+
+
+def _sum_over_ranks(compute):
+    """`compute` (a module's forward) on every rank's copy of the inputs, its outputs each rank's share."""
+
+    def forward(self, hidden_states: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
+        # Every rank holds every token: each one's gradient of the inputs is its experts' part, summed.
+        mesh = self.tp_mesh
+        summed = [DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+                  if t.is_floating_point() else t for t in (hidden_states, *routing)]
+        share = compute(self, *summed)
+        return DTensor.from_local(share, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    return forward
+
+
+def _own_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    # x holds counts[e] tokens for each expert e in turn; this rank computes those of its own experts
+    # (one contiguous run of x) and gives the others' rows zeros.
+    rank, local = self.tp_mesh.get_local_rank(), counts.numel() // self.tp_mesh.size()
+    ends = [0, *counts.cumsum(0).tolist()]
+    start, end = ends[rank * local], ends[(rank + 1) * local]
+    computed = self.compute(x[start:end], counts[rank * local:(rank + 1) * local], *self.weights(lambda w: w.to_local()))
+    return torch.cat([computed.new_zeros(start, computed.shape[1]), computed,
+                      computed.new_zeros(x.shape[0] - end, computed.shape[1])])
+
+
+def _by_expert_class(cls: type) -> type:
+    """`cls` computing its rank's experts (as FSDP2 swaps a module's class for its own)."""
+    if getattr(cls, "_experts_by_expert", False):
+        return cls
+    methods = {"forward": _sum_over_ranks(cls.forward), cls.expert_parallel_method: _own_experts}
+    return type(f"ByExpert{cls.__name__}", (cls,), methods | {"_experts_by_expert": True})
 
 
 class ReplicatedOverSplitHeads(ParallelStyle):
@@ -162,9 +246,13 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     Activations between the splits stay replicated (no sequence parallelism): attention and
     MLP inputs are whole on every rank, their outputs all-reduced.
     """
+    declared = _hf_declared_plan(model)
+    experts = [path for path, name in declared.items() if name == "moe_tp_experts"]
     plan = {}
     head = _output_embeddings_path(model)
-    for path, name in _hf_declared_plan(model).items():
+    for path, name in declared.items():
+        if name in _EXPERT_WEIGHT_STYLES and any(path.rpartition(".")[0] == e for e in experts):
+            continue  # a weight of split experts: ExpertsByExpert splits it by expert
         style = _hf_style(name, loss_parallel, head=path == head)
         if style is None:
             raise TransformError(
@@ -172,6 +260,24 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
                 "not translate; pass plan= explicitly"
             )
         plan[path] = style
+    return plan | _per_head_norms(model, declared)
+
+
+def _per_head_norms(model: nn.Module, declared: dict[str, str]) -> Plan:
+    """The q/k norms that the plan leaves out while it splits their projections by head (GLM-4 MoE's
+    `use_qk_norm`), one weight shared by every head ([head_dim]): whole weights over each rank's
+    heads, their gradients summed, as Gemma 3's plan declares its own (`replicated_with_grad_allreduce`).
+    Left alone, each rank's copy would train on its own heads' gradient only and drift from the others'."""
+    modules = dict(model.named_modules())
+    plan = {}
+    for path, name in declared.items():
+        attention, _, projection = path.rpartition(".")
+        norm = f"{attention}.{projection[0]}_norm"
+        if name != "colwise" or projection not in ("q_proj", "k_proj") or norm in declared:
+            continue
+        norms = [m for n, m in modules.items() if n and path_matches(n, norm)]
+        if norms and all(getattr(getattr(m, "weight", None), "ndim", 0) == 1 for m in norms):
+            plan[norm] = ReplicatedOverSplitHeads()
     return plan
 
 
@@ -243,6 +349,9 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 def _check_split_dims(targets: list[tuple[str, nn.Module, ParallelStyle]], tp: int) -> None:
     """Every dimension a style splits must divide by the mesh size (read from the weight shapes)."""
     for name, module, style in targets:
+        if callable(check := getattr(style, "check", None)):  # a style checking its module itself
+            check(module, name, tp)
+            continue
         if (dims := getattr(style, "weight_split_dims", None)) is not None:  # a style naming what it splits
             for weight_name, dim in dims.items():
                 size = getattr(module, weight_name).shape[dim]

@@ -255,7 +255,7 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     spec = spec_for_args(plan.model_args)
     with torch.device("meta"):
         model = spec.build(plan.model_args)
-    prepare_experts(plan.model_args, model, ep=plan.dims.ep, lora=plan.options.lora)
+    prepare_experts(plan.model_args, model, ep=plan.dims.ep, tp=plan.dims.tp, lora=plan.options.lora)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     qlora = plan.options.lora is not None and plan.options.lora.quantize_base is not None

@@ -41,7 +41,7 @@ from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
-from weft.parallelisms.tp import TPOptions, hf_tp_plan
+from weft.parallelisms.tp import TPOptions, check_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
 
 
@@ -291,7 +291,16 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")
-    if dims.tp > 1 and (refusal := tp_plan_refusal(args)) is not None:
+    split_experts = dims.tp > 1 and spec_for_args(args).experts(args) is not None  # by expert (parallelisms/tp.py)
+    if split_experts and dims.ep > 1:
+        raise ConfigError(f"parallelism.tp = {dims.tp} with parallelism.ep = {dims.ep}: {built} keeps every token on "
+                          "each tp rank (no sequence parallelism), and tensor parallelism splits its experts by expert "
+                          "itself; set parallelism.ep = 1 or parallelism.tp = 1")
+    if split_experts and cfg.compile.enable:
+        raise ConfigError(f"compile.enable = true with parallelism.tp = {dims.tp}: {built} splits its experts by "
+                          "expert, each rank's share of the tokens cut on the host, which compile cannot trace; set "
+                          "compile.enable = false")
+    if dims.tp > 1 and (refusal := tp_plan_refusal(args, dims.tp)) is not None:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {refusal}")
 
 
@@ -308,12 +317,14 @@ def check_backend_expert_lora(cfg: JobConfig, args, built: str, dims: ParallelDi
                           "set parallelism.tp = 1 (parallelism.ep spreads them) or target its linears")
 
 
-def prepare_experts(args, model: nn.Module, *, ep: int = 1, lora: LoRAOptions | None = None) -> None:
+def prepare_experts(args, model: nn.Module, *, ep: int = 1, tp: int = 1, lora: LoRAOptions | None = None) -> None:
     """Swap weft's grouped experts in for a transformers model's routed experts where a run needs
-    them (models/transformers/experts.py): expert parallelism spreads them, and LoRA's adapters of
-    routed experts go on them. Before `parallelize`, on the meta model."""
+    them (models/transformers/experts.py): expert parallelism spreads them, tensor parallelism splits
+    them by expert, and LoRA's adapters of routed experts go on them. Before `parallelize`, on the
+    meta model."""
     prepare = spec_for_args(args).prepare_expert_parallel
-    if prepare is not None and (ep > 1 or (lora is not None and names_routed_experts(lora.target_modules))):
+    adapted = lora is not None and names_routed_experts(lora.target_modules)
+    if prepare is not None and (ep > 1 or tp > 1 or adapted):
         prepare(model)
 
 
@@ -387,13 +398,16 @@ def check_preference(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def tp_plan_refusal(args) -> str | None:
-    """Why apply_tp cannot translate the plan a transformers model declares (a style it does not
-    know), from the model on meta; None where it can."""
+def tp_plan_refusal(args, tp: int) -> str | None:
+    """Why apply_tp cannot split a transformers model over tp ranks by the plan it declares (a style
+    it does not translate, experts or heads tp does not divide), from the model on meta as the
+    recipe builds it; None where it can."""
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        model = spec_for_args(args).build(args)
+        model = spec.build(args)
+    prepare_experts(args, model, tp=tp)
     try:
-        hf_tp_plan(model)
+        check_tp_plan(model, tp)
     except TransformError as e:
         return str(e)
     return None

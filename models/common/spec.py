@@ -162,7 +162,8 @@ class ModelSpec:
     # args -> the HFMapping of this model where it depends on the model (transformers' families whose
     # folders it converts on load); None: `hf` for every model of the family
     hf_for_args: Callable[[Any], HFMapping] | None = None
-    # model on meta -> made ready for apply_ep (transformers' experts swapped for weft's grouped ones); None: as built
+    # model on meta -> made ready for apply_ep and apply_tp (transformers' experts swapped for weft's grouped
+    # ones where plain); None: as built
     prepare_expert_parallel: Callable[[nn.Module], None] | None = None
     # args -> why expert parallelism cannot spread this model's experts; None: it can where it has experts
     expert_parallel_refusal: Callable[[Any], str | None] | None = None

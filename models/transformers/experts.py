@@ -1,4 +1,5 @@
-"""weft's grouped experts (models/common/moe.py), which expert parallelism spreads, in place of a
+"""weft's grouped experts (models/common/moe.py), which expert parallelism spreads (and tensor
+parallelism splits by expert, parallelisms/tp.py), in place of a
 transformers family's routed experts where their arithmetic is plain: SwiGLU experts without biases
 held as `gate_up_proj` [experts, 2 x hidden, dim] (gate rows first) and `down_proj` [experts, dim,
 hidden], as transformers builds DeepSeek V3, GLM-4 MoE, Qwen3-MoE and Mixtral. The new module holds

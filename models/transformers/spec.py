@@ -350,8 +350,12 @@ def experts_refusal(args: HFModelArgs) -> str | None:
 
 
 def prepare_expert_parallel(model: nn.Module) -> None:
-    """Swap the model's routed experts for weft's grouped experts, which `apply_ep` spreads."""
-    swap_in_grouped_experts(model)
+    """Swap the model's routed experts for weft's where weft computes them: plain SwiGLU ones, which
+    `apply_ep` spreads and `apply_tp` splits by expert (its `moe_tp_experts` style), and gpt-oss's,
+    which take LoRA's adapters. Others stay transformers' (expert parallelism and LoRA on experts
+    refuse them before the model is built)."""
+    if clamped_experts(model) or grouped_experts_refusal(model) is None:
+        swap_in_grouped_experts(model)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

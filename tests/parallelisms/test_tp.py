@@ -74,6 +74,35 @@ def test_qwen3_5_s_linear_attention_projections_gather_their_output_whatever_the
     assert plan["lm_head"].output_layouts == (Shard(-1),)
 
 
+def test_glm4_moe_s_experts_split_by_expert_and_its_undeclared_per_head_norms_sum_their_gradients():
+    """moe_tp_experts becomes ExpertsByExpert, which replaces the packed_colwise/rowwise entries of its
+    weights; the q/k norms the plan leaves out over head-split projections get Gemma 3's style, but
+    Cohere's, one weight per head, do not. tests/recipe/test_hf_backend.py trains both under tp 2."""
+    transformers = pytest.importorskip("transformers")
+    from weft.models.transformers.experts import swap_in_grouped_experts
+    from weft.parallelisms.tp import ExpertsByExpert
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4)
+    config = transformers.Glm4MoeConfig(**shape, head_dim=8, use_qk_norm=True, first_k_dense_replace=1,
+                                        n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
+    model = meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
+    plan = hf_tp_plan(model)
+    assert type(plan["model.layers.*.mlp.experts"]) is ExpertsByExpert
+    assert not any(path.startswith("model.layers.*.mlp.experts.") for path in plan)
+    norms = {path for path, style in plan.items() if isinstance(style, ReplicatedOverSplitHeads)}
+    assert norms == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
+    with pytest.raises(TransformError, match=r"^apply_tp: model.layers.1.mlp.experts \(Glm4MoeExperts\) is not "):
+        apply_tp(model, MeshOfSize(2))  # transformers' own experts: weft's grouped ones must be swapped in
+    swap_in_grouped_experts(model)
+    with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide the 6 experts of "
+                                             r"model.layers.1.mlp.experts; "):
+        apply_tp(model, MeshOfSize(4))
+    cohere = transformers.CohereConfig(**shape, use_qk_norm=True)
+    plan = hf_tp_plan(meta(lambda: transformers.AutoModelForCausalLM.from_config(cohere)))
+    assert not any(isinstance(style, ReplicatedOverSplitHeads) for style in plan.values())
+
+
 def test_weft_model_gets_the_sequence_parallel_llama_plan():
     plan = default_tp_plan(meta(lambda: Transformer(LLAMA_FLAVORS["debugmodel"])))
     assert "layers.*.attention_norm" in plan and "tok_embeddings" in plan

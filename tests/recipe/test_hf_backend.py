@@ -2,7 +2,7 @@
 written by transformers here (Mistral; Gemma 3 with sliding and global layers and tied embeddings;
 DeepSeek V3 and GLM-4 MoE, whose per-expert tensors transformers stacks on load), decode greedily as
 transformers does and train under the recipe. Six SFT steps (prompt/completion, packed) in one
-process equal fsdp 2, tp 2 (the model's `_tp_plan`), ep 2 (weft's grouped experts in
+process equal fsdp 2, tp 2 (the model's `_tp_plan`, MoE experts split by expert), ep 2 (weft's grouped experts in
 transformers' place), pp 2 (transformers' stage), cp 2 (on text) and compiled blocks; float8 converts
 the linears weft's filter lets through; the exports reload in transformers with the source's key set and the trained
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
@@ -470,6 +470,9 @@ PIPELINED = ("mistral", "deepseek_v3")  # pp 2 through transformers' stage (para
 # The families trained under tp 2 from their `_tp_plan`: Gemma 3's declares its q/k norms
 # replicated_with_grad_allreduce (whole weights over each rank's heads, gradients summed).
 TP_FAMILIES = ("mistral", "gemma3")
+# The MoE families under tp 2: their routed experts split by expert (Shard(0), as under ep), the rest as
+# their plan declares (GLM-4 MoE's attention by heads, its q/k norms replicated with summed gradients).
+TP_EXPERTS = ("deepseek_v3", "glm4_moe")
 # MORE's fsdp 2 and tp 2 runs (4 steps on text) keep their last step's checkpoint and an export.
 MORE_SAVED = ("--checkpoint.enable", "--checkpoint.interval", "4", "--export.hf_folder", "hf")
 
@@ -485,7 +488,7 @@ def checkpointed_weights(run_folder: Path, step: int) -> dict[str, torch.Tensor]
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
     MORE's under fsdp 2 and tp 2 (exported, checkpointed), Mistral under DDP (dp_replicate 2),
-    Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
+    Mistral and Gemma 3 under tp 2, TP_EXPERTS' under tp 2 (exported), Mistral (on text) under cp 2, PIPELINED's under pp 2,
     the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
     and pp 2 and of gpt-oss under fsdp 2,
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
@@ -510,6 +513,9 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     runs |= {f"tp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"tp_{family}",
                                       "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--export.hf_folder", "hf")
              for family in TP_FAMILIES}
+    runs |= {f"tp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"tp_{family}",
+                                      "--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--export.hf_folder", "hf")
+             for family in TP_EXPERTS}
     runs |= {f"ep_{family}": sft_args(root / family, root / "sft.jsonl", root / f"ep_{family}", "--parallelism.dp_shard",
                                       "2", "--parallelism.ep", "2", "--training.local_batch_size", "2",
                                       "--export.hf_folder", "hf")
@@ -641,6 +647,19 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
         base = transformers.AutoModelForCausalLM.from_pretrained(root / "deepseek_v3").eval()
         theirs = peft.PeftModel.from_pretrained(base, ep_lora / "peft").eval()(TOKENS).logits
     torch.testing.assert_close(theirs, logits_of(ep_lora / "merged", TOKENS), rtol=0, atol=1e-5)
+    for family in TP_EXPERTS:  # each rank holds 4 of the 8 routed experts and every token
+        assert losses[f"tp_{family}"] == pytest.approx(one_process[family], rel=1e-5)
+        exported = load_file(root / f"tp_{family}" / "hf" / "model.safetensors")
+        single = load_file(root / f"one_{family}" / "hf" / "model.safetensors")
+        assert sorted(exported) == sorted(load_file(root / family / "model.safetensors"))
+        for key in single:
+            torch.testing.assert_close(exported[key], single[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits_of(root / f"tp_{family}" / "hf", TOKENS),
+                                   logits_of(root / f"one_{family}" / "hf", TOKENS), rtol=0, atol=1e-5)
+    # the tp run's checkpoint of step 3 (experts Shard(0), attention split by heads) resumes in one process
+    shutil.copytree(root / "tp_glm4_moe" / "checkpoint" / "step-3", root / "tp_to_one" / "checkpoint" / "step-3")
+    tp_to_one = run(sft_args(root / "glm4_moe", root / "sft.jsonl", root / "tp_to_one"))
+    assert len(tp_to_one) == 3 and tp_to_one == pytest.approx(one_process["glm4_moe"][3:], rel=1e-5)
 
 
 def plan_of(folder: Path, data: Path, *extra: str, world_size: int = 2) -> RunPlan:
@@ -760,11 +779,36 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
     assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
 
 
-def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
-    """DeepSeek V3's stacked experts declare packed_colwise (gate and up rows in one tensor)."""
-    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: DeepseekV3ForCausalLM declares style "
-                                          r"'packed_colwise' for model.layers.\*.mlp.experts.gate_up_proj, "):
-        plan_of(root / "deepseek_v3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_path):
+    """DeepSeek V3's and GLM-4 MoE's experts split by expert (trained under tp 2 in the fsdp 2 test):
+    refused where tp does not divide them, beside ep and with compile (their share of the tokens is cut
+    on the host); a style apply_tp does not translate (Llama 4 text's transposed experts,
+    packed_rowwise) is refused naming it."""
+    configs = {"deepseek_six": transformers.DeepseekV3Config(  # 6 routed experts, 3 a group
+        **{**MOE, "n_routed_experts": 6}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1),
+        "llama4_text": transformers.Llama4TextConfig(**SHAPE, intermediate_size_mlp=64, num_local_experts=4)}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 4: apply_tp: tp_mesh size 4 does not divide the 6 "
+                                          r"experts of model.layers.1.mlp.experts; each rank holds as many whole "
+                                          r"experts as the others$"):
+        plan_of(tmp_path / "deepseek_six", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "4",
+                world_size=4)
+    assert plan_of(tmp_path / "deepseek_six", root / "sft.jsonl", "--parallelism.dp_shard", "1",
+                   "--parallelism.tp", "2")
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2 with parallelism.ep = 2: Glm4MoeForCausalLM \(model_"
+                                          r"type glm4_moe, built by transformers\) keeps every token on each tp rank "):
+        plan_of(root / "glm4_moe", root / "sft.jsonl", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
+                "--parallelism.ep", "2", world_size=4)
+    with pytest.raises(ConfigError, match=r"^compile.enable = true with parallelism.tp = 2: DeepseekV3ForCausalLM "
+                                          r"\(model_type deepseek_v3, built by transformers\) splits its experts by "):
+        plan_of(root / "deepseek_v3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2",
+                "--compile.enable")
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Llama4ForCausalLM declares style "
+                                          r"'packed_rowwise' for layers.\*.feed_forward.experts.gate_up_proj, "):
+        plan_of(tmp_path / "llama4_text", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     assert plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
 
 
