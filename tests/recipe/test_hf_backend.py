@@ -8,7 +8,8 @@ the linears weft's filter lets through; the exports reload in transformers with 
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
 run resumes bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach is refused in one line
 naming the key. Qwen3.5 text and gpt-oss (MORE) decode as transformers does and train alike
-under fsdp 2; a Llama folder trains alike under both backends on each data format."""
+under fsdp 2; gpt-oss trains on packed samples as weft's own gpt-oss, Qwen3.5's are refused; a Llama
+folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4",
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
-    """MORE's runs read the shipped text (packed samples are refused for them: see below)."""
+    """MORE's runs read the shipped text (packed samples are refused for Qwen3.5: see below)."""
     return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / family),
                     "--model.backend", "transformers", *FP32, *extra, steps=4, batch=4)
 
@@ -148,10 +149,11 @@ def test_generate_decodes_greedily_as_transformers(root, family, capsys):
     assert ours == tokenizer.decode(out[0].tolist())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss"])
 def test_packed_documents_see_only_themselves(root, family):
     """The step's forward of a packed row (positions restarting at each document) gives each
-    document the logits transformers gives it alone."""
+    document the logits transformers gives it alone: gpt-oss's masks (sliding window 8 inside the
+    documents, sinks) built from the positions by the step, as its code builds them without."""
     from weft.models import TRANSFORMERS_SPEC
 
     model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
@@ -166,13 +168,13 @@ def test_packed_documents_see_only_themselves(root, family):
     assert (whole - alone).abs().max() > 1e-3  # without the positions, the documents would see each other
 
 
-@pytest.mark.parametrize("family", list(MORE))
-def test_packed_samples_are_refused_where_the_documents_would_see_each_other(root, family):
-    """gpt-oss's masks ignore the positions and Qwen3.5's linear attention carries its state on: a
-    packed row's later documents get other logits than alone, so packed data is refused in one line."""
+def test_packed_samples_are_refused_where_the_documents_would_see_each_other(root):
+    """Qwen3.5's linear attention carries its state on (transformers' torch path takes no document
+    boundaries): a packed row's later documents get other logits than alone, so packed data is
+    refused in one line."""
     from weft.models import TRANSFORMERS_SPEC
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "qwen3_5").eval()
     lengths = [10, 14]
     tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -182,9 +184,21 @@ def test_packed_samples_are_refused_where_the_documents_would_see_each_other(roo
     for extra, key in ((("--data.format", "prompt_completion"), "data.format = prompt_completion: "),
                        (("--data.document_masking",), "data.document_masking = true: ")):
         with pytest.raises(ConfigError) as refused:
-            plan_of(root / family, root / "sft.jsonl", *extra)
+            plan_of(root / "qwen3_5", root / "sft.jsonl", *extra)
         assert str(refused.value).startswith(key) and "\n" not in str(refused.value)
-        assert family in str(refused.value)  # the model_type: gpt_oss, qwen3_5_text
+        assert "qwen3_5_text" in str(refused.value)
+
+
+def test_gpt_oss_trains_on_packed_samples_as_weft_s_own_gpt_oss(root, tmp_path):
+    """gpt-oss's folder through six steps of packed prompt/completion samples (short ones: three
+    documents to a row) under transformers' code and under weft's own gpt-oss (its document masks,
+    sliding windows and sinks: models/gpt_oss): two implementations, one loss curve."""
+    records = [{"prompt": f"Q{i}:", "completion": " Nay." * (1 + i % 3)} for i in range(64)]
+    data = write_jsonl(tmp_path / "short.jsonl", records)
+    losses = {backend: run(sft_args(root / "gpt_oss", data, tmp_path / backend, "--model.backend", backend,
+                                    "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+    assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+    assert losses["weft"][-1] < losses["weft"][0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
