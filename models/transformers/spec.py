@@ -22,6 +22,7 @@ from torch import nn
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
 from weft.models.transformers.experts import grouped_experts_refusal, routed_experts, swap_in_grouped_experts
+from weft.models.transformers.routing import count_routed_tokens
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -369,4 +370,5 @@ TRANSFORMERS_SPEC = ModelSpec(
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     backend=BACKEND, forward=forward,
     packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,
-    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal)
+    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal,
+    count_routing=count_routed_tokens)

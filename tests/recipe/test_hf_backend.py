@@ -192,13 +192,25 @@ def test_packed_samples_are_refused_where_the_documents_would_see_each_other(roo
 def test_gpt_oss_trains_on_packed_samples_as_weft_s_own_gpt_oss(root, tmp_path):
     """gpt-oss's folder through six steps of packed prompt/completion samples (short ones: three
     documents to a row) under transformers' code and under weft's own gpt-oss (its document masks,
-    sliding windows and sinks: models/gpt_oss): two implementations, one loss curve."""
+    sliding windows and sinks: models/gpt_oss): two implementations, one loss curve, and one routing
+    balance (tokens per expert counted by weft's MoE layers and by the hooks on transformers' routers)."""
     records = [{"prompt": f"Q{i}:", "completion": " Nay." * (1 + i % 3)} for i in range(64)]
     data = write_jsonl(tmp_path / "short.jsonl", records)
     losses = {backend: run(sft_args(root / "gpt_oss", data, tmp_path / backend, "--model.backend", backend,
                                     "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
     assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
     assert losses["weft"][-1] < losses["weft"][0]
+    imbalance = {backend: moe_imbalance(tmp_path / backend) for backend in losses}
+    assert list(imbalance["transformers"][0]) == [f"moe/imbalance/model.layers.{i}.mlp.router" for i in (0, 1)]
+    assert list(imbalance["weft"][0]) == [f"moe/imbalance/layers.{i}.feed_forward" for i in (0, 1)]
+    for theirs, ours in zip(imbalance["transformers"], imbalance["weft"], strict=True):
+        assert list(theirs.values()) == pytest.approx(list(ours.values()), rel=1e-6)
+
+
+def moe_imbalance(dump: Path) -> list[dict[str, float]]:
+    """Each logged step's moe/imbalance/<layer> values, from the run's metrics.jsonl."""
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k.startswith("moe/imbalance/")} for line in lines]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -213,6 +225,9 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"one_{family}" / "hf")
     tied = CONFIGS[family]().tie_word_embeddings
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+    imbalance = moe_imbalance(root / f"one_{family}")  # the MoE layer's routing, logged every step
+    routed = ["moe/imbalance/model.layers.1.mlp.gate"] if family in CONVERTED else []
+    assert len(imbalance) == 6 and all(list(step) == routed and min(step.values(), default=1) >= 1 for step in imbalance)
     config = json.loads((root / f"one_{family}" / "hf" / "config.json").read_text())
     assert config["model_type"] == CONFIGS[family]().model_type and config["dtype"] == "float32"
 
