@@ -586,6 +586,14 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
     assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
 
 
+@pytest.mark.parametrize("key", ["moe.bias_update_rate", "moe.load_balance_coeff"])
+def test_weft_s_moe_balancing_is_refused_for_transformers_routers(root, key):
+    """The routers are counted for the metrics (tests/models/test_transformers_routing.py), not steered."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / "deepseek_v3", root / "sft.jsonl", f"--{key}", "0.001")
+    assert str(refused.value).startswith(f"{key} = 0.001: DeepseekV3ForCausalLM") and "\n" not in str(refused.value)
+
+
 def test_tp_is_refused_where_apply_tp_cannot_translate_the_declared_plan(root):
     """DeepSeek V3's stacked experts declare packed_colwise (gate and up rows in one tensor)."""
     with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: DeepseekV3ForCausalLM declares style "
