@@ -99,6 +99,8 @@ def root(tmp_path_factory) -> Path:
         tiny_folder(root / family, family)
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # short samples, three documents to a 32-token row: later documents would see earlier ones
+    write_jsonl(root / "short.jsonl", [{"prompt": f"Q{i}:", "completion": " Nay." * (1 + i % 3)} for i in range(64)])
     return root
 
 
@@ -189,18 +191,22 @@ def test_packed_samples_are_refused_where_the_documents_would_see_each_other(roo
         assert "qwen3_5_text" in str(refused.value)
 
 
-def test_gpt_oss_trains_on_packed_samples_as_weft_s_own_gpt_oss(root, tmp_path):
-    """gpt-oss's folder through six steps of packed prompt/completion samples (short ones: three
-    documents to a row) under transformers' code and under weft's own gpt-oss (its document masks,
-    sliding windows and sinks: models/gpt_oss): two implementations, one loss curve, and one routing
-    balance (tokens per expert counted by weft's MoE layers and by the hooks on transformers' routers)."""
-    records = [{"prompt": f"Q{i}:", "completion": " Nay." * (1 + i % 3)} for i in range(64)]
-    data = write_jsonl(tmp_path / "short.jsonl", records)
-    losses = {backend: run(sft_args(root / "gpt_oss", data, tmp_path / backend, "--model.backend", backend,
-                                    "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+@pytest.fixture(scope="module")
+def packed_gpt_oss(root) -> dict[str, list[float]]:
+    """gpt-oss's folder through six steps of short.jsonl's packed samples under each backend."""
+    return {backend: run(sft_args(root / "gpt_oss", root / "short.jsonl", root / f"packed_{backend}", "--model.backend",
+                                  backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+
+
+def test_gpt_oss_trains_on_packed_samples_as_weft_s_own_gpt_oss(root, packed_gpt_oss):
+    """Packed prompt/completion samples (three documents to a row) under transformers' code and under
+    weft's own gpt-oss (its document masks, sliding windows and sinks: models/gpt_oss): two
+    implementations, one loss curve, and one routing balance (tokens per expert counted by weft's MoE
+    layers and by the hooks on transformers' routers)."""
+    losses = packed_gpt_oss
     assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
     assert losses["weft"][-1] < losses["weft"][0]
-    imbalance = {backend: moe_imbalance(tmp_path / backend) for backend in losses}
+    imbalance = {backend: moe_imbalance(root / f"packed_{backend}") for backend in losses}
     assert list(imbalance["transformers"][0]) == [f"moe/imbalance/model.layers.{i}.mlp.router" for i in (0, 1)]
     assert list(imbalance["weft"][0]) == [f"moe/imbalance/layers.{i}.feed_forward" for i in (0, 1)]
     for theirs, ours in zip(imbalance["transformers"], imbalance["weft"], strict=True):
@@ -375,7 +381,7 @@ TP_FAMILIES = ("mistral", "gemma3")
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2, Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
+    MORE's under fsdp 2 (gpt-oss's on packed samples too), Mistral and Gemma 3 under tp 2, Mistral (on text) under cp 2, PIPELINED's under pp 2,
     the MoE families of CONVERTED under ep 2 (exported),
     DeepSeek V3's ep 2 run stopped after 3 steps and resumed, and its one-process checkpoint of
     step 3 (copied to one_to_ep) resumed under ep 2."""
@@ -386,6 +392,10 @@ def other_layouts(root: str) -> dict[str, list[float]]:
             for family in FAMILIES}
     runs |= {f"fsdp_{family}": more_args(root, family, root / f"fsdp_{family}", "--parallelism.dp_shard", "2",
                                           "--training.local_batch_size", "2") for family in MORE}
+    # gpt-oss's packed samples under fsdp 2: its masks built from the positions inside the sharded model's call
+    runs["fsdp_packed_gpt_oss"] = sft_args(root / "gpt_oss", root / "short.jsonl", root / "fsdp_packed_gpt_oss",
+                                           "--model.backend", "transformers", "--no-checkpoint.enable",
+                                           "--parallelism.dp_shard", "2", "--training.local_batch_size", "2")
     runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
                                    "--parallelism.cp", "2")
     runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
@@ -409,9 +419,11 @@ def other_layouts(root: str) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
-                                                                                      more_one_process, capsys):
+                                                                                      more_one_process, packed_gpt_oss,
+                                                                                      capsys):
     shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
+    assert losses["fsdp_packed_gpt_oss"] == pytest.approx(packed_gpt_oss["transformers"], rel=1e-5)
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
         assert losses[f"fsdp_{family}"] == pytest.approx(more_one_process[family], rel=1e-5)
