@@ -65,3 +65,17 @@ def test_the_routers_count_the_experts_transformers_sends_each_token_to(family):
 
 def _counting(model):
     return [module for module in model.modules() if hasattr(module, "tokens_per_expert")]
+
+
+def test_a_router_of_another_output_is_left_uncounted(caplog):
+    """Llama 4's router returns (scores, logits), no top-k indices: its layers log no imbalance
+    rather than a wrong one, and the model runs on."""
+    config = transformers.Llama4TextConfig(**{**SHAPE, "num_experts_per_tok": 1}, head_dim=8, intermediate_size_mlp=64,
+                                           num_local_experts=4)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    count_routed_tokens(model, "cpu")
+    assert len(_counting(model)) == 2
+    with torch.no_grad():
+        model(TOKENS)
+    assert _counting(model) == [] and balance_experts(model, rate=0.0) == {}
+    assert "Llama4Router does not return (logits, weights, top-k indices)" in caplog.text
