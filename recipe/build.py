@@ -270,6 +270,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
     if device is not None:
         model.train()
+        if spec.count_routing is not None:  # transformers' routers counted for the routing metrics
+            spec.count_routing(model, device)
     return model
 
 
@@ -279,7 +281,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
     embedding first, norm and output last, blocks spread evenly), each through `parallelize` and
     `materialize` like a whole model: every weight keeps its name and so its initial values.
     pp_rank: build another pipeline rank's stages instead (the dry run, on meta)."""
-    layout = plan.pipeline
+    layout, spec = plan.pipeline, spec_for_args(plan.model_args)
     ids = layout.stage_ids(meshes.pp.get_local_rank() if pp_rank is None else pp_rank)
     stages = split_model(model, default_split(model, layout.n_stages), ids)
     for stage in stages:  # LoRA's targets were checked on the whole model (plan.check_lora): a stage may hold none
@@ -291,6 +293,8 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
             cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled
             materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
             stage.train()
+            if spec.count_routing is not None:
+                spec.count_routing(stage, device)
     return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
 
 

@@ -271,7 +271,8 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
     the key: context parallelism and pipeline stages of a model whose attention is not plain causal
     (sliding windows, sinks, linear attention: `uncommon_attention`), context parallelism of packed
     rows (`check_backend_cp`); expert parallelism of experts other than plain SwiGLU ones; tensor
-    parallelism of a model that declares no plan (`_tp_plan`) or one apply_tp cannot translate.
+    parallelism of a model that declares no plan (`_tp_plan`) or one apply_tp cannot translate;
+    weft's MoE balancing (routing bias, load-balancing loss), which transformers' routers do not take.
     compile.enable (each decoder layer compiled) and float8.enable (transformers' nn.Linear layers,
     the head kept by float8_filter) go through as for weft's models."""
     if spec_for_args(args).backend != "transformers":
@@ -288,6 +289,11 @@ def check_backend(cfg: JobConfig, args, dims: ParallelDims) -> None:
                           "grouped experts, which compute plain SwiGLU experts; set parallelism.ep = 1")
     if cfg.lora.enable and names_routed_experts(cfg.lora.target_modules):
         check_backend_expert_lora(cfg, args, built, dims)
+    for key, value in (("moe.bias_update_rate", cfg.moe.bias_update_rate),
+                       ("moe.load_balance_coeff", cfg.moe.load_balance_coeff)):
+        if value:
+            raise ConfigError(f"{key} = {value}: {built} routes by transformers' own arithmetic, which weft's "
+                              "balancing (a routing bias, a load-balancing loss) does not reach; set it to 0")
     if dims.tp > 1 and not args.declares_tp_plan:
         raise ConfigError(f"parallelism.tp = {dims.tp}: {built} declares no "
                           "tensor-parallel plan (_tp_plan); set parallelism.tp = 1")

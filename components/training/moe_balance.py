@@ -17,18 +17,21 @@ from weft.components.checkpoint.state import model_parts
 from weft.models.common.moe import MoE
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The MoE layers this rank holds (a pipeline rank: those of its stages), by the model's own
-    names (`layers.1.feed_forward`, without activation checkpointing's wrapper)."""
+    names (`layers.1.feed_forward`, without activation checkpointing's wrapper): weft's MoE layers and
+    the routers of a transformers model, which count their `tokens_per_expert` alike
+    (models/transformers/routing.py)."""
     return [(name.replace("_checkpoint_wrapped_module.", ""), module) for part in model_parts(model)
-            for name, module in part.named_modules() if isinstance(module, MoE)]
+            for name, module in part.named_modules()
+            if isinstance(module, MoE) or isinstance(getattr(module, "tokens_per_expert", None), torch.Tensor)]
 
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Read and reset every MoE layer's token counts, summed over `group` (the ranks that route
     other tokens: data- and context-parallel, and tensor-parallel under ep with tp; None, one process); nudge each layer's bias by `rate` towards equal load
-    (rate 0: no balancing); return each layer's load imbalance. One all-reduce for all layers."""
+    (rate 0: no balancing; weft's MoE layers only); return each layer's load imbalance. One all-reduce for all layers."""
     layers = moe_layers(model)
     if not layers:
         return {}
@@ -37,7 +40,7 @@ def balance_experts(model: nn.Module, rate: float, group: dist.ProcessGroup | No
         dist.all_reduce(loads, group=group)
     mean = loads.mean(dim=-1, keepdim=True)
     for (_, layer), load, layer_mean in zip(layers, loads, mean):
-        if rate:
+        if rate and isinstance(layer, MoE):  # a transformers router's choice is left as it is
             layer.expert_bias += rate * torch.sign(layer_mean - load)
         layer.tokens_per_expert.zero_()
     imbalance = loads.max(dim=-1).values / mean.squeeze(-1).clamp(min=1e-9)
@@ -73,4 +76,5 @@ def set_load_balance_loss(model: nn.Module, coeff: float, accumulation_steps: in
     """Every MoE layer adds coeff · its load-balancing loss to the training loss's gradient, as a
     mean over the step's `accumulation_steps` micro-batches (each layer adds it once per forward)."""
     for _, layer in moe_layers(model):
-        layer.load_balance_coeff = coeff / accumulation_steps
+        if isinstance(layer, MoE):
+            layer.load_balance_coeff = coeff / accumulation_steps

@@ -167,6 +167,9 @@ class ModelSpec:
     prepare_expert_parallel: Callable[[nn.Module], None] | None = None
     # args -> why expert parallelism cannot spread this model's experts; None: it can where it has experts
     expert_parallel_refusal: Callable[[Any], str | None] | None = None
+    # (materialized model, device) -> its routers count the tokens each expert gets (`tokens_per_expert`,
+    # for the routing metrics: transformers' MoE models); None: its MoE layers count them themselves
+    count_routing: Callable[[nn.Module, Any], None] | None = None
 
     def hf_of(self, args: Any) -> HFMapping:
         """How the model `args` and its Hugging Face folder translate into each other."""

@@ -32,6 +32,7 @@ from weft.models.transformers.experts import (
     swap_in_grouped_experts,
 )
 from weft.models.transformers.multimodal import multimodal_class, multimodal_names
+from weft.models.transformers.routing import count_routed_tokens
 
 BACKEND = "transformers"
 _DTYPE_KEYS = ("torch_dtype", "dtype")
@@ -175,24 +176,45 @@ def build(args: HFModelArgs) -> nn.Module:
 def forward(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None = None,
             document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of a transformers causal LM. Packed documents are told apart by their positions, which
-    restart at each document (transformers' packed-sequence mask); document_ids add nothing."""
+    restart at each document (transformers' packed-sequence mask); document_ids add nothing. For a
+    family whose code builds its masks without the positions (`_MASKS_WITHOUT_POSITIONS`), the masks
+    are built from them here and handed in by layer type (`_packed_masks`)."""
     if positions is not None and positions.ndim == 1:
         positions = positions.expand(inputs.shape[0], -1)
-    return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    if positions is None or model.config.model_type not in _MASKS_WITHOUT_POSITIONS:
+        return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    hook = model.get_decoder().register_forward_pre_hook(_packed_masks, with_kwargs=True)
+    try:
+        return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    finally:
+        hook.remove()
 
 
-# Families whose transformers code does not keep packed documents apart: gpt-oss builds its masks
-# without the positions (so no packed-sequence mask), and a linear-attention layer carries its state
-# across a document's end. Measured: a packed row's later documents get other logits than each alone
-# (tests/recipe/test_hf_backend.py).
-_POSITIONS_UNMASKED = {"gpt_oss": "builds its attention masks without the positions"}
+# Families whose transformers code builds its attention masks without the positions, so without the
+# packed-sequence mask: their decoder accepts the masks by layer type instead (`attention_mask` a dict).
+_MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
+
+
+def _packed_masks(decoder: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pre-hook of the decoder: its embeddings computed here (inside the whole model's call, so under
+    FSDP and tp as there), and each layer type's mask built from them and the positions by
+    transformers' own mask functions (block-diagonal causal, windowed for sliding layers)."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    embeds = decoder.get_input_embeddings()(kwargs.pop("input_ids"))
+    masks = create_masks_for_generate(decoder.config, embeds, attention_mask=None, cache=None,
+                                      position_ids=kwargs["position_ids"])
+    return args, kwargs | {"inputs_embeds": embeds, "attention_mask": masks}
+
+
+# A linear-attention layer carries its state across a document's end: transformers' torch path (its
+# chunked gated delta rule and causal convolution) takes no document boundaries. Measured: a packed
+# row's later documents get other logits than each alone (tests/recipe/test_hf_backend.py).
 
 
 def packed_documents_refusal(args: HFModelArgs) -> str | None:
     """Why documents packed into one row (positions restarting at each) would see each other in this
     model; None where transformers' packed-sequence mask keeps them apart."""
-    if args.model_type in _POSITIONS_UNMASKED:
-        return f"transformers' {args.model_type} {_POSITIONS_UNMASKED[args.model_type]}"
     if "linear_attention" in (args.config.get("layer_types") or ()):
         return f"{args.model_type}'s linear-attention layers carry their state from one document into the next"
     return None
@@ -443,4 +465,5 @@ TRANSFORMERS_SPEC = ModelSpec(
     block_numel=block_numel, lora_block_numel=lora_block_numel,
     backend=BACKEND, forward=forward,
     packed_documents_refusal=packed_documents_refusal, hf_for_args=hf_mapping, peft_refusal=peft_refusal,
-    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal)
+    experts=experts, prepare_expert_parallel=prepare_expert_parallel, expert_parallel_refusal=experts_refusal,
+    count_routing=count_routed_tokens)

@@ -5,12 +5,14 @@ global batch as the single-device reference, on the debug model cut to 2 blocks 
 splits each block alike: two cost half of four, and check the same); its per-step global loss must match the
 reference's: step 1 within 1e-6 relative (identical weights and data), every step within 1e-4
 relative (only the order of floating-point reductions differs). Muon layouts match Muon in one
-process within 1e-5 at every step, and Muon's state saved under fsdp 2 resumes in one process.
-Layouts sharing a world size run one after another in the same processes.
+process within 1e-5 at every step, and Muon's state saved under fsdp 2 resumes in one process; a
+transformers-backend folder under HSDP matches its run in one process. Layouts sharing a world
+size run one after another in the same processes.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,6 +35,10 @@ PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pair
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 CHECKPOINT_5 = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 MUON_RTOL = 1e-5
+# The transformers backend (models/transformers): a DeepSeek V3 folder (an MoE layer: its routing counts
+# summed over the ranks) written to {root}/deepseek_v3, against its own run in one process within 1e-5.
+HF_BACKEND = ["--model.flavor", "from_hf_config", "--model.backend", "transformers",
+              "--checkpoint.initial_load_path", "{root}/deepseek_v3"]
 
 # name -> (world size, command-line overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -68,6 +74,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "dpo_fsdp2_accumulation2": (2, ["--parallelism.dp_shard", "2", "--training.gradient_accumulation_steps", "2",
                                     *PREFERENCE]),
     "dpo_hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *PREFERENCE]),
+    "hf_hsdp2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *HF_BACKEND]),
     # Also matched, and left out for the suite's time on 2 cores (a layout costs 3-5 s, 8 processes
     # a minute): tp 2 without loss parallelism, selective AC every 2nd block, ddp 2 x tp 2, cp 4,
     # tp 4, and the 8-rank products hsdp 2x2 x tp 2 and hsdp 2x2 x cp 2.
@@ -131,7 +138,31 @@ def muon_reference(tmp_path_factory) -> list[float]:
 def layouts_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
     write_jsonl(root / "pairs.jsonl", make_pairs(64))
+    write_deepseek_v3_folder(root / "deepseek_v3")
     return root
+
+
+def write_deepseek_v3_folder(folder: Path) -> None:
+    """A tiny DeepSeek V3 written by transformers: a dense layer, then an MoE layer (8 routed experts
+    in 2 groups, top 2, a shared expert)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(layouts_root) -> list[float]:
+    from weft import train
+
+    overrides = [value.format(root=layouts_root) for value in HF_BACKEND]
+    return train.train(parse_args(config_args(str(layouts_root / "hf_single"), overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +193,8 @@ def test_preference_layout_matches_single_device(layout, preference_reference, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS
-                                    if "--optimizer.name" not in LAYOUTS[name][1] and not name.startswith("dpo_")])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "--optimizer.name" not in LAYOUTS[name][1]
+                                    and not name.startswith(("dpo_", "hf_"))])
 def test_layout_matches_single_device(layout, reference, layout_losses):
     losses = layout_losses[layout]
     assert len(losses) == len(reference) == STEPS
@@ -171,6 +202,20 @@ def test_layout_matches_single_device(layout, reference, layout_losses):
     assert losses[0] == pytest.approx(reference[0], rel=1e-6), f"{layout} step 1"
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         assert got == pytest.approx(want, rel=1e-4), f"{layout} step {step}: {got} vs {want}"
+
+
+@pytest.mark.slow
+def test_the_transformers_backend_under_hsdp_matches_one_process(layouts_root, hf_reference, layout_losses):
+    """DeepSeek V3 built by transformers under dp_replicate 2 x dp_shard 2: every step's loss within
+    1e-5 of one process's, and the MoE layer's routing balance of step 1 (tokens per expert summed
+    over the four ranks) that of one process."""
+    losses = layout_losses["hf_hsdp2x2"]
+    assert len(losses) == len(hf_reference) == STEPS and hf_reference[-1] < hf_reference[0]
+    assert losses == pytest.approx(hf_reference, rel=1e-5)
+    key = "moe/imbalance/model.layers.1.mlp.gate"
+    first = [json.loads((layouts_root / run / "metrics.jsonl").read_text().splitlines()[0])
+             for run in ("hf_hsdp2x2", "hf_single")]
+    assert first[0][key] == pytest.approx(first[1][key], rel=1e-6)
 
 
 @pytest.mark.slow

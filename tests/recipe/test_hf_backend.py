@@ -8,7 +8,8 @@ the linears weft's filter lets through; the exports reload in transformers with 
 weights; LoRA's (and QLoRA's) PEFT folder loads in `peft` with the merged export's logits; a stopped
 run resumes bit for bit; MFU's FLOPs are torch's count; and what the backend does not reach is refused in one line
 naming the key. Qwen3.5 text and gpt-oss (MORE) go through the same on text (fsdp 2, tp 2, exports,
-LoRA, resume); Mistral under DDP; a Llama folder trains alike under both backends on each data format."""
+LoRA, resume); gpt-oss trains on packed samples as weft's own gpt-oss, Qwen3.5's are refused;
+Mistral under DDP; a Llama folder trains alike under both backends on each data format."""
 
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def root(tmp_path_factory) -> Path:
         tiny_folder(root / family, family)
     records = [{"prompt": f"Q{i}: who is there?\n", "completion": "Nay, answer me." * (1 + i % 4)} for i in range(64)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # short samples, three documents to a 32-token row: later documents would see earlier ones
+    write_jsonl(root / "short.jsonl", [{"prompt": f"Q{i}:", "completion": " Nay." * (1 + i % 3)} for i in range(64)])
     return root
 
 
@@ -132,7 +135,7 @@ KEEP_GPT_OSS = {"gpt_oss": ("--checkpoint.enable", "--checkpoint.interval", "4")
 
 
 def more_args(root: Path, family: str, dump: Path, *extra: str) -> list[str]:
-    """MORE's runs read the shipped text (packed samples are refused for them: see below)."""
+    """MORE's runs read the shipped text (packed samples are refused for Qwen3.5: see below)."""
     return run_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / family),
                     "--model.backend", "transformers", *FP32, *extra, steps=4, batch=4)
 
@@ -151,10 +154,11 @@ def test_generate_decodes_greedily_as_transformers(root, family, capsys):
     assert ours == tokenizer.decode(out[0].tolist())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss"])
 def test_packed_documents_see_only_themselves(root, family):
     """The step's forward of a packed row (positions restarting at each document) gives each
-    document the logits transformers gives it alone."""
+    document the logits transformers gives it alone: gpt-oss's masks (sliding window 8 inside the
+    documents, sinks) built from the positions by the step, as its code builds them without."""
     from weft.models import TRANSFORMERS_SPEC
 
     model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
@@ -169,13 +173,13 @@ def test_packed_documents_see_only_themselves(root, family):
     assert (whole - alone).abs().max() > 1e-3  # without the positions, the documents would see each other
 
 
-@pytest.mark.parametrize("family", list(MORE))
-def test_packed_samples_are_refused_where_the_documents_would_see_each_other(root, family):
-    """gpt-oss's masks ignore the positions and Qwen3.5's linear attention carries its state on: a
-    packed row's later documents get other logits than alone, so packed data is refused in one line."""
+def test_packed_samples_are_refused_where_the_documents_would_see_each_other(root):
+    """Qwen3.5's linear attention carries its state on (transformers' torch path takes no document
+    boundaries): a packed row's later documents get other logits than alone, so packed data is
+    refused in one line."""
     from weft.models import TRANSFORMERS_SPEC
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / family).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "qwen3_5").eval()
     lengths = [10, 14]
     tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -185,9 +189,37 @@ def test_packed_samples_are_refused_where_the_documents_would_see_each_other(roo
     for extra, key in ((("--data.format", "prompt_completion"), "data.format = prompt_completion: "),
                        (("--data.document_masking",), "data.document_masking = true: ")):
         with pytest.raises(ConfigError) as refused:
-            plan_of(root / family, root / "sft.jsonl", *extra)
+            plan_of(root / "qwen3_5", root / "sft.jsonl", *extra)
         assert str(refused.value).startswith(key) and "\n" not in str(refused.value)
-        assert family in str(refused.value)  # the model_type: gpt_oss, qwen3_5_text
+        assert "qwen3_5_text" in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def packed_gpt_oss(root) -> dict[str, list[float]]:
+    """gpt-oss's folder through six steps of short.jsonl's packed samples under each backend."""
+    return {backend: run(sft_args(root / "gpt_oss", root / "short.jsonl", root / f"packed_{backend}", "--model.backend",
+                                  backend, "--no-checkpoint.enable")) for backend in ("weft", "transformers")}
+
+
+def test_gpt_oss_trains_on_packed_samples_as_weft_s_own_gpt_oss(root, packed_gpt_oss):
+    """Packed prompt/completion samples (three documents to a row) under transformers' code and under
+    weft's own gpt-oss (its document masks, sliding windows and sinks: models/gpt_oss): two
+    implementations, one loss curve, and one routing balance (tokens per expert counted by weft's MoE
+    layers and by the hooks on transformers' routers)."""
+    losses = packed_gpt_oss
+    assert losses["transformers"] == pytest.approx(losses["weft"], rel=1e-5)
+    assert losses["weft"][-1] < losses["weft"][0]
+    imbalance = {backend: moe_imbalance(root / f"packed_{backend}") for backend in losses}
+    assert list(imbalance["transformers"][0]) == [f"moe/imbalance/model.layers.{i}.mlp.router" for i in (0, 1)]
+    assert list(imbalance["weft"][0]) == [f"moe/imbalance/layers.{i}.feed_forward" for i in (0, 1)]
+    for theirs, ours in zip(imbalance["transformers"], imbalance["weft"], strict=True):
+        assert list(theirs.values()) == pytest.approx(list(ours.values()), rel=1e-6)
+
+
+def moe_imbalance(dump: Path) -> list[dict[str, float]]:
+    """Each logged step's moe/imbalance/<layer> values, from the run's metrics.jsonl."""
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k.startswith("moe/imbalance/")} for line in lines]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -202,6 +234,9 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(root / f"one_{family}" / "hf")
     tied = CONFIGS[family]().tie_word_embeddings
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+    imbalance = moe_imbalance(root / f"one_{family}")  # the MoE layer's routing, logged every step
+    routed = ["moe/imbalance/model.layers.1.mlp.gate"] if family in CONVERTED else []
+    assert len(imbalance) == 6 and all(list(step) == routed and min(step.values(), default=1) >= 1 for step in imbalance)
     config = json.loads((root / f"one_{family}" / "hf" / "config.json").read_text())
     assert config["model_type"] == CONFIGS[family]().model_type and config["dtype"] == "float32"
 
@@ -487,7 +522,7 @@ def checkpointed_weights(run_folder: Path, step: int) -> dict[str, torch.Tensor]
 
 def other_layouts(root: str) -> dict[str, list[float]]:
     """Worker (2 ranks): each family under fsdp 2 with full activation checkpointing (exported),
-    MORE's under fsdp 2 and tp 2 (exported, checkpointed), Mistral under DDP (dp_replicate 2),
+    MORE's under fsdp 2 and tp 2 (exported, checkpointed), gpt-oss's on packed samples under fsdp 2, Mistral under DDP (dp_replicate 2),
     Mistral and Gemma 3 under tp 2, TP_EXPERTS' under tp 2 (exported), Mistral (on text) under cp 2, PIPELINED's under pp 2,
     the MoE families of CONVERTED under ep 2 (exported), LoRA on the experts of DeepSeek V3 under ep 2
     and pp 2 and of gpt-oss under fsdp 2,
@@ -506,6 +541,10 @@ def other_layouts(root: str) -> dict[str, list[float]]:
     runs["ddp_mistral"] = sft_args(root / "mistral", root / "sft.jsonl", root / "ddp_mistral",
                                    "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
                                    "--training.local_batch_size", "2", "--no-checkpoint.enable")
+    # gpt-oss's packed samples under fsdp 2: its masks built from the positions inside the sharded model's call
+    runs["fsdp_packed_gpt_oss"] = sft_args(root / "gpt_oss", root / "short.jsonl", root / "fsdp_packed_gpt_oss",
+                                           "--model.backend", "transformers", "--no-checkpoint.enable",
+                                           "--parallelism.dp_shard", "2", "--training.local_batch_size", "2")
     runs["cp_mistral"] = more_args(root, "mistral", root / "cp_mistral", "--parallelism.dp_shard", "1",
                                    "--parallelism.cp", "2")
     runs |= {f"pp_{family}": sft_args(root / family, root / "sft.jsonl", root / f"pp_{family}", "--parallelism.dp_shard",
@@ -546,10 +585,12 @@ def other_layouts(root: str) -> dict[str, list[float]]:
 @pytest.mark.slow
 def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transformers(root, one_process,
                                                                                       more_one_process, expert_lora,
+                                                                                      packed_gpt_oss,
                                                                                       capsys):
     shutil.copytree(root / "one_deepseek_v3" / "checkpoint" / "step-3", root / "one_to_ep" / "checkpoint" / "step-3")
     write_multimodal_folder(root / "gemma3", root / "gemma3_mm")  # the gemma3 folder's model as its text model
     losses = run_distributed(other_layouts, 2, str(root), timeout=600)[0]
+    assert losses["fsdp_packed_gpt_oss"] == pytest.approx(packed_gpt_oss["transformers"], rel=1e-5)
     for family in MORE:
         assert len(more_one_process[family]) == 4 and more_one_process[family][-1] < more_one_process[family][0]
         source = load_file(root / family / "model.safetensors")
@@ -777,6 +818,14 @@ def test_pp_is_refused_where_the_stage_s_one_causal_mask_would_compute_another_m
                 "--parallelism.pp", "2")
     message = str(refused.value)
     assert message.startswith("parallelism.pp = 2: ") and reason in message and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["moe.bias_update_rate", "moe.load_balance_coeff"])
+def test_weft_s_moe_balancing_is_refused_for_transformers_routers(root, key):
+    """The routers are counted for the metrics (tests/models/test_transformers_routing.py), not steered."""
+    with pytest.raises(ConfigError) as refused:
+        plan_of(root / "deepseek_v3", root / "sft.jsonl", f"--{key}", "0.001")
+    assert str(refused.value).startswith(f"{key} = 0.001: DeepseekV3ForCausalLM") and "\n" not in str(refused.value)
 
 
 def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_path):
