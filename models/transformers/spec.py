@@ -74,18 +74,28 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     return HFModelArgs(
         config_json=json.dumps(config, sort_keys=True), model_type=model_type, architecture=architecture,
         n_layers=_field(hf_config, "num_hidden_layers"), dim=dim, n_heads=n_heads,
-        kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or dim // n_heads,
-        ffn_hidden_dim=getattr(hf_config, "intermediate_size", None) or 4 * dim,
+        kv_heads=_attribute(hf_config, "num_key_value_heads") or n_heads,
+        head_dim=_attribute(hf_config, "head_dim") or dim // n_heads,
+        ffn_hidden_dim=_attribute(hf_config, "intermediate_size") or 4 * dim,
         vocab_size=_field(hf_config, "vocab_size"),
-        max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
+        max_seq_len=_attribute(hf_config, "max_position_embeddings") or 2**31 - 1,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
+        declares_tp_plan=bool(_attribute(hf_config, "base_model_tp_plan")),
         trust_remote_code=trust_remote_code, folder=folder)
 
 
+def _attribute(hf_config, name: str) -> Any:
+    """A config attribute, None where it is missing; where it varies by layer (Gemma 4's head_dim, which
+    transformers refuses to read as one value: AmbiguousGlobalPerLayerAttributeError, a RuntimeError),
+    its global value."""
+    try:
+        return getattr(hf_config, name, None)
+    except RuntimeError:
+        return vars(hf_config).get(name)
+
+
 def _field(hf_config, name: str) -> int:
-    value = getattr(hf_config, name, None)
+    value = _attribute(hf_config, name)
     if not isinstance(value, int):
         raise HFConfigError(f"config.json of model_type {hf_config.model_type} has no integer {name}")
     return value
@@ -93,13 +103,14 @@ def _field(hf_config, name: str) -> int:
 
 def _transformers_config(config: dict[str, Any], trust_remote_code: bool, folder: str):
     """transformers' config object of a config.json."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     try:
         if trust_remote_code and "auto_map" in config:
             return AutoConfig.from_pretrained(folder, trust_remote_code=True)
         fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-        return AutoConfig.for_model(config["model_type"], **fields)
+        # as transformers reads config.json: floats JSON cannot hold ({"__float__": "Infinity"}) decoded
+        return AutoConfig.for_model(config["model_type"], **PretrainedConfig._decode_special_floats(fields))
     except (ValueError, KeyError, OSError) as e:
         import transformers
 
@@ -277,8 +288,8 @@ def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
     compute it; a linear-attention layer's recurrence is left out."""
     config = args.config
     hf_config = _transformers_config(config, args.trust_remote_code, args.folder)
-    q_k = getattr(hf_config, "qk_head_dim", None) or args.head_dim
-    q_v = getattr(hf_config, "v_head_dim", None) or args.head_dim
+    q_k = _attribute(hf_config, "qk_head_dim") or args.head_dim
+    q_v = _attribute(hf_config, "v_head_dim") or args.head_dim
     layers = config.get("layer_types") or ["full_attention"] * args.n_layers
     attention_layers = sum(kind != "linear_attention" for kind in layers)
     return 6 * _meta_matmul_numel(args) + 6 * attention_layers * args.n_heads * (q_k + q_v) * seq_len
