@@ -161,7 +161,19 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
         return f"transformers' {args.model_type} {_POSITIONS_UNMASKED[args.model_type]}"
     if "linear_attention" in (args.config.get("layer_types") or ()):
         return f"{args.model_type}'s linear-attention layers carry their state from one document into the next"
+    if _sequence_convolution(args):
+        return (f"{args.model_type}'s layers mix tokens along the sequence outside attention (a causal convolution, "
+                f"{_sequence_convolution(args)}), across a document's end")
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _sequence_convolution(args: HFModelArgs) -> str | None:
+    """The first convolution along the sequence in the model on meta (the `conv1d` of a Mamba,
+    gated-delta or short-convolution layer: Granite 4 hybrid, Bamba, LFM2, ...); None where there is none."""
+    with torch.device("meta"):
+        model = build(args)
+    return next((name for name, m in model.named_modules() if isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1), None)
 
 
 def uncommon_attention(args: HFModelArgs) -> str | None:
@@ -173,6 +185,8 @@ def uncommon_attention(args: HFModelArgs) -> str | None:
     layer_types = set(config.get("layer_types") or ())
     if "linear_attention" in layer_types:
         return "its linear-attention layers run a recurrence along the sequence"
+    if _sequence_convolution(args):
+        return f"its layers mix tokens along the sequence outside attention ({_sequence_convolution(args)})"
     if args.model_type in _ATTENTION_SINKS:
         return "its attention adds learned sinks to the softmax"
     if config.get("sliding_window") or layer_types - {"full_attention"}:
@@ -271,13 +285,23 @@ def _meta_matmul_numel(args: HFModelArgs) -> float:
         model = build(args)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     routed = {id(p): module for _, module in routed_experts(model) for p in module.parameters(recurse=False)}
-    top_k = args.config.get("num_experts_per_tok") or 0
+    top_k = _top_k(args.config) or 0
     numel = 0.0
     for p in model.parameters():
         if p.ndim < 2 or id(p) in embeddings:
             continue
         numel += p.numel() * (top_k / p.shape[0] if id(p) in routed else 1)
     return numel + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+
+
+# The config.json key of the experts a token is sent to, family by family (the first one present).
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+
+
+def _top_k(config: dict[str, Any]) -> int | None:
+    """How many routed experts each token is sent to (Kimi Linear's num_experts_per_token, Hunyuan's
+    moe_topk, ERNIE 4.5's moe_k, ...); None where config.json names none."""
+    return next((config[key] for key in _TOP_K_KEYS if isinstance(config.get(key), int)), None)
 
 
 def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
@@ -299,7 +323,7 @@ def experts(args: HFModelArgs) -> Experts | None:
     """The routing of a model whose experts weft's grouped experts can compute (`experts_refusal`);
     None for any other (dense, or experts of another arithmetic, such as gpt-oss's)."""
     n_experts, hidden, moe_layers, refusal = _meta_experts(args)
-    top_k = args.config.get("num_experts_per_tok")
+    top_k = _top_k(args.config)
     if refusal is not None or not isinstance(top_k, int):
         return None
     return Experts(n_experts, top_k, moe_layers * top_k * hidden // args.n_layers, moe_layers * top_k / args.n_layers)
