@@ -47,6 +47,7 @@ class HFModelArgs:
     declares_tp_plan: bool  # whether transformers declares a tensor-parallel plan for it (base_model_tp_plan)
     trust_remote_code: bool = False
     folder: str = ""
+    output_weight: str = "lm_head.weight"  # the output projection's weight (not written where tied)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -69,6 +70,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
+    output_weight, tied = _output_weight(hf_config)
     n_heads = _field(hf_config, "num_attention_heads")
     dim = _field(hf_config, "hidden_size")
     return HFModelArgs(
@@ -79,9 +81,23 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         ffn_hidden_dim=_attribute(hf_config, "intermediate_size") or 4 * dim,
         vocab_size=_field(hf_config, "vocab_size"),
         max_seq_len=_attribute(hf_config, "max_position_embeddings") or 2**31 - 1,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        tie_embeddings=tied,
         declares_tp_plan=bool(_attribute(hf_config, "base_model_tp_plan")),
-        trust_remote_code=trust_remote_code, folder=folder)
+        trust_remote_code=trust_remote_code, folder=folder, output_weight=output_weight)
+
+
+def _output_weight(hf_config) -> tuple[str, bool]:
+    """(the output projection's weight, whether it is the token embedding's), by the tie transformers
+    makes: the class's `_tied_weights_keys` where config.tie_word_embeddings is set (BioGPT's
+    `output_projection.weight`; CPM-Ant's flag ties nothing). A folder's own code: lm_head, tied as flagged."""
+    flagged = bool(_attribute(hf_config, "tie_word_embeddings"))
+    try:
+        tied = getattr(_causal_lm_class(hf_config), "_tied_weights_keys", None) or {}
+    except HFConfigError:
+        return "lm_head.weight", flagged
+    names = list(tied) if isinstance(tied, (dict, list, tuple)) else []
+    output = next((name for name in names if name.endswith(".weight")), "lm_head.weight")
+    return output, flagged and bool(names)
 
 
 def _attribute(hf_config, name: str) -> Any:
@@ -374,7 +390,8 @@ def hf_mapping(args: HFModelArgs) -> HFMapping:
     """The folder's names: the parameters' own, or where transformers converts the folder on load
     (per-expert tensors stacked), the folder's (conversions.py)."""
     names = converted_names(args.model_type)
-    return TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    hf = TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    return hf if args.output_weight == hf.tied_output else dataclasses.replace(hf, tied_output=args.output_weight)
 
 
 TRANSFORMERS_SPEC = ModelSpec(
