@@ -1,13 +1,12 @@
-"""transformers' causal language models beyond the six tests/recipe/test_hf_backend.py trains, each
-a tiny folder written by transformers: Gemma 4 text (a per-layer head width), DeepSeek V4 (renamed
-tensors, hyper-connections, experts stored as w1/w2/w3), Qwen3-Next and Kimi Linear (linear-attention
-layers beside full ones; Kimi's q/k/v convolutions joined on load), Granite 4 hybrid (Mamba layers,
-experts) and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (logit soft-capping), Qwen2 (attention
-biases), BioGPT (its tied output `output_projection`) and CPM-Ant (tie_word_embeddings set, nothing
-tied). Each decodes greedily as transformers does (but CPM-Ant, below), and a 2-step run's export reloads in transformers with the folder's
-key set, the checkpoint's trained weights and weft's logits of them. A Mamba layer's convolution
-lets packed documents see each other: packed samples are refused for it in one line (Bamba's
-config.json names no layer types: the refusal finds the convolution in the model)."""
+"""transformers' causal LMs beyond tests/recipe/test_hf_backend.py's six, tiny folders written by
+transformers: Gemma 4 text (per-layer head widths), DeepSeek V4 (renamed tensors, w1/w2/w3 experts),
+Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v convolutions joined on load), Granite 4
+hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (soft-capping), Qwen2 (biases), BioGPT (tied
+`output_projection`) and CPM-Ant (a tie flag that ties nothing). Each decodes greedily as
+transformers does (not CPM-Ant: below); a 2-step run's export reloads in transformers with the
+folder's keys, the checkpoint's weights and weft's logits of them. Packed samples are refused where a
+convolution along the sequence (Bamba's Mamba layer) lets documents see each other; MFU reads each
+family's top-k key (Hunyuan's moe_topk)."""
 
 from __future__ import annotations
 
