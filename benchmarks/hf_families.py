@@ -42,7 +42,8 @@ TINY = dict(num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, hidden_siz
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_head_dim=16, linear_num_heads=4, mamba_n_heads=4,
             mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=32, hidden_size_per_layer_input=16,
-            vocab_size_per_layer_input=2048, rotary_dim=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            vocab_size_per_layer_input=2048, rotary_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Families whose layer kinds the generic rule (the first two kinds of layer_types) does not reach.
 OVERRIDES = {"granitemoehybrid": {"layer_types": ["mamba", "attention"]}, "bamba": {"attn_layer_indices": [1]},
              "lfm2": {"layer_types": ["conv", "full_attention"]}, "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
@@ -76,12 +77,12 @@ def tiny_config(model_type: str):
     for key in ("sliding_window", "attention_chunk_size"):
         if defaults.get(key):
             keys[key] = 8
-    for key in ("layer_types", "mlp_layer_types"):  # two layers of the first two kinds
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):  # two layers of the first two kinds
         if isinstance(defaults.get(key), list) and defaults[key]:
             kinds = list(dict.fromkeys(defaults[key]))
             keys[key] = (kinds * 2)[:2]
-    if "qk_rope_head_dim" in defaults and "head_dim" in defaults:  # MLA: head_dim is the rotary part
-        keys["head_dim"] = 8
+    if "kv_lora_rank" in defaults:  # MLA: a key and value head per query head, head_dim the rotary part
+        keys |= {"num_key_value_heads": 4} | ({"head_dim": 8} if "head_dim" in defaults else {})
     if "per_layer_config" in defaults:
         keys["per_layer_config"] = {}
     fields = {k: v for k, v in defaults.items() if k not in ("model_type", "transformers_version")}
