@@ -324,15 +324,18 @@ def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token of the built model (forward and backward): 6 x the weights a token
     multiplies by (`_meta_matmul_numel`; n_params, the parameter count, is not used) plus attention's
     score and value products, 6 x H x (Q_k + Q_v) x T in each softmax-attention layer (its H heads of
-    key width Q_k, value width Q_v; MLA's differ), the whole sequence T as the mask-taking kernels
-    compute it; a linear-attention layer's recurrence is left out."""
+    key width Q_k, value width Q_v; MLA's differ; a layer's own head_dim where per_layer_config sets
+    one, as Gemma 4's global layers), the whole sequence T as the mask-taking kernels compute it; a
+    linear-attention layer's recurrence is left out."""
     config = args.config
     hf_config = _transformers_config(config, args.trust_remote_code, args.folder)
     q_k = _attribute(hf_config, "qk_head_dim") or args.head_dim
     q_v = _attribute(hf_config, "v_head_dim") or args.head_dim
     layers = config.get("layer_types") or ["full_attention"] * args.n_layers
-    attention_layers = sum(kind != "linear_attention" for kind in layers)
-    return 6 * _meta_matmul_numel(args) + 6 * attention_layers * args.n_heads * (q_k + q_v) * seq_len
+    own = {int(i): fields["head_dim"] for i, fields in (config.get("per_layer_config") or {}).items()
+           if isinstance(fields, dict) and isinstance(fields.get("head_dim"), int)}
+    widths = sum(2 * own[i] if i in own else q_k + q_v for i, kind in enumerate(layers) if kind != "linear_attention")
+    return 6 * _meta_matmul_numel(args) + 6 * args.n_heads * widths * seq_len
 
 
 def experts(args: HFModelArgs) -> Experts | None:

@@ -5,8 +5,8 @@ hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (soft-capping), Qwen2 (b
 `output_projection`) and CPM-Ant (a tie flag that ties nothing). Each decodes greedily as
 transformers does (not CPM-Ant: below); a 2-step run's export reloads in transformers with the
 folder's keys, the checkpoint's weights and weft's logits of them. Packed samples are refused where a
-convolution along the sequence (Bamba's Mamba layer) lets documents see each other; MFU reads each
-family's top-k key (Hunyuan's moe_topk)."""
+convolution along the sequence (Bamba's Mamba layer) lets documents see each other; MFU's FLOPs are
+torch's count (Gemma 4's per-layer head widths, Hunyuan's moe_topk)."""
 
 from __future__ import annotations
 
@@ -164,21 +164,25 @@ def test_packed_samples_are_refused_where_a_convolution_mixes_the_documents(fold
     assert "model.layers.0.mamba.conv1d" in message
 
 
-def test_the_flops_per_token_read_the_family_s_top_k_key(tmp_path):
-    """Hunyuan's MoE names its experts per token moe_topk: MFU's count of the built model (routed
-    experts at top_k of n) equals torch's FlopCounterMode over a forward and backward."""
+@pytest.mark.parametrize("family", ["gemma4_text", "hunyuan_v1_moe"])
+def test_the_flops_per_token_are_those_torch_counts_in_a_training_step(folder, tmp_path, family):
+    """MFU's count of the built model, Gemma 4's global layer at its own head width and Hunyuan's
+    routed experts at its moe_topk of n, equals torch's FlopCounterMode over a forward and backward
+    (eager attention and experts, whose products the counter sees)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from weft.components.hf import model_args_from_hf_folder
     from weft.models import TRANSFORMERS_SPEC
 
-    torch.manual_seed(0)
-    config = transformers.HunYuanMoEV1Config(**{**SHAPE, "moe_intermediate_size": 16}, num_experts=4, moe_topk=2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+    path = folder(family) if family in CONFIGS else tmp_path
+    if family not in CONFIGS:  # Hunyuan's MoE names the experts per token moe_topk, not num_experts_per_tok
+        torch.manual_seed(0)
+        config = transformers.HunYuanMoEV1Config(**SHAPE, moe_intermediate_size=16, num_experts=4, moe_topk=2)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                                 experts_implementation="eager")
     with FlopCounterMode(display=False) as counter:
         model(TOKENS).logits.sum().backward()
-    args = model_args_from_hf_folder(tmp_path, "transformers")
+    args = model_args_from_hf_folder(path, "transformers")
     ours = TRANSFORMERS_SPEC.flops_per_token(args, 0, TOKENS.shape[1]) * TOKENS.numel()
     assert ours == pytest.approx(counter.get_total_flops(), rel=1e-9)
