@@ -96,6 +96,9 @@ def _output_weight(hf_config) -> tuple[str, bool]:
     except HFConfigError:
         return "lm_head.weight", flagged
     names = list(tied) if isinstance(tied, (dict, list, tuple)) else []
+    if flagged and len(names) > 1:  # BERT-style heads: the decoder's bias too
+        raise HFConfigError(f"model_type {hf_config.model_type}: transformers ties {len(names)} tensors to others "
+                            f"({', '.join(names)}); the transformers backend ties the output projection only")
     output = next((name for name in names if name.endswith(".weight")), "lm_head.weight")
     return output, flagged and bool(names)
 

@@ -186,3 +186,16 @@ def test_the_flops_per_token_are_those_torch_counts_in_a_training_step(folder, t
     args = model_args_from_hf_folder(path, "transformers")
     ours = TRANSFORMERS_SPEC.flops_per_token(args, 0, TOKENS.shape[1]) * TOKENS.numel()
     assert ours == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
+def test_a_family_that_ties_more_than_its_output_is_refused_in_one_line(tmp_path, capsys):
+    """BERT's causal head ties its decoder's bias too, which the backend's one tie (the output
+    projection's) would write twice: refused before anything is built, naming the family and the ties."""
+    config = transformers.BertConfig(vocab_size=2048, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, is_decoder=True)
+    config.save_pretrained(tmp_path)
+    assert generate.main(["--hf", str(tmp_path), "--backend", "transformers", "--prompt", "ROMEO:"]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1 and ("model_type bert: transformers ties 2 tensors to others "
+                                         "(cls.predictions.decoder.weight, cls.predictions.decoder.bias); the "
+                                         "transformers backend ties the output projection only") in refusal
