@@ -197,9 +197,9 @@ def _sequence_convolution(args: HFModelArgs) -> str | None:
 
 def uncommon_attention(args: HFModelArgs) -> str | None:
     """What, in this model's attention, one plain causal mask over the whole sequence does not
-    compute (sliding windows, sinks, linear attention), as context parallelism's core and a pipeline
-    stage (parallelisms/cp.py, hf_stages.py) give every layer; None where every layer is plain causal
-    softmax attention."""
+    compute (sliding windows, sinks, linear attention, convolutions along the sequence), as context
+    parallelism's core and a pipeline stage (parallelisms/cp.py, hf_stages.py) give every layer; None
+    where every layer is plain causal softmax attention."""
     config = args.config
     layer_types = set(config.get("layer_types") or ())
     if "linear_attention" in layer_types:
