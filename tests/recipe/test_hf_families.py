@@ -143,7 +143,8 @@ def test_a_two_step_run_exports_the_folder_s_keys_with_the_trained_weights(folde
 
 def test_packed_samples_are_refused_where_a_convolution_mixes_the_documents(folder):
     """Bamba's Mamba layer convolves along the sequence, through a document's end: a packed row's
-    second document gets other logits than alone, so packed data is refused in one line."""
+    second document gets other logits than alone, so packed data is refused in one line, and so are
+    cp and pp (one causal mask over the row)."""
     from weft.models import TRANSFORMERS_SPEC
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder("bamba")).eval()
@@ -162,6 +163,16 @@ def test_packed_samples_are_refused_where_a_convolution_mixes_the_documents(fold
     assert message.startswith("data.document_masking = true: ") and "\n" not in message
     assert "bamba's layers mix tokens along the sequence outside attention" in message
     assert "model.layers.0.mamba.conv1d" in message
+    for layout in (("--parallelism.cp", "2"), ("--parallelism.pp", "2")):  # one causal mask over the row: refused too
+        cfg = parse_args(run_args(folder("bamba").parent / "plan", "--model.flavor", "from_hf_config",
+                                  "--checkpoint.initial_load_path", str(folder("bamba")), "--model.backend",
+                                  "transformers", "--parallelism.dp_shard", "1", *layout))
+        with pytest.raises(ConfigError) as refused:
+            RunPlan.from_config(cfg, 2, device_type="cpu", check_environment=False)
+        message = str(refused.value)
+        assert message.startswith(f"{layout[0].removeprefix('--')} = 2: BambaForCausalLM (model_type bamba")
+        assert "its layers mix tokens along the sequence outside attention (model.layers.0.mamba.conv1d)" in message
+        assert "\n" not in message
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "hunyuan_v1_moe"])
