@@ -125,11 +125,13 @@ class ConvertedNames:
 
 
 @functools.lru_cache(maxsize=32)
-def converted_names(model_type: str) -> ConvertedNames | None:
+def converted_names(model_type: str, architecture: str = "") -> ConvertedNames | None:
     """The names of `model_type`'s folders as transformers saves them, where it converts them on
-    load; None where each parameter is its folder's tensor of the same name. As transformers' own
-    save, it leaves out the prefix changes (which it cannot tell were there). HFConfigError, naming
-    the family and the conversion, for one this backend does not make."""
+    load (the conversions of the class `architecture` where transformers lists that class, as
+    GPTNeoXForCausalLM's `embed_out`, else the model_type's); None where each parameter is its
+    folder's tensor of the same name. As transformers' own save, it leaves out the prefix changes
+    (which it cannot tell were there). HFConfigError, naming the family and the conversion, for one
+    this backend does not make."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import (
         Concatenate,
@@ -140,7 +142,9 @@ def converted_names(model_type: str) -> ConvertedNames | None:
     )
 
     stacks, renamings, joins = [], [], []
-    for conversion in get_checkpoint_conversion_mapping(model_type) or ():
+    conversions = (architecture and get_checkpoint_conversion_mapping(architecture)) or \
+        get_checkpoint_conversion_mapping(model_type)
+    for conversion in conversions or ():
         sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
         plain = all(_PLAIN.fullmatch(_text(p)) for p in sources + targets)
         operations = [(type(op), getattr(op, "dim", None)) for op in getattr(conversion, "operations", ())]

@@ -67,9 +67,9 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
     if "text_config" in config:
         raise HFConfigError(f"model_type {model_type} is multimodal (config.json has text_config), which the "
                             "transformers backend does not build yet; give a text-only folder")
-    converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
     hf_config = _transformers_config(config, trust_remote_code, folder)
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
+    converted_names(model_type, architecture)  # HFConfigError where transformers converts its folders otherwise
     output_weight, tied = _output_weight(hf_config)
     n_heads = _field(hf_config, "num_attention_heads")
     dim = _field(hf_config, "hidden_size")
@@ -220,7 +220,7 @@ def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
     """PEFT (0.21, with transformers 5) reads the adapters of a family whose experts transformers stacks
     on load by the experts' old names: an adapter on a linear of that name (`gate_proj` of a shared
     expert or a dense layer) would be loaded as the routed experts', so it is refused."""
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     fused = {source.rsplit(".", 2)[-2] for stack in (names.stacks if names else ()) for source in stack.sources}
     clash = [name for name in adapted if name.rsplit(".", 1)[-1] in fused]
     if not clash:
@@ -286,7 +286,7 @@ def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
         model = build(args)
     found = routed_experts(model)
     refusal = grouped_experts_refusal(model)
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     if found and refusal is None and (names is None or not names.holds_grouped_experts()):
         refusal = "its folder does not hold its experts one tensor per expert (gate, up and down)"
     if not found:
@@ -395,7 +395,7 @@ TRANSFORMERS_HF = HFMapping(model_types=(), names=SameNames(), hf_config=hf_conf
 def hf_mapping(args: HFModelArgs) -> HFMapping:
     """The folder's names: the parameters' own, or where transformers converts the folder on load
     (per-expert tensors stacked), the folder's (conversions.py)."""
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     hf = TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
     return hf if args.output_weight == hf.tied_output else dataclasses.replace(hf, tied_output=args.output_weight)
 

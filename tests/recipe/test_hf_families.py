@@ -2,11 +2,11 @@
 transformers: Gemma 4 text (per-layer head widths), DeepSeek V4 (renamed tensors, w1/w2/w3 experts),
 Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v convolutions joined on load), Granite 4
 hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (soft-capping), Qwen2 (biases), BioGPT (tied
-`output_projection`) and CPM-Ant (a tie flag that ties nothing). Each decodes greedily as
-transformers does (not CPM-Ant: below); a 2-step run's export reloads in transformers with the
-folder's keys, the checkpoint's weights and weft's logits of them. Packed samples are refused where a
-convolution along the sequence (Bamba's Mamba layer) lets documents see each other; MFU's FLOPs are
-torch's count (Gemma 4's per-layer head widths, Hunyuan's moe_topk)."""
+`output_projection`), GPT-NeoX (`embed_out`, its class's renaming), CPM-Ant (a tie flag tying
+nothing). Each decodes greedily as transformers does (not CPM-Ant: below); a 2-step run's export
+reloads in transformers with the folder's keys, the checkpoint's weights and weft's logits of them.
+Packed samples, cp and pp are refused where a convolution along the sequence (Bamba's Mamba layer)
+lets documents see each other; MFU's FLOPs are torch's count (Gemma 4, Hunyuan's moe_topk)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE),  # q, k and v with biases
     # tied embeddings whose output is not lm_head (output_projection), and a tie flag that ties nothing
     "biogpt": lambda: transformers.BioGptConfig(**{k: SHAPE[k] for k in DECODER}),
+    # GPT-NeoX: its folder names the head embed_out (transformers renames it for GPTNeoXForCausalLM only)
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**{k: SHAPE[k] for k in DECODER}, rotary_pct=0.5),
     "cpmant": lambda: transformers.CpmAntConfig(vocab_size=2048, hidden_size=32, num_attention_heads=4, dim_head=8,
                                                 dim_ff=64, num_hidden_layers=2, position_bias_num_buckets=32),
 }
