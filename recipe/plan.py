@@ -483,7 +483,7 @@ def float8_filter(cfg: JobConfig, model_args: Any) -> tuple[str, ...]:
     (`lm_head`) too, so that the default keeps the head in high precision on either backend."""
     entries = tuple(cfg.float8.filter_fqns)
     if "output" in entries and model_args is not None and spec_for_args(model_args).backend == "transformers":
-        head = spec_for_args(model_args).hf.tied_output.removesuffix(".weight")
+        head = spec_for_args(model_args).hf_of(model_args).tied_output.removesuffix(".weight")
         entries += (head,) if head not in entries else ()
     return entries
 

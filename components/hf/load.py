@@ -154,6 +154,11 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
                 _load_stacked(param, _expert_readers(read, hf_names[name], param.shape),
                               lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
                 continue
+            if len(hf_names[name]) > 1:  # tensors joined along the first dimension in equal parts (Kimi Linear's conv1d)
+                expected = [param.shape[0] // len(hf_names[name]), *param.shape[1:]]
+                full = hf.from_hf_tensor(name, torch.cat([read(part, expected) for part in hf_names[name]]), args)
+                param.copy_(full.to(device=param.device, dtype=param.dtype))
+                continue
             (hf_name,) = hf_names[name]
             if hf_name in packed:
                 _load_experts(param, lambda rows, shape, hf_name=hf_name: read_packed(hf_name, rows, shape),

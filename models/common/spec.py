@@ -95,7 +95,9 @@ class HFMapping:
         """The HF tensors of a unit (`units`): the one `to_hf` makes, or a stacked parameter's experts."""
         tensor = self.to_hf(weft_names, tensors, args)
         if not self.stacked(weft_names[0]):
-            return [tensor]
+            # one tensor, or several joined along its first dimension in equal parts (Kimi Linear's conv1d)
+            count = len(self.hf_parts(weft_names[0], tensor.shape)) if len(weft_names) == 1 else 1
+            return [tensor] if count == 1 else [part.clone() for part in tensor.chunk(count)]
         # An expert's tensors (several where they join along its rows, transformers' gate_up_proj), each
         # its own copy: safetensors refuses to write tensors that share memory.
         per_expert = len(self.hf_parts(weft_names[0], tensor.shape)) // tensor.shape[0]

@@ -59,6 +59,7 @@ class HFModelArgs:
     trust_remote_code: bool = False
     folder: str = ""
     text_config_json: str = ""  # a multimodal folder's text model's config (transformers' full one); "" otherwise
+    output_weight: str = "lm_head.weight"  # the output projection's weight (not written where tied)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -93,20 +94,22 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
         text_config_json = json.dumps(hf_config.to_dict(), sort_keys=True)
         architecture = f"{_causal_lm_class(hf_config).__name__}, the text model of {architecture}"
     else:
-        converted_names(model_type)  # HFConfigError where transformers converts its folders in a way not made here
+        converted_names(model_type, architecture)  # HFConfigError where transformers converts its folders otherwise
+    output_weight, tied = _output_weight(hf_config)
     n_heads = _field(hf_config, "num_attention_heads")
     dim = _field(hf_config, "hidden_size")
     return HFModelArgs(
         config_json=json.dumps(config, sort_keys=True), model_type=model_type, architecture=architecture,
         n_layers=_field(hf_config, "num_hidden_layers"), dim=dim, n_heads=n_heads,
-        kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or dim // n_heads,
-        ffn_hidden_dim=getattr(hf_config, "intermediate_size", None) or 4 * dim,
+        kv_heads=_attribute(hf_config, "num_key_value_heads") or n_heads,
+        head_dim=_attribute(hf_config, "head_dim") or dim // n_heads,
+        ffn_hidden_dim=_attribute(hf_config, "intermediate_size") or 4 * dim,
         vocab_size=_field(hf_config, "vocab_size"),
-        max_seq_len=getattr(hf_config, "max_position_embeddings", None) or 2**31 - 1,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        declares_tp_plan=bool(getattr(hf_config, "base_model_tp_plan", None)),
-        trust_remote_code=trust_remote_code, folder=folder, text_config_json=text_config_json)
+        max_seq_len=_attribute(hf_config, "max_position_embeddings") or 2**31 - 1,
+        tie_embeddings=tied,
+        declares_tp_plan=bool(_attribute(hf_config, "base_model_tp_plan")),
+        trust_remote_code=trust_remote_code, folder=folder, output_weight=output_weight,
+        text_config_json=text_config_json)
 
 
 def _multimodal_text_config(config: dict[str, Any], hf_config, folder: str):
@@ -130,8 +133,35 @@ def _multimodal_text_config(config: dict[str, Any], hf_config, folder: str):
     return text
 
 
+def _output_weight(hf_config) -> tuple[str, bool]:
+    """(the output projection's weight, whether it is the token embedding's), by the tie transformers
+    makes: the class's `_tied_weights_keys` where config.tie_word_embeddings is set (BioGPT's
+    `output_projection.weight`; CPM-Ant's flag ties nothing). A folder's own code: lm_head, tied as flagged."""
+    flagged = bool(_attribute(hf_config, "tie_word_embeddings"))
+    try:
+        tied = getattr(_causal_lm_class(hf_config), "_tied_weights_keys", None) or {}
+    except HFConfigError:
+        return "lm_head.weight", flagged
+    names = list(tied) if isinstance(tied, (dict, list, tuple)) else []
+    if flagged and len(names) > 1:  # BERT-style heads: the decoder's bias too
+        raise HFConfigError(f"model_type {hf_config.model_type}: transformers ties {len(names)} tensors to others "
+                            f"({', '.join(names)}); the transformers backend ties the output projection only")
+    output = next((name for name in names if name.endswith(".weight")), "lm_head.weight")
+    return output, flagged and bool(names)
+
+
+def _attribute(hf_config, name: str) -> Any:
+    """A config attribute, None where it is missing; where it varies by layer (Gemma 4's head_dim, which
+    transformers refuses to read as one value: AmbiguousGlobalPerLayerAttributeError, a RuntimeError),
+    its global value."""
+    try:
+        return getattr(hf_config, name, None)
+    except RuntimeError:
+        return vars(hf_config).get(name)
+
+
 def _field(hf_config, name: str) -> int:
-    value = getattr(hf_config, name, None)
+    value = _attribute(hf_config, name)
     if not isinstance(value, int):
         raise HFConfigError(f"config.json of model_type {hf_config.model_type} has no integer {name}")
     return value
@@ -139,13 +169,14 @@ def _field(hf_config, name: str) -> int:
 
 def _transformers_config(config: dict[str, Any], trust_remote_code: bool, folder: str):
     """transformers' config object of a config.json."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     try:
         if trust_remote_code and "auto_map" in config:
             return AutoConfig.from_pretrained(folder, trust_remote_code=True)
         fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-        return AutoConfig.for_model(config["model_type"], **fields)
+        # as transformers reads config.json: floats JSON cannot hold ({"__float__": "Infinity"}) decoded
+        return AutoConfig.for_model(config["model_type"], **PretrainedConfig._decode_special_floats(fields))
     except (ValueError, KeyError, OSError) as e:
         import transformers
 
@@ -217,18 +248,32 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
     model; None where transformers' packed-sequence mask keeps them apart."""
     if "linear_attention" in (args.config.get("layer_types") or ()):
         return f"{args.model_type}'s linear-attention layers carry their state from one document into the next"
+    if _sequence_convolution(args):
+        return (f"{args.model_type}'s layers mix tokens along the sequence outside attention (a causal convolution, "
+                f"{_sequence_convolution(args)}), across a document's end")
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _sequence_convolution(args: HFModelArgs) -> str | None:
+    """The first convolution along the sequence in the model on meta (the `conv1d` of a Mamba,
+    gated-delta or short-convolution layer: Granite 4 hybrid, Bamba, LFM2, ...); None where there is none."""
+    with torch.device("meta"):
+        model = build(args)
+    return next((name for name, m in model.named_modules() if isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1), None)
 
 
 def uncommon_attention(args: HFModelArgs) -> str | None:
     """What, in this model's attention, one plain causal mask over the whole sequence does not
-    compute (sliding windows, sinks, linear attention), as context parallelism's core and a pipeline
-    stage (parallelisms/cp.py, hf_stages.py) give every layer; None where every layer is plain causal
-    softmax attention."""
+    compute (sliding windows, sinks, linear attention, convolutions along the sequence), as context
+    parallelism's core and a pipeline stage (parallelisms/cp.py, hf_stages.py) give every layer; None
+    where every layer is plain causal softmax attention."""
     config = args.config
     layer_types = set(config.get("layer_types") or ())
     if "linear_attention" in layer_types:
         return "its linear-attention layers run a recurrence along the sequence"
+    if _sequence_convolution(args):
+        return f"its layers mix tokens along the sequence outside attention ({_sequence_convolution(args)})"
     if args.model_type in _ATTENTION_SINKS:
         return "its attention adds learned sinks to the softmax"
     if config.get("sliding_window") or layer_types - {"full_attention"}:
@@ -243,7 +288,7 @@ def peft_refusal(args: HFModelArgs, adapted: list[str]) -> str | None:
     """PEFT (0.21, with transformers 5) reads the adapters of a family whose experts transformers stacks
     on load by the experts' old names: an adapter on a linear of that name (`gate_proj` of a shared
     expert or a dense layer) would be loaded as the routed experts', so it is refused."""
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     fused = {source.rsplit(".", 2)[-2] for stack in (names.stacks if names else ()) for source in stack.sources}
     clash = [name for name in adapted if name.rsplit(".", 1)[-1] in fused]
     if not clash:
@@ -313,7 +358,7 @@ def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
         model = build(args)
     found = routed_experts(model)
     refusal = grouped_experts_refusal(model)
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     if found and refusal is None and (names is None or not names.holds_grouped_experts()):
         refusal = "its folder does not hold its experts one tensor per expert (gate, up and down)"
     if not found:
@@ -331,7 +376,7 @@ def _meta_matmul_numel(args: HFModelArgs) -> float:
         model = build(args)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     routed = {id(p): module for _, module in routed_experts(model) for p in module.parameters(recurse=False)}
-    top_k = args.config.get("num_experts_per_tok") or 0
+    top_k = _top_k(args.config) or 0
     numel = 0.0
     for p in model.parameters():
         if p.ndim < 2 or id(p) in embeddings:
@@ -340,26 +385,39 @@ def _meta_matmul_numel(args: HFModelArgs) -> float:
     return numel + (args.vocab_size * args.dim if args.tie_embeddings else 0)
 
 
+# The config.json key of the experts a token is sent to, family by family (the first one present).
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+
+
+def _top_k(config: dict[str, Any]) -> int | None:
+    """How many routed experts each token is sent to (Kimi Linear's num_experts_per_token, Hunyuan's
+    moe_topk, ERNIE 4.5's moe_k, ...); None where config.json names none."""
+    return next((config[key] for key in _TOP_K_KEYS if isinstance(config.get(key), int)), None)
+
+
 def flops_per_token(args: HFModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token of the built model (forward and backward): 6 x the weights a token
     multiplies by (`_meta_matmul_numel`; n_params, the parameter count, is not used) plus attention's
     score and value products, 6 x H x (Q_k + Q_v) x T in each softmax-attention layer (its H heads of
-    key width Q_k, value width Q_v; MLA's differ), the whole sequence T as the mask-taking kernels
-    compute it; a linear-attention layer's recurrence is left out."""
+    key width Q_k, value width Q_v; MLA's differ; a layer's own head_dim where per_layer_config sets
+    one, as Gemma 4's global layers), the whole sequence T as the mask-taking kernels compute it; a
+    linear-attention layer's recurrence is left out."""
     config = args.config
     hf_config = _transformers_config(config, args.trust_remote_code, args.folder)
-    q_k = getattr(hf_config, "qk_head_dim", None) or args.head_dim
-    q_v = getattr(hf_config, "v_head_dim", None) or args.head_dim
+    q_k = _attribute(hf_config, "qk_head_dim") or args.head_dim
+    q_v = _attribute(hf_config, "v_head_dim") or args.head_dim
     layers = config.get("layer_types") or ["full_attention"] * args.n_layers
-    attention_layers = sum(kind != "linear_attention" for kind in layers)
-    return 6 * _meta_matmul_numel(args) + 6 * attention_layers * args.n_heads * (q_k + q_v) * seq_len
+    own = {int(i): fields["head_dim"] for i, fields in (config.get("per_layer_config") or {}).items()
+           if isinstance(fields, dict) and isinstance(fields.get("head_dim"), int)}
+    widths = sum(2 * own[i] if i in own else q_k + q_v for i, kind in enumerate(layers) if kind != "linear_attention")
+    return 6 * _meta_matmul_numel(args) + 6 * args.n_heads * widths * seq_len
 
 
 def experts(args: HFModelArgs) -> Experts | None:
     """The routing of a model whose experts weft's grouped experts can compute (`experts_refusal`);
     None for any other (dense, or experts of another arithmetic, such as gpt-oss's)."""
     n_experts, hidden, moe_layers, refusal = _meta_experts(args)
-    top_k = args.config.get("num_experts_per_tok")
+    top_k = _top_k(args.config)
     if refusal is not None or not isinstance(top_k, int):
         return None
     return Experts(n_experts, top_k, moe_layers * top_k * hidden // args.n_layers, moe_layers * top_k / args.n_layers)
@@ -423,8 +481,10 @@ def hf_mapping(args: HFModelArgs) -> HFMapping:
         names = multimodal_names(args.config_json, args.folder, decoder, model.base_model_prefix,
                                  frozenset(model.state_dict(keep_vars=True)))
         return dataclasses.replace(TRANSFORMERS_HF, names=names)
-    names = converted_names(args.model_type)
+    names = converted_names(args.model_type, args.architecture)
     mapping = TRANSFORMERS_HF if names is None else dataclasses.replace(TRANSFORMERS_HF, names=names)
+    if args.output_weight != mapping.tied_output:
+        mapping = dataclasses.replace(mapping, tied_output=args.output_weight)
     experts = _expert_parameters(args)
     return mapping if experts is None else dataclasses.replace(mapping, expert_parameters=experts)
 
