@@ -32,7 +32,8 @@ from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.adapters import load_peft_adapter
-from weft.components.hf.export import holds_adapters, recorded_backend, run_hf_files
+from weft.components.hf.export import holds_adapters
+from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.writer import ExportError
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import BACKENDS, flavors, spec_for_args

@@ -17,9 +17,8 @@ from weft.components.checkpoint.checkpointer import (
     require_complete_checkpoint,
 )
 from weft.components.config import Export
-from weft.components.config.parser import read_toml
 from weft.components.hf.load import hf_model_args, persistent_buffers
-from weft.components.hf.model_files import HF_FILES, write_hf_files
+from weft.components.hf.model_files import HF_FILES, recorded_backend, recorded_source, run_hf_files, write_hf_files
 from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
     ConversionError,
@@ -108,37 +107,9 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
                  max_shard_bytes=max_shard_bytes, hf_files=hf_files)
 
 
-def recorded_backend(hf_files: Path) -> str:
-    """The model.backend of the run that recorded `hf_files` (its config.toml beside them), so that a
-    checkpoint is read by the code that wrote it (gpt-oss trains under both); "auto" without one."""
-    config = hf_files.parent / "config.toml"
-    if not config.is_file():
-        return "auto"
-    return read_toml(config, label=str(config)).get("model", {}).get("backend", "auto")
-
-
-def recorded_source(hf_files: Path) -> str:
-    """The Hugging Face folder the run that recorded `hf_files` started from (its config.toml's
-    checkpoint.initial_load_path): a multimodal folder's export names and copies its tensors; ""
-    without one."""
-    config = hf_files.parent / "config.toml"
-    if not config.is_file():
-        return ""
-    return read_toml(config, label=str(config)).get("checkpoint", {}).get("initial_load_path", "")
-
-
 def holds_adapters(checkpoint: Path) -> bool:
     """Whether a checkpoint holds a LoRA run's adapters (and so no base) rather than a whole model."""
     return any(key.startswith("model.") and ".lora_" in key for key in read_dcp_metadata(checkpoint).state_dict_metadata)
-
-
-def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
-    """The files a run recorded for export (`<dump_folder>/hf_files`, see model_files) above one of
-    its checkpoint step folders; None for a checkpoint without them (an older run, a copied folder)."""
-    for above in list(Path(checkpoint_dir).resolve().parents)[:4]:
-        if (above / HF_FILES / "config.json").is_file():
-            return above / HF_FILES
-    return None
 
 
 def _export_folder(dump_folder: Path, hf_folder: str) -> Path:

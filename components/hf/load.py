@@ -19,6 +19,7 @@ from weft.components.checkpoint.checkpointer import listing
 from weft.components.checkpoint.state import model_parts, whole_model
 from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf import mxfp4
+from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
 from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
 
@@ -228,7 +229,8 @@ def _load_stacked(param: torch.Tensor, experts: list, to_weft) -> None:
 def model_args_for_run(flavor: str, initial_load_path: str, backend: str = "weft",
                        trust_remote_code: bool = False) -> Any:
     """The model a run trains: the built-in `flavor`, or with flavor `from_hf_config` the model the
-    config.json of the Hugging Face folder `initial_load_path` describes, built by `backend`
+    config.json of the Hugging Face folder `initial_load_path` describes (of a DCP step folder, the
+    one its run recorded, by that run's backend unless `backend` says otherwise), built by `backend`
     (model.backend: "auto", "weft" or "transformers", see `weft.models.spec_for_hf_config`). A
     built-in flavor given with a Hugging Face `initial_load_path` must describe the same model:
     refused otherwise, in one line naming the first field that differs. Reads config.json only, so
@@ -237,9 +239,14 @@ def model_args_for_run(flavor: str, initial_load_path: str, backend: str = "weft
     is_hf = folder is not None and (folder / "config.json").is_file()
     try:
         if flavor == FROM_HF_CONFIG:
+            recorded = run_hf_files(folder) if folder is not None and not is_hf else None
+            if recorded is not None:  # a DCP step of an earlier run: the model that run recorded, by its backend
+                chosen = recorded_backend(recorded) if backend == "auto" else backend
+                return model_args_from_hf_folder(recorded, chosen, trust_remote_code)
             if not is_hf:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
-                                  f"Face folder holding config.json, got {initial_load_path!r}")
+                                  f"Face folder holding config.json or a checkpoint step of a weft run, got "
+                                  f"{initial_load_path!r}")
             return model_args_from_hf_folder(folder, backend, trust_remote_code)
         if backend == "transformers":
             raise ConfigError(f"model.backend = transformers builds the model of a Hugging Face folder; set "

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from weft.components.config.parser import read_toml
 from weft.components.data import load_tokenizer
 from weft.errors import one_line
 from weft.models import spec_for_args
@@ -139,3 +141,33 @@ def finish_hf_folder(recorded: Path, out: Path, args: Any, dtype: torch.dtype) -
     if note:
         logger.warning(f"export: {note}")
         (out / "TOKENIZER_NOTE.txt").write_text(note + "\n")
+
+
+def run_hf_files(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """The files a run recorded for export (`<dump_folder>/hf_files`, see model_files) above one of
+    its checkpoint step folders; None for a checkpoint without them (an older run, a copied folder)."""
+    for above in list(Path(checkpoint_dir).resolve().parents)[:4]:
+        if (above / HF_FILES / "config.json").is_file():
+            return above / HF_FILES
+    return None
+
+
+def recorded_backend(hf_files: Path) -> str:
+    """The model.backend of the run that recorded `hf_files` (its config.toml beside them), so that a
+    checkpoint is read by the code that wrote it (gpt-oss trains under both); "auto" without one."""
+    config = hf_files.parent / "config.toml"
+    if not config.is_file():
+        return "auto"
+    return read_toml(config, label=str(config)).get("model", {}).get("backend", "auto")
+
+
+def recorded_source(hf_files: Path) -> str:
+    """The Hugging Face folder the run that recorded `hf_files` started from (its config.toml's
+    checkpoint.initial_load_path, or where a DCP step there was started from): a multimodal folder's export names and copies its tensors; ""
+    without one."""
+    config = hf_files.parent / "config.toml"
+    if not config.is_file():
+        return ""
+    source = read_toml(config, label=str(config)).get("checkpoint", {}).get("initial_load_path", "")
+    earlier = run_hf_files(source) if source and not (Path(source) / "config.json").is_file() else None
+    return recorded_source(earlier) if earlier is not None else source  # a run started from another's checkpoint

@@ -395,6 +395,32 @@ def test_a_lora_run_on_routed_experts_resumes_bit_for_bit_and_its_checkpoint_exp
         assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
 
 
+def test_a_full_run_s_checkpoint_starts_a_lora_run_whose_peft_folder_loads_on_that_run_s_export(root, one_process,
+                                                                                                  more_one_process,
+                                                                                                  tmp_path):
+    """train -> checkpoint -> LoRA from that checkpoint -> exports: with model.flavor from_hf_config a
+    DCP step folder gives the model its run recorded, built by the backend that run used; PEFT's
+    adapters from the LoRA run's folder on the full run's export give the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    from weft.models import TRANSFORMERS_SPEC
+
+    start = root / "one_deepseek_v3" / "checkpoint" / "step-6"  # the step its end-of-run export (hf) holds
+    run(run_args(tmp_path / "lora", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(start),
+                 "--data.format", "prompt_completion", "--data.dataset_path", str(root / "sft.jsonl"), *FP32,
+                 *EXPERT_LORA, "--lora.target_modules", f"{LORA_LINEARS['deepseek_v3']},experts", steps=2, batch=4))
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "one_deepseek_v3" / "hf").eval()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "lora" / "peft").eval()(TOKENS).logits
+    merged = logits_of(tmp_path / "lora" / "merged", TOKENS)
+    torch.testing.assert_close(theirs, merged, rtol=0, atol=1e-5)
+    assert (merged - logits_of(root / "one_deepseek_v3" / "hf", TOKENS)).abs().max() > 1e-3  # the adapters trained
+    # gpt-oss trained under transformers' code: a run from its checkpoint (model.backend auto) keeps that code
+    cfg = parse_args(run_args(tmp_path / "plan", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path",
+                              str(root / "one_gpt_oss" / "checkpoint" / "step-4")))
+    plan = RunPlan.from_config(cfg, 1, device_type="cpu", check_environment=False)
+    assert isinstance(plan.model_args, TRANSFORMERS_SPEC.args_type) and plan.model_args.model_type == "gpt_oss"
+
+
 @pytest.mark.parametrize("family", [*CONVERTED, "gpt_oss"])
 def test_adapters_on_routed_experts_compute_what_peft_computes_from_their_folder(root, tmp_path, family):
     """weft's grouped experts in transformers' place, each stacked weight with an adapter (B away from
