@@ -1,7 +1,6 @@
 import logging
 import os
 import tempfile
-from collections import Counter
 
 import pytest
 
@@ -38,14 +37,6 @@ def pytest_configure(config):
         os.environ[slow_scaled_mm.LOG_ENV] = tempfile.mkstemp(prefix="weft-scaled-mm-", suffix=".log")[1]
     slow_scaled_mm.install()
     preload("weft.train")  # what nearly every rank a test starts imports: once, in the fork server
-
-
-def pytest_collection_modifyitems(items):
-    """The files holding the most slow tests first. Under `-n 2 --dist loadfile` each worker takes the
-    next whole file as it frees up: the long multi-rank sweeps start early and the short files fill the
-    end (longest first), rather than one sweep running alone on one worker while the other idles."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: each file's tests keep their order, and stay together
 
 
 def pytest_terminal_summary(terminalreporter):

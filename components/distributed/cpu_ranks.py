@@ -52,12 +52,28 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the port `free_port` chose: another process (another group's
+    gloo connections, on ephemeral ports) took it between the choice and the bind."""
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, attempts: int = 3) -> list[Any]:
     """Call fn(*args) on every rank of a fresh gloo group; return the results in rank order.
 
     fn must be importable (defined at module level). A failure on any rank raises here with
-    that rank's traceback.
+    that rank's traceback. A port taken before rank 0 listens on it (before fn runs) is tried
+    again on another, up to `attempts` times.
     """
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the first run starts the server
     results = ctx.Queue()
@@ -83,11 +99,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if status == "error":
                 break
     finally:
-        for p in procs:
-            p.join(timeout=timeout if len(outcomes) == world_size else 5)
+        port_taken = any(s == "error" and "EADDRINUSE" in v and "init_process_group" in v for s, v in outcomes.values())
+        for p in procs:  # the others of a group that could not start would wait for rank 0's store: stop them
+            p.join(timeout=timeout if len(outcomes) == world_size else 0 if port_taken else 5)
             if p.is_alive():
                 p.kill()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
+    if port_taken:
+        raise _PortTaken("distributed run could not start\n" + "\n".join(errors))
     if errors:
         raise RuntimeError("distributed run failed\n" + "\n".join(errors))
     return [outcomes[r][1] for r in range(world_size)]
