@@ -255,11 +255,18 @@ def packed_documents_refusal(args: HFModelArgs) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
+def _meta_model(args: HFModelArgs) -> nn.Module:
+    """The model on the meta device, built once per args for what is read off its shape (counts,
+    experts, names, convolutions); never changed: the recipe builds its own to transform."""
+    with torch.device("meta"):
+        return build(args)
+
+
+@functools.lru_cache(maxsize=8)
 def _sequence_convolution(args: HFModelArgs) -> str | None:
     """The first convolution along the sequence in the model on meta (the `conv1d` of a Mamba,
     gated-delta or short-convolution layer: Granite 4 hybrid, Bamba, LFM2, ...); None where there is none."""
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     return next((name for name, m in model.named_modules() if isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1), None)
 
 
@@ -342,8 +349,7 @@ class SameNames:
 def _meta_counts(args: HFModelArgs) -> tuple[int, int, int]:
     """(parameters of the blocks, their linears' inputs + outputs, those of the blocks' linears),
     from the model on meta: per block, averaged."""
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     blocks = _blocks(model)
     numel = sum(p.numel() for block in blocks for p in block.parameters())
     widths = sum(m.in_features + m.out_features for block in blocks for m in block.modules() if isinstance(m, nn.Linear))
@@ -354,8 +360,7 @@ def _meta_counts(args: HFModelArgs) -> tuple[int, int, int]:
 def _meta_experts(args: HFModelArgs) -> tuple[int, int, int, str | None]:
     """(routed experts per MoE layer, their hidden width, MoE layers, why weft's grouped experts cannot
     take their place or None), from the model on meta."""
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     found = routed_experts(model)
     refusal = grouped_experts_refusal(model)
     names = converted_names(args.model_type, args.architecture)
@@ -372,8 +377,7 @@ def _meta_matmul_numel(args: HFModelArgs) -> float:
     """Weights a token multiplies by, from the model on meta: every parameter of two or more
     dimensions but the token embedding (a lookup; counted once more where the output projection is
     tied to it), the routed experts' at the share of them a token is sent to (top_k of n)."""
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     routed = {id(p): module for _, module in routed_experts(model) for p in module.parameters(recurse=False)}
     top_k = _top_k(args.config) or 0
@@ -475,8 +479,7 @@ def hf_mapping(args: HFModelArgs) -> HFMapping:
     model's tensors under the folder's names (multimodal.py); and where LoRA can adapt the routed
     experts, PEFT's names of them (`_expert_parameters`)."""
     if args.multimodal:
-        with torch.device("meta"):
-            model = build(args)
+        model = _meta_model(args)
         decoder = type(getattr(model, model.base_model_prefix))
         names = multimodal_names(args.config_json, args.folder, decoder, model.base_model_prefix,
                                  frozenset(model.state_dict(keep_vars=True)))
@@ -494,8 +497,7 @@ def expert_adapters_refusal(args: HFModelArgs) -> str | None:
     """Why LoRA cannot adapt this model's routed experts: its adapters go on weft's experts in
     transformers' place (experts.py), which compute plain SwiGLU experts (`experts_refusal`) and
     gpt-oss's; None where they can."""
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     return None if clamped_experts(model) else experts_refusal(args)
 
 
@@ -508,8 +510,7 @@ def _expert_parameters(args: HFModelArgs) -> ExpertParameters | None:
     them (`expert_adapters_refusal`)."""
     if expert_adapters_refusal(args) is not None:
         return None
-    with torch.device("meta"):
-        model = build(args)
+    model = _meta_model(args)
     found = routed_experts(model)
     patterns = {re.sub(r"\.layers\.\d+\.", ".layers.{layer}.", name) for name, _ in found}
     # PEFT lays its factors out by how the module uses the weight: [experts, in, out] (x @ W) where
