@@ -118,20 +118,25 @@ def default_tp_plan(model: nn.Module, *, loss_parallel: bool = False, float8_all
     )
 
 
-# The style names transformers uses in `base_model_tp_plan` / `_tp_plan`, and what they mean.
-def _hf_style(name: str, loss_parallel: bool, head: bool) -> ParallelStyle | None:
-    if name == "colwise":
+# The style names transformers (5.24 and 5.25) uses in `base_model_tp_plan` / `_tp_plan`, and what they
+# mean in PyTorch's styles (transformers' own: transformers/distributed/tensor_parallel.py).
+def _hf_style(name: str, loss_parallel: bool, head: bool, config) -> ParallelStyle | None:
+    if name in ("colwise", "unit_colwise"):  # unit_*: whole heads per rank, as _check_heads requires of every plan
         return ColwiseParallel()
-    if name == "rowwise":
+    if name in ("rowwise", "unit_rowwise"):
         return RowwiseParallel()
     if name in ("colwise_rep", "colwise_gather_output") and head:  # the LM head: loss parallel may keep it split
         return _output_style(loss_parallel, input_layouts=Replicate())
-    if name in ("colwise_rep", "colwise_gather_output"):  # a layer whose caller reshapes the whole output
+    if name in ("colwise_rep", "colwise_gather_output", "embedding_colwise"):  # the caller uses the whole output
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name in ("rowwise_split_input", "rowwise_rep"):  # a whole input, each rank's share of it multiplied
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":  # a norm over each head, between colwise projections
         return ReplicatedOverSplitHeads()
+    if name == "mla_kv_a_proj" and isinstance(getattr(config, "qk_rope_head_dim", None), int):
+        return SharedRopeKeyGradSummed(config.qk_rope_head_dim)
     if name == "moe_tp_experts":  # the routed experts; the styles of their weights are left out (below)
         return ExpertsByExpert()
     return None
@@ -140,6 +145,20 @@ def _hf_style(name: str, loss_parallel: bool, head: bool) -> ParallelStyle | Non
 # The styles transformers declares for the weights of a `moe_tp_experts` module (its gate and up rows
 # packed in one tensor, its down projection), which `ExpertsByExpert` replaces: it splits by expert.
 _EXPERT_WEIGHT_STYLES = ("packed_colwise", "rowwise")
+# Styles that leave their module whole on every rank, as a module the plan does not name is left.
+_WHOLE_STYLES = ("replicate",)
+# Why weft does not translate the styles transformers declares that it leaves out.
+_UNTRANSLATED = {
+    "local_params": "per-head parameters of its attention (sinks, gate biases) split on their own",
+    "packed_colwise": "gate and up features packed in one weight, split half by half",
+    "packed_rowwise": "gate and up features packed in one weight, split half by half",
+    "all_reduce": "a module each rank computes a part of",
+    "moe_identity_expert": "identity experts beside the routed ones",
+    "sequence_parallel": "activations split along the sequence",
+    "mla_kv_a_proj": "its config has no qk_rope_head_dim",
+    "grouped_gemm": "an expert-parallel style",
+    "ep_dispatch_experts": "an expert-parallel style",
+}
 
 
 class ExpertsByExpert(ParallelStyle):
@@ -239,28 +258,85 @@ def _replicate_grad(param: torch.Tensor) -> None:
         param.grad = param.grad.redistribute(placements=[Replicate()] * len(param.grad.placements))
 
 
+class SharedRopeKeyGradSummed(ParallelStyle):
+    """Multi-head latent attention's `kv_a_proj_with_mqa` (DeepSeek V2/V3 and their kin; transformers'
+    `mla_kv_a_proj`), whole on every rank. Its output's first features are the latent key/value,
+    which reaches this rank's heads through the column-split kv_b_proj (whose input gradient is
+    summed over the ranks already); its last `rope_dim` features are the rotary key that every head
+    shares, which reaches this rank's heads directly: each rank's gradient of it covers its own
+    heads only, so it is summed over the ranks here."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rope_dim = self.rope_dim
+
+        def rope_grad_summed(_, __, out: torch.Tensor) -> torch.Tensor:
+            latent, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(rope_grad_summed)
+        return module
+
+
 def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     """The plan a transformers model declares (`model._tp_plan`, else its config's
-    `base_model_tp_plan` under the base model's prefix), in PyTorch styles.
+    `base_model_tp_plan` under the base model's prefix), in PyTorch styles; TransformError naming
+    the family and the style where it declares one weft does not translate.
 
     Activations between the splits stay replicated (no sequence parallelism): attention and
-    MLP inputs are whole on every rank, their outputs all-reduced.
+    MLP inputs are whole on every rank, their outputs all-reduced. Routed experts are split by
+    expert (`ExpertsByExpert`): those the plan names `moe_tp_experts`, and those its expert-parallel
+    plan names `ep_dispatch_experts` (where transformers 5.25 moved them) where weft's grouped
+    experts compute them (all their weights stacked by expert); other experts stay whole.
     """
     declared = _hf_declared_plan(model)
     experts = [path for path, name in declared.items() if name == "moe_tp_experts"]
-    plan = {}
-    head = _output_embeddings_path(model)
-    for path, name in declared.items():
-        if name in _EXPERT_WEIGHT_STYLES and any(path.rpartition(".")[0] == e for e in experts):
-            continue  # a weight of split experts: ExpertsByExpert splits it by expert
-        style = _hf_style(name, loss_parallel, head=path == head)
-        if style is None:
+    head, config = _output_embeddings_path(model), _text_config(model)
+    styles = {path: (name, _hf_style(name, loss_parallel, head=path == head, config=config))
+              for path, name in declared.items() if name not in _WHOLE_STYLES and not (
+                  name in _EXPERT_WEIGHT_STYLES and any(path.rpartition(".")[0] == e for e in experts))}
+    params = [name for name, _ in model.named_parameters()]  # a style weft has none for first, then parameters
+    for path, (name, style) in sorted(styles.items(), key=lambda item: item[1][1] is not None):
+        if style is None or any(path_matches(p, path) for p in params):
+            what = "a parameter split on its own" if style is not None else _UNTRANSLATED.get(name, "a style this weft does not know")
             raise TransformError(
-                "apply_tp", "plan", f"{type(model).__name__} declares style {name!r} for {path}, which weft does "
-                "not translate; pass plan= explicitly"
+                "apply_tp", "plan", f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)}) "
+                f"declares the tensor-parallel style {name!r} for {path} ({what}), which weft does not translate; "
+                "train it without tensor parallelism (FSDP or HSDP shard it)"
             )
-        plan[path] = style
-    return plan | _per_head_norms(model, declared)
+    plan = {path: style for path, (_, style) in styles.items()}
+    return plan | _experts_by_expert(model, plan) | _per_head_norms(model, declared)
+
+
+def _experts_by_expert(model: nn.Module, plan: Plan) -> Plan:
+    """The routed experts the model's expert-parallel plan names (`ep_dispatch_experts`) that `plan`
+    leaves out, split by expert where every weight they hold is stacked by expert (weft's grouped
+    experts: models/transformers/experts.py); experts holding others (gpt-oss's biases) stay whole."""
+    modules = dict(model.named_modules())
+    split = {}
+    for path, name in _hf_declared_plan(model, "ep").items():
+        found = [m for n, m in modules.items() if n and path_matches(n, path)]
+        if name == "ep_dispatch_experts" and path not in plan and found and all(map(_stacked_only, found)):
+            split[path] = ExpertsByExpert()
+    return split
+
+
+def _stacked_only(module: nn.Module) -> bool:
+    """Whether `module` computes experts sorted by expert and holds only weights stacked by expert."""
+    stacked = getattr(module, "stacked_weights", ())
+    return callable(getattr(module, getattr(module, "expert_parallel_method", ""), None)) and \
+        {name for name, _ in module.named_parameters(recurse=False)} == set(stacked)
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def _per_head_norms(model: nn.Module, declared: dict[str, str]) -> Plan:
@@ -288,11 +364,13 @@ def _output_embeddings_path(model: nn.Module) -> str | None:
     return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
 
 
-def _hf_declared_plan(model: nn.Module) -> dict[str, str]:
-    declared = getattr(model, "_tp_plan", None)
+def _hf_declared_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
+    """The tensor-parallel (kind "tp") or expert-parallel ("ep") plan a transformers model declares:
+    its `_tp_plan` / `_ep_plan`, else its config's `base_model_*_plan` under the base model's prefix."""
+    declared = getattr(model, f"_{kind}_plan", None)
     if isinstance(declared, dict) and declared:
         return dict(declared)
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    base = getattr(getattr(model, "config", None), f"base_model_{kind}_plan", None)
     if not isinstance(base, dict) or not base:
         return {}
     prefix = getattr(model, "base_model_prefix", "")

@@ -75,9 +75,12 @@ def test_qwen3_5_s_linear_attention_projections_gather_their_output_whatever_the
 
 
 def test_glm4_moe_s_experts_split_by_expert_and_its_undeclared_per_head_norms_sum_their_gradients():
-    """moe_tp_experts becomes ExpertsByExpert, which replaces the packed_colwise/rowwise entries of its
-    weights; the q/k norms the plan leaves out over head-split projections get Gemma 3's style, but
-    Cohere's, one weight per head, do not. tests/recipe/test_hf_backend.py trains both under tp 2."""
+    """GLM-4 MoE's routed experts, named by transformers 5.25's expert-parallel plan (ep_dispatch_experts)
+    and by 5.24's tensor-parallel one (moe_tp_experts, whose weights' styles ExpertsByExpert replaces),
+    are split by expert once weft's grouped experts compute them; transformers' own stay whole under
+    5.25's plan and are refused under 5.24's. The q/k norms the plan leaves out over head-split
+    projections get Gemma 3's style, but Cohere's, one weight per head, do not. tests/recipe/
+    test_hf_backend.py trains both under tp 2."""
     transformers = pytest.importorskip("transformers")
     from weft.models.transformers.experts import swap_in_grouped_experts
     from weft.parallelisms.tp import ExpertsByExpert
@@ -87,17 +90,27 @@ def test_glm4_moe_s_experts_split_by_expert_and_its_undeclared_per_head_norms_su
     config = transformers.Glm4MoeConfig(**shape, head_dim=8, use_qk_norm=True, first_k_dense_replace=1,
                                         n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
     model = meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
+    assert model._ep_plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    if "model.layers.*.mlp.experts" in model._tp_plan:  # transformers 5.24 declares them in its tp plan
+        model._tp_plan = {k: v for k, v in model._tp_plan.items() if not k.startswith("model.layers.*.mlp.experts")}
     plan = hf_tp_plan(model)
-    assert type(plan["model.layers.*.mlp.experts"]) is ExpertsByExpert
-    assert not any(path.startswith("model.layers.*.mlp.experts.") for path in plan)
+    assert not any(path.startswith("model.layers.*.mlp.experts") for path in plan)  # transformers' own: whole
     norms = {path for path, style in plan.items() if isinstance(style, ReplicatedOverSplitHeads)}
     assert norms == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
+    moe_tp = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # transformers 5.24's declaration
+              "model.layers.*.mlp.experts.down_proj": "rowwise", "model.layers.*.mlp.experts": "moe_tp_experts"}
+    declared_5_24 = meta(lambda: transformers.AutoModelForCausalLM.from_config(config))
+    declared_5_24._tp_plan = {**model._tp_plan, **moe_tp}
     with pytest.raises(TransformError, match=r"^apply_tp: model.layers.1.mlp.experts \(Glm4MoeExperts\) is not "):
-        apply_tp(model, MeshOfSize(2))  # transformers' own experts: weft's grouped ones must be swapped in
-    swap_in_grouped_experts(model)
-    with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide the 6 experts of "
-                                             r"model.layers.1.mlp.experts; "):
-        apply_tp(model, MeshOfSize(4))
+        apply_tp(declared_5_24, MeshOfSize(2))  # transformers' own experts: weft's grouped ones must be swapped in
+    for declared in (model, declared_5_24):
+        swap_in_grouped_experts(declared)
+        plan = hf_tp_plan(declared)
+        assert type(plan["model.layers.*.mlp.experts"]) is ExpertsByExpert
+        assert not any(path.startswith("model.layers.*.mlp.experts.") for path in plan)
+        with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide the 6 experts of "
+                                                 r"model.layers.1.mlp.experts; "):
+            apply_tp(declared, MeshOfSize(4))
     cohere = transformers.CohereConfig(**shape, use_qk_norm=True)
     plan = hf_tp_plan(meta(lambda: transformers.AutoModelForCausalLM.from_config(cohere)))
     assert not any(isinstance(style, ReplicatedOverSplitHeads) for style in plan.values())
@@ -181,3 +194,96 @@ def test_transformers_model_under_apply_tp_keeps_its_output_type():
         assert plain
         assert loss == pytest.approx(reference, abs=1e-5)
 
+
+
+def olmo2(transformers):
+    """OLMo 2: q/k/v colwise_gather_output (its q/k norms span every head) and o_proj rowwise_split_input."""
+    return transformers.Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)
+
+
+def deepseek_v3(transformers):
+    """DeepSeek V3 (transformers 5.25's plan): attention split by heads, kv_a_proj_with_mqa mla_kv_a_proj,
+    the routed experts by expert (weft's grouped experts swapped in), the dense MLP and shared expert split."""
+    return transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                         v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1)
+
+
+def grads_with_and_without_tp(family: str) -> tuple[list[str], float, dict[str, float]]:
+    """Worker: a tiny transformers model (float64) of `family`, its `labels=` loss and every gradient in
+    this process alone, then the same weights under apply_tp over every rank: the modules split, the
+    largest relative difference of the loss and of each gradient (split ones gathered)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    transformers = pytest.importorskip("transformers")
+    from weft.models.transformers.experts import swap_in_grouped_experts
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(globals()[family](transformers)).double()
+    swap_in_grouped_experts(model)  # as the recipe does under tp (none in OLMo 2)
+    with torch.no_grad():
+        for param in model.parameters():  # transformers' init leaves some at zero or one: every weight counts
+            param.normal_(0, 0.2)
+    parallel = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (dist.get_world_size(),)))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, parallel):
+        loss = m(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        losses.append(loss.item())
+    theirs = dict(parallel.named_parameters())
+    split = sorted({name.rpartition(".")[0] for name, p in theirs.items() if isinstance(p, DTensor)})
+    errors = {}
+    for name, param in model.named_parameters():
+        grad = theirs[name].grad
+        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        errors[name] = ((grad - param.grad).norm() / param.grad.norm()).item()
+    return split, abs(losses[1] - losses[0]) / abs(losses[0]), errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["olmo2", "deepseek_v3"])
+def test_tp2_loss_and_every_gradient_equal_one_process(family):
+    """Float64, so the two differ by the order of their sums alone (each gradient ~1e-15 relative; a
+    gradient one rank computes a part of, unsummed, is off by its other part: order 1). DeepSeek V3's
+    rotary key, shared by the heads both ranks split, is such a part (SharedRopeKeyGradSummed)."""
+    from weft.components.distributed.cpu_ranks import run_distributed
+
+    tol = 1e-10  # float64's epsilon (2.2e-16) times a margin of 4.5e5 for the order of the sums
+    for split, loss, errors in run_distributed(grads_with_and_without_tp, 2, family):
+        assert loss <= tol
+        assert {name: e for name, e in errors.items() if not e <= tol} == {}
+        assert "model.layers.1.self_attn.o_proj" in split  # the attention is split, not left whole
+        if family == "deepseek_v3":
+            assert "model.layers.1.mlp.experts" in split and "model.layers.1.self_attn.kv_b_proj" in split
+
+
+def test_every_style_transformers_registers_is_translated_or_refused_with_its_reason():
+    """transformers' styles (ALL_PARALLEL_STYLES) each have a meaning in weft: a PyTorch style, the
+    module left whole, or a reason to refuse; an attention holding per-head parameters (GraniteSWA's
+    sinks, local_params) is refused in one line naming the family and the style, no `plan=` advice."""
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from weft.parallelisms.tp import _UNTRANSLATED, _WHOLE_STYLES, _hf_style
+
+    config = SimpleNamespace(qk_rope_head_dim=8)
+    for name in ALL_PARALLEL_STYLES.keys():
+        assert _hf_style(name, False, head=False, config=config) is not None or name in _WHOLE_STYLES + tuple(
+            _UNTRANSLATED), name
+    config = transformers.AutoConfig.for_model("granite_swa", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(TransformError) as refused:
+        hf_tp_plan(meta(lambda: transformers.AutoModelForCausalLM.from_config(config)))
+    assert str(refused.value).startswith("apply_tp: GraniteSWAForCausalLM (model_type granite_swa) declares the "
+                                         "tensor-parallel style 'local_params' for model.layers.*.self_attn (")
+    assert "plan=" not in str(refused.value) and "\n" not in str(refused.value)

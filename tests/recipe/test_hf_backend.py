@@ -858,11 +858,12 @@ def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_p
     """DeepSeek V3's and GLM-4 MoE's experts split by expert (trained under tp 2 in the fsdp 2 test):
     refused where tp does not divide them, beside ep and with compile (their share of the tokens is cut
     on the host); a style apply_tp does not translate (Llama 4 text's transposed experts,
-    packed_rowwise) is refused naming it."""
+    packed_rowwise) is refused naming the family and the style; OLMo 2's plan is translated."""
     configs = {"deepseek_six": transformers.DeepseekV3Config(  # 6 routed experts, 3 a group
         **{**MOE, "n_routed_experts": 6}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1),
-        "llama4_text": transformers.Llama4TextConfig(**SHAPE, intermediate_size_mlp=64, num_local_experts=4)}
+        "llama4_text": transformers.Llama4TextConfig(**SHAPE, intermediate_size_mlp=64, num_local_experts=4),
+        "olmo2": transformers.Olmo2Config(**SHAPE)}
     for name, config in configs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config.to_dict()))
@@ -881,9 +882,14 @@ def test_tp_is_refused_where_apply_tp_cannot_split_the_declared_plan(root, tmp_p
                                           r"\(model_type deepseek_v3, built by transformers\) splits its experts by "):
         plan_of(root / "deepseek_v3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2",
                 "--compile.enable")
-    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Llama4ForCausalLM declares style "
-                                          r"'packed_rowwise' for layers.\*.feed_forward.experts.gate_up_proj, "):
+    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2: apply_tp: Llama4ForCausalLM \(model_type llama4_text\) "
+                                          r"declares the tensor-parallel style 'packed_rowwise' for layers.\*.feed_"
+                                          r"forward.experts.gate_up_proj \(.*\), which weft does not translate; train "
+                                          r"it without tensor parallelism \(FSDP or HSDP shard it\)$"):
         plan_of(tmp_path / "llama4_text", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    # OLMo 2's colwise_gather_output q/k/v and rowwise_split_input o_proj (tests/parallelisms/test_tp.py: tp 2's
+    # loss and gradients are one process's)
+    assert plan_of(tmp_path / "olmo2", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
     assert plan_of(root / "gemma3", root / "sft.jsonl", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
 
 
