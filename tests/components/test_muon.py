@@ -1,7 +1,7 @@
 """Muon in one process: weft's step equals torch.optim.Muon on the matrices plus torch.optim.AdamW on
-the rest (its Newton–Schulz made fp32, and as shipped in bf16); stacked experts and attention heads
-equal one torch.optim.Muon per expert or head; the parameter split; exact resume from the state
-dict; an AdamW checkpoint refused by a Muon run."""
+the rest (in float64, and as shipped in bf16); its float32 Newton–Schulz is within float32's rounding
+of torch's in float64; stacked experts and attention heads equal one torch.optim.Muon per expert or
+head; the parameter split; exact resume from the state dict; an AdamW checkpoint refused by a Muon run."""
 
 from __future__ import annotations
 
@@ -12,24 +12,29 @@ import pytest
 import torch
 
 from weft.components.config import Optimizer
-from weft.components.training.muon import Muon, muon_parameters
-from weft.components.training.optim import build_optimizer
+from weft.components.training.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, Muon, muon_parameters, newton_schulz
+from weft.components.training.optim import adamw_options, build_optimizer
 from weft.errors import UserError
 
 from tests.support.tiny_llama import batches, tiny_llama, train
 
 CFG = Optimizer(name="Muon", lr=1e-3, weight_decay=0.05, muon_lr=0.02, muon_weight_decay=0.1, muon_ns_dtype="float32")
+# Two float64 computations of one formula differ by the order of their sums only: each rounding is
+# 2^-53 (1.1e-16) relative, and 1e-10 leaves a million-fold margin for how a few steps compound them,
+# where a difference of formula moves the weights by the step itself (1e-3 and more here).
+FLOAT64_TOL = 1e-10
 
 
 def torch_reference(model, cfg: Optimizer) -> list[torch.optim.Optimizer]:
-    """torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the embedding, output and norms."""
+    """torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the embedding, output and norms
+    (its implementation, fused or foreach, the one weft's AdamW picks: the same operations in the same
+    order, so their roundings are the same too)."""
     params = dict(model.named_parameters())
     muon = [p for n, p in params.items() if p.ndim == 2 and n not in ("tok_embeddings.weight", "output.weight")]
     rest = [p for p in params.values() if all(p is not q for q in muon)]
     return [torch.optim.Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
                              nesterov=cfg.muon_nesterov, adjust_lr_fn=cfg.muon_adjust_lr),
-            torch.optim.AdamW(rest, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                              weight_decay=cfg.weight_decay, foreach=False)]
+            torch.optim.AdamW(rest, **adamw_options(rest, cfg))]
 
 
 def assert_weights_close(got, want, tol: float) -> None:
@@ -39,19 +44,37 @@ def assert_weights_close(got, want, tol: float) -> None:
 
 
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
-def test_fp32_step_equals_torch_muon_and_adamw(adjust_lr, monkeypatch):
-    cfg = replace(CFG, muon_adjust_lr=adjust_lr)
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
+def test_step_equals_torch_muon_and_adamw_in_float64(adjust_lr, monkeypatch):
+    """Three steps of the tiny Llama in float64, Newton–Schulz too (torch's bf16 cast made float64)."""
+    cfg = replace(CFG, muon_adjust_lr=adjust_lr, muon_ns_dtype="float64")
+    model = tiny_llama().double()
+    start, reference = copy.deepcopy(model), copy.deepcopy(model)
     train(model, [build_optimizer(model, cfg)], batches())
-    # torch.optim.Muon's own step with its bf16 cast made fp32 (nothing else in its step casts to bf16).
-    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda t: t.float())
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda t: t.to(torch.float64, copy=True))
     train(reference, torch_reference(reference, cfg), batches())
-    assert_weights_close(model, reference, 1e-6)
-    assert not torch.equal(model.get_parameter("layers.0.attention.wq.weight"), tiny_llama().get_parameter("layers.0.attention.wq.weight"))
+    assert_weights_close(model, reference, FLOAT64_TOL)
+    for a, b in zip(model.parameters(), start.parameters()):  # every weight moved far beyond the tolerance
+        assert ((a - b).norm() / b.norm()).item() > 1e5 * FLOAT64_TOL
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (176, 64), (64, 176)])
+def test_float32_newton_schulz_is_within_its_rounding_of_torch_s_in_float64(shape, monkeypatch):
+    """muon_ns_dtype = "float32": each of the iterations' products sums at most n = max(shape) terms,
+    each rounding by float32's 2^-24 at most, scaled by the coefficients' |a| + |b| + |c|; their worst
+    case over NS_STEPS bounds the difference (the sums' roundings partly cancel: ~25 x 2^-24 found)."""
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda t: t.to(torch.float64, copy=True))
+    g = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    theirs = torch.optim._muon._zeropower_via_newtonschulz(g, NS_COEFFICIENTS, NS_STEPS, NS_EPS)
+    ours = newton_schulz(g.float(), dtype=torch.float32).double()
+    bound = NS_STEPS * max(shape) * 2**-24 * sum(map(abs, NS_COEFFICIENTS))
+    assert ((ours - theirs).norm() / theirs.norm()).item() <= bound
+    assert ((newton_schulz(g.float(), dtype=torch.bfloat16).double() - theirs).norm() / theirs.norm()).item() > bound
 
 
 def test_bf16_step_equals_torch_muon_as_shipped():
+    """Newton–Schulz in bf16 on both sides: the two runs do the same operations in the same order
+    (torch_reference's AdamW is weft's implementation), so they round alike on any host; one bf16
+    rounding apart in any step would put them 2^-8 of a step (~1e-5 of a weight) apart."""
     cfg = replace(CFG, muon_ns_dtype="bfloat16", muon_nesterov=False)
     model = tiny_llama()
     reference = copy.deepcopy(model)
@@ -62,21 +85,21 @@ def test_bf16_step_equals_torch_muon_as_shipped():
 
 def test_stacked_experts_are_orthogonalised_one_by_one():
     torch.manual_seed(0)
-    experts = torch.nn.Parameter(torch.randn(3, 16, 8))
+    experts = torch.nn.Parameter(torch.randn(3, 16, 8, dtype=torch.float64))
     separate = [torch.nn.Parameter(e.clone()) for e in experts.detach()]
-    ours = Muon([experts], [], lr=0.02, ns_dtype=torch.float32)
+    ours = Muon([experts], [], lr=0.02, ns_dtype=torch.float64)
     theirs = torch.optim.Muon(separate, lr=0.02)
     for _ in range(2):
-        grad = torch.randn(3, 16, 8)
+        grad = torch.randn(3, 16, 8, dtype=torch.float64)
         experts.grad = grad
         for p, g in zip(separate, grad):
             p.grad = g.clone()
         ours.step()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch.Tensor, "bfloat16", lambda t: t.float())
+            patch.setattr(torch.Tensor, "bfloat16", lambda t: t.to(torch.float64, copy=True))
             theirs.step()
     for e, p in zip(experts, separate):
-        torch.testing.assert_close(e, p, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(e, p, rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
 
 
 def test_split_keeps_ends_norms_and_excluded_names_for_adamw():
@@ -115,22 +138,23 @@ def test_resume_from_state_dict_is_exact():
 def test_per_head_blocks_equal_one_torch_muon_per_head(adjust_lr):
     """wq-like rows and wo-like columns split into heads of 4: each head as its own torch.optim.Muon matrix."""
     torch.manual_seed(0)
-    wq, wo = torch.nn.Parameter(torch.randn(12, 16)), torch.nn.Parameter(torch.randn(16, 12))
+    f64 = {"dtype": torch.float64}
+    wq, wo = torch.nn.Parameter(torch.randn(12, 16, **f64)), torch.nn.Parameter(torch.randn(16, 12, **f64))
     heads = [torch.nn.Parameter(h.clone()) for h in wq.detach().split(4, 0)]
     heads += [torch.nn.Parameter(h.clone()) for h in wo.detach().split(4, 1)]
-    ours = Muon([wq, wo], [], lr=0.02, ns_dtype=torch.float32, adjust_lr_fn=adjust_lr,
+    ours = Muon([wq, wo], [], lr=0.02, ns_dtype=torch.float64, adjust_lr_fn=adjust_lr,
                 blocks={id(wq): (0, 4), id(wo): (1, 4)})
     theirs = torch.optim.Muon(heads, lr=0.02, adjust_lr_fn=adjust_lr)
     for _ in range(2):
-        wq.grad, wo.grad = torch.randn(12, 16), torch.randn(16, 12)
+        wq.grad, wo.grad = torch.randn(12, 16, **f64), torch.randn(16, 12, **f64)
         for p, g in zip(heads, [*wq.grad.split(4, 0), *wo.grad.split(4, 1)]):
             p.grad = g.clone()
         ours.step()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch.Tensor, "bfloat16", lambda t: t.float())
+            patch.setattr(torch.Tensor, "bfloat16", lambda t: t.to(torch.float64, copy=True))
             theirs.step()
-    torch.testing.assert_close(wq, torch.cat(heads[:3], 0), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(wo, torch.cat(heads[3:], 1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(wq, torch.cat(heads[:3], 0), rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
+    torch.testing.assert_close(wo, torch.cat(heads[3:], 1), rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
 
 
 def test_per_head_option_splits_every_attention_projection():
