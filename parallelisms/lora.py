@@ -462,7 +462,10 @@ def _distribute(module: nn.Module, name: str, mesh, placement) -> None:
 
 
 def lora_tp_style(style: ParallelStyle) -> ParallelStyle:
-    """The style that splits a LoRALinear as `style` splits its base (column- or row-wise)."""
+    """The style that splits a LoRALinear as `style` splits its base (column- or row-wise); a style
+    that keeps its module whole (`keeps_module_whole`) applies to the LoRALinear as it is."""
+    if getattr(style, "keeps_module_whole", False):
+        return style
     if type(style) not in (ColwiseParallel, RowwiseParallel):
         raise TransformError("apply_tp", "plan", f"a LoRA layer can be split by ColwiseParallel or RowwiseParallel, "
                              f"not {type(style).__name__}")

@@ -264,7 +264,9 @@ class SharedRopeKeyGradSummed(ParallelStyle):
     which reaches this rank's heads through the column-split kv_b_proj (whose input gradient is
     summed over the ranks already); its last `rope_dim` features are the rotary key that every head
     shares, which reaches this rank's heads directly: each rank's gradient of it covers its own
-    heads only, so it is summed over the ranks here."""
+    heads only, so it is summed over the ranks here (a LoRALinear's output too: its adapters stay whole)."""
+
+    keeps_module_whole = True
 
     def __init__(self, rope_dim: int):
         super().__init__()

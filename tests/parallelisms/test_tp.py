@@ -212,10 +212,11 @@ def deepseek_v3(transformers):
                                          v_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1)
 
 
-def grads_with_and_without_tp(family: str) -> tuple[list[str], float, dict[str, float]]:
+def grads_with_and_without_tp(family: str, lora: bool = False) -> tuple[list[str], float, dict[str, float]]:
     """Worker: a tiny transformers model (float64) of `family`, its `labels=` loss and every gradient in
     this process alone, then the same weights under apply_tp over every rank: the modules split, the
-    largest relative difference of the loss and of each gradient (split ones gathered)."""
+    largest relative difference of the loss and of each gradient (split ones gathered). lora: adapters
+    on every linear (the base frozen), split with their base or kept whole with it."""
     import copy
 
     import torch.distributed as dist
@@ -228,6 +229,10 @@ def grads_with_and_without_tp(family: str) -> tuple[list[str], float, dict[str, 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(globals()[family](transformers)).double()
     swap_in_grouped_experts(model)  # as the recipe does under tp (none in OLMo 2)
+    if lora:
+        from weft.parallelisms.lora import LoRAOptions, apply_lora
+
+        apply_lora(model, LoRAOptions(rank=4))
     with torch.no_grad():
         for param in model.parameters():  # transformers' init leaves some at zero or one: every weight counts
             param.normal_(0, 0.2)
@@ -242,6 +247,8 @@ def grads_with_and_without_tp(family: str) -> tuple[list[str], float, dict[str, 
     split = sorted({name.rpartition(".")[0] for name, p in theirs.items() if isinstance(p, DTensor)})
     errors = {}
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         grad = theirs[name].grad
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         errors[name] = ((grad - param.grad).norm() / param.grad.norm()).item()
@@ -255,15 +262,15 @@ def transformers_version() -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["olmo2", "deepseek_v3"])
-def test_tp2_loss_and_every_gradient_equal_one_process(family):
+@pytest.mark.parametrize("family, lora", [("olmo2", False), ("deepseek_v3", False), ("deepseek_v3", True)])
+def test_tp2_loss_and_every_gradient_equal_one_process(family, lora):
     """Float64, so the two differ by the order of their sums alone (each gradient ~1e-15 relative; a
     gradient one rank computes a part of, unsummed, is off by its other part: order 1). DeepSeek V3's
     rotary key, shared by the heads both ranks split, is such a part (SharedRopeKeyGradSummed)."""
     from weft.components.distributed.cpu_ranks import run_distributed
 
     tol = 1e-10  # float64's epsilon (2.2e-16) times a margin of 4.5e5 for the order of the sums
-    for split, loss, errors in run_distributed(grads_with_and_without_tp, 2, family):
+    for split, loss, errors in run_distributed(grads_with_and_without_tp, 2, family, lora):
         assert loss <= tol
         assert {name: e for name, e in errors.items() if not e <= tol} == {}
         assert "model.layers.0.mlp.down_proj" in split and "lm_head" in split
@@ -271,6 +278,8 @@ def test_tp2_loss_and_every_gradient_equal_one_process(family):
             assert "model.layers.1.self_attn.o_proj" in split
         if family == "deepseek_v3":
             assert "model.layers.1.mlp.experts" in split
+        if lora:
+            assert "model.layers.0.self_attn.kv_a_proj_with_mqa.lora_A.weight" in errors
 
 
 def test_every_style_transformers_registers_is_translated_or_refused_with_its_reason():
