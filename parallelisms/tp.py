@@ -305,7 +305,8 @@ def hf_tp_plan(model: nn.Module, *, loss_parallel: bool = False) -> Plan:
     params = [name for name, _ in model.named_parameters()]  # a style weft has none for first, then parameters
     for path, (name, style) in sorted(styles.items(), key=lambda item: item[1][1] is not None):
         if style is None or any(path_matches(p, path) for p in params):
-            what = "a parameter split on its own" if style is not None else _UNTRANSLATED.get(name, "a style this weft does not know")
+            what = "a parameter split on its own" if style is not None else \
+                _UNTRANSLATED.get(name, "a style this weft does not know")
             raise TransformError(
                 "apply_tp", "plan", f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)}) "
                 f"declares the tensor-parallel style {name!r} for {path} ({what}), which weft does not translate; "

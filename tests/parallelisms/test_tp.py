@@ -78,7 +78,7 @@ def test_glm4_moe_s_experts_split_by_expert_and_its_undeclared_per_head_norms_su
     """GLM-4 MoE's routed experts, named by transformers 5.25's expert-parallel plan (ep_dispatch_experts)
     and by 5.24's tensor-parallel one (moe_tp_experts, whose weights' styles ExpertsByExpert replaces),
     are split by expert once weft's grouped experts compute them; transformers' own stay whole under
-    5.25's plan and are refused under 5.24's. The q/k norms the plan leaves out over head-split
+    5.25's plan and are refused under 5.24's; gpt-oss's (biases) stay whole. The q/k norms the plan leaves out over head-split
     projections get Gemma 3's style, but Cohere's, one weight per head, do not. tests/recipe/
     test_hf_backend.py trains both under tp 2."""
     transformers = pytest.importorskip("transformers")
@@ -111,6 +111,11 @@ def test_glm4_moe_s_experts_split_by_expert_and_its_undeclared_per_head_norms_su
         with pytest.raises(TransformError, match=r"^apply_tp: tp_mesh size 4 does not divide the 6 experts of "
                                                  r"model.layers.1.mlp.experts; "):
             apply_tp(declared, MeshOfSize(4))
+    gpt_oss = meta(lambda: transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+        **shape, num_local_experts=4, num_experts_per_tok=2)))
+    swap_in_grouped_experts(gpt_oss)  # its experts' biases are not stacked weights ExpertsByExpert splits: whole
+    assert gpt_oss._ep_plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    assert not any(path.startswith("model.layers.*.mlp.experts") for path in hf_tp_plan(gpt_oss))
     cohere = transformers.CohereConfig(**shape, use_qk_norm=True)
     plan = hf_tp_plan(meta(lambda: transformers.AutoModelForCausalLM.from_config(cohere)))
     assert not any(isinstance(style, ReplicatedOverSplitHeads) for style in plan.values())
