@@ -372,26 +372,7 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
         grads += (vocab - vocab // s.tp) * dim * 4
     kept, recompute = activation_bytes(s)
     logits, loss_forward, loss_backward = loss_bytes(s)
-    pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
-    block = block_numel(s.args) // s.tp
-    if s.ep > 1:  # FSDP gathers only the experts this rank holds, whole (under tp too: ep spans tp's ranks)
-        routed = routed_experts_per_block(model)
-        block = (block_numel(s.args) - routed) // s.tp + routed // s.ep
-    ends = 1 if s.args.tie_embeddings else s.first_stage + s.last_stage  # embedding, output
-    root = (s.args.vocab_size * s.args.dim * ends) // s.tp
-    buffers: dict[str, int] = {}
-    gather = scatter = 0
-    if s.fsdp > 1:
-        trainable = block if not s.lora_rank else trainable_block_numel(model, s.ep) // s.tp
-        gather, scatter = (s.gathered_blocks * block + root) * pb, trainable * (pb + rb)
-        buffers[f"FSDP all-gather ({s.gathered_blocks} blocks + root, unsharded)"] = gather
-        buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
-    exchange = 0
-    if s.ep > 1:  # one MoE layer's tokens in flight: sent, received (at the planned imbalance), sent back
-        experts = spec_for_args(s.args).experts(s.args)  # the plan refuses ep > 1 on a dense model
-        top_k = experts.top_k if experts else 0
-        exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
-        buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
+    buffers, gather, scatter, exchange = _communication_buffers(model, s)
     if s.autocast:  # of the fp32 (trainable) parameters that linears use; the experts' adapters are
         # cast by the MoE layer itself, one layer at a time (models/common/moe.py: experts_matmul)
         adapters = expert_adapter_ids(model)
@@ -425,6 +406,32 @@ def estimate_memory(model: nn.Module, s: StepShape, state: tuple[int, int, int] 
     if s.muon_exclude is not None:
         buffers["Muon: 1 matrix gathered whole, Newton-Schulz"] = step_temporaries
     return MemoryEstimate(params, grads, optimizer, kept, buffers, phases, kind)
+
+
+def _communication_buffers(model: nn.Module, s: StepShape) -> tuple[dict[str, int], int, int, int]:
+    """(buffers, gather, scatter, exchange) in bytes: FSDP's gathered blocks and one block's
+    reduce-scattered gradients, and one MoE layer's tokens in flight under EP."""
+    pb, rb = dtype_bytes(s.param_dtype), dtype_bytes(s.reduce_dtype)
+    block = block_numel(s.args) // s.tp
+    if s.ep > 1:  # FSDP gathers only the experts this rank holds, whole (under tp too: ep spans tp's ranks)
+        routed = routed_experts_per_block(model)
+        block = (block_numel(s.args) - routed) // s.tp + routed // s.ep
+    ends = 1 if s.args.tie_embeddings else s.first_stage + s.last_stage  # embedding, output
+    root = (s.args.vocab_size * s.args.dim * ends) // s.tp
+    buffers: dict[str, int] = {}
+    gather = scatter = 0
+    if s.fsdp > 1:
+        trainable = block if not s.lora_rank else trainable_block_numel(model, s.ep) // s.tp
+        gather, scatter = (s.gathered_blocks * block + root) * pb, trainable * (pb + rb)
+        buffers[f"FSDP all-gather ({s.gathered_blocks} blocks + root, unsharded)"] = gather
+        buffers["FSDP reduce-scatter (1 block's gradients)"] = scatter
+    exchange = 0
+    if s.ep > 1:  # one MoE layer's tokens in flight: sent, received (at the planned imbalance), sent back
+        experts = spec_for_args(s.args).experts(s.args)  # the plan refuses ep > 1 on a dense model
+        top_k = experts.top_k if experts else 0
+        exchange = int(s.tokens // s.tp * top_k * s.args.dim * dtype_bytes(s.compute_dtype) * (2 + s.ep_imbalance))
+        buffers[f"EP all-to-all (1 layer, {s.ep_imbalance:g}x mean received)"] = exchange
+    return buffers, gather, scatter, exchange
 
 
 # torchao's dequantization of one NF4 weight, bytes a value beyond the result: the codes widened to

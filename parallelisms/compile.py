@@ -25,19 +25,14 @@ class CompileOptions:
 
 def apply_compile(model: nn.Module, options: CompileOptions = CompileOptions(), *,
                   blocks: Iterable[nn.Module] | None = None, copy_input: bool = False) -> nn.Module:
-    """Compile each block's forward; identical blocks share one compiled graph, so compile time
-    does not grow with depth. blocks None: the model's `layers`, `model.layers` or `transformer.h`.
+    """Compile each block's forward in place; identical blocks share one compiled graph, so compile
+    time does not grow with depth. blocks None: the model's `layers`, `model.layers` or `transformer.h`.
 
-    The forward is replaced in place, so the module tree and parameter names do not change, and
-    hooks that others register on the block (FSDP's all-gathers, transformers' output capture)
-    stay outside the compiled region. `nn.Module.compile` would compile those hooks too: on a
-    transformers LlamaDecoderLayer under FSDP and activation checkpointing it fails in
-    AOTAutograd (torch 2.13: "expected all tensors_saved_with_vc_check to be Tensors").
-    copy_input: each compiled block reads a copy of its first input, made outside the compiled
-    region (`tp_compile_needs_input_copy` says when: tensor parallelism on torch 2.13).
-    A block's forward may keep a record as it runs (an MoE layer counts its experts' tokens):
-    compiled, activation checkpointing's recomputation does not repeat it (torch refuses such a
-    side effect inside a checkpoint otherwise).
+    Parameter names do not change and hooks on the block (FSDP's all-gathers, transformers' output
+    capture) stay outside the compiled region (`nn.Module.compile` would compile them too; why:
+    docs/parallelism.md). copy_input: each compiled block reads a copy of its first input
+    (`tp_compile_needs_input_copy` says when). A block's record-keeping (an MoE layer's token counts)
+    is not repeated by activation checkpointing's recomputation.
     Apply after tensor parallelism and activation checkpointing, before FSDP.
     """
     backend, fullgraph = options.backend, options.fullgraph

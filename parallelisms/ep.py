@@ -31,25 +31,15 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1) -> nn.Module:
     """Spread the routed experts of every MoE layer over `ep_mesh` (each weight a Shard(0) DTensor:
-    checkpoints and exports still see whole tensors) and exchange tokens by all-to-all.
+    checkpoints and exports see whole tensors) and exchange tokens by all-to-all.
 
-    Works on any model built with weft's MoE layer (`models/common/moe.py`: modules with stacked
-    `w1`, `w2`, `w3` weights of [experts, ...] and a `compute(x, counts, w1, w2, w3)`; a module may
-    stack them otherwise, naming its weights in `stacked_weights` and the method taking
-    `(x, counts)` in `expert_parallel_method`, `forward` by default). The
-    experts must divide by the mesh size. Apply to the plain model on the meta device or on
-    real weights (after `apply_lora`: adapters on the experts, `lora_A.w1`..., spread with them),
-    before activation checkpointing and FSDP (`apply_fsdp(expert_mesh=...)` then
-    shards each layer's experts over the ranks holding the same ones). Under a pipeline, apply it
-    to each stage with the ep mesh of the stage's own ranks (the ranks of an EP group run the same
-    schedule, so their all-to-alls pair up micro-batch by micro-batch). Before `apply_tp`, whose
-    MoE plan then keeps the spread experts whole and each tp rank's tokens its own
-    (models/common/moe_tp.py). Not with compile (the split sizes are read on the host).
-
-    sequence_shards: how many ranks of each ep group hold parts of the same samples (tensor
-    parallelism's sequence shards, when ep borrows tp's ranks: then each tp rank routes its own
-    shard's tokens). The experts' gradient is scaled by sequence_shards / ep, the mean over the
-    data-parallel ranks among them.
+    Works on weft's MoE layer (stacked `w1`, `w2`, `w3` and `compute(x, counts, w1, w2, w3)`) or a module
+    naming its own in `stacked_weights` and `expert_parallel_method`; the experts must divide by the
+    mesh size. Apply to the plain model (meta or real, after `apply_lora`), before activation
+    checkpointing, FSDP (`expert_mesh=`) and `apply_tp`; under a pipeline, per stage with the stage's
+    ep mesh. Not with compile. sequence_shards: ranks of each ep group holding parts of the same
+    samples (tp's sequence shards when ep borrows tp's ranks); the experts' gradient is scaled by
+    sequence_shards / ep. docs/moe.md says why each of these holds.
     """
     refuse_data_parallel_model(model, "apply_ep")
     ep = ep_mesh.size()

@@ -44,32 +44,15 @@ class FSDPOptions:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, options: FSDPOptions = FSDPOptions(), *,
                blocks: Iterable[nn.Module] | None = None, expert_mesh: DeviceMesh | None = None) -> nn.Module:
-    """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2.
+    """Shard parameters, gradients and optimizer state over `dp_mesh` with FSDP2: each block is its
+    own unit, the root takes the rest; a 2-D mesh (replicate, shard) gives HSDP. Master weights stay
+    in the parameters' dtype; compute runs in `param_dtype`, gradients reduce in `reduce_dtype`.
 
-    Each block becomes its own FSDP unit (all-gathered just before it runs, freed after), and
-    the root takes the rest (embeddings, final norm, output). A 2-D mesh (replicate, shard)
-    gives HSDP. Master weights stay in the parameters' dtype (fp32); compute runs in
-    `param_dtype` and gradients are reduced in `reduce_dtype`.
-
-    reshard_after_forward: "always" frees gathered parameters after each block's forward
-    (FULL_SHARD); "never" keeps them until backward (SHARD_GRAD_OP: more memory, less
-    communication); "default" frees all but the last block, whose backward comes first.
-
-    cast_forward_inputs is off by default: on, FSDP casts every real floating input of each
-    block to `param_dtype`, real-valued rotary tables included, which every layout keeps in
-    full precision (parallelisms/precision.py); the hidden state is already in `param_dtype`,
-    as it comes out of the embedding computed with `param_dtype` weights.
-
-    Parameters split along dim 0, except weights with fewer rows (stacked experts, a router's
-    experts) than `dp_mesh`'s shard dimension has ranks (`fsdp_shard_dim`).
-
-    expert_mesh: where apply_ep spread the experts (parallelisms/ep.py), the ranks of dp_mesh that
-    hold the same experts; each block's experts become their own unit sharded over it (a rank's
-    E/ep experts split by `fsdp_shard_dim` too), their gradients (already the mean over the EP
-    ranks) averaged over it.
-
-    Apply after tensor parallelism, activation checkpointing and compile, which must see plain
-    modules, and before the model is materialised from the meta device.
+    reshard_after_forward: "always" (FULL_SHARD), "never" (SHARD_GRAD_OP), "default" (all but the last
+    block). cast_forward_inputs off by default (rotary tables stay in full precision). Weights with
+    fewer rows than shard ranks split on another dim (`fsdp_shard_dim`). expert_mesh: where apply_ep
+    spread the experts; each block's experts become their own unit sharded over it.
+    Apply after tensor parallelism, activation checkpointing and compile, before `materialize`.
     """
     param_dtype, reduce_dtype, cpu_offload = options.param_dtype, options.reduce_dtype, options.cpu_offload
     reshard_after_forward = options.reshard_after_forward

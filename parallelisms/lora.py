@@ -114,21 +114,13 @@ class LoRAOptions:
 def apply_lora(model: nn.Module, options: LoRAOptions = LoRAOptions(), *, allow_no_targets: bool = False) -> nn.Module:
     """Add low-rank adapters to the linears `target_modules` names and freeze everything else.
 
-    target_modules: last name segments (`wq`, `q_proj`) or globs over the full module name
-    (`layers.*.attention.w?`); `experts` puts an adapter on each routed expert's w1, w2 and w3
-    (stacked experts, models/common/moe.py), `experts.w1` (`.w2`, `.w3`, or a glob over the full name
-    `layers.*.feed_forward.experts.w1`) on that projection only. None: every nn.Linear but the
-    output head and MoE routers, and no routed experts.
-    quantize_base "nf4": the targets' frozen weights, and every stack of routed experts (expert by
-    expert, layers/nf4_experts.py), become NF4 once `quantize_lora_base` runs on real weights.
-    base_dtype: store every frozen parameter in this dtype (bf16 where compute is bf16: 2 bytes a
-    parameter instead of fp32 master weights nothing updates); adapters keep the model's dtype.
-    allow_no_targets: a part of a model (a pipeline stage of only the output, say) may hold none of
-    the targets, and is then only frozen; otherwise matching nothing is an error.
-
-    Apply first, on the meta-device or real model: before float8 (refused together), tensor
-    parallelism (which splits the adapters with their base) and FSDP/DDP (which shard or
-    replicate them). After `materialize`, adapters are A ~ PEFT's kaiming-uniform, B = 0.
+    target_modules: last name segments (`wq`, `q_proj`) or globs over full names; `experts` adapts each
+    routed expert's w1, w2, w3 (`experts.w1` one projection). None: every nn.Linear but the output head
+    and MoE routers. quantize_base "nf4": the targets' frozen weights and every expert stack become NF4
+    once `quantize_lora_base` runs. base_dtype: the frozen parameters' dtype (adapters keep the model's).
+    allow_no_targets: a part holding no target (a pipeline stage) is only frozen, else an error.
+    Apply first, on the meta or real model: before tensor parallelism and FSDP/DDP (refused with
+    float8). After `materialize`, A is PEFT's kaiming-uniform and B zero.
     """
     rank, alpha, dropout, use_rslora = options.rank, options.alpha, options.dropout, options.use_rslora
     target_modules, quantize_base, base_dtype = options.target_modules, options.quantize_base, options.base_dtype
@@ -167,19 +159,7 @@ def apply_lora(model: nn.Module, options: LoRAOptions = LoRAOptions(), *, allow_
     for param in model.parameters():
         if base_dtype is not None and not param.requires_grad and param.dtype != base_dtype:
             param.data = param.data.to(base_dtype)  # in place: tied parameters stay one
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    scaling = lora_scaling(alpha, rank, use_rslora)
-    adapted = sorted({w for _, projections in expert_targets.values() for w in projections})
-    on_experts = (f" and per expert on {sum(len(p) for _, p in expert_targets.values())} stacks of routed experts "
-                  f"({', '.join(adapted)}) of {len(expert_targets)} MoE layers" if expert_targets else "")
-    logger.info(
-        f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
-        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}){on_experts}, "
-        f"scaling {scaling:g}, dropout {dropout:g}{', base in NF4' if quantize_base else ''}"
-        f"{f' (and the routed experts of {len(experts)} MoE layers)' if experts else ''}; trainable {trainable:,} of {total:,} "
-        f"parameters ({100 * trainable / total:.3f}%)"
-    )
+    _log_adapters(model, targets, expert_targets, experts, options)
     return model
 
 
@@ -547,3 +527,21 @@ def dequantize_experts(model: nn.Module) -> nn.Module:
                 delattr(module, w)
                 module.register_parameter(w, nn.Parameter(weight, requires_grad=False))
     return model
+
+
+def _log_adapters(model: nn.Module, targets, expert_targets, experts, options: LoRAOptions) -> None:
+    """apply_lora's one line: what it adapted, its scaling, and how much of the model trains."""
+    rank, dropout, quantize_base = options.rank, options.dropout, options.quantize_base
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    scaling = lora_scaling(options.alpha, rank, options.use_rslora)
+    adapted = sorted({w for _, projections in expert_targets.values() for w in projections})
+    on_experts = (f" and per expert on {sum(len(p) for _, p in expert_targets.values())} stacks of routed experts "
+                  f"({', '.join(adapted)}) of {len(expert_targets)} MoE layers" if expert_targets else "")
+    logger.info(
+        f"apply_lora: adapters of rank {rank} on {len(targets)} linears "
+        f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in targets})) or 'none here'}){on_experts}, "
+        f"scaling {scaling:g}, dropout {dropout:g}{', base in NF4' if quantize_base else ''}"
+        f"{f' (and the routed experts of {len(experts)} MoE layers)' if experts else ''}; trainable {trainable:,} of {total:,} "
+        f"parameters ({100 * trainable / total:.3f}%)"
+    )

@@ -26,22 +26,12 @@ def materialize(
 ) -> nn.Module:
     """Allocate the model's parameters and buffers on `device`, then initialise them.
 
-    cpu_offload: FSDP was applied with CPU offloading, which needs its parameters on the CPU
-    (it copies them to `device` for each all-gather): parameters are allocated and initialised
-    there, buffers (rotary tables) still on `device`, where the forward uses them.
-
-    init None: the model's own `init_weights(seed=...)` if it has one (weft's Llama), else
-    "hf" for a transformers model (its `_init_weights`), else "reset_parameters".
-    init "reset_parameters": each module's own `reset_parameters()`.
-    init "hf": the transformers model's `_init_weights(module)`, module by module.
-    init a function: called as `init(module)` on every module, like `_init_weights`.
-
-    Every mode fills each parameter whole, then each rank keeps its slice (a DTensor parameter
-    takes the full tensor under `implicit_replication`), and the module-by-module modes seed
-    the random generator from (seed, module name). So whatever transforms came before, the
-    weights equal those of a single-device model initialised the same way with the same seed.
-    LoRA adapters (apply_lora) are then reset as PEFT initialises them: A kaiming-uniform from a
-    generator seeded by (seed, module name), B zero. Apply after all the transforms.
+    cpu_offload: parameters on the CPU (FSDP's offloading copies them per all-gather), buffers on
+    `device`. init None: the model's `init_weights(seed=...)`, else "hf" for a transformers model, else
+    "reset_parameters"; "hf" runs its `_init_weights(module)` module by module; a function is called
+    as `init(module)` on every module. Each parameter is filled whole, then each rank keeps its slice,
+    and module-by-module modes seed from (seed, module name): the weights equal a single device's.
+    LoRA adapters are then reset as PEFT does (A kaiming-uniform, B zero). Apply after all transforms.
     """
     shared = _shared_parameters(model)
     parameter_device, buffer_device = materialize_devices(device, cpu_offload)

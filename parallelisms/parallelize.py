@@ -62,15 +62,11 @@ def parallelize(
     """Apply every transform `options` asks for, in the one order that composes; return the model.
 
     meshes: from `ParallelDims.build_mesh`; None for one plain device (LoRA, float8, AC and compile
-    only); meshes of one rank add FSDP over it, for mixed precision.
-    A degree of 1 skips its transform. Each transform logs one line saying what it did.
-    options.pipeline: the model is one pipeline stage (parallelisms/pipeline.py cut it) run by
-    that torch schedule; it decides FSDP's resharding below, and the stage may hold no LoRA target.
-    Then call `materialize` (a meta-device model) or load weights.
-
-    QLoRA (options.lora.quantize_base "nf4") quantizes real weights before FSDP shards them: pass
-    `before_data_parallel`, called just before data parallelism, to materialize and load the
-    base there (or parallelize a model that already holds its weights).
+    only); meshes of one rank add FSDP over it, for mixed precision. A degree of 1 skips its transform;
+    each transform logs one line. options.pipeline: the model is one pipeline stage run by that
+    schedule. Then call `materialize` (a meta-device model) or load weights. QLoRA quantizes real
+    weights before FSDP shards them: `before_data_parallel` is called just before data parallelism to
+    materialize and load the base there.
     """
     dims = meshes.dims if meshes is not None else None
     tp = dims.tp if dims is not None else 1
@@ -106,24 +102,8 @@ def parallelize(
         apply_compile(model, options.compile, blocks=blocks, copy_input=tp_compile_needs_input_copy(tp))
     if before_data_parallel is not None:
         before_data_parallel(model)
-    # NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP
-    # shards them; FSDP all-gathers NF4 and each block dequantizes in its matmuls.
-    quantize_base = options.lora.quantize_base if options.lora is not None else None
-    if quantize_base is not None and any(p.is_meta for p in model.parameters()):
-        logger.warning("parallelize: the model is on the meta device, so the LoRA base stays unquantized (a plan, "
-                       "as in the dry run); quantize real weights through before_data_parallel")
-    elif quantize_base is not None:
-        quantize_lora_base(model, shards=meshes.fsdp.shape[-1] if dims is not None and dims.fsdp_enabled else 1)
-    # Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
-    # TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
-    # Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master).
-    if dims is not None and (dims.fsdp_enabled or dims.world_size == 1):
-        schedule = options.pipeline.schedule if options.pipeline is not None else None
-        reshard = pipeline_reshard_policy(options.fsdp.reshard_after_forward, schedule)
-        apply_fsdp(model, meshes.fsdp, replace(options.fsdp, reshard_after_forward=reshard), blocks=blocks,
-                   expert_mesh=meshes.expert_fsdp)
-    elif dims is not None and dims.ddp_enabled:
-        apply_ddp(model, meshes.dp_replicate)
+    _quantize_lora_base(model, options, meshes)
+    _apply_data_parallel(model, meshes, options, blocks)
     return model
 
 
@@ -145,3 +125,29 @@ def pipeline_reshard_policy(reshard_after_forward: str, pipeline_schedule: str |
             f"{pipeline_schedule} pipeline schedule, which splits backward into input and weight parts; use 'default'")
     return "never" if reshard_after_forward == "default" else reshard_after_forward
 
+
+def _quantize_lora_base(model: nn.Module, options: ParallelizeOptions, meshes: Meshes | None) -> None:
+    """NF4 quantizes whole real weights (its scales depend on all of a weight), so before FSDP
+    shards them; FSDP then all-gathers NF4 and each block dequantizes in its matmuls."""
+    quantize_base = options.lora.quantize_base if options.lora is not None else None
+    dims = meshes.dims if meshes is not None else None
+    if quantize_base is not None and any(p.is_meta for p in model.parameters()):
+        logger.warning("parallelize: the model is on the meta device, so the LoRA base stays unquantized (a plan, "
+                       "as in the dry run); quantize real weights through before_data_parallel")
+    elif quantize_base is not None:
+        quantize_lora_base(model, shards=meshes.fsdp.shape[-1] if dims is not None and dims.fsdp_enabled else 1)
+
+
+def _apply_data_parallel(model: nn.Module, meshes: Meshes | None, options: ParallelizeOptions,
+                         blocks: list[nn.Module] | None) -> None:
+    """Data parallelism last: FSDP shards (DDP replicates) whatever parameters the model now has,
+    TP's DTensors included (2-D sharding), and hooks its communication around the compiled blocks.
+    Meshes of a single rank still get FSDP, for its mixed precision (bf16 compute, fp32 master)."""
+    dims = meshes.dims if meshes is not None else None
+    if dims is not None and (dims.fsdp_enabled or dims.world_size == 1):
+        schedule = options.pipeline.schedule if options.pipeline is not None else None
+        reshard = pipeline_reshard_policy(options.fsdp.reshard_after_forward, schedule)
+        apply_fsdp(model, meshes.fsdp, replace(options.fsdp, reshard_after_forward=reshard), blocks=blocks,
+                   expert_mesh=meshes.expert_fsdp)
+    elif dims is not None and dims.ddp_enabled:
+        apply_ddp(model, meshes.dp_replicate)

@@ -16,6 +16,8 @@ from tests.support import REPO
 README_LIMIT = 20_000  # bytes: a README read in one sitting; the rest lives in docs/
 PAGE_LIMIT = 20_000  # bytes: a docs page on one topic; a longer one splits by topic
 DOCSTRING_LINES = 10  # a module docstring says what the module is for; measured figures and reasoning go to docs/
+FUNCTION_LINES = 60  # a library function's longest, its signature and docstring included
+DEF_DOCSTRING_LINES = 12  # a function's or class's docstring says what it does and assumes
 LONG_DOCSTRINGS: dict[str, str] = {}  # module -> why its docstring is longer (at most 5; the reason is in it too)
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", flags=re.M | re.S)
@@ -147,3 +149,40 @@ def test_module_docstrings_are_short():
     too_long = {name: n for name, n in lines.items() if n > DOCSTRING_LINES and name not in LONG_DOCSTRINGS}
     assert too_long == {}, "move measured figures and design reasoning to the docs page of the topic"
     assert [name for name in LONG_DOCSTRINGS if lines.get(name, 0) <= DOCSTRING_LINES] == []  # no stale entry
+
+
+def long_definitions(path: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """({function: lines} over FUNCTION_LINES, {function or class: docstring lines} over DEF_DOCSTRING_LINES)
+    of one file, nested definitions included; a docstring's lines count its quotes."""
+    long_bodies, long_docs = {}, {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if not isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+            long_bodies[node.name] = node.end_lineno - node.lineno + 1
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if first.end_lineno - first.lineno + 1 > DEF_DOCSTRING_LINES:
+                long_docs[node.name] = first.end_lineno - first.lineno + 1
+    return long_bodies, long_docs
+
+
+def test_long_definitions_are_found(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_LINES))
+    doc = "\n".join(["    class Inner:", '        """One.'] + ["        more"] * DEF_DOCSTRING_LINES + ['        """'])
+    (tmp_path / "m.py").write_text(f"def outer():\n{doc}\n{body}\n\ndef short():\n    return 1\n")
+    bodies, docs = long_definitions(tmp_path / "m.py")
+    assert bodies == {"outer": FUNCTION_LINES + DEF_DOCSTRING_LINES + 4} and docs == {"Inner": DEF_DOCSTRING_LINES + 2}
+
+
+def test_functions_are_short_and_their_docstrings_too():
+    """No library function over FUNCTION_LINES lines but train.py's `train`, the recipe read top to
+    bottom; no function or class docstring over DEF_DOCSTRING_LINES (docs say why)."""
+    bodies, docs = {}, {}
+    for path in library_modules():
+        long_bodies, long_docs = long_definitions(path)
+        name = str(path.relative_to(REPO))
+        bodies.update({f"{name}::{f}": n for f, n in long_bodies.items() if (name, f) != ("train.py", "train")})
+        docs.update({f"{name}::{f}": n for f, n in long_docs.items()})
+    assert bodies == {}, "split the function: a plan of what it does and the steps"
+    assert docs == {}, "move measured figures and design reasoning to the docs page of the topic"

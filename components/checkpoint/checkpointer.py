@@ -144,7 +144,8 @@ def dcp_call(action: str, state: dict[str, Any], folder: Path, **kwargs: Any) ->
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def _saved_name(name: str) -> str:
+def saved_name(name: str) -> str:
+    """`name` as a checkpoint saves it: without the wrappers AC and compile put in parameter names."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -161,9 +162,9 @@ def _expected_shapes(model: torch.nn.Module) -> tuple[dict[str, torch.Size], set
         owner = name.rpartition(".")[0]
         return owner if owner in nf4 else name
 
-    shapes = {_saved_name(plain(name)): nf4.get(plain(name), p.shape)
+    shapes = {saved_name(plain(name)): nf4.get(plain(name), p.shape)
               for name, p in model.named_parameters() if ".lora_" not in name}
-    return shapes, {_saved_name(plain(name)) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
+    return shapes, {saved_name(plain(name)) for name in model.state_dict() if ".lora_" not in name}  # a base: no LoRA adapters
 
 
 def model_tensor_metadata(

@@ -92,7 +92,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
 
 
-def _prefixed_names(model: nn.Module) -> dict[str, str]:
+def prefixed_names(model: nn.Module) -> dict[str, str]:
     """{full model name: name inside the stage container} of a pipeline rank's parameters."""
     if not hasattr(model, "stage_ids"):
         return {}
@@ -101,7 +101,7 @@ def _prefixed_names(model: nn.Module) -> dict[str, str]:
 
 def optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
     state = get_optimizer_state_dict(model, optimizer)
-    plain = {prefixed: name for name, prefixed in _prefixed_names(model).items()}
+    plain = {prefixed: name for name, prefixed in prefixed_names(model).items()}
     return _rename(state, plain) if plain else state
 
 
@@ -109,7 +109,7 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> 
     """Load `state` (as DCP filled it in) into the optimizer. Each group's hyperparameters come from
     the checkpoint, its parameters are the live optimizer's: a checkpoint's list of names is one
     rank's, which under a pipeline holds only its own stages' parameters."""
-    prefixed = _prefixed_names(model)
+    prefixed = prefixed_names(model)
     if prefixed:  # this rank's parameters under their container names; other stages' entries dropped
         state = _rename(state, prefixed)
     name_of = {id(p): name for name, p in model.named_parameters()}

@@ -87,19 +87,14 @@ def parse_jsonl_record(line: bytes, text_field: str, where: str) -> str:
 
 
 def check_text_files(files: list[Path], text_field: str = "text") -> None:
-    """Check the first SCAN_BYTES of every file (decompressed, for a .gz/.zst one) before
-    anything is written, so that the common mistakes (a binary file, another encoding, a broken
-    or foreign JSONL record, a corrupt stream, a compressed file of at most SCAN_BYTES cut short)
-    stop the run at once, naming file:line. Blank JSONL
-    lines are skipped, as the loader skips them. Of a Parquet/Arrow file only the footer is read,
-    never a row, so a folder of thousands of files starts without reading their data pages:
-    `text_field` must be a string column (a corrupt footer is an error too); a bad row (a null
-    text) is named `file row N` when the loader reaches it.
+    """Check the first SCAN_BYTES of every file (decompressed, for .gz/.zst) before anything is
+    written: a binary file, another encoding, a broken JSONL record, a corrupt or cut-short stream
+    stop the run at once naming file:line (blank JSONL lines are skipped, as the loader skips them).
+    Of a Parquet/Arrow file only the footer is read: `text_field` must be a string column; a bad row
+    (a null text) is named `file row N` when the loader reaches it.
 
-    Raises DataError also when every file was read whole (or is a Parquet file of no rows) and no
-    document holds any text (the model would learn only BOS and EOS). Problems beyond the scanned
-    prefix (a large compressed file cut short or corrupt past it too) are reported, with
-    file:line, when the loader reaches them.
+    Raises DataError also when every file was read whole and no document holds any text. Problems
+    past the scanned prefix are reported, with file:line, when the loader reaches them.
     """
     any_text, read_whole = False, True
     for path in files:

@@ -167,17 +167,12 @@ def sigterm_grace_s() -> float:
 class Preemption:
     """Turns SIGTERM (what schedulers and torchrun send before killing) into a request to stop.
 
-    `requested()` is called once per step by every rank; it agrees across ranks over a gloo
-    group, so all ranks stop on the same step (and can save one checkpoint together) even if
-    the signal reached only some of them. With a fake process group there are no other ranks
-    to agree with (and no gloo group can be made): the signal is read locally.
-
-    A request that the loop never reads would leave the process running until SIGKILL: Python
-    runs signal handlers only between bytecodes, so a rank blocked in a collective (another rank
-    failed) or in a long allocation never even notices. So a watchdog thread, woken through
-    `signal.set_wakeup_fd` (written by the C-level handler, whatever the main thread is doing),
-    ends the process with exit status 143 if the loop has not acknowledged the request within
-    the grace period (WEFT_SIGTERM_GRACE_S, default 20 s), and at once on a second SIGTERM.
+    `requested()` is called once per step by every rank and agrees across ranks over a gloo group,
+    so all ranks stop on the same step (and save one checkpoint together) even if only some got the
+    signal; with a fake process group the signal is read locally. A rank blocked in a collective
+    never runs Python's handler, so a watchdog thread woken through `signal.set_wakeup_fd` ends the
+    process with exit status 143 if the loop has not acknowledged the request within the grace
+    period (WEFT_SIGTERM_GRACE_S, default 20 s), and at once on a second SIGTERM.
     """
 
     def __init__(self, grace_s: float | None = None) -> None:

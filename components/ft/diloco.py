@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from weft.components.checkpoint.checkpointer import saved_name
+from weft.components.checkpoint.state import prefixed_names
 from weft.components.config import JobConfig
-from weft.components.ft.groups import ReplicaGroups, _like, _local
+from weft.components.ft.groups import ReplicaGroups, like_param, local_tree
 
 
 class DiLoCoGroups(ReplicaGroups):
@@ -75,7 +77,7 @@ class DiLoCoGroups(ReplicaGroups):
         the averaged biases in place once the sync commits."""
         from weft.components.training.moe_balance import moe_layers
 
-        biases = [_local(layer.expert_bias) for _, layer in moe_layers(self._model)]
+        biases = [local_tree(layer.expert_bias) for _, layer in moe_layers(self._model)]
         flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
         self.manager.allreduce(flat).wait()
         self._check_identity(flat[-1].item(), self.step)
@@ -113,7 +115,7 @@ class DiLoCoGroups(ReplicaGroups):
         from weft.components.checkpoint.state import optimizer_state
 
         kept = self._diloco._fragments[0].original_parameters
-        weights = {name: _like(kept[raw], param) for raw, name, param in self._named_weights()}
+        weights = {name: like_param(kept[raw], param) for raw, name, param in self._named_weights()}
         return {"global_weights": weights, "outer_optimizer": optimizer_state(self._model, self._outer),
                 "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
 
@@ -123,15 +125,12 @@ class DiLoCoGroups(ReplicaGroups):
         kept = self._diloco._fragments[0].original_parameters
         with torch.no_grad():
             for raw, name, _ in self._named_weights():
-                kept[raw].copy_(_local(state["global_weights"][name]))
+                kept[raw].copy_(local_tree(state["global_weights"][name]))
         load_optimizer_state(self._model, self._outer, state["outer_optimizer"])
         self._resumed = {"inner_steps": state["inner_steps"], "syncs": state["syncs"]}
 
     def _named_weights(self) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
         """(DiLoCo's name, the checkpoint's name, parameter) of each weight DiLoCo syncs."""
-        from weft.components.checkpoint.checkpointer import _saved_name
-        from weft.components.checkpoint.state import _prefixed_names
-
-        plain = {prefixed: name for name, prefixed in _prefixed_names(self._model).items()}
+        plain = {prefixed: name for name, prefixed in prefixed_names(self._model).items()}
         for raw, param in self._model.named_parameters():
-            yield raw, _saved_name(plain.get(raw, raw)), param
+            yield raw, saved_name(plain.get(raw, raw)), param

@@ -206,7 +206,7 @@ class ReplicaGroups:
         (by the mean of the groups' counts: the sign of mean minus load is that of their sum)."""
         from weft.components.training.moe_balance import moe_layers
 
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_tree(p.grad) for p in params if p.grad is not None]
         if self._model is not None:  # the routing counts, summed over every replica as HSDP's are
             grads += [layer.tokens_per_expert for _, layer in moe_layers(self._model)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -243,7 +243,7 @@ class ReplicaGroups:
         return None
 
     def _state_for_peer(self) -> dict[str, Any]:
-        return {"step": self.step, **_local(self._save())}
+        return {"step": self.step, **local_tree(self._save())}
 
     def _heal_from(self, state: dict[str, Any]) -> None:
         self._load(state)
@@ -261,9 +261,9 @@ def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], di
 
     def load(state: dict) -> None:
         params = dict(model_state(model))
-        load_model_state(model, {k: _like(v, params[k]) for k, v in state["model"].items()})
+        load_model_state(model, {k: like_param(v, params[k]) for k, v in state["model"].items()})
         opt = state["optimizer"]
-        opt["state"] = {name: {k: _like(v, params[name]) for k, v in values.items()}
+        opt["state"] = {name: {k: like_param(v, params[name]) for k, v in values.items()}
                         for name, values in opt["state"].items()}
         load_optimizer_state(model, optimizer, opt)
         scheduler.load_state_dict(state["scheduler"])
@@ -272,7 +272,7 @@ def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], di
     return save, load
 
 
-def _like(value: Any, param: Any) -> Any:
+def like_param(value: Any, param: Any) -> Any:
     """A received shard as a DTensor laid out as `param` is, when param is one and shapes match."""
     if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
@@ -286,14 +286,14 @@ def _without_flight_recorder_note(record: logging.LogRecord) -> bool:
     return "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
-def _local(tree: Any) -> Any:
+def local_tree(tree: Any) -> Any:
     """tree with every DTensor replaced by this rank's shard of it."""
     if isinstance(tree, DTensor):
         return tree.to_local()
     if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
+        return {k: local_tree(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_local(v) for v in tree)
+        return type(tree)(local_tree(v) for v in tree)
     return tree
 
 

@@ -189,21 +189,14 @@ def write_peft_adapter(out: Path, args, source: Source, adapters: Adapters,
 class _PeftExperts:
     """Expert adapters in PEFT's `target_parameters` layout (checked with peft 0.21.2).
 
-    PEFT adapts a 3-D parameter P [E, d1, d2] of transformers' experts module (the family's
-    `ExpertParameters`) with lora_A [r'·E, d2] and lora_B [d1, r'·E]: expert e's P[e] gains
-    scaling' · B_e @ A_e, where A_e is lora_A's rows e·r' .. e·r'+r'-1 (expert-major) and B_e is
-    lora_B's columns k·E + e for k < r' (rank-major). weft's adapter of w_p adds
-    scaling · B_p[e] @ A_p[e] ([out, in]); on a parameter used as x @ W (x_at_w) that is its
-    transpose A_p[e]ᵀ @ B_p[e]ᵀ. The weft weights joined in P (gate and up in gate_up_proj) stack
-    along P's output features, so B_e @ A_e is exact with rank r' = r × (projections joined):
-    F.linear layout: B_e = blockdiag(B_p[e]), A_e = [A_p[e] stacked]; x @ W layout:
-    B_e = [A_p[e]ᵀ side by side], A_e = blockdiag(B_p[e]ᵀ). Such a P gets rank_pattern r' and
-    alpha_pattern alpha·r'/r (rsLoRA: alpha·sqrt(r'/r)), so PEFT's scaling is weft's; PEFT honours
-    both for target_parameters (peft 0.21.2 also warns that these keys "did not match any targeted
-    module", looking at module names only; the adapters load with them all the same).
-
-    PEFT wraps the targeted parameters of one module in order of definition, each wrapper around
-    the last, so the first's tensors sit under `base_layer.` once per later target."""
+    PEFT adapts a 3-D parameter P [E, d1, d2] with lora_A [r'·E, d2] (expert-major rows) and lora_B
+    [d1, r'·E] (rank-major columns). weft's per-projection adapters of the weights joined in P (gate
+    and up in gate_up_proj) become one exact adapter of rank r' = r × (projections joined): block-
+    diagonal B and stacked A in F.linear layout, transposed for an x @ W parameter (x_at_w), with
+    rank_pattern r' and alpha_pattern alpha·r'/r (rsLoRA: alpha·sqrt(r'/r)) so PEFT's scaling is
+    weft's. PEFT wraps one module's targeted parameters in order of definition, each around the
+    last, so the first's tensors sit under `base_layer.` once per later target (docs/lora-moe.md).
+    """
 
     def __init__(self, hf: HFMapping, adapters: Adapters):
         self.experts = ep = hf.expert_parameters

@@ -117,20 +117,12 @@ class MetricsLogger:
     """Every `log_freq` steps: one log line, TensorBoard scalars and a JSON line in metrics.jsonl
     (and the same scalars to Weights & Biases when `wandb` is given).
 
-    Throughput is measured over the steps since the previous log, less the time spent in
-    `untimed()` blocks (validation, checkpoint saves) and the steps run in `untimed_step()` (profiled
-    ones); the memory peak counts from construction (after start-up) on CUDA. Only the rank given folders
-    writes files, and only from the first `log`: a run that fails before it writes nothing.
-
-    A run that starts at `start_step` (a resume) continues the records of the run it resumes:
-    metrics.jsonl keeps only the records up to `start_step` (those after it were logged by the
-    interrupted run, and are logged again), and TensorBoard purges its events after
-    `start_step` too, so each step has exactly one record.
-
-    Every rank calls `log` at the same steps: it gathers each rank's step time and data wait (time
-    in `next_batches`) in one collective (components/observe/rank_times.py) and names the slowest rank when
-    its ratio to the median exceeds `slow_rank_threshold` (0: never). `last_step` is the run's
-    final step, for the time left.
+    Throughput excludes `untimed()` blocks (validation, saves) and `untimed_step()` steps (profiled);
+    the CUDA memory peak counts from construction. Only the rank given folders writes, from the first
+    `log` on. A resume at `start_step` keeps metrics.jsonl's and TensorBoard's records up to it, so
+    each step has one record. Every rank calls `log` at the same steps: it gathers the ranks' step
+    times and data waits in one collective (rank_times.py) and names the slowest rank when its ratio
+    to the median exceeds `slow_rank_threshold` (0: never). `last_step`: the run's final step.
     """
 
     def __init__(self, *, device: torch.device, flops_per_token: float, tokens_per_step: int,

@@ -42,21 +42,14 @@ def decoder_tp_plan(
     float8_styles: dict[str, type[ParallelStyle]] | None = None, blocks: Iterable[str] = ("layers.*",),
     attention_inputs: int = 2,
 ) -> Plan:
-    """Each block's wq/wk/wv and w1/w3 split by output features (each rank owns whole
-    heads, so grouped-query attention stays local), wo and w2 by input features.
+    """Each block's wq/wk/wv and w1/w3 split by output features (whole heads per rank), wo and w2
+    by input features; between them the residual stream and norms are sequence-parallel. The
+    embedding and the output are split by vocabulary.
 
-    Between the splits the activations are sequence-parallel: the residual stream and the norms
-    hold 1/tp of the tokens, all-gathered before attention and the feed-forward and
-    reduce-scattered after them. The embedding is split by vocabulary, and so is the output.
-
-    float8_linears: names of the model's `Float8Linear` layers, which get `float8_styles` (torchao's
-    styles that all-gather activations in float8, `weft.float8_tp_styles()`, tensorwise); an attention or
-    feed-forward input is gathered in float8 only when every linear reading it is one. Those
-    styles refuse any other module, so the layers kept in high precision (min_dim, filter_fqns)
-    get the plain styles. blocks: the block paths to write entries for (the default pattern
-    matches every block; list them when the choice differs between blocks). attention_inputs: how
-    many positional inputs the attention takes, the hidden state first (Llama's: it and the
-    rotations; Llama 4's adds the NoPE temperature).
+    float8_linears: the model's `Float8Linear` names, which get `float8_styles` (torchao's, gathering
+    in float8); an input is gathered in float8 only when every linear reading it is one, and the
+    layers kept in high precision get the plain styles. blocks: the block paths to write entries for
+    (default: every block). attention_inputs: the attention's positional inputs, hidden state first.
     """
     float8_linears = set(float8_linears)
     plain = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "prepare_input": PrepareModuleInput}

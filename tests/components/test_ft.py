@@ -161,7 +161,7 @@ def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from weft.components.ft.groups import _local, training_state
+    from weft.components.ft.groups import local_tree, training_state
     from weft.models.llama import LLAMA_FLAVORS, Transformer
     from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
     from weft.parallelisms.materialize import materialize
@@ -195,7 +195,7 @@ def healed_fsdp_rank_continues_as_its_peer() -> list[bool]:
 
     peer, healed = build(0), build(1)
     train_once(*peer[:3])
-    sent = pickle.loads(pickle.dumps(_local(training_state(*peer)[0]())))
+    sent = pickle.loads(pickle.dumps(local_tree(training_state(*peer)[0]())))
     plain = not any(isinstance(t, DTensor) for t in torch.utils._pytree.tree_leaves(sent))
     training_state(*healed)[1](sent)
     full = lambda model: [p.full_tensor() for p in model.parameters()]  # noqa: E731
