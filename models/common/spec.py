@@ -132,7 +132,7 @@ def dense(args: Any) -> Experts | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per family: hashed and compared by identity
 class ModelSpec:
     """A model family: its flavors, how to build it, and how each transform reads it."""
 
