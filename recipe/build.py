@@ -271,8 +271,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
     if device is not None:
         model.train()
-        if spec.count_routing is not None:  # transformers' routers counted for the routing metrics
-            spec.count_routing(model, device)
+        if spec.backend.count_routing is not None:  # transformers' routers counted for the routing metrics
+            spec.backend.count_routing(model, device)
     return model
 
 
@@ -294,8 +294,8 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
             cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled
             materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
             stage.train()
-            if spec.count_routing is not None:
-                spec.count_routing(stage, device)
+            if spec.backend.count_routing is not None:
+                spec.backend.count_routing(stage, device)
     return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
 
 
@@ -403,7 +403,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
-    call = plan.spec.forward  # a model whose call is not weft's (transformers')
+    call = plan.spec.backend.forward  # a model whose call is not weft's (transformers')
     forward = functools.partial(model_forward, call=call) if call is not None else model_forward
     pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
@@ -542,15 +542,7 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
 
 def backend_line(plan: RunPlan, model: nn.Module) -> str:
     """Whose code built the model: weft's own family, or transformers' class (model.backend)."""
-    spec = plan.spec
-    if spec.backend == "transformers":
-        import transformers
-
-        built = type(whole_model(model)).__name__
-        if getattr(plan.model_args, "multimodal", False):  # the text model of a multimodal folder
-            built = plan.model_args.architecture
-        return f"built by transformers {transformers.__version__} ({built})"
-    return f"built by weft ({spec.name})"
+    return plan.spec.built_by(plan.model_args, whole_model(model))
 
 
 def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: int, start_step: int) -> MetricsLogger:

@@ -38,10 +38,9 @@ from weft.parallelisms.parallelize import ParallelizeOptions, check_composes
 from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pipeline
 from weft.parallelisms.precision import PrecisionPolicy, attention_kernel_warning, precision_policy
 from weft.parallelisms.tp import TPOptions
-from weft.recipe.checks.backend import check_backend
-from weft.recipe.checks.experts import check_expert_parallel
+from weft.recipe.checks.experts import check_expert_parallel, check_model_layout
 from weft.recipe.checks.gpu import check_cpu_offload, check_gpu_compute, check_shared_gpus, float8_warnings
-from weft.recipe.checks.lora import check_lora, check_model_support
+from weft.recipe.checks.lora import check_lora
 from weft.recipe.checks.packed import check_packed_documents
 from weft.recipe.checks.preference import check_preference
 from weft.recipe.config_keys import config_error, model_source, read_options
@@ -150,8 +149,7 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims,
     sequence split, the model's family, expert parallelism, the transforms' composition, the
     pipeline."""
     dims.check_seq_len(cfg.training.seq_len)
-    check_model_support(cfg, spec, args)
-    check_backend(cfg, spec, args, dims)
+    check_model_layout(cfg, spec, args, dims)
     check_expert_parallel(cfg, spec, args, dims)
     try:
         check_composes(parallelize_options(cfg, dims, device_type), dims.tp)
@@ -190,10 +188,11 @@ def parallelize_options(cfg: JobConfig, dims: ParallelDims, device_type: str, sp
 
 
 def float8_filter(cfg: JobConfig, spec: ModelSpec | None, model_args: Any) -> tuple[str, ...]:
-    """float8.filter_fqns, its entry "output" (weft's output head) naming a transformers model's head
-    (`lm_head`) too, so that the default keeps the head in high precision on either backend."""
+    """float8.filter_fqns, its entry "output" (weft's output head) naming the model's own output
+    projection too (a transformers model's `lm_head`), so that the default keeps the head in high
+    precision on either backend."""
     entries = tuple(cfg.float8.filter_fqns)
-    if "output" in entries and model_args is not None and spec.backend == "transformers":
+    if "output" in entries and model_args is not None:
         head = spec.hf_of(model_args).tied_output.removesuffix(".weight")
         entries += (head,) if head not in entries else ()
     return entries

@@ -21,7 +21,14 @@ from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf import mxfp4
 from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
-from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
+from weft.models import (
+    HFConfigError,
+    builds_flavors,
+    chosen_backend,
+    spec_for_args,
+    spec_for_flavor,
+    spec_for_hf_config,
+)
 
 
 def folder_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
@@ -47,9 +54,7 @@ def hf_model_args(config: dict[str, Any], source: str, backend: str = "weft", *,
     (`auto_map`) only with trust_remote_code."""
     spec = spec_for_hf_config(config, backend)
     try:
-        if spec.backend == "transformers":
-            return spec.hf.args_from_hf_config(config, trust_remote_code=trust_remote_code, folder=str(folder))
-        return spec.hf.args_from_hf_config(config)
+        return spec.hf.args_from_hf_config(config, trust_remote_code=trust_remote_code, folder=str(folder))
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
@@ -63,7 +68,7 @@ def model_args_from_hf_folder(hf_dir: str | os.PathLike, backend: str = "weft", 
 def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
     spec = spec_for_args(args)
-    theirs_spec, hf = spec_for_hf_config(config, spec.backend), spec.hf
+    theirs_spec, hf = spec_for_hf_config(config, spec.backend.name), spec.hf
     try:
         theirs = theirs_spec.hf.architecture_fields(config)
     except HFConfigError as e:
@@ -97,17 +102,21 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     """
     folder = Path(hf_dir)
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
-    config = read_hf_config(folder) if spec_for_args(args).backend == "weft" else folder_config(folder)
+    spec, config = spec_for_args(args), folder_config(folder)
+    try:  # a config.json the model's weights cannot come from (weft's families: one their reader refuses)
+        spec_for_hf_config(config, spec.backend.name).hf.check_config(config)
+    except HFConfigError as e:
+        raise ConversionError(f"HF folder {folder}: {e}") from None
     check_same_architecture(config, args, f"HF folder {folder}")
 
     files = tensor_files(folder)
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf = spec_for_args(args).hf_of(args)
-    if spec_for_args(args).backend == "transformers":  # and the buffers its folder holds (DeepSeek V3's router bias)
-        params |= {name: b for part in model_parts(model) for name, b in persistent_buffers(part)
-                   if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
+    hf = spec.hf_of(args)
+    # and the buffers a folder may hold (the transformers backend's: DeepSeek V3's router bias)
+    params |= {name: b for part in model_parts(model) for name, b in spec.backend.folder_buffers(part)
+               if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
     hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
     # MXFP4 (gpt-oss as published): a tensor held as its blocks and scales, dequantized when read.
     packed: set[str] = set()
@@ -167,13 +176,6 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
                 continue
             full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
             param.copy_(full.to(device=param.device, dtype=param.dtype))
-
-
-def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of `model` its state dict holds, by name."""
-    return [(f"{path}.{name}" if path else name, buffer) for path, module in model.named_modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None and name not in module._non_persistent_buffers_set]
 
 
 def _expert_readers(read, parts: list[str], shape: torch.Size) -> list:
@@ -241,14 +243,14 @@ def model_args_for_run(flavor: str, initial_load_path: str, backend: str = "weft
         if flavor == FROM_HF_CONFIG:
             recorded = run_hf_files(folder) if folder is not None and not is_hf else None
             if recorded is not None:  # a DCP step of an earlier run: the model that run recorded, by its backend
-                chosen = recorded_backend(recorded) if backend == "auto" else backend
-                return model_args_from_hf_folder(recorded, chosen, trust_remote_code)
+                return model_args_from_hf_folder(recorded, chosen_backend(backend, recorded_backend(recorded)),
+                                                 trust_remote_code)
             if not is_hf:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json or a checkpoint step of a weft run, got "
                                   f"{initial_load_path!r}")
             return model_args_from_hf_folder(folder, backend, trust_remote_code)
-        if backend == "transformers":
+        if not builds_flavors(backend):
             raise ConfigError(f"model.backend = transformers builds the model of a Hugging Face folder; set "
                               f"model.flavor = {FROM_HF_CONFIG}, not {flavor}")
         args = spec_for_flavor(flavor).flavors[flavor]

@@ -1,4 +1,6 @@
-"""Expert parallelism's checks, and the transformers backend's experts made ready for ep, tp and LoRA."""
+"""Expert parallelism's checks; what the model's family refuses of a layout (its spec's
+`refusals.layout`), with the tensor-parallel plan it declares checked on meta; and the transformers
+backend's experts made ready for ep, tp and LoRA."""
 
 from __future__ import annotations
 
@@ -33,6 +35,18 @@ def check_expert_parallel(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelD
     if cfg.compile.enable:
         raise ConfigError(f"parallelism.ep = {dims.ep}: the all-to-all's split sizes are read on the host, which "
                           "compile cannot trace; set compile.enable = false")
+
+
+def check_model_layout(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims) -> None:
+    """What the model's family cannot train in this layout with these transforms (the transformers
+    backend's: models/transformers/refusals.py), a ConfigError naming the key."""
+    refuse = spec.refusals.layout
+    if refuse is None:
+        return
+    refusal = refuse(cfg, args, dims, adapts_experts=cfg.lora.enable and names_routed_experts(cfg.lora.target_modules),
+                     tp_plan_refusal=lambda: tp_plan_refusal(spec, args, dims.tp))
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def prepare_experts(spec: ModelSpec, model: nn.Module, *, ep: int = 1, tp: int = 1, lora: LoRAOptions | None = None) -> None:

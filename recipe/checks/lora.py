@@ -15,7 +15,7 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import LoRAOptions, apply_lora, check_nf4_shape, lora_modules
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.recipe.checks.experts import prepare_experts
-from weft.recipe.config_keys import config_error, model_source
+from weft.recipe.config_keys import config_error
 
 
 def check_lora(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, lora: LoRAOptions | None) -> None:
@@ -39,8 +39,8 @@ def check_lora(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, l
     prepare_experts(spec, model, lora=lora)
     try:
         apply_lora(model, lora)
-        if peft_folder and spec.peft_refusal is not None:
-            refusal = spec.peft_refusal(args, [name for name, _ in lora_modules(model)])
+        if peft_folder and spec.refusals.peft is not None:
+            refusal = spec.refusals.peft(args, [name for name, _ in lora_modules(model)])
             if refusal is not None:
                 raise ConfigError(f"export.peft_folder = {peft_folder!r}: {refusal}")
         if peft_folder:
@@ -53,13 +53,3 @@ def check_lora(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, l
             check_nf4_shape(name, module.weight.shape, shards)
     except TransformError as e:
         raise config_error(cfg, e) from None
-
-
-def check_model_support(cfg: JobConfig, spec: ModelSpec, args) -> None:
-    """Refuse, in one line, what the model's family cannot be trained in: QLoRA where its spec says
-    NF4 cannot hold its base (Llama 4: torchao's NF4 holds 2-D weights only, so the stacked routed
-    experts, most of the model, would stay unquantized)."""
-    refusal = spec.nf4_refusal_for(args)
-    if cfg.lora.enable and cfg.lora.quantize_base and refusal is not None:
-        raise ConfigError(f"lora.quantize_base = {cfg.lora.quantize_base!r}: {model_source(cfg)} ({spec.name}) "
-                          f"{refusal}; use LoRA (lora.quantize_base = '')")

@@ -11,7 +11,7 @@ def check_packed_documents(cfg: JobConfig, spec: ModelSpec, args) -> None:
     """Documents packed into one row (chat and prompt/completion samples, text with document masking,
     and their validation) must not see each other: refused, naming the key, for a model whose spec says
     they would (transformers' gpt-oss, linear-attention models)."""
-    refuse = spec.packed_documents_refusal
+    refuse = spec.refusals.packed_documents
     if refuse is None or (refusal := refuse(args)) is None:
         return
     formats = {"data.format": cfg.data.format, "validation.format": cfg.validation.format or cfg.data.format}
