@@ -4,9 +4,11 @@ layout, one tensor at a time."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,25 +84,53 @@ def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> N
 
 
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names: Collection[str] | None = None) -> None:
-    """Copy the weights of a Hugging Face Llama, Llama 4 or Qwen3 folder into `model`, in any parallel layout
-    (`names`: only these parameters, the others may still be on the meta device).
-
-    The folder's config.json must describe a model of the same family and shape (and rotary,
-    norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
-    only parameters are written, so the rotary buffers must already be filled (as by
-    `init_weights` or by building the model on a real device).
-
-    Each parameter is read whole from its safetensors file, one at a time, un-permuted (wq,
-    wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
-    rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
-    every full tensor from disk (safetensors maps the file, so ranks of one node share the page
-    cache), and memory grows only by the largest tensor, never by the model. Experts stored one
-    tensor per expert (Qwen3-MoE; transformers' families whose experts it stacks on load, their gate
-    and up joined) are the exception: a rank reads only the experts its part of the stacked
-    parameter holds (under expert parallelism or FSDP), and stacks them. A transformers model's
-    persistent buffers that the folder holds are read too.
+    """Copy the weights of a Hugging Face folder into `model`, in any parallel layout (`names`: only
+    these parameters, the others may still be on the meta device). The folder's config.json must
+    describe the model of `model.args`; the model must be materialised, its buffers filled (only
+    parameters, and the buffers a folder holds, are written). The plan of tensors is checked first
+    (`_tensor_plan`), then each is read whole, one at a time, converted to weft's layout, cast and
+    copied in with `implicit_replication`, so each rank keeps its slice of a DTensor: memory grows
+    by the largest tensor, never by the model. Experts held one tensor per expert (Qwen3-MoE,
+    transformers' stacked families) or in MXFP4 are read only for the experts this rank holds.
     """
-    folder = Path(hf_dir)
+    plan = _tensor_plan(model, Path(hf_dir), names)
+    reader = _FolderReader(plan)
+    hf, args = plan.hf, plan.args
+    with torch.no_grad(), implicit_replication():
+        for name, param in plan.params.items():
+            parts = plan.hf_names[name]
+            to_weft = functools.partial(hf.from_hf_tensor, name, args=args)
+            if hf.stacked(name):
+                _load_stacked(param, _expert_readers(reader.read, parts, param.shape), to_weft)
+            elif len(parts) > 1:  # tensors joined along the first dimension in equal parts (Kimi Linear's conv1d)
+                expected = [param.shape[0] // len(parts), *param.shape[1:]]
+                full = to_weft(torch.cat([reader.read(part, expected) for part in parts]))
+                param.copy_(full.to(device=param.device, dtype=param.dtype))
+            elif parts[0] in plan.packed:
+                _load_experts(param, functools.partial(reader.read_packed, parts[0]), hf.shape(name, param.shape),
+                              to_weft)
+            else:
+                full = to_weft(reader.read(parts[0], hf.shape(name, param.shape)))
+                param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+@dataclass
+class _TensorPlan:
+    """What `load_hf_into_model` reads: each parameter (or buffer) and the folder's tensors it is made
+    of, the file of each, and which of them are MXFP4 blocks and scales."""
+
+    folder: Path
+    args: Any
+    hf: Any  # the model's HFMapping
+    files: dict[str, Path]  # tensor name -> its safetensors file
+    params: dict[str, torch.Tensor]  # weft name -> the parameter or buffer to fill
+    hf_names: dict[str, list[str]]  # weft name -> the folder's tensors it is read from
+    packed: set[str]  # the tensors held in MXFP4 (gpt-oss as published)
+
+
+def _tensor_plan(model: torch.nn.Module, folder: Path, names: Collection[str] | None) -> _TensorPlan:
+    """The tensors to read into `model` (`names`: only these), checked before any is read: the folder's
+    config.json against the model, every tensor present, nothing left on the meta device."""
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
     spec, config = spec_for_args(args), folder_config(folder)
     try:  # a config.json the model's weights cannot come from (weft's families: one their reader refuses)
@@ -129,53 +159,42 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
+    return _TensorPlan(folder, args, hf, files, params, hf_names, packed)
 
-    # A dequantized tensor is kept until every parameter made of it has read it (gate_up_proj: w1 and w3).
-    readers = Counter(part for parts in hf_names.values() for part in parts if part in packed)
-    dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    def read(hf_name: str, expected: list[int]) -> torch.Tensor:
-        tensor = read_one(hf_name)
+class _FolderReader:
+    """Reads a plan's tensors from their files, each checked against the shape the model expects; an
+    MXFP4 tensor's experts dequantized, kept until every parameter made of it has read it (gate_up_proj:
+    w1 and w3)."""
+
+    def __init__(self, plan: _TensorPlan):
+        self.folder, self.files = plan.folder, plan.files
+        self.readers = Counter(part for parts in plan.hf_names.values() for part in parts if part in plan.packed)
+        self.dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def read(self, hf_name: str, expected: list[int]) -> torch.Tensor:
+        tensor = self.read_one(hf_name)
         if list(tensor.shape) != expected:
-            raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
+            raise ConversionError(f"HF folder {self.folder}: {hf_name} has shape {list(tensor.shape)}, "
                                   f"the model expects {expected}")
         return tensor
 
-    def read_one(hf_name: str, rows: slice | None = None) -> torch.Tensor:
-        with open_safetensors(files[hf_name]) as f:
+    def read_one(self, hf_name: str, rows: slice | None = None) -> torch.Tensor:
+        with open_safetensors(self.files[hf_name]) as f:
             return f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows]
 
-    def read_packed(hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
+    def read_packed(self, hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
         """The experts `rows` of an MXFP4 tensor, dequantized (only those read from disk)."""
         key = (hf_name, rows.start, rows.stop)
-        if key not in dequantized:
-            blocks, scales = (read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
-            dequantized[key] = mxfp4.dequantize(blocks, scales)
-        readers[hf_name] -= 1
-        tensor = dequantized[key] if readers[hf_name] else dequantized.pop(key)
+        if key not in self.dequantized:
+            blocks, scales = (self.read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
+            self.dequantized[key] = mxfp4.dequantize(blocks, scales)
+        self.readers[hf_name] -= 1
+        tensor = self.dequantized[key] if self.readers[hf_name] else self.dequantized.pop(key)
         if list(tensor.shape) != expected:
-            raise ConversionError(f"HF folder {folder}: {hf_name} (MXFP4) has the experts' shape "
+            raise ConversionError(f"HF folder {self.folder}: {hf_name} (MXFP4) has the experts' shape "
                                   f"{list(tensor.shape)}, the model expects {expected}")
         return tensor
-
-    with torch.no_grad(), implicit_replication():
-        for name, param in params.items():
-            if hf.stacked(name):
-                _load_stacked(param, _expert_readers(read, hf_names[name], param.shape),
-                              lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
-                continue
-            if len(hf_names[name]) > 1:  # tensors joined along the first dimension in equal parts (Kimi Linear's conv1d)
-                expected = [param.shape[0] // len(hf_names[name]), *param.shape[1:]]
-                full = hf.from_hf_tensor(name, torch.cat([read(part, expected) for part in hf_names[name]]), args)
-                param.copy_(full.to(device=param.device, dtype=param.dtype))
-                continue
-            (hf_name,) = hf_names[name]
-            if hf_name in packed:
-                _load_experts(param, lambda rows, shape, hf_name=hf_name: read_packed(hf_name, rows, shape),
-                              hf.shape(name, param.shape), lambda part, name=name: hf.from_hf_tensor(name, part, args))
-                continue
-            full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
-            param.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
 def _expert_readers(read, parts: list[str], shape: torch.Size) -> list:
