@@ -37,7 +37,7 @@ from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.writer import ExportError
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import BACKENDS, flavors, spec_for_args
-from weft.parallelisms.materialize import materialize
+from weft.parallelisms.materialize import materialize_for_loading
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.export import export_adapter_checkpoint
 
@@ -93,7 +93,7 @@ def sample(
 
 def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits for token ids [batch, seq], called as its spec says (weft's or transformers')."""
-    forward = spec_for_args(model.args).forward
+    forward = spec_for_args(model.args).backend.forward
     return model(ids) if forward is None else forward(model, ids)
 
 
@@ -222,15 +222,7 @@ def load_model(args: Any, *, hf: str | None, checkpoint: str | None, device: tor
     the rotary table is complex, and stays so."""
     with torch.device("meta"):  # no initialisation to pay for: every weight is loaded
         model = spec_for_args(args).build(args)
-    if spec_for_args(args).backend == "transformers":  # its buffers by its own initialisation, as in training
-        materialize(model, "cpu")
-    else:
-        model.to_empty(device="cpu")
-        if args.tie_embeddings:  # to_empty allocates the two places of a tied weight separately
-            model.output.weight = model.tok_embeddings.weight
-        # Buffers only (names=()): the rotary table, and an MoE's balancing state, which a Hugging Face
-        # folder does not hold (a checkpoint's is read below).
-        model.init_weights(names=())
+    materialize_for_loading(model, "cpu")  # buffers as the model fills them (a checkpoint's are read below)
     if hf is not None:
         load_hf_into_model(model, hf)
     else:

@@ -35,9 +35,10 @@ from weft.recipe.build import (
     precompute_reference,
     restore,
 )
+from weft.recipe.checks.launch import check_launch
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
-from weft.recipe.plan import RunPlan, check_launch, tokenizer_path
+from weft.recipe.plan import RunPlan, tokenizer_path
 from weft.recipe.step import StepResult, evaluate, evaluate_preference, train_step
 
 logger = logging.getLogger("weft")

@@ -15,6 +15,7 @@ from weft.models.qwen3.spec import QWEN3_SPEC
 from weft.models.transformers.spec import TRANSFORMERS_SPEC
 
 MODEL_SPECS: tuple[ModelSpec, ...] = (LLAMA_SPEC, LLAMA4_SPEC, QWEN3_SPEC, GPT_OSS_SPEC)
+ALL_SPECS: tuple[ModelSpec, ...] = (*MODEL_SPECS, TRANSFORMERS_SPEC)  # weft's families and the transformers backend
 BACKENDS = ("auto", "weft", "transformers")  # model.backend: who builds a Hugging Face folder's model
 
 
@@ -33,10 +34,21 @@ def spec_for_flavor(flavor: str) -> ModelSpec:
 
 def spec_for_args(args: Any) -> ModelSpec:
     """The spec whose ModelArgs class `args` is an instance of (the transformers backend's included)."""
-    for spec in (*MODEL_SPECS, TRANSFORMERS_SPEC):
+    for spec in ALL_SPECS:
         if isinstance(args, spec.args_type):
             return spec
     raise TypeError(f"no model spec for hyper-parameters of type {type(args).__name__}")
+
+
+def chosen_backend(backend: str, recorded: str) -> str:
+    """model.backend as given, or for "auto" the backend `recorded` by the run a checkpoint comes from."""
+    return recorded if backend == "auto" else backend
+
+
+def builds_flavors(backend: str) -> bool:
+    """Whether model.backend `backend` builds weft's named flavors (the transformers backend builds
+    the model of a Hugging Face folder only, having no flavors of its own)."""
+    return backend != TRANSFORMERS_SPEC.backend.name
 
 
 def spec_for_model(model: nn.Module) -> ModelSpec | None:
@@ -54,5 +66,5 @@ def spec_for_hf_config(config: dict[str, Any], backend: str = "weft") -> ModelSp
     return ours or LLAMA_SPEC
 
 
-__all__ = ["BACKENDS", "MODEL_SPECS", "TRANSFORMERS_SPEC", "Experts", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "spec_for_args", "spec_for_flavor",
+__all__ = ["ALL_SPECS", "BACKENDS", "MODEL_SPECS", "TRANSFORMERS_SPEC", "Experts", "HFConfigError", "HFMapping", "ModelSpec", "flavors", "builds_flavors", "chosen_backend", "spec_for_args", "spec_for_flavor",
            "spec_for_hf_config", "spec_for_model"]

@@ -53,6 +53,21 @@ def materialize(
     return model
 
 
+def materialize_for_loading(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device model whose weights a checkpoint fills next, filling what no checkpoint
+    holds as the model does: where it initialises itself (weft's `init_weights`), its buffers alone
+    (`names=()`: the rotary table, an MoE's balancing state), nothing drawn for weights about to be
+    overwritten; any other (a transformers model, whose `_init_weights` sets its buffers module by
+    module) `materialize`d whole, as in training. Tied parameters stay tied."""
+    if _default_init(model) != "init_weights":
+        return materialize(model, device)
+    shared = _shared_parameters(model)
+    model.to_empty(device=device)
+    _retie(model, shared)
+    model.init_weights(names=())
+    return model
+
+
 def materialize_part(model: nn.Module, module_names: Sequence[str], device: torch.device | str, *,
                      seed: int = 0) -> None:
     """`materialize` for the named submodules of a meta-device `model` only (and the model's own

@@ -50,14 +50,15 @@ from weft.components.training.moe_balance import reset_expert_counts, set_load_b
 from weft.components.training.nonfinite import NonFinitePolicy
 from weft.components.training.optim import build_lr_scheduler, build_optimizer
 from weft.components.training.preference import REFERENCE_FREE, PreferenceOptions
-from weft.models import spec_for_args
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.lora import adapters_off, quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
 from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
 from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_split, pipeline_units, split_model
-from weft.recipe.plan import RunPlan, config_error, prepare_experts
+from weft.recipe.checks.experts import prepare_experts
+from weft.recipe.config_keys import config_error
+from weft.recipe.plan import RunPlan
 from weft.recipe.step import (
     PipelineLoss,
     PipelineStep,
@@ -252,10 +253,10 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
     `parallelize` in its one order, then materialised on `device` (None: left on meta, as the dry
     run wants it). Each parameter is drawn whole and every rank keeps its slice, so the weights
     equal a single-device run's with the same seed, whatever the layout."""
-    spec = spec_for_args(plan.model_args)
+    spec = plan.spec
     with torch.device("meta"):
         model = spec.build(plan.model_args)
-    prepare_experts(plan.model_args, model, ep=plan.dims.ep, tp=plan.dims.tp, lora=plan.options.lora)
+    prepare_experts(spec, model, ep=plan.dims.ep, tp=plan.dims.tp, lora=plan.options.lora)
     if plan.pipeline is not None:  # this rank's stages, each parallelised and materialised as a model
         return build_stages(plan, model, meshes, device)
     qlora = plan.options.lora is not None and plan.options.lora.quantize_base is not None
@@ -270,8 +271,8 @@ def build_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | Non
         materialize(model, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
     if device is not None:
         model.train()
-        if spec.count_routing is not None:  # transformers' routers counted for the routing metrics
-            spec.count_routing(model, device)
+        if spec.backend.count_routing is not None:  # transformers' routers counted for the routing metrics
+            spec.backend.count_routing(model, device)
     return model
 
 
@@ -281,7 +282,7 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
     embedding first, norm and output last, blocks spread evenly), each through `parallelize` and
     `materialize` like a whole model: every weight keeps its name and so its initial values.
     pp_rank: build another pipeline rank's stages instead (the dry run, on meta)."""
-    layout, spec = plan.pipeline, spec_for_args(plan.model_args)
+    layout, spec = plan.pipeline, plan.spec
     ids = layout.stage_ids(meshes.pp.get_local_rank() if pp_rank is None else pp_rank)
     stages = split_model(model, default_split(model, layout.n_stages), ids)
     for stage in stages:  # LoRA's targets were checked on the whole model (plan.check_lora): a stage may hold none
@@ -293,8 +294,8 @@ def build_stages(plan: RunPlan, model: nn.Module, meshes: Meshes, device: torch.
             cpu_offload = plan.cfg.parallelism.fsdp_cpu_offload and plan.dims.fsdp_enabled
             materialize(stage, device, seed=plan.cfg.training.seed, cpu_offload=cpu_offload)
             stage.train()
-            if spec.count_routing is not None:
-                spec.count_routing(stage, device)
+            if spec.backend.count_routing is not None:
+                spec.backend.count_routing(stage, device)
     return PipelineStages(stages, ids, layout.n_stages, model, meshes.pp.get_group())
 
 
@@ -402,7 +403,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     run where DTensor knows the logits are vocabulary-sharded; without FSDP to compute in bf16,
     autocast does (parallelisms/precision.py). MoE layers add their load-balancing loss, if asked."""
     cfg, dims = plan.cfg, plan.dims
-    call = spec_for_args(plan.model_args).forward  # a model whose call is not weft's (transformers')
+    call = plan.spec.backend.forward  # a model whose call is not weft's (transformers')
     forward = functools.partial(model_forward, call=call) if call is not None else model_forward
     pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
@@ -518,7 +519,7 @@ def model_line(plan: RunPlan, model: nn.Module) -> str:
     own (a plain meta model of it: a LoRA run's adapters are apply_lora's line, NF4 weights count as
     the weights they hold); L is what this rank holds, its shards and adapters included."""
     with torch.device("meta"):
-        plain = spec_for_args(plan.model_args).build(plan.model_args)
+        plain = plan.spec.build(plan.model_args)
     n_params, n_active = count_parameters(plain), active_parameters(plain)
     active = f" ({n_active:,} active per token)" if n_active != n_params else ""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
@@ -541,15 +542,7 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
 
 def backend_line(plan: RunPlan, model: nn.Module) -> str:
     """Whose code built the model: weft's own family, or transformers' class (model.backend)."""
-    spec = spec_for_args(plan.model_args)
-    if spec.backend == "transformers":
-        import transformers
-
-        built = type(whole_model(model)).__name__
-        if getattr(plan.model_args, "multimodal", False):  # the text model of a multimodal folder
-            built = plan.model_args.architecture
-        return f"built by transformers {transformers.__version__} ({built})"
-    return f"built by weft ({spec.name})"
+    return plan.spec.built_by(plan.model_args, whole_model(model))
 
 
 def build_metrics(plan: RunPlan, model: nn.Module, device: torch.device, rank: int, start_step: int) -> MetricsLogger:

@@ -46,7 +46,8 @@ from weft.parallelisms.pipeline import (
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
 from weft.recipe.build import build_model, model_line, reference_mode, reference_model
-from weft.recipe.plan import RunPlan, check_layout, pipeline_layout, prepare_experts
+from weft.recipe.checks.experts import prepare_experts
+from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 
 logger = logging.getLogger("weft")
 
@@ -207,7 +208,7 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
     divides dp_shard × cp × tp and is a multiple of tp."""
     replicate = cfg.parallelism.dp_replicate if world_size % cfg.parallelism.dp_replicate == 0 else 1
     rest = world_size // replicate
-    layouts = []
+    layouts, spec = [], spec_for_args(args)
     for pp in (d for d in _divisors(rest) if d <= TABLE_MAX_PP):
         for tp in _divisors(rest // pp):
             if args.n_heads % tp or args.kv_heads % tp:
@@ -218,7 +219,7 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
                     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, world_size=world_size,
                                         pp=pp, ep=ep)
                     try:
-                        check_layout(cfg, args, dims, "cuda")
+                        check_layout(cfg, spec, args, dims, "cuda")
                     except UserError:
                         continue
                     layouts.append(dims)
@@ -230,11 +231,12 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     """The estimated peak of each layout of this world size, smallest first (parameters counted
     from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
     larger of its first and last stage's ranks); and the best one."""
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        plain = spec_for_args(args).build(args)
-        base = spec_for_args(args).build(args) if options.lora is not None else plain  # a frozen reference's shape
+        plain = spec.build(args)
+        base = spec.build(args) if options.lora is not None else plain  # a frozen reference's shape
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
-        prepare_experts(args, plain, lora=options.lora)
+        prepare_experts(spec, plain, lora=options.lora)
         apply_lora(plain, options.lora)
     copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
     stages = TableStages(plain)

@@ -25,11 +25,36 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     one adapter per weft weight: the same A for gate and up, B split between them. weft holds one
     rank and scaling for all adapters, so each is padded with zeros to the largest rank and its B
     scaled by its own scaling over the common one, which leaves what it adds unchanged."""
-    spec = spec_for_model(model) or spec_for_args(model.args)  # weft's family, or transformers' backend
-    hf = spec.hf_of(model.args)
+    folder = Path(folder)
+    config, tensors = _read_adapter_folder(folder)
+    adapters = _adapter_plan(model, config, tensors, folder)
+    rank, alpha, use_rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora"))
+    top = max(r for *_, r, _ in adapters.values())
+    weft_alpha = alpha * (math.sqrt(top / rank) if use_rslora else top / rank)
+    apply_lora(model, LoRAOptions(rank=top, alpha=weft_alpha, use_rslora=use_rslora, target_modules=sorted(adapters)))
+    common = lora_scaling(weft_alpha, top, use_rslora)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (a, b, r, scaling) in adapters.items():
+            a_name, b_name = _weft_factor_names(name, params)
+            padded_a, padded_b = torch.zeros_like(params[a_name]), torch.zeros_like(params[b_name])
+            for target, tensor in ((padded_a, a), (padded_b, b * (scaling / common))):
+                wanted = list(target.shape)
+                wanted[-2 if target is padded_a else -1] = r
+                if list(tensor.shape) != wanted:
+                    raise ExportError(f"adapter folder {folder}: the adapter of {name} has shape "
+                                      f"{list(tensor.shape)}, the model expects {wanted}")
+            padded_a[..., :r, :] = a
+            padded_b[..., :r] = b * (scaling / common)
+            params[a_name].copy_(padded_a)
+            params[b_name].copy_(padded_b)
+    return model
+
+
+def _read_adapter_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT LoRA folder's adapter_config.json and its tensors (ExportError, one line, otherwise)."""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text())
         tensors = load_file(str(folder / ADAPTER_WEIGHTS))
@@ -37,13 +62,21 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
         raise ExportError(f"adapter folder {folder}: cannot read {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} ({e})") from None
     if config.get("peft_type") != "LORA":
         raise ExportError(f"adapter folder {folder}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
+    return config, tensors
+
+
+def _adapter_plan(model: nn.Module, config: dict, tensors: dict[str, torch.Tensor],
+                  folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, float]]:
+    """Each weft target's adapter from the folder's tensors: (A, B in weft's layout, rank, scaling).
+    A transformers model whose routed experts are adapted gets weft's experts in their place first."""
+    spec = spec_for_model(model) or spec_for_args(model.args)  # weft's family, or transformers' backend
+    hf = spec.hf_of(model.args)
     rank, alpha, use_rslora = int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora"))
     scaling_of = lambda r, a: lora_scaling(a, r, use_rslora)  # noqa: E731
     pairs: dict[str, dict[str, torch.Tensor]] = {}  # PEFT module (and base_layer nesting) -> A, B
     for key, tensor in tensors.items():
         hf_module, _, which = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         pairs.setdefault(hf_module, {})[which.removesuffix(".weight")] = tensor
-    # weft target -> (A, B in weft's layout, rank, scaling)
     adapters: dict[str, tuple[torch.Tensor, torch.Tensor, int, float]] = {}
     experts = _Experts(hf.expert_parameters, config, folder)
     if experts.targeted and spec.prepare_expert_parallel is not None:
@@ -67,26 +100,7 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
         # B makes the output rows: weft's rotary order, as the base weight's
         b = hf.from_hf_tensor(weft_weight, factors["B"], model.args)
         adapters[weft_weight.removesuffix(".weight")] = (factors["A"], b, rank, scaling_of(rank, alpha))
-    top = max(r for *_, r, _ in adapters.values())
-    weft_alpha = alpha * (math.sqrt(top / rank) if use_rslora else top / rank)
-    apply_lora(model, LoRAOptions(rank=top, alpha=weft_alpha, use_rslora=use_rslora, target_modules=sorted(adapters)))
-    common = scaling_of(top, weft_alpha)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, (a, b, r, scaling) in adapters.items():
-            a_name, b_name = _weft_factor_names(name, params)
-            padded_a, padded_b = torch.zeros_like(params[a_name]), torch.zeros_like(params[b_name])
-            for target, tensor in ((padded_a, a), (padded_b, b * (scaling / common))):
-                wanted = list(target.shape)
-                wanted[-2 if target is padded_a else -1] = r
-                if list(tensor.shape) != wanted:
-                    raise ExportError(f"adapter folder {folder}: the adapter of {name} has shape "
-                                      f"{list(tensor.shape)}, the model expects {wanted}")
-            padded_a[..., :r, :] = a
-            padded_b[..., :r] = b * (scaling / common)
-            params[a_name].copy_(padded_a)
-            params[b_name].copy_(padded_b)
-    return model
+    return adapters
 
 
 def _weft_factor_names(target: str, params: dict) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from weft.components.checkpoint.checkpointer import (
     require_complete_checkpoint,
 )
 from weft.components.config import Export
-from weft.components.hf.load import hf_model_args, persistent_buffers
+from weft.components.hf.load import hf_model_args
 from weft.components.hf.model_files import HF_FILES, recorded_backend, recorded_source, run_hf_files, write_hf_files
 from weft.components.hf.safetensors_io import (
     DTYPE_NAMES,
@@ -78,9 +78,10 @@ def export_to_hf(
     with torch.device("meta"):
         model = spec_for_args(args).build(args)
     stored = model_tensor_metadata(folder, model, expected_by)
-    if spec_for_args(args).backend == "transformers":  # and the buffers its folder held (DeepSeek V3's router bias)
+    # and the buffers a folder holds (the transformers backend's: DeepSeek V3's router bias)
+    if buffers := spec_for_args(args).backend.folder_buffers(model):
         saved = read_dcp_metadata(folder).state_dict_metadata
-        stored |= {name: saved[f"model.{name}"] for name, _ in persistent_buffers(model) if f"model.{name}" in saved}
+        stored |= {name: saved[f"model.{name}"] for name, _ in buffers if f"model.{name}" in saved}
 
     write_model(out, args, {name: meta.size for name, meta in stored.items()},
                 lambda names: ((name, _read_dcp_tensor(folder, name, stored[name])) for name in names),

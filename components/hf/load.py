@@ -4,9 +4,11 @@ layout, one tensor at a time."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,14 @@ from weft.components.config import FROM_HF_CONFIG, ConfigError
 from weft.components.hf import mxfp4
 from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.safetensors_io import ConversionError, open_safetensors, read_json, tensor_files
-from weft.models import HFConfigError, spec_for_args, spec_for_flavor, spec_for_hf_config
+from weft.models import (
+    HFConfigError,
+    builds_flavors,
+    chosen_backend,
+    spec_for_args,
+    spec_for_flavor,
+    spec_for_hf_config,
+)
 
 
 def folder_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
@@ -47,9 +56,7 @@ def hf_model_args(config: dict[str, Any], source: str, backend: str = "weft", *,
     (`auto_map`) only with trust_remote_code."""
     spec = spec_for_hf_config(config, backend)
     try:
-        if spec.backend == "transformers":
-            return spec.hf.args_from_hf_config(config, trust_remote_code=trust_remote_code, folder=str(folder))
-        return spec.hf.args_from_hf_config(config)
+        return spec.hf.args_from_hf_config(config, trust_remote_code=trust_remote_code, folder=str(folder))
     except HFConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
@@ -63,7 +70,7 @@ def model_args_from_hf_folder(hf_dir: str | os.PathLike, backend: str = "weft", 
 def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> None:
     """Refuse a config.json whose model differs from `args`, naming the first field that does."""
     spec = spec_for_args(args)
-    theirs_spec, hf = spec_for_hf_config(config, spec.backend), spec.hf
+    theirs_spec, hf = spec_for_hf_config(config, spec.backend.name), spec.hf
     try:
         theirs = theirs_spec.hf.architecture_fields(config)
     except HFConfigError as e:
@@ -77,37 +84,69 @@ def check_same_architecture(config: dict[str, Any], args: Any, source: str) -> N
 
 
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names: Collection[str] | None = None) -> None:
-    """Copy the weights of a Hugging Face Llama, Llama 4 or Qwen3 folder into `model`, in any parallel layout
-    (`names`: only these parameters, the others may still be on the meta device).
-
-    The folder's config.json must describe a model of the same family and shape (and rotary,
-    norm settings) as `model.args`. The model must already be materialised (after `to_empty`);
-    only parameters are written, so the rotary buffers must already be filled (as by
-    `init_weights` or by building the model on a real device).
-
-    Each parameter is read whole from its safetensors file, one at a time, un-permuted (wq,
-    wk), cast to the parameter's dtype and copied in with `implicit_replication`, so that each
-    rank keeps its own slice of a DTensor (FSDP, TP or both). The trade-off: every rank reads
-    every full tensor from disk (safetensors maps the file, so ranks of one node share the page
-    cache), and memory grows only by the largest tensor, never by the model. Experts stored one
-    tensor per expert (Qwen3-MoE; transformers' families whose experts it stacks on load, their gate
-    and up joined) are the exception: a rank reads only the experts its part of the stacked
-    parameter holds (under expert parallelism or FSDP), and stacks them. A transformers model's
-    persistent buffers that the folder holds are read too.
+    """Copy the weights of a Hugging Face folder into `model`, in any parallel layout (`names`: only
+    these parameters, the others may still be on the meta device). The folder's config.json must
+    describe the model of `model.args`; the model must be materialised, its buffers filled (only
+    parameters, and the buffers a folder holds, are written). The plan of tensors is checked first
+    (`_tensor_plan`), then each is read whole, one at a time, converted to weft's layout, cast and
+    copied in with `implicit_replication`, so each rank keeps its slice of a DTensor: memory grows
+    by the largest tensor, never by the model. Experts held one tensor per expert (Qwen3-MoE,
+    transformers' stacked families) or in MXFP4 are read only for the experts this rank holds.
     """
-    folder = Path(hf_dir)
+    plan = _tensor_plan(model, Path(hf_dir), names)
+    reader = _FolderReader(plan)
+    hf, args = plan.hf, plan.args
+    with torch.no_grad(), implicit_replication():
+        for name, param in plan.params.items():
+            parts = plan.hf_names[name]
+            to_weft = functools.partial(hf.from_hf_tensor, name, args=args)
+            if hf.stacked(name):
+                _load_stacked(param, _expert_readers(reader.read, parts, param.shape), to_weft)
+            elif len(parts) > 1:  # tensors joined along the first dimension in equal parts (Kimi Linear's conv1d)
+                expected = [param.shape[0] // len(parts), *param.shape[1:]]
+                full = to_weft(torch.cat([reader.read(part, expected) for part in parts]))
+                param.copy_(full.to(device=param.device, dtype=param.dtype))
+            elif parts[0] in plan.packed:
+                _load_experts(param, functools.partial(reader.read_packed, parts[0]), hf.shape(name, param.shape),
+                              to_weft)
+            else:
+                full = to_weft(reader.read(parts[0], hf.shape(name, param.shape)))
+                param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+@dataclass
+class _TensorPlan:
+    """What `load_hf_into_model` reads: each parameter (or buffer) and the folder's tensors it is made
+    of, the file of each, and which of them are MXFP4 blocks and scales."""
+
+    folder: Path
+    args: Any
+    hf: Any  # the model's HFMapping
+    files: dict[str, Path]  # tensor name -> its safetensors file
+    params: dict[str, torch.Tensor]  # weft name -> the parameter or buffer to fill
+    hf_names: dict[str, list[str]]  # weft name -> the folder's tensors it is read from
+    packed: set[str]  # the tensors held in MXFP4 (gpt-oss as published)
+
+
+def _tensor_plan(model: torch.nn.Module, folder: Path, names: Collection[str] | None) -> _TensorPlan:
+    """The tensors to read into `model` (`names`: only these), checked before any is read: the folder's
+    config.json against the model, every tensor present, nothing left on the meta device."""
     args = whole_model(model).args  # a pipeline rank's stages hold the parameters of some of the model
-    config = read_hf_config(folder) if spec_for_args(args).backend == "weft" else folder_config(folder)
+    spec, config = spec_for_args(args), folder_config(folder)
+    try:  # a config.json the model's weights cannot come from (weft's families: one their reader refuses)
+        spec_for_hf_config(config, spec.backend.name).hf.check_config(config)
+    except HFConfigError as e:
+        raise ConversionError(f"HF folder {folder}: {e}") from None
     check_same_architecture(config, args, f"HF folder {folder}")
 
     files = tensor_files(folder)
     # A tied output projection appears once, as tok_embeddings; LoRA adapters are not in a base folder.
     params = {name: p for part in model_parts(model) for name, p in part.named_parameters()
               if ".lora_" not in name and (names is None or name in names)}
-    hf = spec_for_args(args).hf_of(args)
-    if spec_for_args(args).backend == "transformers":  # and the buffers its folder holds (DeepSeek V3's router bias)
-        params |= {name: b for part in model_parts(model) for name, b in persistent_buffers(part)
-                   if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
+    hf = spec.hf_of(args)
+    # and the buffers a folder may hold (the transformers backend's: DeepSeek V3's router bias)
+    params |= {name: b for part in model_parts(model) for name, b in spec.backend.folder_buffers(part)
+               if (names is None or name in names) and hf.prefix(config) + hf.weft_to_hf_name(name) in files}
     hf_names = {name: [hf.prefix(config) + part for part in hf.hf_parts(name, p.shape)] for name, p in params.items()}
     # MXFP4 (gpt-oss as published): a tensor held as its blocks and scales, dequantized when read.
     packed: set[str] = set()
@@ -120,60 +159,42 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | os.PathLike, names:
     on_meta = [name for name, p in params.items() if p.device.type == "meta"]
     if on_meta:
         raise ConversionError(f"the model is still on the meta device ({on_meta[0]}): call to_empty first")
+    return _TensorPlan(folder, args, hf, files, params, hf_names, packed)
 
-    # A dequantized tensor is kept until every parameter made of it has read it (gate_up_proj: w1 and w3).
-    readers = Counter(part for parts in hf_names.values() for part in parts if part in packed)
-    dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    def read(hf_name: str, expected: list[int]) -> torch.Tensor:
-        tensor = read_one(hf_name)
+class _FolderReader:
+    """Reads a plan's tensors from their files, each checked against the shape the model expects; an
+    MXFP4 tensor's experts dequantized, kept until every parameter made of it has read it (gate_up_proj:
+    w1 and w3)."""
+
+    def __init__(self, plan: _TensorPlan):
+        self.folder, self.files = plan.folder, plan.files
+        self.readers = Counter(part for parts in plan.hf_names.values() for part in parts if part in plan.packed)
+        self.dequantized: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def read(self, hf_name: str, expected: list[int]) -> torch.Tensor:
+        tensor = self.read_one(hf_name)
         if list(tensor.shape) != expected:
-            raise ConversionError(f"HF folder {folder}: {hf_name} has shape {list(tensor.shape)}, "
+            raise ConversionError(f"HF folder {self.folder}: {hf_name} has shape {list(tensor.shape)}, "
                                   f"the model expects {expected}")
         return tensor
 
-    def read_one(hf_name: str, rows: slice | None = None) -> torch.Tensor:
-        with open_safetensors(files[hf_name]) as f:
+    def read_one(self, hf_name: str, rows: slice | None = None) -> torch.Tensor:
+        with open_safetensors(self.files[hf_name]) as f:
             return f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows]
 
-    def read_packed(hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
+    def read_packed(self, hf_name: str, rows: slice, expected: list[int]) -> torch.Tensor:
         """The experts `rows` of an MXFP4 tensor, dequantized (only those read from disk)."""
         key = (hf_name, rows.start, rows.stop)
-        if key not in dequantized:
-            blocks, scales = (read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
-            dequantized[key] = mxfp4.dequantize(blocks, scales)
-        readers[hf_name] -= 1
-        tensor = dequantized[key] if readers[hf_name] else dequantized.pop(key)
+        if key not in self.dequantized:
+            blocks, scales = (self.read_one(hf_name + suffix, rows) for suffix in mxfp4.PARTS)
+            self.dequantized[key] = mxfp4.dequantize(blocks, scales)
+        self.readers[hf_name] -= 1
+        tensor = self.dequantized[key] if self.readers[hf_name] else self.dequantized.pop(key)
         if list(tensor.shape) != expected:
-            raise ConversionError(f"HF folder {folder}: {hf_name} (MXFP4) has the experts' shape "
+            raise ConversionError(f"HF folder {self.folder}: {hf_name} (MXFP4) has the experts' shape "
                                   f"{list(tensor.shape)}, the model expects {expected}")
         return tensor
-
-    with torch.no_grad(), implicit_replication():
-        for name, param in params.items():
-            if hf.stacked(name):
-                _load_stacked(param, _expert_readers(read, hf_names[name], param.shape),
-                              lambda stack, name=name: hf.from_hf_tensor(name, stack, args))
-                continue
-            if len(hf_names[name]) > 1:  # tensors joined along the first dimension in equal parts (Kimi Linear's conv1d)
-                expected = [param.shape[0] // len(hf_names[name]), *param.shape[1:]]
-                full = hf.from_hf_tensor(name, torch.cat([read(part, expected) for part in hf_names[name]]), args)
-                param.copy_(full.to(device=param.device, dtype=param.dtype))
-                continue
-            (hf_name,) = hf_names[name]
-            if hf_name in packed:
-                _load_experts(param, lambda rows, shape, hf_name=hf_name: read_packed(hf_name, rows, shape),
-                              hf.shape(name, param.shape), lambda part, name=name: hf.from_hf_tensor(name, part, args))
-                continue
-            full = hf.from_hf_tensor(name, read(hf_name, hf.shape(name, param.shape)), args)
-            param.copy_(full.to(device=param.device, dtype=param.dtype))
-
-
-def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers of `model` its state dict holds, by name."""
-    return [(f"{path}.{name}" if path else name, buffer) for path, module in model.named_modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None and name not in module._non_persistent_buffers_set]
 
 
 def _expert_readers(read, parts: list[str], shape: torch.Size) -> list:
@@ -241,14 +262,14 @@ def model_args_for_run(flavor: str, initial_load_path: str, backend: str = "weft
         if flavor == FROM_HF_CONFIG:
             recorded = run_hf_files(folder) if folder is not None and not is_hf else None
             if recorded is not None:  # a DCP step of an earlier run: the model that run recorded, by its backend
-                chosen = recorded_backend(recorded) if backend == "auto" else backend
-                return model_args_from_hf_folder(recorded, chosen, trust_remote_code)
+                return model_args_from_hf_folder(recorded, chosen_backend(backend, recorded_backend(recorded)),
+                                                 trust_remote_code)
             if not is_hf:
                 raise ConfigError(f"model.flavor = {FROM_HF_CONFIG}: checkpoint.initial_load_path must be a Hugging "
                                   f"Face folder holding config.json or a checkpoint step of a weft run, got "
                                   f"{initial_load_path!r}")
             return model_args_from_hf_folder(folder, backend, trust_remote_code)
-        if backend == "transformers":
+        if not builds_flavors(backend):
             raise ConfigError(f"model.backend = transformers builds the model of a Hugging Face folder; set "
                               f"model.flavor = {FROM_HF_CONFIG}, not {flavor}")
         args = spec_for_flavor(flavor).flavors[flavor]

@@ -39,10 +39,10 @@ def gather_rank_times(step_seconds: float, data_wait_seconds: float, device: tor
     return gathered.view(-1, 2).cpu()
 
 
-def gather_device(backend: str, device: torch.device) -> torch.device:
+def gather_device(collectives: str, device: torch.device) -> torch.device:
     """Where the gathered tensor lives: the GPU under NCCL alone (it gathers only CUDA tensors);
     the CPU under gloo (share_gpus too) and "cuda:nccl,cpu:gloo" (gloo takes CPU tensors)."""
-    return device if backend == "nccl" else torch.device("cpu")
+    return device if collectives == "nccl" else torch.device("cpu")
 
 
 def slowest_rank(times: torch.Tensor) -> tuple[int, float]:

@@ -4,7 +4,7 @@ refusal of fields weft has no counterpart for, and the wiring of a family's `HFM
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -19,8 +19,14 @@ def hf_mapping(family: ModuleType, model_types: Iterable[str], **tensor_layout) 
     `hf_config`, `model_args_from_hf_config` and `architecture_fields`. `tensor_layout`: HFMapping's
     join, split, hf_shape and weight_prefix, where the family's tensors differ beyond the rotary rows."""
     return HFMapping(model_types=tuple(model_types), names=family.NAMES, hf_config=family.hf_config,
-                     args_from_hf_config=family.model_args_from_hf_config,
+                     args_from_hf_config=_reading_config_alone(family.model_args_from_hf_config),
                      architecture_fields=family.architecture_fields, **tensor_layout)
+
+
+def _reading_config_alone(read: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+    """A family's config.json reader as HFMapping calls it: the folder and trust_remote_code it is
+    given are the transformers backend's to use; weft's families read config.json alone."""
+    return lambda config, *, trust_remote_code=False, folder="": read(config)
 
 
 def decoder_hf_config(args, dtype: torch.dtype, architecture: str, model_type: str) -> dict[str, Any]:

@@ -31,7 +31,9 @@ class HFMapping:
     model_types: tuple[str, ...]  # config.json model_type values this model reads
     names: HFNames  # weft <-> HF names, which weft parameters make each HF tensor, rotary rows
     hf_config: Callable[[Any, torch.dtype], dict[str, Any]]  # args, dtype -> config.json
-    args_from_hf_config: Callable[[dict[str, Any]], Any]  # config.json -> args (HFConfigError if not)
+    # config.json (trust_remote_code=, folder=: where the transformers backend may run a folder's own code)
+    # -> args (HFConfigError if not)
+    args_from_hf_config: Callable[..., Any]
     architecture_fields: Callable[[dict[str, Any]], dict[str, Any]]  # the config.json fields deciding the function
     # weft names of a group (`groups`), their tensors (rotary rows already in HF's order), args -> the
     # HF tensor (Llama 4: experts transposed, w1 and w3 joined). None: the group's one tensor as it is.
@@ -43,6 +45,16 @@ class HFMapping:
     # transformers' in-memory expert parameters, which PEFT's target_parameters adapt; None: no routed experts
     expert_parameters: ExpertParameters | None = None
     tied_output: str = "output.weight"  # the parameter a tied model writes no tensor of (the token embedding's)
+    # config.json -> HFConfigError where a folder of it cannot be loaded into the model; None: where
+    # args_from_hf_config refuses it (the transformers backend's compares every field instead)
+    config_check: Callable[[dict[str, Any]], None] | None = None
+
+    def check_config(self, config: dict[str, Any]) -> None:
+        """Refuse (HFConfigError) a folder's config.json whose weights the model cannot take."""
+        if self.config_check is None:
+            self.args_from_hf_config(config)
+        else:
+            self.config_check(config)
 
     def weft_to_hf_name(self, name: str) -> str:
         """A weft parameter's Hugging Face tensor name (ValueError for one it has no place for)."""
@@ -132,7 +144,50 @@ def dense(args: Any) -> Experts | None:
     return None
 
 
+def no_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`Backend.folder_buffers` of weft's models: their buffers (rotary tables, an MoE's balancing
+    state) are their own, in no Hugging Face folder."""
+    return []
+
+
+def built_by_weft(spec: ModelSpec, args: Any, model: nn.Module) -> str:
+    """`Backend.describe` of weft's models: its family."""
+    return f"built by weft ({spec.name})"
+
+
 @dataclass(frozen=True)
+class Backend:
+    """Whose code builds and runs a family's model, and what follows from it: how the model is
+    called, which of its buffers a Hugging Face folder holds (read on load, written on export), how
+    the start-up line names it, who counts its routed tokens. Weft's own modules by default; the
+    transformers backend (models/transformers) gives its own."""
+
+    name: str = "weft"  # the model.backend value that picks this code (models.spec_for_hf_config)
+    # (model, inputs, positions, document_ids) -> logits; None: model(inputs, positions, document_ids=...)
+    forward: Callable[..., torch.Tensor] | None = None
+    folder_buffers: Callable[[nn.Module], list[tuple[str, torch.Tensor]]] = no_buffers  # model -> (name, buffer)
+    describe: Callable[[Any, Any, nn.Module], str] = built_by_weft  # (spec, args, whole model) -> "built by ..."
+    # (materialized model, device) -> its routers count the tokens each expert gets (`tokens_per_expert`,
+    # for the routing metrics: transformers' MoE models); None: its MoE layers count them themselves
+    count_routing: Callable[[nn.Module, Any], None] | None = None
+
+
+@dataclass(frozen=True)
+class Refusals:
+    """What a family cannot train, each asked of the model's args and answered with why (one line)
+    or None: the plan raises each as a ConfigError naming the key."""
+
+    # (args, names of the linears holding adapters) -> why PEFT cannot load such an adapter onto the
+    # transformers model (its loader reads some names otherwise: Qwen3-MoE)
+    peft: Callable[[Any, list[str]], str | None] | None = None
+    # args -> why documents packed into one row would see each other in this model
+    packed_documents: Callable[[Any], str | None] | None = None
+    # (cfg, args, dims, adapts_experts=, tp_plan_refusal=) -> why the run's layout and transforms cannot
+    # train this model, naming the key first (the transformers backend's: models/transformers/refusals.py)
+    layout: Callable[..., str | None] | None = None
+
+
+@dataclass(frozen=True, eq=False)  # one object per family: hashed and compared by identity
 class ModelSpec:
     """A model family: its flavors, how to build it, and how each transform reads it."""
 
@@ -150,33 +205,19 @@ class ModelSpec:
     lora_block_numel: Callable[[Any, int], int]  # args, LoRA rank -> adapter parameters of one block
     experts: Callable[[Any], Experts | None] = dense  # args -> its experts and routing; None: a dense model
     active_parameters: Callable[[nn.Module], int] | None = None  # model -> parameters one token uses; None: all
-    # why QLoRA cannot hold this family's frozen base in NF4 (or args -> why, where it depends on the
-    # model: Qwen3-MoE's experts, not dense Qwen3); None: it can
-    nf4_refusal: str | Callable[[Any], str | None] | None = None
-    # (args, names of the linears holding adapters) -> why PEFT cannot load such an adapter onto the
-    # transformers model (its loader reads some names otherwise: Qwen3-MoE); None: it can
-    peft_refusal: Callable[[Any, list[str]], str | None] | None = None
-    backend: str = "weft"  # whose code builds the model: "weft" (its own modules) or "transformers"
-    # (model, inputs, positions, document_ids) -> logits; None: model(inputs, positions, document_ids=...)
-    forward: Callable[..., torch.Tensor] | None = None
-    # args -> why documents packed into one row would see each other in this model; None: they cannot
-    packed_documents_refusal: Callable[[Any], str | None] | None = None
+    refusals: Refusals = Refusals()  # what the family cannot train, and why
+    backend: Backend = Backend()  # whose code builds and runs the model
     # args -> the HFMapping of this model where it depends on the model (transformers' families whose
     # folders it converts on load); None: `hf` for every model of the family
     hf_for_args: Callable[[Any], HFMapping] | None = None
     # model on meta -> made ready for apply_ep and apply_tp (transformers' experts swapped for weft's grouped
     # ones where plain); None: as built
     prepare_expert_parallel: Callable[[nn.Module], None] | None = None
-    # args -> why expert parallelism cannot spread this model's experts; None: it can where it has experts
-    expert_parallel_refusal: Callable[[Any], str | None] | None = None
-    # (materialized model, device) -> its routers count the tokens each expert gets (`tokens_per_expert`,
-    # for the routing metrics: transformers' MoE models); None: its MoE layers count them themselves
-    count_routing: Callable[[nn.Module, Any], None] | None = None
 
     def hf_of(self, args: Any) -> HFMapping:
         """How the model `args` and its Hugging Face folder translate into each other."""
         return self.hf if self.hf_for_args is None else self.hf_for_args(args)
 
-    def nf4_refusal_for(self, args: Any) -> str | None:
-        """Why QLoRA cannot hold the frozen base of the model `args` in NF4; None where it can."""
-        return self.nf4_refusal(args) if callable(self.nf4_refusal) else self.nf4_refusal
+    def built_by(self, args: Any, model: nn.Module) -> str:
+        """Whose code built the model `args` (the whole `model`), for the start-up line."""
+        return self.backend.describe(self, args, model)

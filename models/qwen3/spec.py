@@ -8,7 +8,7 @@ from __future__ import annotations
 from weft.models.common.counts import attention_lora_numel, attention_numel
 from weft.models.common.decoder_spec import decoder_spec
 from weft.models.common.hf_config import hf_mapping
-from weft.models.common.spec import Experts
+from weft.models.common.spec import Experts, Refusals
 from weft.models.qwen3 import hf_mapping as qwen3_hf
 from weft.models.qwen3.args import QWEN3_FLAVORS, ModelArgs
 from weft.models.qwen3.model import Transformer
@@ -56,4 +56,4 @@ QWEN3_HF = hf_mapping(qwen3_hf, qwen3_hf.MODEL_TYPES, expert_parameters=qwen3_hf
 
 QWEN3_SPEC = decoder_spec("Qwen3", QWEN3_FLAVORS, ModelArgs, Transformer, QWEN3_HF, tp_plan=tp_plan,
                           block_numel=block_numel, lora_block_numel=lora_block_numel, experts=experts,
-                          active_parameters=Transformer.active_parameters, peft_refusal=peft_refusal)
+                          active_parameters=Transformer.active_parameters, refusals=Refusals(peft=peft_refusal))

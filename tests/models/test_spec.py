@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from weft.models import (
+    ALL_SPECS,
     MODEL_SPECS,
     flavors,
     spec_for_args,
@@ -34,7 +35,7 @@ def outside_models() -> dict[str, Path]:
 
 def family_folders() -> set[str]:
     """The folder (package) of each registered family: where its spec's model class is defined."""
-    return {spec.model_type.__module__.rpartition(".")[0] for spec in MODEL_SPECS}
+    return {spec.model_type.__module__.rpartition(".")[0] for spec in ALL_SPECS}
 
 
 def test_graph_reader_sees_lazy_imports_and_cycles():
@@ -57,8 +58,11 @@ def family_imports(files: dict[str, Path]) -> list[str]:
 def family_questions(files: dict[str, Path]) -> list[str]:
     """'module:line ...' for each comparison with a family's name (`spec.name == "Llama 4"`) and each
     getattr/hasattr probe of an attribute some family's ModelArgs has and another's lacks
-    (`getattr(args, "n_experts", 0)`) in these files: questions for the spec's fields."""
-    names = {spec.name for spec in MODEL_SPECS}
+    (`getattr(args, "n_experts", 0)`) in these files: questions for the spec's fields. The names
+    include the transformers backend's ("transformers": a test of `backend == "transformers"` is a
+    question for its spec's `Backend`); the attributes are weft's families' (the backend's args are a
+    config.json, whose fields the transforms read off transformers' model, `model.config`)."""
+    names = {spec.name for spec in ALL_SPECS}
     attributes = [{a for a in dir(spec.args_type) if not a.startswith("_")}
                   | {f.name for f in dataclasses.fields(spec.args_type)} for spec in MODEL_SPECS]
     family_only = set.union(*attributes) - set.intersection(*attributes)
@@ -78,7 +82,8 @@ def family_questions(files: dict[str, Path]) -> list[str]:
 def test_nothing_outside_models_reaches_a_family_but_through_its_spec():
     """Every module outside models/ (and tests/) finds a model in the spec registry: it imports no
     family folder, and asks the spec what differs between families."""
-    assert family_folders() == {"weft.models.llama", "weft.models.llama4", "weft.models.qwen3", "weft.models.gpt_oss"}
+    assert family_folders() == {"weft.models.llama", "weft.models.llama4", "weft.models.qwen3", "weft.models.gpt_oss",
+                                "weft.models.transformers"}
     assert {"weft.train", "weft.generate", "weft.recipe.plan", "weft.benchmarks.memory_check",
             "weft.assets.make_corpus"} <= set(outside_models())
     assert not family_imports(outside_models()), "\n".join(family_imports(outside_models()))
@@ -90,11 +95,15 @@ def test_the_guard_finds_a_family_import_a_name_check_and_a_probe(tmp_path):
     source.write_text("from weft.models.llama4.args import ModelArgs\n"
                       "from weft.models import llama\n"
                       "dense = spec.name != 'Llama 4'\n"
-                      "experts = getattr(args, 'n_experts', 0) + getattr(args, 'dim', 0)\n")
+                      "experts = getattr(args, 'n_experts', 0) + getattr(args, 'dim', 0)\n"
+                      "from weft.models.transformers.spec import TRANSFORMERS_SPEC\n"
+                      "if spec.backend != 'transformers': pass\n")
     assert family_imports({"weft.bad": source}) == ["weft.bad imports weft.models.llama",
-                                                    "weft.bad imports weft.models.llama4.args"]
-    assert family_questions({"weft.bad": source}) == ["weft.bad:3 compares with a family's name",
-                                                      "weft.bad:4 probes 'n_experts'"]
+                                                    "weft.bad imports weft.models.llama4.args",
+                                                    "weft.bad imports weft.models.transformers.spec"]
+    assert sorted(family_questions({"weft.bad": source})) == ["weft.bad:3 compares with a family's name",
+                                                              "weft.bad:4 probes 'n_experts'",
+                                                              "weft.bad:6 compares with a family's name"]
 
 
 def test_no_import_cycle_among_the_packages():
@@ -168,9 +177,9 @@ def test_llama_flops_per_token_is_six_per_matmul_parameter_plus_attention():
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
 def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
-    """experts(), active_parameters and nf4_refusal against the built model: its MoE layers (router
+    """experts() and active_parameters against the built model: its MoE layers (router
     width, top_k, expert widths), its parameters (the active ones: all but the routed experts' share
-    a token skips) and that QLoRA takes the whole family, stacked experts included."""
+    a token skips)."""
     from weft.components.observe.metrics import active_parameters
     from weft.models.common.moe import MoE
 
@@ -190,4 +199,3 @@ def test_what_a_spec_says_of_its_family_holds_for_the_model_it_builds(flavor):
         assert experts.routed_hidden_dim == len(moes) * experts.top_k * widths.pop() // args.n_layers
         routed = sum(p.numel() for m in moes for p in m.experts.parameters())
         assert active_parameters(model) == total - routed + routed * experts.top_k // experts.n_experts
-    assert spec.nf4_refusal is None  # QLoRA holds stacked experts too (layers/nf4_experts.py)

@@ -166,7 +166,7 @@ def test_packed_documents_see_only_themselves(root, family):
     tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lengths])
     with torch.no_grad():
-        packed = TRANSFORMERS_SPEC.forward(model, tokens, positions)
+        packed = TRANSFORMERS_SPEC.backend.forward(model, tokens, positions)
         alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
         whole = model(input_ids=tokens).logits
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
@@ -183,7 +183,7 @@ def test_packed_samples_are_refused_where_the_documents_would_see_each_other(roo
     lengths = [10, 14]
     tokens = torch.randint(0, 2048, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        packed = TRANSFORMERS_SPEC.forward(model, tokens, torch.cat([torch.arange(n) for n in lengths]))
+        packed = TRANSFORMERS_SPEC.backend.forward(model, tokens, torch.cat([torch.arange(n) for n in lengths]))
         alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
     assert (packed - alone)[:, lengths[0]:].abs().max() > 1e-3
     for extra, key in ((("--data.format", "prompt_completion"), "data.format = prompt_completion: "),

@@ -153,7 +153,7 @@ def test_packed_samples_are_refused_where_a_convolution_mixes_the_documents(fold
     lengths = [10, 14]
     tokens = TOKENS[:1]
     with torch.no_grad():
-        packed = TRANSFORMERS_SPEC.forward(model, tokens, torch.cat([torch.arange(n) for n in lengths]))
+        packed = TRANSFORMERS_SPEC.backend.forward(model, tokens, torch.cat([torch.arange(n) for n in lengths]))
         alone = torch.cat([model(input_ids=doc).logits for doc in tokens.split(lengths, dim=1)], dim=1)
     assert (packed - alone)[:, lengths[0]:].abs().max() > 1e-3
     cfg = parse_args(run_args(folder("bamba").parent / "plan", "--model.flavor", "from_hf_config",

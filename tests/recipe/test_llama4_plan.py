@@ -41,10 +41,10 @@ def test_expert_parallel_degrees_the_experts_cannot_take_are_refused(config, wor
 
 
 def test_debug_moe_plans_with_fsdp_tp_cp_and_lora():
-    args, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe"]), world_size=2, device_type="cpu")
+    _, args, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe"]), world_size=2, device_type="cpu")
     assert (args.n_experts, dims.dp_shard) == (4, 2)
     for key in ("tp", "cp"):
-        _, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe", "--parallelism.dp_shard", "1",
+        *_, dims = model_and_layout(parse_args(["--job.config_file", "debug_moe", "--parallelism.dp_shard", "1",
                                                f"--parallelism.{key}", "2"]), world_size=2, device_type="cpu")
         assert getattr(dims, key) == 2
     model_and_layout(parse_args(["--job.config_file", "debug_moe", "--lora.enable"]), world_size=1, device_type="cpu")

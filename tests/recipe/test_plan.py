@@ -15,15 +15,15 @@ from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.lora import LoRAOptions
 from weft.parallelisms.pipeline import PipelineOptions
 from weft.parallelisms.tp import TPOptions
-from weft.recipe.plan import (
+from weft.recipe.config_keys import (
     ARGUMENT_KEYS,
     OPTION_SECTIONS,
     TRANSFORM_KEYS,
-    RunPlan,
     config_error,
     config_value,
     option_key,
 )
+from weft.recipe.plan import RunPlan
 
 
 def plan_for(*overrides: str, world_size: int = 1, **kwargs) -> RunPlan:

@@ -16,7 +16,7 @@ from weft.components.distributed.processes import init_fake_distributed, is_fake
 from weft.models.llama import LLAMA_FLAVORS, Transformer
 from weft.parallelisms.fsdp import apply_fsdp
 from weft.parallelisms.parallel_dims import ParallelDims
-from weft.recipe.plan import check_launch
+from weft.recipe.checks.launch import check_launch
 
 
 def expected_local_numel(world_size: int, tp: int) -> dict[str, int]:
