@@ -43,6 +43,7 @@ from weft.parallelisms.pipeline import PipelineLayout, PipelineOptions, plan_pip
 from weft.parallelisms.precision import DTYPES, PrecisionPolicy, attention_kernel_warning, precision_policy
 from weft.parallelisms.tp import TPOptions, check_tp_plan
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
+from weft.recipe.objectives import Objective, objective_class
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RunPlan:
     data_fingerprint: str = ""  # JSON saved with each checkpoint (components/data/fingerprint.py)
     data_sources: list[DataSource] = field(default_factory=list)  # data.mixture's (recipe/data_plan.py)
     pipeline: PipelineLayout | None = None  # with parallelism.pp > 1
+    objective: type[Objective] | None = None  # what the run trains (recipe/objectives/): from_config sets it
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -73,7 +75,8 @@ class RunPlan:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         model_args, dims = model_and_layout(cfg, world_size, device_type)
         check_packed_documents(cfg, model_args)
-        check_preference(cfg, dims)
+        objective = objective_class(cfg)  # the one choice of what the run trains (recipe/objectives/)
+        objective.check(cfg, dims)
         tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
@@ -117,15 +120,14 @@ class RunPlan:
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
-                   pipeline=pipeline_layout(cfg, model_args, dims))
+                   pipeline=pipeline_layout(cfg, model_args, dims), objective=objective)
         check_lora(plan)
         return plan
 
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.training
-        rows = 2 if self.cfg.data.format == "preference" else 1  # a pair is two rows
-        return rows * t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
+        return self.objective.rows_per_sample * t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
 
 # Where parallelize's options come from: the config section whose keys are each options class's field
@@ -370,37 +372,6 @@ def check_packed_documents(cfg: JobConfig, args) -> None:
                               "train it on data.format = text without data.document_masking")
     if cfg.data.document_masking:
         raise ConfigError(f"data.document_masking = true: {refusal}; set it to false")
-
-
-def check_preference(cfg: JobConfig, dims: ParallelDims) -> None:
-    """data.format = preference and [preference] go together: the pairs' formats, the reference,
-    and the layouts the objective supports."""
-    p, default = cfg.preference, type(cfg.preference)()
-    validation = cfg.validation.format or cfg.data.format
-    if cfg.data.format != "preference":
-        changed = [f"preference.{name}" for name in vars(default) if getattr(p, name) != getattr(default, name)]
-        if changed:
-            raise ConfigError(f"{changed[0]}: configures preference training, and data.format = {cfg.data.format}; "
-                              "set data.format = preference (JSONL {prompt, chosen, rejected})")
-        if cfg.validation.enable and validation == "preference":
-            raise ConfigError(f"validation.format = preference: needs data.format = preference (it is "
-                              f"{cfg.data.format})")
-        return
-    if cfg.validation.enable and validation != "preference":
-        raise ConfigError(f"validation.format = {validation}: a preference run validates on pairs; set "
-                          "validation.format = preference (or leave it empty)")
-    if cfg.data.mixture:
-        raise ConfigError("data.mixture: mixes windows of text or samples, and data.format = preference trains on "
-                          "pairs; give one data.dataset_path")
-    if p.loss in ("simpo", "orpo") and p.precompute_reference:
-        raise ConfigError(f"preference.precompute_reference: preference.loss = {p.loss} uses no reference model; "
-                          "leave it false or use loss = sigmoid or ipo")
-    if p.precompute_reference and cfg.fault_tolerance.enable:
-        raise ConfigError("preference.precompute_reference: a fault-tolerant run retries steps, which a precomputed "
-                          "sequence of reference batches cannot follow; leave it false")
-    if p.loss in ("simpo", "orpo") and p.reference_path:
-        raise ConfigError(f"preference.reference_path: preference.loss = {p.loss} uses no reference model; "
-                          "leave reference_path empty or use loss = sigmoid or ipo")
 
 
 @functools.lru_cache(maxsize=8)
