@@ -3,8 +3,7 @@
     plan.py   RunPlan.from_config(cfg, world_size): everything the config decides, checked, nothing built
     data_plan.py  the data files of data.dataset_path or of each data.mixture source, checked, fingerprinted
     build.py  processes and meshes, model, data, optimizer, the step's setup, from a plan
-    step.py   train_step: the micro-batches placed, the objective's loss and gradients, the update
-    objectives/  what a step computes: next_token (pretraining, SFT), preference; frozen models
+    step.py   train_step; objectives/: what it computes (next_token, preference), frozen models
     dry_run.py  --job.dry_run: the plan and the model built on meta, a memory estimate, nothing written
 
 Imports run one way: train.py -> recipe -> components, parallelisms, models, float8.
