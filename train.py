@@ -146,7 +146,7 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
     stats = StepStats(step, all_reduce_mean(result.loss, run.step.loss_group), result.grad_norm.item(), result.lr,
                       skipped_steps=skipped, moe_imbalance=result.moe_imbalance, ep_imbalance=result.ep_imbalance,
                       source_tokens=source_tokens(run.loader.state_dict()), groups=groups,
-                      preference=result.metrics)
+                      objective=result.metrics, objective_note=run.step.objective.log_note(result.metrics))
     metrics.log(stats)
     report_long_samples(run.loader)
     return stats.loss
@@ -154,7 +154,8 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
 
 def validate(cfg: JobConfig, run: Training, metrics: MetricsLogger, step: int) -> None:
     """One validation, logged: each source's loss, or a preference run's objective and rewards on its pairs."""
-    metrics.log_validation(step, *run.step.objective.validate(run, cfg))
+    losses, scalars = run.step.objective.validate(run, cfg)
+    metrics.log_validation(step, losses, scalars, run.step.objective.log_note(scalars or {}))
 
 
 def write_run_record(plan: RunPlan) -> None:

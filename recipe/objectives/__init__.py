@@ -27,7 +27,7 @@ def register(cls: type[Objective]) -> type[Objective]:
 class Objective:
     """One way of training: the plan asks the class (its checks, rows per sample, the frozen model
     it holds, for the dry run), build.py makes the instance (`build`), and train.py and train_step ask
-    the instance (`prepare` after the weights are loaded, `step`, `validate`)."""
+    the instance (`prepare` after the weights are loaded, `step`, `log_note`, `validate`)."""
 
     name: ClassVar[str] = ""
     formats: ClassVar[tuple[str, ...]] = ()  # the data.format values it trains on
@@ -65,6 +65,11 @@ class Objective:
         """Forward and backward over the placed micro-batches: this rank's share of the step's loss,
         and the metrics logged with it."""
         raise NotImplementedError
+
+    def log_note(self, metrics: dict[str, float]) -> str:
+        """What the step's (and validation's) log line shows of the metrics `step` returns (all of them
+        go to TensorBoard, metrics.jsonl and wandb under their names)."""
+        return ""
 
     def validate(self, run, cfg: JobConfig) -> tuple[dict[str, float], dict[str, Any] | None]:
         """One validation: the loss of each source ('' for validation.dataset_path) and the metrics

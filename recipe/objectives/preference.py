@@ -164,6 +164,9 @@ class Preference(Objective):
     def cp(self) -> int:
         return 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
 
+    def log_note(self, metrics: dict[str, float]) -> str:
+        return f"  reward_margin {metrics['rewards/margins']:.4f}  reward_accuracy {metrics['rewards/accuracies']:.3f}"
+
     def validate(self, run, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
         """The objective on the validation pairs, and its rewards."""
         steps = cfg.validation.steps * cfg.training.gradient_accumulation_steps
