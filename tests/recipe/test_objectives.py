@@ -1,10 +1,11 @@
 """training.objective: an objective is a module of its own. This module defines a third one (a
 token-weighted loss), registers it and trains it through train.py without any change to recipe/:
 its first step's loss equals a transformers-only computation of the same weighted loss on the same
-batch. And the one-line refusals of a name, or a data format, the objective cannot train."""
+batch, and its own metric is logged. And the one-line refusals of a name, or a data format, the objective cannot train."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,11 @@ class TokenWeighted(Objective):
             on_phase("backward")
             loss.backward()
             step_loss += loss.detach()
-        return step_loss, {}
+        supervised = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+        return step_loss, {"weights/mean": (total / supervised).item()}
+
+    def log_note(self, metrics):
+        return f"  mean_weight {metrics['weights/mean']:.2f}"
 
 
 @pytest.fixture
@@ -81,6 +86,8 @@ def test_a_third_objective_trains_through_train_py(tmp_path, token_weighted):
     weights = position_weights(batch.labels).flatten()
     assert losses[0] == pytest.approx(((per_token * weights).sum() / weights.sum()).item(), abs=1e-5)
     assert losses[0] != pytest.approx(per_token.mean().item(), abs=1e-3), "the weights must matter"
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["weights/mean"] == pytest.approx(weights.sum().item() / (batch.labels != IGNORE_INDEX).sum().item())
 
 
 @pytest.mark.parametrize("extra, expected", [
