@@ -67,7 +67,6 @@ def token_weighted():
     del OBJECTIVES[TokenWeighted.name]
 
 
-@pytest.mark.slow
 def test_a_third_objective_trains_through_train_py(tmp_path, token_weighted):
     tokenizer = build_tokenizer_folder(tmp_path / "tok")
     folder = tiny_hf_folder(tmp_path / "policy", tokenizer)
