@@ -32,14 +32,13 @@ from weft.recipe.build import (
     build_metrics,
     build_training,
     log_summary,
-    precompute_reference,
     restore,
 )
 from weft.recipe.checks.launch import check_launch
 from weft.recipe.dry_run import dry_run
 from weft.recipe.export import export_after_training
 from weft.recipe.plan import RunPlan, tokenizer_path
-from weft.recipe.step import StepResult, evaluate, evaluate_preference, train_step
+from weft.recipe.step import StepResult, train_step
 
 logger = logging.getLogger("weft")
 
@@ -65,8 +64,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
     #    for the first step: a run that fails before it leaves the dump folder as it found it.
     checkpointer = build_checkpointer(plan, model, run.optimizer, run.scheduler, loader)
     start_step = restore(plan, checkpointer, model)
-    if cfg.preference.precompute_reference:  # a first pass over the pairs to come; the reference then freed
-        precompute_reference(plan, run, start_step)
+    step_setup.objective.prepare(plan, run, start_step)  # preference.precompute_reference: a first pass, the reference freed
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
         write_config(Path(cfg.job.dump_folder), cfg)
@@ -149,7 +147,7 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
     stats = StepStats(step, all_reduce_mean(result.loss, run.step.loss_group), result.grad_norm.item(), result.lr,
                       skipped_steps=skipped, moe_imbalance=result.moe_imbalance, ep_imbalance=result.ep_imbalance,
                       source_tokens=source_tokens(run.loader.state_dict()), groups=groups,
-                      preference=result.preference)
+                      objective=result.metrics, objective_note=run.step.objective.log_note(result.metrics))
     metrics.log(stats)
     report_long_samples(run.loader)
     return stats.loss
@@ -157,19 +155,8 @@ def log_step(metrics: MetricsLogger, step: int, result: StepResult, run: Trainin
 
 def validate(cfg: JobConfig, run: Training, metrics: MetricsLogger, step: int) -> None:
     """One validation, logged: each source's loss, or a preference run's objective and rewards on its pairs."""
-    if run.step.preference is None:
-        metrics.log_validation(step, validation_losses(cfg, run))
-        return
-    batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-    rewards = evaluate_preference(run.step, run.validation_loaders[""](), batches)
-    metrics.log_validation(step, {"": rewards.pop("loss")}, rewards)
-
-
-def validation_losses(cfg: JobConfig, run: Training) -> dict[str, float]:
-    """One loss per validation source (each of a mixture's), each over a fresh loader's first batches."""
-    batches = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-    return {name: evaluate(run.step, make_loader(), batches, document_masking=cfg.data.document_masking)
-            for name, make_loader in run.validation_loaders.items()}
+    losses, scalars = run.step.objective.validate(run, cfg)
+    metrics.log_validation(step, losses, scalars, run.step.objective.log_note(scalars or {}))
 
 
 def write_run_record(plan: RunPlan) -> None:

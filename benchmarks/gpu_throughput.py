@@ -94,6 +94,7 @@ from weft.parallelisms.fsdp import FSDPOptions
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import Meshes, ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
+from weft.recipe.objectives.next_token import NextToken
 from weft.recipe.step import StepSetup, model_forward, train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -365,7 +366,7 @@ def build_config(config: str, model_args: Any, device: torch.device, meshes: Mes
         model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
         device=device, max_norm=1.0, compiled_loss=compile and kind != "hf", forward=forward, loss_fn=loss_fn,
         forward_context=(lambda: torch.autocast(device.type, torch.bfloat16)) if autocast else contextlib.nullcontext,
-        precompute_float8="fsdp_float8" in variants,
+        precompute_float8="fsdp_float8" in variants, objective=NextToken(),
     )
 
 

@@ -7,9 +7,7 @@ train.py, the dry run and the benchmarks assemble the same pieces the same way.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import gc
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from weft.components.checkpoint.checkpointer import Checkpointer, CheckpointError, load_model_weights
 from weft.components.checkpoint.state import whole_model
-from weft.components.data import batches, build_loader, prefetch
+from weft.components.data import build_loader, prefetch
 from weft.components.data.fingerprint import FINGERPRINT_FILE
 from weft.components.data.mixture import Mixture
 from weft.components.distributed.flight_recorder import PhaseRecord, start_flight_recorder, trace_files_note
@@ -49,9 +47,8 @@ from weft.components.observe.wandb_logger import WandbLogger
 from weft.components.training.moe_balance import reset_expert_counts, set_load_balance_loss
 from weft.components.training.nonfinite import NonFinitePolicy
 from weft.components.training.optim import build_lr_scheduler, build_optimizer
-from weft.components.training.preference import REFERENCE_FREE, PreferenceOptions
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.lora import adapters_off, quantize_lora_base
+from weft.parallelisms.lora import quantize_lora_base
 from weft.parallelisms.materialize import materialize, materialize_part
 from weft.parallelisms.parallel_dims import Meshes
 from weft.parallelisms.parallelize import parallelize
@@ -59,16 +56,7 @@ from weft.parallelisms.pipeline import PipelineStages, build_schedule, default_s
 from weft.recipe.checks.experts import prepare_experts
 from weft.recipe.config_keys import config_error
 from weft.recipe.plan import RunPlan
-from weft.recipe.step import (
-    PipelineLoss,
-    PipelineStep,
-    Precomputed,
-    PreferenceStep,
-    StepSetup,
-    model_forward,
-    place,
-    reference_logps,
-)
+from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup, model_forward
 
 logger = logging.getLogger("weft")
 
@@ -113,111 +101,8 @@ def build_trainer(plan: RunPlan, meshes: Meshes | None, device: torch.device) ->
     model = build_model(plan, meshes, device)
     optimizer, scheduler = build_optimizer_and_schedule(plan, model)
     step = build_step(plan, model, optimizer, scheduler, meshes, device)
-    if plan.cfg.data.format == "preference":
-        step.preference = build_preference(plan, step, meshes, device)
+    step.objective = plan.objective.build(plan, step, meshes, device)  # its extra models too (a reference)
     return Trainer(model=model, optimizer=optimizer, scheduler=scheduler, step=step)
-
-
-def build_preference(plan: RunPlan, step: StepSetup, meshes: Meshes | None, device: torch.device) -> PreferenceStep:
-    """The pairs' objective and where its reference log-probabilities come from: none for SimPO
-    and ORPO; under LoRA without preference.reference_path, the policy itself with its adapters
-    switched off; else a frozen copy built and sharded like the policy (reference_model)."""
-    p = plan.cfg.preference
-    options = PreferenceOptions(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
-    pref = PreferenceStep(options, cp_group=meshes.cp.get_group() if plan.dims.cp > 1 else None)
-    mode = reference_mode(plan.cfg)
-    if mode == "none":
-        return pref
-    if mode == "adapters_off":
-        pref.reference = functools.partial(_policy_reference, step)
-        logger.info("preference: the reference is the policy with its LoRA adapters switched off")
-        return pref
-    reference = reference_model(plan, meshes, device)
-    pref.reference = functools.partial(_frozen_reference, reference, step)
-    return pref
-
-
-def precompute_reference(plan: RunPlan, run: Training, start_step: int) -> None:
-    """preference.precompute_reference: the reference's log-probabilities of every micro-batch the run
-    will train on from `start_step` (a loader of its own, from the training loader's state) and of the
-    validation batches, computed now; the reference is then dropped, so training holds no copy of it.
-    Before the first step the optimizer holds no state yet: this pass needs the two models' weights
-    and one forward's activations."""
-    cfg, pref = plan.cfg, run.step.preference
-    loader = build_loader("preference", plan.data_files, plan.tokenizer, seq_len=cfg.training.seq_len,
-                          local_batch_size=cfg.training.local_batch_size, **data_share(plan, run.meshes),
-                          truncation=cfg.preference.truncation)
-    loader.load_state_dict(run.loader.state_dict())
-    micro_batches = (cfg.training.steps - start_step) * cfg.training.gradient_accumulation_steps
-    train = [pref.reference(place(run.step, b)).cpu() for _, b in zip(range(micro_batches), batches(loader))]
-    validation = []
-    if "" in run.validation_loaders:
-        steps = cfg.validation.steps * cfg.training.gradient_accumulation_steps
-        validation = [pref.reference(place(run.step, b)).cpu()
-                      for _, b in zip(range(steps), batches(run.validation_loaders[""]()))]
-    pref.reference, pref.validation_reference = Precomputed(train), Precomputed(validation, cycle=True)
-    gc.collect()
-    if run.device.type == "cuda":
-        torch.cuda.empty_cache()
-    logger.info(f"preference: the reference's log-probabilities of {len(train)} training and {len(validation)} "
-                "validation micro-batches precomputed; the reference is freed")
-
-
-def reference_mode(cfg) -> str:
-    """Where a preference run's reference log-probabilities come from: 'none' (SimPO, ORPO; and
-    runs without preference data), 'adapters_off' (LoRA without preference.reference_path: the policy
-    itself, no second copy), else 'frozen_copy'."""
-    if cfg.data.format != "preference" or cfg.preference.loss in REFERENCE_FREE:
-        return "none"
-    return "adapters_off" if cfg.lora.enable and not cfg.preference.reference_path else "frozen_copy"
-
-
-def _policy_reference(step: StepSetup, batch) -> torch.Tensor:
-    """The policy with its adapters off, in eval mode: MoE layers neither count these tokens for the
-    routing balance nor add their load-balancing loss."""
-    training = step.model.training
-    step.model.eval()
-    try:
-        return reference_logps(step.model, step, batch, context=adapters_off)
-    finally:
-        step.model.train(training)
-
-
-def _frozen_reference(reference: nn.Module, step: StepSetup, batch) -> torch.Tensor:
-    return reference_logps(reference, step, batch)
-
-
-def reference_source(plan: RunPlan) -> str:
-    """Where the frozen reference's weights come from: preference.reference_path, else the run's
-    starting weights (checkpoint.initial_load_path, the seed checkpoint step-0); '' for the seeded
-    initialisation, which the reference draws as the policy did."""
-    cfg = plan.cfg
-    if cfg.preference.reference_path or cfg.checkpoint.initial_load_path:
-        return cfg.preference.reference_path or cfg.checkpoint.initial_load_path
-    seed = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / "step-0"
-    return str(seed) if cfg.checkpoint.enable and seed.is_dir() else ""
-
-
-def reference_model(plan: RunPlan, meshes: Meshes | None, device: torch.device | None) -> nn.Module:
-    """The frozen reference: the model built by the policy's own path (meta -> parallelize ->
-    materialize, so sharded like it), without LoRA, its weights from `reference_source`, no
-    gradients; never in a checkpoint (it is read again at every start)."""
-    options = dataclasses.replace(plan.options, lora=None)
-    model = build_model(dataclasses.replace(plan, options=options), meshes, device)
-    if device is None:  # the dry run's meta model
-        return model
-    if plan.pipeline is not None:  # its own schedule, forward only, each row's log-probability its loss
-        loss = PipelineLoss(row_logps=True)
-        model.schedule = (build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
-                                         microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
-                                         pp_group=meshes.pp.get_group(), after_metadata_inference=reset_expert_counts),
-                          loss)
-    source = reference_source(plan)
-    if source:
-        load_initial_weights(model, Path(source))
-    model.requires_grad_(False)
-    logger.info(f"preference: the reference is a frozen copy of the model from {source or 'the seeded initialisation'}")
-    return model.eval()
 
 
 def start_processes(plan: RunPlan) -> tuple[torch.device, Meshes | None, int]:
@@ -355,17 +240,7 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
     labels only where the loss applies; the ranks count document lengths together, so each
     tokenizes little more than its own share. A data.mixture is one loader of one window per rank
     per source, drawn from by weight (components/data/mixture.py)."""
-    cfg = plan.cfg
-    make_loader = functools.partial(
-        build_loader,
-        tokenizer=plan.tokenizer,
-        seq_len=cfg.training.seq_len,
-        local_batch_size=cfg.training.local_batch_size,
-        **data_share(plan, meshes),
-        text_field=cfg.data.text_field,
-        long_samples=cfg.data.long_samples,
-        truncation=cfg.preference.truncation,
-    )
+    cfg, make_loader = plan.cfg, loader_factory(plan, meshes)
     sources = plan.data_sources
     if sources:
         loader = Mixture([s.name for s in sources],
@@ -380,6 +255,15 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
     validation_loaders = {name: functools.partial(make_loader, validation_format, files)
                           for name, files in validation.items()}
     return prefetch(loader, document_masking=cfg.data.document_masking, device=device), validation_loaders
+
+
+def loader_factory(plan: RunPlan, meshes: Meshes | None) -> Callable[..., object]:
+    """make(data_format, files, **overrides): a loader of this rank's share of `files`, as the run reads them."""
+    cfg = plan.cfg
+    return functools.partial(build_loader, tokenizer=plan.tokenizer, seq_len=cfg.training.seq_len,
+                             local_batch_size=cfg.training.local_batch_size, **data_share(plan, meshes),
+                             text_field=cfg.data.text_field, long_samples=cfg.data.long_samples,
+                             truncation=cfg.preference.truncation)
 
 
 def data_share(plan: RunPlan, meshes: Meshes | None) -> dict[str, int]:
@@ -407,7 +291,7 @@ def build_step(plan: RunPlan, model: nn.Module, optimizer, scheduler, meshes: Me
     forward = functools.partial(model_forward, call=call) if call is not None else model_forward
     pipeline = None
     if plan.pipeline is not None:  # torch's schedule over this rank's stages, with the step's loss
-        loss = PipelineLoss(compiled=cfg.compile.enable)
+        loss = PipelineLoss()  # its fn set by the objective
         schedule = build_schedule(model, model.stage_ids, model.n_stages, schedule=plan.pipeline.schedule,
                                   microbatches=plan.pipeline.microbatches, loss_fn=loss, device=device,
                                   pp_group=meshes.pp.get_group(), after_metadata_inference=reset_expert_counts)
@@ -500,16 +384,17 @@ def restore(plan: RunPlan, checkpointer: Checkpointer, model: nn.Module) -> int:
     return 0
 
 
-def load_initial_weights(model: nn.Module, path: Path, names: Collection[str] | None = None) -> None:
+def load_initial_weights(model: nn.Module, path: Path, names: Collection[str] | None = None, *,
+                         key: str = "checkpoint.initial_load_path") -> None:
     """Weights from a DCP checkpoint folder, or from a Hugging Face folder (has config.json);
-    names: only these parameters."""
+    names: only these parameters; key: the config key that named `path`, in an error."""
     try:
         if (path / "config.json").is_file():
             load_hf_into_model(model, path, names)
         else:
             load_model_weights(model, path, names)
     except CheckpointError as e:
-        raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
+        raise CheckpointError(f"{key}: {e}") from None
     if names is None:
         logger.info(f"weights loaded from {path}")
 
@@ -535,7 +420,7 @@ def log_summary(plan: RunPlan, model: nn.Module) -> None:
                 f"{args.kv_heads} kv heads, vocab {args.vocab_size}); {backend_line(plan, model)}")
     logger.info(plan.precision.describe())
     rows = plan.tokens_per_step // t.seq_len
-    samples = f"{rows // 2} pairs ({rows} rows)" if plan.cfg.data.format == "preference" else f"{rows} samples"
+    samples = plan.objective.describe_rows(rows)
     logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x "
                 f"{plan.dims.dp} dp = {samples} = {plan.tokens_per_step:,} tokens per step")
 

@@ -45,8 +45,9 @@ from weft.parallelisms.pipeline import (
     split_model,
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
-from weft.recipe.build import build_model, model_line, reference_mode, reference_model
+from weft.recipe.build import build_model, model_line
 from weft.recipe.checks.experts import prepare_experts
+from weft.recipe.objectives import Objective
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
 
 logger = logging.getLogger("weft")
@@ -61,16 +62,17 @@ def planned_world_size(cfg: JobConfig) -> int:
     return p.pp * p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
 
 
-def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims) -> StepShape:
+def step_shape(cfg: JobConfig, args: Any, dims: ParallelDims, rows_per_sample: int = 1) -> StepShape:
     """What the memory estimate needs from the config and layout. Compute dtype and mechanism are
-    train.py's precision policy (parallelisms/precision.py): FSDP's param dtype, else autocast."""
+    train.py's precision policy (parallelisms/precision.py): FSDP's param dtype, else autocast.
+    rows_per_sample: the objective's (a preference pair is two rows)."""
     t = cfg.training
     param_dtype = DTYPES[t.mixed_precision_param]
     policy = precision_policy(t.mixed_precision_param, t.mixed_precision_reduce, fsdp=dims.fsdp_enabled,
                               device_type="cuda")
     compute = policy.compute_dtype
     return StepShape(
-        args=args, local_batch=t.local_batch_size * (2 if cfg.data.format == "preference" else 1), seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
+        args=args, local_batch=t.local_batch_size * rows_per_sample, seq_len=t.seq_len, tp=dims.tp, cp=dims.cp,
         fsdp=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, ep=dims.ep,
         ep_imbalance=cfg.job.dry_run_ep_imbalance, compute_dtype=compute,
         param_dtype=param_dtype,
@@ -149,7 +151,7 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
                 f"(seq_len {t.seq_len})")
 
     estimate = print_estimate(plan, model, meshes)
-    table, best = layouts_table(cfg, args, dims, limit, plan.options)
+    table, best = layouts_table(cfg, args, dims, limit, plan.options, plan.objective)
     print(table)
     _verdict(estimate, limit, cfg, dims, best)
     return estimate
@@ -158,17 +160,17 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
 def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
     """Print the memory estimate of the planned run and return it: of the one model, or of each
     pipeline rank that bounds memory (the larger returned); with QLoRA, its start-up as a phase."""
-    cfg, args = plan.cfg, plan.model_args
-    shape = step_shape(cfg, args, plan.dims)
+    cfg, args, frozen = plan.cfg, plan.model_args, plan.objective.frozen(plan.cfg)
+    shape = step_shape(cfg, args, plan.dims, plan.objective.rows_per_sample)
     heading = (f"memory per device (estimate; compute {_name(shape.compute_dtype)}, "
                f"activation checkpointing {_ac(cfg)}, float8 {'on' if cfg.float8.enable else 'off'})")
     if plan.pipeline is None:
         estimate = estimate_memory(model, shape)
-        if reference_mode(cfg) == "frozen_copy":  # beside the policy, sharded like it
-            reference = training_state_bytes(reference_model(plan, meshes, None))[0]
-            estimate.buffers["preference reference (frozen copy's weights)"] = reference
-            if cfg.preference.precompute_reference:  # held only for the first pass, before any optimizer state
-                estimate.phases["reference precompute pass"] = estimate.parameters + reference
+        if frozen is not None and frozen.mode == "copy":  # beside the policy, sharded like it
+            reference = training_state_bytes(frozen.copy(plan, meshes, None))[0]
+            estimate.buffers[f"{frozen.name} (frozen copy's weights)"] = reference
+            if frozen.precompute:  # held only for the first pass, before any optimizer state
+                estimate.phases[f"{frozen.name} precompute pass"] = estimate.parameters + reference
             else:  # held all run long
                 estimate.phases = {phase: size + reference for phase, size in estimate.phases.items()}
         print(f"{heading}:")
@@ -186,8 +188,8 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
         estimate = estimates[worst]
         if len(estimates) > 1:
             print(f"the largest: pipeline rank {worst}")
-    if reference_mode(cfg) == "adapters_off":
-        print("  preference reference: the model with its LoRA adapters off (no second copy)")
+    if frozen is not None and frozen.mode == "adapters_off":
+        print(f"  {frozen.name}: the model with its LoRA adapters off (no second copy)")
     if cfg.lora.enable and cfg.lora.quantize_base:  # every rank quantizes the whole base before FSDP shards it
         startup = qlora_startup_bytes(model, args, shape.compute_dtype, plan.dims.ep)
         estimate.phases["QLoRA start-up"] = startup
@@ -227,10 +229,11 @@ def candidate_layouts(cfg: JobConfig, args: Any, world_size: int) -> list[Parall
 
 
 def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float | None, options: ParallelizeOptions,
-                  rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
+                  objective: type[Objective], rows: int = 12) -> tuple[str, tuple[int, ParallelDims]]:
     """The estimated peak of each layout of this world size, smallest first (parameters counted
-    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout; under a pipeline the
-    larger of its first and last stage's ranks); and the best one."""
+    from shapes, `tp_fsdp_state_bytes`, the rest as for the planned layout, a frozen copy the
+    objective holds all run long added; under a pipeline the larger of its first and last stage's
+    ranks); and the best one."""
     spec = spec_for_args(args)
     with torch.device("meta"):
         plain = spec.build(args)
@@ -238,11 +241,12 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
     if options.lora is not None:  # the frozen base and its adapters, as parallelize makes them
         prepare_experts(spec, plain, lora=options.lora)
         apply_lora(plain, options.lora)
-    copy = reference_mode(cfg) == "frozen_copy" and not cfg.preference.precompute_reference  # held all run
+    frozen = objective.frozen(cfg)
+    copy = frozen is not None and frozen.mode == "copy" and not frozen.precompute  # held all run
     stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size):
-        shape = step_shape(cfg, args, dims)
+        shape = step_shape(cfg, args, dims, objective.rows_per_sample)
         if dims.pp == 1:
             state = tp_fsdp_state_bytes(plain, dims.tp, shape.fsdp)
             reference = tp_fsdp_state_bytes(base, dims.tp, shape.fsdp)[0] if copy else 0

@@ -42,9 +42,9 @@ from weft.recipe.checks.experts import check_expert_parallel, check_model_layout
 from weft.recipe.checks.gpu import check_cpu_offload, check_gpu_compute, check_shared_gpus, float8_warnings
 from weft.recipe.checks.lora import check_lora
 from weft.recipe.checks.packed import check_packed_documents
-from weft.recipe.checks.preference import check_preference
 from weft.recipe.config_keys import config_error, model_source, read_options
 from weft.recipe.data_plan import DataSource, mixture_entries, plan_data
+from weft.recipe.objectives import Objective, objective_class
 
 
 @dataclass
@@ -62,6 +62,7 @@ class RunPlan:
     data_fingerprint: str = ""  # JSON saved with each checkpoint (components/data/fingerprint.py)
     data_sources: list[DataSource] = field(default_factory=list)  # data.mixture's (recipe/data_plan.py)
     pipeline: PipelineLayout | None = None  # with parallelism.pp > 1
+    objective: type[Objective] | None = None  # what the run trains (recipe/objectives/): from_config sets it
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, *, device_type: str | None = None,
@@ -76,7 +77,8 @@ class RunPlan:
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         spec, model_args, dims = model_and_layout(cfg, world_size, device_type)
         check_packed_documents(cfg, spec, model_args)
-        check_preference(cfg, dims)
+        objective = objective_class(cfg)  # the one choice of what the run trains (recipe/objectives/)
+        objective.check(cfg, dims)
         tokenizer, data_files, validation_files, data_sources = None, [], [], []
         fingerprint, notes = "", []
         if check_environment:
@@ -116,15 +118,14 @@ class RunPlan:
                    warnings=[*warnings, *float8_warnings(cfg, dims, device_type), *notes] if check_environment
                    else warnings,
                    data_fingerprint=fingerprint, data_sources=data_sources,
-                   pipeline=pipeline_layout(cfg, model_args, dims))
+                   pipeline=pipeline_layout(cfg, model_args, dims), objective=objective)
         check_lora(cfg, spec, model_args, dims, plan.options.lora)
         return plan
 
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.training
-        rows = 2 if self.cfg.data.format == "preference" else 1  # a pair is two rows
-        return rows * t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
+        return self.objective.rows_per_sample * t.seq_len * t.local_batch_size * t.gradient_accumulation_steps * self.dims.dp
 
 
 def model_and_layout(cfg: JobConfig, world_size: int, device_type: str) -> tuple[ModelSpec, Any, ParallelDims]:

@@ -113,6 +113,9 @@ class Training:
         "its optimizer step (weights, optimizer state and LR schedule untouched)", choices=("stop", "skip"))
     max_skipped_steps: int = opt(
         3, "With on_nonfinite = skip: stop after this many consecutive skipped steps", min=1)
+    objective: str = opt(
+        "auto", "What a step trains: next_token (pretraining, SFT) or preference ([preference]); auto: preference "
+        "for data.format = preference, else next_token")
 
 
 # Pipeline schedules of torch.distributed.pipelining (torch 2.13), by the names get_schedule_class takes.

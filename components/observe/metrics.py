@@ -110,7 +110,8 @@ class StepStats:
     ep_imbalance: dict[str, float] = field(default_factory=dict)  # MoE layer -> tokens of the busiest ep rank / mean
     source_tokens: dict[str, int] = field(default_factory=dict)  # data.mixture source -> tokens drawn so far
     groups: Any = None  # [fault_tolerance]: components.ft.GroupStats (groups in the step, uncommitted steps, heal time)
-    preference: dict[str, float] = field(default_factory=dict)  # TRL's names: rewards/chosen, ..., logps/rejected
+    objective: dict[str, float] = field(default_factory=dict)  # the objective's scalars (preference: TRL's rewards/...)
+    objective_note: str = ""  # what the log line shows of them ("  reward_margin 0.0012  reward_accuracy 0.750")
 
 
 class MetricsLogger:
@@ -209,7 +210,7 @@ class MetricsLogger:
             **{f"moe/ep_imbalance/{layer}": value for layer, value in stats.ep_imbalance.items()},
             **{f"data/tokens/{name}": tokens for name, tokens in stats.source_tokens.items()},
             **(stats.groups.scalars() if stats.groups else {}),
-            **stats.preference,
+            **stats.objective,
             "time/elapsed_seconds": run_seconds,
             "time/remaining_seconds": remaining_seconds,
             **rank_scalars(times),
@@ -227,8 +228,7 @@ class MetricsLogger:
             + (f"  moe_imbalance {max(stats.moe_imbalance.values()):.2f}" if stats.moe_imbalance else "")
             + (f"  ep_imbalance {max(stats.ep_imbalance.values()):.2f}" if stats.ep_imbalance else "")
             + source_note(stats.source_tokens)
-            + (f"  reward_margin {stats.preference['rewards/margins']:.4f}  reward_accuracy "
-               f"{stats.preference['rewards/accuracies']:.3f}" if stats.preference else "")
+            + stats.objective_note
             + (f"  {stats.groups.note()}" if stats.groups else "")
             + slow_rank_note(times, self.slow_rank_threshold)
             + f"  elapsed {clock(run_seconds)} eta {clock(remaining_seconds)}"
@@ -241,14 +241,14 @@ class MetricsLogger:
         self._data_wait_s = 0.0
         return values
 
-    def log_validation(self, step: int, losses: dict[str, float], rewards: dict[str, float] | None = None) -> dict[str, float]:
+    def log_validation(self, step: int, losses: dict[str, float], scalars: dict[str, float] | None = None,
+                       note: str = "") -> dict[str, float]:
         """Validation losses by source ('': validation.dataset_path's one loss) and their perplexities:
-        a log line, TensorBoard scalars, a JSON line. A preference run's `rewards` (METRICS of
-        components/training/preference.py) go with its loss as validation/<name>, with no perplexity."""
-        if rewards is not None:
-            values = {"validation/loss": losses[""], **{f"validation/{k}": v for k, v in rewards.items()}}
-            logger.info(f"step {step:>6}  validation loss {losses['']:8.4f}  reward_margin "
-                        f"{rewards['rewards/margins']:.4f}  reward_accuracy {rewards['rewards/accuracies']:.3f}")
+        a log line, TensorBoard scalars, a JSON line. An objective's `scalars` (preference: its rewards)
+        go with its one loss as validation/<name>, with no perplexity; `note` is their part of the line."""
+        if scalars is not None:
+            values = {"validation/loss": losses[""], **{f"validation/{k}": v for k, v in scalars.items()}}
+            logger.info(f"step {step:>6}  validation loss {losses['']:8.4f}{note}")
             if not self._opened:
                 self._open()
             self._write(values, step)

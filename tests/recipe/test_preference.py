@@ -143,6 +143,8 @@ def test_dpo_after_sft_prefers_the_held_out_chosen_answers(tmp_path):
     (["--validation.enable", "--validation.format", "text", "--validation.dataset_path", str(REPO / "assets/data")],
      None, "validation.format = text: a preference run validates on pairs"),
     (["--data.mixture", "a:1"], None, "data.mixture: mixes windows of text or samples"),
+    (["--preference.reference_path", "/nonexistent/reference"], None,
+     "preference.reference_path: no checkpoint folder at /nonexistent/reference"),
     ([], [{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
            "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}],
      ":2: chosen and rejected have different prompts"),
