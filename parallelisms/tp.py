@@ -50,19 +50,13 @@ def check_tp_composes(quantize_base: str | None) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions = TPOptions()) -> nn.Module:
     """Split the model's layers over `tp_mesh` following `plan`; return the model.
 
-    plan None: the plan the model declares (`model.tensor_parallel_plan(...)`: weft's models), a
-    transformers model's own declared plan (`hf_tp_plan`). Column-split layers own whole
-    output features (whole heads), row-split layers whole input features; the heads and every
-    split dimension must be divisible by the mesh size, which is checked before anything changes.
-
-    loss_parallel False (default): the output projection's logits are gathered, so the model
-    returns what it returned before (a plain tensor; a transformers model's `labels=` loss works).
-    True: they stay vocabulary-sharded (a DTensor) and the loss must be computed under
-    `torch.distributed.tensor.parallel.loss_parallel()`; train.py chooses this (parallelism.loss_parallel).
-    float8_all_gather: weft's plan with torchao's float8 styles (apply_float8 came first; needs NCCL).
-
-    Apply after float8 and before context parallelism, activation checkpointing, compile and
-    FSDP/DDP, on the meta-device or real model.
+    plan None: the plan the model declares (weft's models' `tensor_parallel_plan`, a transformers
+    model's `hf_tp_plan`). Column-split layers own whole output features (whole heads), row-split
+    layers whole input features; every split must divide by the mesh size, checked before anything
+    changes. loss_parallel False: the logits are gathered (a plain tensor); True: they stay
+    vocabulary-sharded and the loss runs under `loss_parallel()`. float8_all_gather: torchao's float8
+    styles (after apply_float8; NCCL). Apply after float8 and before context parallelism, activation
+    checkpointing, compile and FSDP/DDP, on the meta-device or real model.
     """
     plan, loss_parallel, float8_all_gather = options.plan, options.loss_parallel, options.float8_all_gather
     refuse_data_parallel_model(model, "apply_tp")
