@@ -39,10 +39,11 @@ def make_pairs(n: int, offset: int = 0, answer_chars: int = 60, chat: bool = Fal
 def trl_ids(hf, prompt, answer) -> tuple[list[int], int]:
     """TRL 1.16's tokenization of one answer, with a transformers tokenizer `hf` alone: the prompt
     (with the generation prompt) and prompt + answer tokenized whole; the answer starts where the two
-    lists diverge (strings: EOS appended if missing). Returns the ids and that start."""
+    lists diverge (strings: the EOS token's text appended to an answer that lacks it). Returns the ids
+    and that start."""
     if isinstance(answer, str):
-        prompt_ids, ids = hf(prompt)["input_ids"], hf(prompt + answer)["input_ids"]
-        ids = ids if ids[-1] == hf.eos_token_id else ids + [hf.eos_token_id]
+        eos = "" if answer.endswith(hf.eos_token) else hf.eos_token
+        prompt_ids, ids = hf(prompt)["input_ids"], hf(prompt + answer + eos)["input_ids"]
     else:
         prompt_ids = hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         ids = hf.apply_chat_template(prompt + answer, tokenize=True)
