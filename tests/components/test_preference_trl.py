@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from weft.components.data import HFTokenizer, build_loader
 from weft.components.training.preference import (
@@ -23,7 +22,7 @@ from weft.components.training.preference import (
 )
 
 from tests.support.chat_data import write_jsonl
-from tests.support.preference_data import hamlet_lines, make_pairs, split_record
+from tests.support.preference_data import hamlet_lines, make_pairs, trl_objective, trl_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,69 +65,6 @@ def tiny_llama(vocab: int, seed: int):
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     return transformers.LlamaForCausalLM(config).eval()
-
-
-def trl_rows(hf, record) -> list[tuple[list[int], int]]:
-    """DPOTrainer's tokenization of a record: (prompt + answer ids, where the answer starts) for chosen
-    and rejected, the start being where the prompt's ids and either answer's first differ."""
-    prompt, answers = split_record(record)
-    if isinstance(prompt, str):
-        eos = hf.eos_token
-        prompt_ids = hf(prompt)["input_ids"]
-        rows = [hf(prompt + (a if a.endswith(eos) else a + eos))["input_ids"] for a in answers]
-    else:
-        def ids(messages, **kwargs):
-            return list(hf.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
-        prompt_ids, rows = ids(prompt, add_generation_prompt=True), [ids(prompt + a) for a in answers]
-
-    def common(a, b):
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    start = min(common(prompt_ids, row) for row in rows)
-    return [(row, start) for row in rows]
-
-
-def trl_objective(loss_type, beta, gamma, policy, reference, hf, pairs):
-    """TRL's loss and logged metrics for a batch of pairs (rows chosen..., then rejected... as TRL
-    concatenates them), padded on the right with an attention mask."""
-    rows = [r for which in (0, 1) for pair in pairs for r in [trl_rows(hf, pair)[which]]]
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [hf.pad_token_id] * (width - len(ids)) for ids, _ in rows])
-    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
-    answer = torch.tensor([[int(start <= i < len(ids)) for i in range(width)] for ids, start in rows])[:, 1:]
-
-    def token_logps(model):
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
-        return logits, torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
-
-    logits, per_token = token_logps(policy)
-    n = len(pairs)
-    sums, counts = (per_token * answer).sum(1), answer.sum(1)
-    c, r, nc, nr = sums[:n], sums[n:], counts[:n], counts[n:]
-    if loss_type in ("sigmoid", "ipo"):  # DPOTrainer
-        ref = (token_logps(reference)[1] * answer).sum(1)
-        cr, rr = c - ref[:n], r - ref[n:]
-        loss = (-F.logsigmoid(beta * (cr - rr)) if loss_type == "sigmoid"
-                else (cr / nc - rr / nr - 1 / (2 * beta)) ** 2).mean()
-        rewards, logps = (beta * cr, beta * rr), (c, r)
-    else:
-        cm, rm = c / nc, r / nr
-        if loss_type == "simpo":  # CPOTrainer, loss_type="simpo", cpo_alpha=0
-            loss = -F.logsigmoid(beta * (cm - rm - gamma / beta)).mean()
-        else:  # ORPOTrainer
-            def log1mexp(x):
-                return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
-            log_odds = (cm - rm) - (log1mexp(cm) - log1mexp(rm))
-            labels = torch.where(attention == 1, input_ids, -100)[:n, 1:]
-            nll = F.cross_entropy(logits[:n].reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss = nll - (beta * F.logsigmoid(log_odds)).mean()
-        rewards, logps = (beta * cm, beta * rm), (cm, rm)
-    metrics = {"rewards/chosen": rewards[0], "rewards/rejected": rewards[1], "rewards/margins": rewards[0] - rewards[1],
-               "rewards/accuracies": (rewards[0] > rewards[1]).float(), "logps/chosen": logps[0],
-               "logps/rejected": logps[1]}
-    # a reward is β times a difference of sums of fp32 log-probabilities: its error scales with theirs
-    scale = beta * (sums.abs() + (ref.abs() if loss_type in ("sigmoid", "ipo") else 0)).max().item()
-    return loss.item(), {name: value.mean().item() for name, value in metrics.items()}, scale
 
 
 @pytest.fixture(scope="module", params=["bos", "nothing"])
