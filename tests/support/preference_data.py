@@ -88,7 +88,8 @@ def trl_objective(loss_type, beta, gamma, policy, reference, hf, pairs):
     concatenates them), padded on the right with an attention mask."""
     rows = [r for which in (0, 1) for pair in pairs for r in [trl_rows(hf, pair)[which]]]
     width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [hf.pad_token_id] * (width - len(ids)) for ids, _ in rows])
+    pad = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id  # as TRL pads
+    input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
     attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
     answer = torch.tensor([[int(start <= i < len(ids)) for i in range(width)] for ids, start in rows])[:, 1:]
 
