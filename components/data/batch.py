@@ -18,12 +18,14 @@ import torch
 
 class Batch(NamedTuple):
     """One micro-batch: inputs and labels [batch, seq]; with packing also each token's position in
-    its document and its document id (else None: one causal sequence)."""
+    its document and its document id (else None: one causal sequence). Preference pairs also carry
+    `row_labels`: every next token of a row, the prompt's too (`labels` has only the answer's)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    row_labels: torch.Tensor | None = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         """The batch on `device`; `non_blocking` copies from pinned memory without waiting for them

@@ -2,9 +2,11 @@
 
 A record is `{prompt, chosen, rejected}`: all strings, or all lists of chat messages (no `prompt`:
 chosen and rejected are whole conversations whose messages before the last assistant turn are the
-prompt). Each answer is tokenized as TRL does: prompt (with the generation prompt) and prompt + answer
-are tokenized whole, and the answer starts where the two id lists diverge. A pair fills two rows of
-a batch, chosen then rejected, padded to seq_len; only the answers' tokens are supervised.
+prompt). Each answer is tokenized as TRL 1.16's DPOTrainer does (`answer_sample`): prompt (with the
+generation prompt) and prompt + answer are tokenized whole, and the answer starts where the two id
+lists diverge. A pair fills two rows of a batch, chosen then rejected, padded to seq_len; only the
+answers' tokens are supervised (`labels`); `row_labels` holds every token's, the prompt's too
+(ORPO's NLL term reads the chosen rows').
 """
 
 from __future__ import annotations
@@ -77,12 +79,15 @@ def split_conversation(messages: list, key: str, where: str) -> tuple[list, list
 
 def answer_sample(prompt: Any, answer: Any, tokenizer: Any) -> tuple[Sample, int]:
     """The row of prompt + answer and where its answer starts: the first id where the prompt's
-    ids (chat: rendered with the generation prompt) and prompt + answer's ids differ. A string
-    answer gets EOS if its ids do not end with it."""
+    ids and prompt + answer's ids differ, as TRL 1.16's DPOTrainer tokenizes them. Strings: the
+    answer gets the EOS token's text if it does not end with it, and both get the special tokens the
+    tokenizer itself adds (`encode_plain`); chat: the template's ids, the prompt's with the
+    generation prompt, nothing added."""
     if isinstance(prompt, str):
-        prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
-        ids = tokenizer.encode(prompt + answer, bos=True, eos=False)
-        if not ids or ids[-1] != tokenizer.eos_id:
+        eos = getattr(tokenizer, "eos_token", None)  # a SentencePiece model has no EOS text: its id is appended
+        text = prompt + answer + (eos if eos is not None and not answer.endswith(eos) else "")
+        prompt_ids, ids = tokenizer.encode_plain(prompt), tokenizer.encode_plain(text)
+        if eos is None and (not ids or ids[-1] != tokenizer.eos_id):
             ids.append(tokenizer.eos_id)
     else:
         prompt_ids = tokenizer.encode_chat(prompt, add_generation_prompt=True)
@@ -121,7 +126,7 @@ def preference_pair(record: Any, tokenizer: Any, where: str, *, max_tokens: int,
 
 class PreferencePairs(PackedSamples):
     """Batches of pairs: `local_batch_size` pairs per rank, as 2 × local_batch_size rows (chosen,
-    rejected, chosen, ...) of seq_len inputs, padded (label IGNORE_INDEX). Pairs that do not fit are
+    rejected, chosen, ...) of seq_len inputs, padded (label IGNORE_INDEX), with `row_labels`. Pairs that do not fit are
     skipped and counted (`dropped`), cut ones counted (`truncated`); state and files as PackedSamples."""
 
     def __init__(self, tokenizer: Any, *, seq_len: int, truncation: str = "keep_start") -> None:
@@ -148,7 +153,7 @@ class PreferencePairs(PackedSamples):
         return max(len(pair.chosen.tokens), len(pair.rejected.tokens)) + pair.truncated * (self.seq_len + 1)
 
     def batches(self, cursor: Cursor, shape: BatchShape, group: dist.ProcessGroup | None) -> Iterator[Batch]:
-        """Batch(inputs, labels), each [2 × local_batch_size, seq_len], forever."""
+        """Batch(inputs, labels, row_labels=...), each [2 × local_batch_size, seq_len], forever."""
         first = shape.dp_rank * shape.local_batch_size
         while True:
             taken = []
@@ -165,7 +170,8 @@ class PreferencePairs(PackedSamples):
                     for counted in taken[first:first + shape.local_batch_size]
                     for sample in (cursor.unit(counted).chosen, cursor.unit(counted).rejected)]
             cursor.forget_before(cursor.counted[0].index if cursor.counted else cursor.next_index)
-            yield Batch(*(torch.tensor([row[i] for row in rows], dtype=torch.int64) for i in range(2)))
+            inputs, labels, row_labels = (torch.tensor([row[i] for row in rows], dtype=torch.int64) for i in range(3))
+            yield Batch(inputs, labels, row_labels=row_labels)
 
     def check_records(self, files: list[Path]) -> int:
         """Every JSONL record checked (of a Parquet/Arrow file, its footer's columns), the first
@@ -185,8 +191,10 @@ class PreferencePairs(PackedSamples):
         self.build(files, next(documents(files, DocStart(epoch=0, file_index=0), self.columns)))
         return count
 
-    def _row(self, sample: Sample, seq_len: int) -> tuple[list[int], list[int]]:
+    def _row(self, sample: Sample, seq_len: int) -> tuple[list[int], list[int], list[int]]:
+        """Inputs, labels (the answer's tokens) and row labels (every token's), padded to seq_len."""
         inputs = sample.tokens[:-1]
         labels = [t if keep else IGNORE_INDEX for t, keep in zip(sample.tokens[1:], sample.supervised[1:])]
         padding = seq_len - len(inputs)
-        return inputs + [self.pad_id] * padding, labels + [IGNORE_INDEX] * padding
+        return (inputs + [self.pad_id] * padding, labels + [IGNORE_INDEX] * padding,
+                sample.tokens[1:] + [IGNORE_INDEX] * padding)

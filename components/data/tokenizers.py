@@ -1,6 +1,7 @@
 """Tokenizers: a SentencePiece `.model` file or a Hugging Face tokenizer folder, and chat templates.
 
-Both give `encode(text, bos, eos)`, `decode(ids)`, `vocab_size`, `bos_id` and `eos_id`;
+Both give `encode(text, bos, eos)`, `encode_plain(text)` (the special tokens the tokenizer itself
+adds, as transformers' `tokenizer(text)`), `decode(ids)`, `vocab_size`, `bos_id` and `eos_id`;
 `load_tokenizer(path)` picks `Tokenizer` for a file and `HFTokenizer` (`tokenizer.json` +
 `tokenizer_config.json`: BOS, EOS, pad and chat template) for a folder. `render_chat` renders a
 Jinja chat template as transformers' `apply_chat_template` does, so `encode_chat` returns its ids.
@@ -49,6 +50,10 @@ class Tokenizer:
     def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
         ids: list[int] = self._sp.encode(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` after BOS, as a Llama SentencePiece tokenizer in transformers adds them."""
+        return self.encode(text, bos=True, eos=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
@@ -134,6 +139,12 @@ class HFTokenizer:
         """Ids of `text`, after BOS if asked and the tokenizer has one, and before EOS if asked."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with the special tokens transformers' `tokenizer(text)` adds: those of
+        tokenizer.json's post-processor (Llama 3's BOS; none where it has none, as Qwen's), which
+        transformers 5 follows whatever tokenizer_config.json's `add_bos_token` says."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

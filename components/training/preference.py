@@ -3,7 +3,8 @@
 A micro-batch holds pairs as rows chosen, rejected, chosen, ...; `answer_logps` gives each row's
 summed log-probability of its supervised (answer) tokens and their number. Each loss is a function
 of the policy's (and, for DPO and IPO, the reference's) log-probabilities, one value per pair, as
-written in its paper: docs/preference.md has the formulas.
+TRL 1.16 computes it (docs/preference.md has the formulas); `micro_batch_loss` is a micro-batch's
+share of the step's loss, ORPO's NLL term included.
 """
 
 from __future__ import annotations
@@ -108,27 +109,63 @@ def orpo_odds_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float) ->
 def pair_losses(options: PreferenceOptions, logps: torch.Tensor, tokens: torch.Tensor,
                 reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each pair's loss (ORPO: its odds-ratio term) and metrics, from rows' summed log-probabilities
-    `logps` and answer tokens `tokens` (interleaved chosen, rejected) and the reference's (None: reference-free)."""
+    `logps` and answer tokens `tokens` (interleaved chosen, rejected) and the reference's (None: reference-free).
+    The metrics mean what TRL 1.16 logs under their names: DPO and IPO as its DPOTrainer (β × the summed
+    log-ratios, the summed log-probabilities, whatever the loss averages), SimPO as its CPOTrainer and
+    ORPO as its ORPOTrainer (β × the mean log-probabilities, and those)."""
+    sums = logps
     if options.averaged:
         logps = logps / tokens.clamp(min=1)
-        reference = None if reference is None else reference / tokens.clamp(min=1)
     chosen, rejected = logps[0::2], logps[1::2]
     beta = options.beta
-    if options.loss == "sigmoid":
-        ref_c, ref_r = reference[0::2], reference[1::2]
-        losses = sigmoid_loss(chosen, rejected, ref_c, ref_r, beta, options.label_smoothing)
-    elif options.loss == "ipo":
-        ref_c, ref_r = reference[0::2], reference[1::2]
-        losses = ipo_loss(chosen, rejected, ref_c, ref_r, beta)
-    elif options.loss == "simpo":
-        ref_c = ref_r = torch.zeros_like(chosen)
-        losses = simpo_loss(chosen, rejected, beta, options.gamma, options.label_smoothing)
+    if options.loss in ("sigmoid", "ipo"):
+        ratios = sums - reference  # summed log-ratios: DPO's h, and the rewards of both
+        if options.loss == "sigmoid":
+            losses = sigmoid_loss(sums[0::2], sums[1::2], reference[0::2], reference[1::2], beta,
+                                  options.label_smoothing)
+        else:
+            ref = reference / tokens.clamp(min=1)
+            losses = ipo_loss(chosen, rejected, ref[0::2], ref[1::2], beta)
+        reported = sums
     else:
-        ref_c = ref_r = torch.zeros_like(chosen)
-        losses = orpo_odds_loss(chosen, rejected, beta)
+        ratios = logps
+        losses = (simpo_loss(chosen, rejected, beta, options.gamma, options.label_smoothing) if options.loss == "simpo"
+                  else orpo_odds_loss(chosen, rejected, beta))
+        reported = logps
     with torch.no_grad():
-        reward_c, reward_r = beta * (chosen - ref_c), beta * (rejected - ref_r)
+        reward_c, reward_r = beta * ratios[0::2], beta * ratios[1::2]
         metrics = {"rewards/chosen": reward_c, "rewards/rejected": reward_r, "rewards/margins": reward_c - reward_r,
-                   "rewards/accuracies": (reward_c > reward_r).float(), "logps/chosen": chosen.detach(),
-                   "logps/rejected": rejected.detach()}
+                   "rewards/accuracies": (reward_c > reward_r).float(), "logps/chosen": reported[0::2].detach(),
+                   "logps/rejected": reported[1::2].detach()}
     return losses, metrics
+
+
+def chosen_nll(logits: torch.Tensor, row_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's NLL term as TRL 1.16's ORPOTrainer defines it: per chosen row (rows 0, 2, ...), the summed
+    NLL of every token after the first, prompt and answer (`Batch.row_labels`), and how many there are.
+    The step's term is their sum over the global batch divided by the global batch's count of them."""
+    logps, tokens = answer_logps(logits[0::2], row_labels[0::2])
+    return -logps, tokens
+
+
+def nll_tokens(row_labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens ORPO's NLL term averages over in a micro-batch: its chosen rows' (see chosen_nll)."""
+    return (row_labels[0::2] != IGNORE_INDEX).sum()
+
+
+def micro_batch_loss(options: PreferenceOptions, logits: torch.Tensor, labels: torch.Tensor,
+                     row_labels: torch.Tensor | None, reference: torch.Tensor | None, pairs: torch.Tensor | float,
+                     nll_count: torch.Tensor | float, cp_group: dist.ProcessGroup | None = None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's share of the step's objective and its pairs' metrics: its pairs' losses over
+    the global batch's `pairs`; ORPO adds its chosen rows' NLL (`chosen_nll`) over `nll_count`, the
+    global batch's `nll_tokens`. Under context parallelism (`cp_group`) each rank holds part of every
+    row; the rows' sums are summed over it, and each rank's loss is the whole micro-batch's."""
+    logps, tokens = answer_logps(logits, labels)
+    logps, tokens = sum_over_ranks(logps, cp_group), sum_over_ranks(tokens, cp_group)
+    losses, metrics = pair_losses(options, logps, tokens, reference if options.needs_reference else None)
+    loss = losses.sum() / pairs
+    if options.loss == "orpo":
+        nll, _ = chosen_nll(logits, row_labels)
+        loss = loss + sum_over_ranks(nll, cp_group).sum() / nll_count
+    return loss, metrics

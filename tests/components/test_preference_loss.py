@@ -39,10 +39,14 @@ def test_dpo_is_ln2_when_policy_is_reference():
     assert metrics["rewards/margins"].item() == 0 and metrics["rewards/accuracies"].item() == 0
 
 
-def test_ipo_on_mean_log_probabilities():
-    losses, _ = pair_losses(PreferenceOptions("ipo", beta=0.5), LOGPS, TOKENS, REFERENCE)
+def test_ipo_on_mean_log_probabilities_with_dpo_s_rewards():
+    losses, metrics = pair_losses(PreferenceOptions("ipo", beta=0.5), LOGPS, TOKENS, REFERENCE)
     h = (-1 / 2 - -3 / 3) - (-2 / 2 - -2.5 / 3)  # 0.5 - (-1/6) = 2/3
     assert losses.item() == pytest.approx((h - 1 / (2 * 0.5)) ** 2, rel=1e-6)  # (2/3 - 1)^2 = 1/9
+    # logged as TRL's DPOTrainer logs every loss: β × the summed log-ratios, the summed log-probabilities
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.5 * (-1 - -2))
+    assert metrics["rewards/rejected"].item() == pytest.approx(0.5 * (-3 - -2.5))
+    assert metrics["logps/chosen"].item() == -1.0 and metrics["logps/rejected"].item() == -3.0
 
 
 def test_simpo_is_reference_free_with_margin_gamma():

@@ -1,6 +1,6 @@
 """Preference runs (data.format = preference) through train.py: DPO's first step on a tiny Hugging Face
 folder equals a transformers-only computation of the formula (weft's Llama and the transformers
-backend), the LoRA policy with its adapters off is its own reference, an exact resume, DPO after SFT
+backend), IPO's, SimPO's and ORPO's that of TRL 1.16's definitions, the LoRA policy with its adapters off is its own reference, an exact resume, DPO after SFT
 learns the held-out preference, and the one-line refusals."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.support.chat_data import write_jsonl
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.hf_folders import tiny_hf_folder, tiny_qwen3_hf_folder
 from tests.support.hf_tokenizer import build_tokenizer_folder
-from tests.support.preference_data import make_pairs, split_record, trl_ids
+from tests.support.preference_data import make_pairs, split_record, trl_ids, trl_objective
 from tests.support.train_runs import run, run_args
 
 transformers = pytest.importorskip("transformers")
@@ -212,3 +212,34 @@ def test_resume_is_exact_with_a_live_or_a_precomputed_reference(root, tmp_path):
     assert len(margins("whole")) == 2
     for name in ("live", "precomputed"):
         assert margins(name) == pytest.approx(margins("whole"), abs=1e-6), name
+
+
+# ORPO's NLL term (TRL's: the chosen rows whole, components/training/preference.py micro_batch_loss) waits
+# for recipe/step.py to call micro_batch_loss with Batch.row_labels; until then its step is the old one.
+ORPO_STEP_PENDING = pytest.mark.xfail(strict=True, reason="recipe/step.py does not call micro_batch_loss yet")
+
+
+@pytest.mark.parametrize("loss, extra", [("ipo", ()), ("simpo", ("--preference.gamma", "0.4")),
+                                         pytest.param("orpo", (), marks=ORPO_STEP_PENDING)])
+@pytest.mark.parametrize("chat", [False, True], ids=["strings", "chat"])
+def test_step_one_equals_trl(root, tmp_path, loss, extra, chat):
+    """IPO, SimPO and ORPO's first step (loss and logged metrics) equal TRL 1.16's definitions computed
+    with transformers alone, on pairs of different lengths, strings or chat; ORPO's validation runs."""
+    pairs = [make_pairs(1, offset=5 * i, answer_chars=10 + 9 * i, chat=chat)[0] for i in range(PAIRS)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    reference = ("--preference.reference_path", str(root / "reference")) if loss == "ipo" else ()
+    dump = tmp_path / "dump"
+    args = dpo_args(root, dump, "--preference.loss", loss, *reference, *extra, "--data.dataset_path", str(data),
+                    "--validation.enable", "--validation.dataset_path", str(data), "--validation.freq", "1",
+                    "--validation.steps", "1")
+    losses = run(args)
+    hf = transformers.AutoTokenizer.from_pretrained(root / "tok")
+    policy, ref = (transformers.AutoModelForCausalLM.from_pretrained(root / name).float().eval()
+                   for name in ("policy", "reference"))
+    gamma = float(extra[1]) if extra else 0.5
+    want_loss, want, scale = trl_objective(loss, BETA, gamma, policy, ref, hf, pairs)
+    assert losses[0] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    record = first_record(dump)
+    for name in want:
+        assert record[name] == pytest.approx(want[name], rel=1e-5, abs=1e-5 * scale), name
+    assert math.isfinite(json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])["validation/loss"])
