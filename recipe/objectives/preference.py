@@ -21,6 +21,8 @@ from weft.components.training.preference import (
     REFERENCE_FREE,
     PreferenceOptions,
     answer_logps,
+    micro_batch_loss,
+    nll_tokens,
     pair_losses,
     sum_over_ranks,
 )
@@ -103,17 +105,13 @@ class Preference(Objective):
                                                                           "log-probabilities")
         free_memory(run.device)
 
-    def pairs_loss(self, logits: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor | None,
-                   pairs: torch.Tensor, chosen_tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A micro-batch's share of the step's objective (before the grad_ranks scale): its pairs' losses over
-        the global batch's `pairs` (ORPO: plus its chosen answers' NLL over their global count), and its metrics."""
-        logps, tokens = answer_logps(logits, labels)
-        logps, tokens = sum_over_ranks(logps, self.cp_group), sum_over_ranks(tokens, self.cp_group)
-        losses, metrics = pair_losses(self.options, logps, tokens, reference if self.options.needs_reference else None)
-        loss = losses.sum() / pairs
-        if self.options.loss == "orpo":
-            loss = loss - logps[0::2].sum() / chosen_tokens
-        return loss, metrics
+    def pairs_loss(self, logits: torch.Tensor, labels: torch.Tensor, row_labels: torch.Tensor,
+                   reference: torch.Tensor | None, pairs: torch.Tensor, chosen_tokens: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch's share of the step's objective (before the grad_ranks scale) and its metrics
+        (components/training/preference.py: micro_batch_loss; ORPO's NLL over the chosen rows whole)."""
+        return micro_batch_loss(self.options, logits, labels, row_labels, reference, pairs, chosen_tokens,
+                                self.cp_group)
 
     def step(self, setup: StepSetup, micro_batches: list[Batch], on_phase) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward and backward of the pairs' objective over the micro-batches. Returns this rank's share
@@ -121,7 +119,7 @@ class Preference(Objective):
         group, cp = setup.loss_group, self.cp
         counts = torch.stack([
             torch.tensor(float(sum(b.labels.shape[0] // 2 for b in micro_batches)), device=setup.device),
-            sum((b.labels[0::2] != IGNORE_INDEX).sum() for b in micro_batches).float()])
+            sum(nll_tokens(b.row_labels) for b in micro_batches).float()])
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
         pairs, chosen_tokens = counts[0] / cp, counts[1].clamp(min=1)  # pairs: each cp rank counted them
@@ -133,14 +131,14 @@ class Preference(Objective):
             for batch in micro_batches:
                 reference = self.reference(batch) if self.reference is not None else None
                 on_phase("backward")
-                step_loss += pipeline_run(setup, batch, train=True, target=pack_pairs(batch.labels, reference)) / cp
+                step_loss += pipeline_run(setup, batch, train=True, target=pack_pairs(batch, reference)) / cp
             torch.distributed.all_reduce(sums, group=setup.pipeline.group)  # zero on ranks without the last stage
         for batch in micro_batches if setup.pipeline is None else []:
             reference = self.reference(batch) if self.reference is not None else None
             with setup.loss_context():
                 with setup.forward_context():
                     logits = setup.forward(setup.model, batch)
-                loss, metrics = self.pairs_loss(logits, batch.labels, reference, pairs, chosen_tokens)
+                loss, metrics = self.pairs_loss(logits, batch.labels, batch.row_labels, reference, pairs, chosen_tokens)
                 del logits
             loss = loss * setup.grad_ranks
             on_phase("backward")
@@ -155,8 +153,8 @@ class Preference(Objective):
     def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor, *, pairs, chosen_tokens, grad_ranks: int,
                        sums: torch.Tensor) -> torch.Tensor:
         """The schedule's loss on targets from `pack_pairs`, its metrics' sums added to `sums`."""
-        labels, reference = unpack_pairs(target)
-        loss, metrics = self.pairs_loss(logits, labels, reference, pairs, chosen_tokens)
+        labels, row_labels, reference = unpack_pairs(target)
+        loss, metrics = self.pairs_loss(logits, labels, row_labels, reference, pairs, chosen_tokens)
         sums += torch.stack([metrics[name].sum() for name in METRICS])
         return loss * grad_ranks
 
@@ -178,7 +176,7 @@ class Preference(Objective):
         """The objective and its metrics (METRICS) as means over the pairs of the loader's first
         `steps` micro-batches, in eval mode without gradients; every layout gets the same values."""
         setup.model.eval()
-        sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=setup.device)  # + loss, pairs
+        sums = torch.zeros(len(METRICS) + 4, dtype=torch.float64, device=setup.device)  # + loss, NLL, its tokens, pairs
         reference_of = self.validation_reference or self.reference
         for _, batch in zip(range(steps), batches(loader)):
             batch = place(setup, batch)
@@ -186,23 +184,29 @@ class Preference(Objective):
             logps = sum_over_ranks(row_values(setup.model, setup, _row_logps, batch), self.cp_group)  # the policy's
             tokens = sum_over_ranks((batch.labels != IGNORE_INDEX).sum(-1), self.cp_group)
             losses, metrics = pair_losses(self.options, logps, tokens, reference)
-            if self.options.loss == "orpo":  # per pair: the chosen answer's mean NLL
-                losses = losses - logps[0::2] / tokens[0::2].clamp(min=1)
-            sums += torch.stack([*(metrics[name].sum() for name in METRICS), losses.sum(),
+            nll = torch.zeros(2, device=setup.device)
+            if self.options.loss == "orpo":  # the chosen rows' NLL, whole: the policy's log-probabilities of row_labels
+                whole = row_values(setup.model, setup, _row_logps, batch._replace(labels=batch.row_labels))
+                nll = torch.stack([-sum_over_ranks(whole, self.cp_group)[0::2].sum(),
+                                   sum_over_ranks(nll_tokens(batch.row_labels), self.cp_group).float()])
+            sums += torch.stack([*(metrics[name].sum() for name in METRICS), losses.sum(), *nll,
                                  torch.tensor(float(losses.numel()), device=setup.device)]).double()
         if setup.loss_group is not None:
             torch.distributed.all_reduce(sums, group=setup.loss_group)
         setup.model.train()
-        means = (sums[:-1] / sums[-1].clamp(min=1)).tolist()
-        return {"loss": means[-1], **dict(zip(METRICS, means[:-1]))}
+        means = (sums[:len(METRICS) + 1] / sums[-1].clamp(min=1)).tolist()
+        loss = means[-1] + (sums[-3] / sums[-2].clamp(min=1)).item()  # ORPO: its NLL over the chosen rows' tokens
+        return {"loss": loss, **dict(zip(METRICS, means[:-1]))}
 
 
-def pack_pairs(labels: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
-    """The labels with each row's reference log-probability (fp64 bits) as one more column: the
-    target a pipeline schedule splits into micro-batches, so a row's reference travels with it."""
+def pack_pairs(batch: Batch, reference: torch.Tensor | None) -> torch.Tensor:
+    """The labels, the row labels and each row's reference log-probability (fp64 bits) as one more
+    column: the target a pipeline schedule splits into micro-batches, so a row's reference travels with it."""
+    labels = batch.labels
     bits = (reference if reference is not None else torch.zeros(labels.shape[0], device=labels.device))
-    return torch.cat([labels, bits.double().view(torch.int64)[:, None]], dim=1)
+    return torch.cat([labels, batch.row_labels, bits.double().view(torch.int64)[:, None]], dim=1)
 
 
-def unpack_pairs(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return target[:, :-1], target[:, -1].contiguous().view(torch.float64).float()
+def unpack_pairs(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = (target.shape[1] - 1) // 2
+    return target[:, :width], target[:, width:-1], target[:, -1].contiguous().view(torch.float64).float()

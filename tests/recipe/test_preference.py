@@ -214,13 +214,8 @@ def test_resume_is_exact_with_a_live_or_a_precomputed_reference(root, tmp_path):
         assert margins(name) == pytest.approx(margins("whole"), abs=1e-6), name
 
 
-# ORPO's NLL term (TRL's: the chosen rows whole, components/training/preference.py micro_batch_loss) waits
-# for recipe/step.py to call micro_batch_loss with Batch.row_labels; until then its step is the old one.
-ORPO_STEP_PENDING = pytest.mark.xfail(strict=True, reason="recipe/step.py does not call micro_batch_loss yet")
-
-
 @pytest.mark.parametrize("loss, extra", [("ipo", ()), ("simpo", ("--preference.gamma", "0.4")),
-                                         pytest.param("orpo", (), marks=ORPO_STEP_PENDING)])
+                                         ("orpo", ())])
 @pytest.mark.parametrize("chat", [False, True], ids=["strings", "chat"])
 def test_step_one_equals_trl(root, tmp_path, loss, extra, chat):
     """IPO, SimPO and ORPO's first step (loss and logged metrics) equal TRL 1.16's definitions computed
