@@ -20,6 +20,7 @@ from weft.components.config import parse_args, to_toml
 from weft.components.data import SCAN_BYTES
 
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
+from tests.support.preference_data import make_pairs
 
 SHAKESPEARE = "assets/data/shakespeare"
 
@@ -168,3 +169,35 @@ def test_bad_input_as_a_user_runs_it(tmp_path, extra, expected):
     before = snapshot(tmp_path)
     outcome = run_command(python("train.py", *base(tmp_path), *extra))
     assert_clean_failure(outcome, expected, before=before, root=tmp_path)
+
+
+def preference(tmp: Path, records: list[dict], seq_len: int, *extra: str) -> list[str]:
+    """A preference run on these pairs, one pair a step, rows of `seq_len` tokens."""
+    return base(tmp) + data(tmp, "pairs.jsonl", jsonl(*records)) + [
+        "--data.format", "preference", "--training.local_batch_size", "1", "--training.seq_len", str(seq_len), *extra]
+
+
+@pytest.mark.parametrize("truncation", ["drop", "keep_start"])
+def test_preference_pairs_that_all_are_dropped(tmp_path, capsys, truncation):
+    """Pairs none of which fits a row (drop: too long; keep_start: the prompt alone fills it) used
+    to leave the run waiting forever for a pair; it ends in one line naming the file, the pairs and
+    the seq_len they need whole. That seq_len is the truth: one less fails alike, it trains."""
+    records = make_pairs(3)
+    path, rule = tmp_path / "data" / "pairs.jsonl", ["--preference.truncation", truncation]
+    outcome = run_in_process(train.main, preference(tmp_path, records, 4, *rule), capsys)
+    assert_clean_failure(outcome, f"{path}: all 3 pairs dropped: none fits training.seq_len = 4 under "
+                                  f"preference.truncation = '{truncation}' (whole, they need seq_len ")
+    needs = outcome.stderr.strip().rsplit("seq_len ", 1)[1].rstrip(")")
+    least = int(needs.split(" to ")[0])
+    if truncation == "keep_start":
+        return
+    outcome = run_in_process(train.main, preference(tmp_path, records, least - 1, *rule), capsys)
+    assert_clean_failure(outcome, f"training.seq_len = {least - 1} under preference.truncation = 'drop' "
+                                  f"(whole, they need seq_len {needs})")
+    assert run_in_process(train.main, preference(tmp_path, records, least, *rule), capsys).code == 0
+
+
+def test_empty_preference_file_is_named(tmp_path, capsys):
+    argv = base(tmp_path) + data(tmp_path, "pairs.jsonl", "") + ["--data.format", "preference"]
+    outcome = run_in_process(train.main, argv, capsys)
+    assert_clean_failure(outcome, f"data.dataset_path: no documents in 1 file(s) ({tmp_path / 'data' / 'pairs.jsonl'})")
