@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from weft import train
 from weft.components.config import parse_args, to_toml
 from weft.components.data import SCAN_BYTES
+from weft.models import flavors, spec_for_flavor
 
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
 from tests.support.preference_data import make_pairs
@@ -201,3 +203,38 @@ def test_empty_preference_file_is_named(tmp_path, capsys):
     argv = base(tmp_path) + data(tmp_path, "pairs.jsonl", "") + ["--data.format", "preference"]
     outcome = run_in_process(train.main, argv, capsys)
     assert_clean_failure(outcome, f"data.dataset_path: no documents in 1 file(s) ({tmp_path / 'data' / 'pairs.jsonl'})")
+
+
+def config_only_folder(tmp: Path, flavor: str, change: Callable[[dict], object]) -> list[str]:
+    """A Hugging Face folder holding the config.json weft writes for `flavor`, changed by `change`
+    (config.json is read, and refused, before any tensor)."""
+    config = spec_for_flavor(flavor).hf.hf_config(flavors()[flavor], torch.float32)
+    change(config)
+    write(tmp / "hf" / "config.json", json.dumps(config))
+    return ["--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(tmp / "hf")]
+
+
+# (flavor, the change to its config.json, the error line's text): values transformers accepts in
+# a config but no model has (it fails in the forward, divides by zero, or attends to no key).
+BAD_HF_VALUES = [
+    ("debugmodel_gpt_oss", lambda c: c.update(sliding_window=0), "sliding_window is 0; expected a positive integer"),
+    ("debugmodel_gpt_oss", lambda c: c.update(sliding_window=None), "sliding_window is null"),
+    ("debugmodel_gpt_oss", lambda c: c["rope_scaling"].update(factor="32"),
+     "rope_scaling.factor is '32'; expected a positive number"),
+    ("debugmodel_moe", lambda c: c.update(attention_chunk_size=0), "attention_chunk_size is 0"),
+    ("debugmodel_qwen3_moe", lambda c: c.update(decoder_sparse_step=0), "decoder_sparse_step is 0"),
+    ("debugmodel", lambda c: c.update(num_key_value_heads=-4), "num_key_value_heads is -4"),
+    ("debugmodel", lambda c: c.update(head_dim=32.0), "head_dim is 32.0; expected a positive integer"),
+    ("debugmodel", lambda c: c.update(rope_theta=0.0), "rope_theta is 0.0; expected a positive number"),
+    ("llama3_1b", lambda c: c["rope_scaling"].update(factor=0), "rope_scaling.factor is 0"),
+    ("llama3_1b", lambda c: c["rope_scaling"].update(high_freq_factor=1.0),
+     "rope_scaling.high_freq_factor is 1.0; expected more than low_freq_factor (1.0)"),
+]
+
+
+@pytest.mark.parametrize("flavor, change, expected", BAD_HF_VALUES, ids=[e for _, _, e in BAD_HF_VALUES])
+def test_hf_config_value_no_model_has(tmp_path, capsys, flavor, change, expected):
+    argv = base(tmp_path) + config_only_folder(tmp_path, flavor, change)
+    before = snapshot(tmp_path)
+    outcome = run_in_process(train.main, argv, capsys)
+    assert_clean_failure(outcome, f"HF folder {tmp_path / 'hf'}: {expected}", before=before, root=tmp_path)
