@@ -108,6 +108,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("cli-bool-garbage", lambda t: ["--checkpoint.enable=maybe"], "--checkpoint.enable"),
     ("cli-unknown-flavor", lambda t: ["--model.flavor", "llama5"], "--model.flavor"),
     ("cli-tp-not-dividing", lambda t: ["--parallelism.tp", "3"], "world size 1"),
+    ("cli-muon-exclude-matching-nothing",  # a typo'd pattern would leave those matrices to Muon
+     lambda t: ["--optimizer.name", "Muon", "--optimizer.muon_exclude", "*.router.*,*.atention.*"],
+     "optimizer.muon_exclude: '*.router.*' matches no parameter name"),
     ("cli-tokenizer-not-a-model", lambda t: ["--model.tokenizer_path", str(write(t / "tok.model", "hello"))],
      "model.tokenizer_path"),
     # -- the dump folder -------------------------------------------------------------------
