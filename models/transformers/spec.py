@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weft.layers.torchao_import import quiet_torchao_import
 from weft.models.common.hf_names import ExpertParameters
 from weft.models.common.spec import Experts, HFConfigError, HFMapping, ModelSpec
 from weft.models.transformers.conversions import converted_names
@@ -168,8 +169,10 @@ def _field(hf_config, name: str) -> int:
 
 
 def _transformers_config(config: dict[str, Any], trust_remote_code: bool, folder: str):
-    """transformers' config object of a config.json."""
-    from transformers import AutoConfig, PretrainedConfig
+    """transformers' config object of a config.json. The backend's first use of transformers: its
+    modeling code (whose quantizers import torchao) is imported here without torchao's noise."""
+    with quiet_torchao_import():
+        from transformers import AutoConfig, PretrainedConfig, modeling_utils  # noqa: F401
 
     try:
         if trust_remote_code and "auto_map" in config:
