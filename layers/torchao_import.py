@@ -1,4 +1,5 @@
-"""torchao, imported without its start-up noise: every weft import of torchao goes through here.
+"""torchao, imported without its start-up noise: every weft import of torchao goes through here
+(and the transformers backend's first import of transformers' modeling code, which imports it).
 
 Importing torchao logs a line for each optional kernel library it cannot load (`Failed to load
 .../_C_mxfp8...so`, `_C_cutlass_90a`; none of them needed by NF4 or float8 training) and, on torch

@@ -120,7 +120,8 @@ def check_text_files(files: list[Path], text_field: str = "text") -> None:
                 text = parse_jsonl_record(line, text_field, f"{path}:{number}")
                 any_text = any_text or bool(text.strip())
     if read_whole and not any_text:
-        raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty; nothing to train on")
+        raise DataError(f"data.dataset_path: every document in {len(files)} file(s) is empty ({named(files)}); "
+                        "nothing to train on")
 
 
 def _read(path: Path, size: int = -1) -> bytes:
@@ -189,7 +190,7 @@ def documents(files: list[Path], start: DocStart, columns: tuple[str, ...] | Non
                 found = True
                 yield doc
         if from_beginning and not found:
-            raise DataError(f"data.dataset_path: no documents in {len(files)} file(s)")
+            raise DataError(f"data.dataset_path: no documents in {len(files)} file(s) ({named(files)})")
         start = DocStart(start.epoch + 1, file_index=0)
 
 
@@ -236,6 +237,12 @@ def _row_documents(path: Path, start: DocStart, columns: tuple[str, ...] | None)
     """The rows of a Parquet/Arrow file from row `start.line_number - 1` on, read in batches."""
     for row, record in sources.rows(path, start.line_number - 1, columns):
         yield RawDoc(DocStart(start.epoch, start.file_index, 0, row + 1), sources.record_size(record), None, record)
+
+
+def named(files: list[Path], most: int = 3) -> str:
+    """The files for a message: all of them, or the first `most` and how many more."""
+    shown = ", ".join(str(path) for path in files[:most])
+    return shown if len(files) <= most else f"{shown} and {len(files) - most} more"
 
 
 def where(files: list[Path], doc: DocStart) -> str:

@@ -23,7 +23,7 @@ from weft.components.data import sources
 from weft.components.data.batch import Batch, BatchShape
 from weft.components.data.cursor import Cursor
 from weft.components.data.errors import DataError
-from weft.components.data.files import DocStart, documents, file_documents, record_of, where
+from weft.components.data.files import DocStart, documents, file_documents, named, record_of, where
 from weft.components.data.formats import CHAT_ROLES, Sample, parse_record
 from weft.components.data.packing import PackedSamples
 from weft.components.training.loss import IGNORE_INDEX
@@ -145,25 +145,30 @@ class PreferencePairs(PackedSamples):
                                truncation=self.truncation)
 
     def length(self, pair: Pair) -> int:
-        """What every rank decides from (one rank built the pair): 1 for a pair that does not fit
-        (a row that fits has at least 2 ids: prompt and answer), else its longer row's ids, plus
-        seq_len + 1 for a truncated one."""
-        if not pair.fits:
-            return 1
-        return max(len(pair.chosen.tokens), len(pair.rejected.tokens)) + pair.truncated * (self.seq_len + 1)
+        """What every rank decides from (one rank built the pair): its longer row's ids (at most
+        seq_len + 1), plus seq_len + 1 for a truncated pair, and for one that does not fit (its
+        rows whole, so more than 2 × (seq_len + 1) in all: `needs` reads its seq_len back)."""
+        cut = pair.truncated or not pair.fits
+        return max(len(pair.chosen.tokens), len(pair.rejected.tokens)) + cut * (self.seq_len + 1)
+
+    def needs(self, length: int) -> int | None:
+        """The seq_len a pair of this `length` would need whole, if it does not fit (else None)."""
+        return length - self.seq_len - 2 if length > 2 * (self.seq_len + 1) else None
 
     def batches(self, cursor: Cursor, shape: BatchShape, group: dist.ProcessGroup | None) -> Iterator[Batch]:
         """Batch(inputs, labels, row_labels=...), each [2 × local_batch_size, seq_len], forever."""
         first = shape.dp_rank * shape.local_batch_size
+        skipped: list[tuple[DocStart, int]] = []  # (start, seq_len needed) of the pairs dropped in a row
         while True:
             taken = []
             while len(taken) < shape.rows:
                 counted = cursor.peek(self.batch_tokens(shape) - 2 * len(taken) * shape.seq_len,
                                       2 * len(taken) * shape.seq_len, group)
                 cursor.counted.popleft()
-                if counted.length == 1:
-                    self.dropped += 1
+                if self.needs(counted.length) is not None:
+                    self._skip(skipped, counted.raw.start, self.needs(counted.length), cursor.files)
                     continue
+                skipped.clear()
                 self.truncated += counted.length > shape.seq_len + 1
                 taken.append(counted)
             rows = [self._row(sample, shape.seq_len)
@@ -172,6 +177,19 @@ class PreferencePairs(PackedSamples):
             cursor.forget_before(cursor.counted[0].index if cursor.counted else cursor.next_index)
             inputs, labels, row_labels = (torch.tensor([row[i] for row in rows], dtype=torch.int64) for i in range(3))
             yield Batch(inputs, labels, row_labels=row_labels)
+
+    def _skip(self, skipped: list[tuple[DocStart, int]], doc: DocStart, needs: int, files: list[Path]) -> None:
+        """Count a dropped pair; once the pairs dropped in a row reach the first of them again an
+        epoch on, every pair is dropped, and training would wait forever for one: a DataError."""
+        first = skipped[0][0] if skipped else doc
+        if doc.epoch > first.epoch and (doc.file_index, doc.byte_offset, doc.line_number) >= (
+                first.file_index, first.byte_offset, first.line_number):
+            least, most = min(n for _, n in skipped), max(n for _, n in skipped)
+            raise DataError(f"{named(files)}: all {len(skipped)} pairs dropped: none fits training.seq_len = "
+                            f"{self.seq_len} under preference.truncation = '{self.truncation}' (whole, they need "
+                            f"seq_len {least}{'' if least == most else f' to {most}'})")
+        self.dropped += 1
+        skipped.append((doc, needs))
 
     def check_records(self, files: list[Path]) -> int:
         """Every JSONL record checked (of a Parquet/Arrow file, its footer's columns), the first

@@ -3,6 +3,7 @@ global gradient norm."""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from weft.components.config import LRScheduler, Optimizer
+from weft.components.distributed.processes import shared_gloo_group
 from weft.components.training.muon import Muon, head_blocks, muon_parameters
 from weft.errors import UserError
 
@@ -53,6 +55,10 @@ def adamw_options(params: list[nn.Parameter], cfg: Optimizer) -> dict:
 def build_muon(model: nn.Module, cfg: Optimizer) -> Muon:
     """Muon on muon_parameters(model)'s matrices, AdamW on the rest; the split logged."""
     params = dict(model.named_parameters())
+    unmatched = unmatched_patterns(list(params), cfg.muon_exclude)
+    if unmatched:
+        raise UserError(f"optimizer.muon_exclude: {unmatched[0]!r} matches no parameter name (fnmatch against names "
+                        f"such as {next(iter(params), '')!r}); expected a pattern naming the parameters left to AdamW")
     muon_names, adamw_names = muon_parameters(model, cfg.muon_exclude)
     if not muon_names:
         raise UserError("optimizer.name = Muon: no trainable matrix is left to Muon "
@@ -70,6 +76,18 @@ def build_muon(model: nn.Module, cfg: Optimizer) -> Muon:
                 adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype),
                 adamw=adamw_options(adamw, cfg), blocks={id(params[n]): heads[n] for n in muon_names if n in heads},
                 owner_ranks=cfg.muon_owner_ranks)
+
+
+def unmatched_patterns(names: list[str], patterns: list[str]) -> list[str]:
+    """The `patterns` (fnmatch) that match none of `names` on any rank: a pipeline stage holds only
+    its own parameters, so the ranks agree over a gloo group of them all (only if there are patterns)."""
+    if not patterns:
+        return []
+    matched = torch.tensor([any(fnmatch.fnmatch(name, p) for name in names) for p in patterns], dtype=torch.int32)
+    group = shared_gloo_group("optimizer")
+    if group is not None:
+        dist.all_reduce(matched, op=dist.ReduceOp.MAX, group=group)
+    return [p for p, hit in zip(patterns, matched.tolist()) if not hit]
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:

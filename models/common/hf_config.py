@@ -1,9 +1,11 @@
 """What every decoder family's Hugging Face mapping shares besides the name table: the config.json
 fields they all write, the reading of rotary scaling in both of transformers' formats, the
-refusal of fields weft has no counterpart for, and the wiring of a family's `HFMapping`."""
+refusal of fields weft has no counterpart for and of sizes and rotary values no model has, and
+the wiring of a family's `HFMapping`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -72,6 +74,38 @@ def refuse_unsupported(config: dict[str, Any], fixed: Iterable[tuple[str, Any]],
     for key, supported in fixed:
         if config.get(key, supported) != supported:
             raise HFConfigError(f"{key} is {config[key]}; weft's {family} supports only {supported}")
+
+
+# The config.json fields of weft's families that count something (a width, heads, layers, tokens):
+# each, where set, a positive integer. transformers accepts 0 or less for most of them and then
+# fails in the forward, divides by zero, or computes something else (a window of 0 sees no key).
+SIZES = ("hidden_size", "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+         "num_local_experts", "num_experts", "num_experts_per_tok", "sliding_window", "attention_chunk_size",
+         "interleave_moe_layer_step", "no_rope_layer_interval", "decoder_sparse_step", "floor_scale")
+# Rotary values that divide or are raised to a power: each, where set, a positive finite number.
+ROPE_VALUES = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+               "original_max_position_embeddings")
+
+
+def check_values(config: dict[str, Any]) -> None:
+    """HFConfigError naming the first of SIZES that is not a positive integer, the first rotary
+    value (top level, in `rope_scaling` or in `rope_parameters`) that is not a positive finite
+    number, or a Llama 3 scaling whose high_freq_factor is not above its low_freq_factor."""
+    for key in SIZES:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise HFConfigError(f"{key} is {value!r}; expected a positive integer")
+    ropes = {"": config} | {f"{key}.": config[key] for key in ("rope_scaling", "rope_parameters")
+                            if isinstance(config.get(key), dict)}
+    for prefix, rope in ropes.items():
+        for key in ROPE_VALUES:
+            value = rope.get(key)
+            if value is not None and (type(value) not in (int, float) or not 0 < value < math.inf):
+                raise HFConfigError(f"{prefix}{key} is {value!r}; expected a positive number")
+        low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+        if low is not None and high is not None and high <= low:
+            raise HFConfigError(f"{prefix}high_freq_factor is {high}; expected more than low_freq_factor ({low})")
 
 
 def rope_scaling(config: dict[str, Any], family: str) -> tuple[RopeScaling | None, dict[str, Any]]:

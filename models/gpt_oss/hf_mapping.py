@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, required
+from weft.models.common.hf_config import check_values, decoder_hf_config, refuse_unsupported, required
 from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, ExpertParameters, HFNames, decoder_table
 from weft.models.common.rotary import YarnScaling
 from weft.models.common.spec import HFConfigError
@@ -151,12 +151,21 @@ def _yarn(config: dict[str, Any]) -> tuple[YarnScaling | None, float]:
         raise HFConfigError(f"{key} of rope_type yarn has no {e.args[0]}") from None
 
 
+def _window(config: dict[str, Any]) -> int:
+    """sliding_window (transformers' default 128 where absent): null leaves transformers' sliding
+    layers without a window, which it cannot compute (0 and less: check_values)."""
+    if "sliding_window" in config and config["sliding_window"] is None:
+        raise HFConfigError("sliding_window is null; gpt-oss's sliding layers need a window of at least 1 token")
+    return config.get("sliding_window", 128)
+
+
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """The ModelArgs of a gpt-oss `config.json` (as a dict), transformers' defaults filled in;
     HFConfigError naming the field and its value for what weft's gpt-oss does not implement."""
     if config.get("model_type") not in MODEL_TYPES:
         raise HFConfigError(f"model_type is {config.get('model_type')}, not gpt_oss")
     refuse_unsupported(config, _FIXED, "gpt-oss")
+    check_values(config)
     scaling, theta = _yarn(config)
     layers = int(required(config, "num_hidden_layers"))
     layer_types = tuple(config.get("layer_types") or ())
@@ -178,7 +187,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
             moe_hidden_dim=int(config.get("intermediate_size", 2880)),
             swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(config.get("swiglu_limit", 7.0)),
-            sliding_window=int(config.get("sliding_window") or 128),
+            sliding_window=_window(config),
             layer_types=layer_types,
         )
     except ValueError as e:

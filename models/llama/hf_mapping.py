@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, required, rope_scaling
+from weft.models.common.hf_config import check_values, decoder_hf_config, refuse_unsupported, required, rope_scaling
 from weft.models.common.hf_names import (
     DECODER_BLOCK,
     ROTARY_ROWS,
@@ -74,6 +74,7 @@ def architecture_fields(config: dict[str, Any]) -> dict[str, Any]:
     if "LlamaForCausalLM" not in architectures:
         raise HFConfigError(f"architectures is {architectures}, not LlamaForCausalLM")
     refuse_unsupported(config, _FIXED, "Llama")
+    check_values(config)
     scaling, rope = rope_scaling(config, "Llama")
     hidden = required(config, "hidden_size")
     heads = required(config, "num_attention_heads")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, rope_scaling
+from weft.models.common.hf_config import check_values, decoder_hf_config, refuse_unsupported, rope_scaling
 from weft.models.common.hf_names import DECODER_BLOCK, ExpertParameters, HFNames, decoder_table, swiglu
 from weft.models.common.spec import HFConfigError
 from weft.models.llama4.args import ModelArgs
@@ -152,6 +152,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     and its value for what weft's Llama 4 does not implement."""
     text = text_config(config)
     refuse_unsupported(text, _FIXED, "Llama 4")
+    check_values(text)
     try:
         n_layers = int(text["num_hidden_layers"])
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weft.models.common.hf_config import decoder_hf_config, refuse_unsupported, required, rope_scaling
+from weft.models.common.hf_config import check_values, decoder_hf_config, refuse_unsupported, required, rope_scaling
 from weft.models.common.hf_names import DECODER_BLOCK, ROTARY_ROWS, ExpertParameters, HFNames, decoder_table, swiglu
 from weft.models.common.spec import HFConfigError
 from weft.models.qwen3.args import ModelArgs
@@ -89,6 +89,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     if model_type not in MODEL_TYPES:
         raise HFConfigError(f"model_type is {model_type}, not {' or '.join(MODEL_TYPES)}")
     refuse_unsupported(config, _FIXED, "Qwen3")
+    check_values(config)
     layer_types = config.get("layer_types")
     if layer_types is not None and set(layer_types) != {"full_attention"}:
         raise HFConfigError(f"layer_types is {layer_types}; weft's Qwen3 supports only full_attention layers")

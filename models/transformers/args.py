@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from weft.layers.torchao_import import quiet_torchao_import
 from weft.models.common.spec import HFConfigError
 from weft.models.transformers.conversions import converted_names
 from weft.models.transformers.multimodal import multimodal_class
@@ -148,7 +149,8 @@ def _field(hf_config, name: str) -> int:
 
 def transformers_config(config: dict[str, Any], trust_remote_code: bool, folder: str):
     """transformers' config object of a config.json."""
-    from transformers import AutoConfig, PretrainedConfig
+    with quiet_torchao_import():  # the backend's first use of transformers: its quantizers import torchao
+        from transformers import AutoConfig, PretrainedConfig, modeling_utils  # noqa: F401
 
     try:
         if trust_remote_code and "auto_map" in config:

@@ -14,12 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from weft import train
 from weft.components.config import parse_args, to_toml
 from weft.components.data import SCAN_BYTES
+from weft.models import flavors, spec_for_flavor
 
 from tests.support.failure_checks import assert_clean_failure, python, run_command, run_in_process, snapshot
+from tests.support.preference_data import make_pairs
 
 SHAKESPEARE = "assets/data/shakespeare"
 
@@ -105,6 +108,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("cli-bool-garbage", lambda t: ["--checkpoint.enable=maybe"], "--checkpoint.enable"),
     ("cli-unknown-flavor", lambda t: ["--model.flavor", "llama5"], "--model.flavor"),
     ("cli-tp-not-dividing", lambda t: ["--parallelism.tp", "3"], "world size 1"),
+    ("cli-muon-exclude-matching-nothing",  # a typo'd pattern would leave those matrices to Muon
+     lambda t: ["--optimizer.name", "Muon", "--optimizer.muon_exclude", "*.router.*,*.atention.*"],
+     "optimizer.muon_exclude: '*.router.*' matches no parameter name"),
     ("cli-tokenizer-not-a-model", lambda t: ["--model.tokenizer_path", str(write(t / "tok.model", "hello"))],
      "model.tokenizer_path"),
     # -- the dump folder -------------------------------------------------------------------
@@ -168,3 +174,70 @@ def test_bad_input_as_a_user_runs_it(tmp_path, extra, expected):
     before = snapshot(tmp_path)
     outcome = run_command(python("train.py", *base(tmp_path), *extra))
     assert_clean_failure(outcome, expected, before=before, root=tmp_path)
+
+
+def preference(tmp: Path, records: list[dict], seq_len: int, *extra: str) -> list[str]:
+    """A preference run on these pairs, one pair a step, rows of `seq_len` tokens."""
+    return base(tmp) + data(tmp, "pairs.jsonl", jsonl(*records)) + [
+        "--data.format", "preference", "--training.local_batch_size", "1", "--training.seq_len", str(seq_len), *extra]
+
+
+@pytest.mark.parametrize("truncation", ["drop", "keep_start"])
+def test_preference_pairs_that_all_are_dropped(tmp_path, capsys, truncation):
+    """Pairs none of which fits a row (drop: too long; keep_start: the prompt alone fills it) used
+    to leave the run waiting forever for a pair; it ends in one line naming the file, the pairs and
+    the seq_len they need whole. That seq_len is the truth: one less fails alike, it trains."""
+    records = make_pairs(3)
+    path, rule = tmp_path / "data" / "pairs.jsonl", ["--preference.truncation", truncation]
+    outcome = run_in_process(train.main, preference(tmp_path, records, 4, *rule), capsys)
+    assert_clean_failure(outcome, f"{path}: all 3 pairs dropped: none fits training.seq_len = 4 under "
+                                  f"preference.truncation = '{truncation}' (whole, they need seq_len ")
+    needs = outcome.stderr.strip().rsplit("seq_len ", 1)[1].rstrip(")")
+    least = int(needs.split(" to ")[0])
+    if truncation == "keep_start":
+        return
+    outcome = run_in_process(train.main, preference(tmp_path, records, least - 1, *rule), capsys)
+    assert_clean_failure(outcome, f"training.seq_len = {least - 1} under preference.truncation = 'drop' "
+                                  f"(whole, they need seq_len {needs})")
+    assert run_in_process(train.main, preference(tmp_path, records, least, *rule), capsys).code == 0
+
+
+def test_empty_preference_file_is_named(tmp_path, capsys):
+    argv = base(tmp_path) + data(tmp_path, "pairs.jsonl", "") + ["--data.format", "preference"]
+    outcome = run_in_process(train.main, argv, capsys)
+    assert_clean_failure(outcome, f"data.dataset_path: no documents in 1 file(s) ({tmp_path / 'data' / 'pairs.jsonl'})")
+
+
+def config_only_folder(tmp: Path, flavor: str, change: Callable[[dict], object]) -> list[str]:
+    """A Hugging Face folder holding the config.json weft writes for `flavor`, changed by `change`
+    (config.json is read, and refused, before any tensor)."""
+    config = spec_for_flavor(flavor).hf.hf_config(flavors()[flavor], torch.float32)
+    change(config)
+    write(tmp / "hf" / "config.json", json.dumps(config))
+    return ["--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(tmp / "hf")]
+
+
+# (flavor, the change to its config.json, the error line's text): values transformers accepts in
+# a config but no model has (it fails in the forward, divides by zero, or attends to no key).
+BAD_HF_VALUES = [
+    ("debugmodel_gpt_oss", lambda c: c.update(sliding_window=0), "sliding_window is 0; expected a positive integer"),
+    ("debugmodel_gpt_oss", lambda c: c.update(sliding_window=None), "sliding_window is null"),
+    ("debugmodel_gpt_oss", lambda c: c["rope_scaling"].update(factor="32"),
+     "rope_scaling.factor is '32'; expected a positive number"),
+    ("debugmodel_moe", lambda c: c.update(attention_chunk_size=0), "attention_chunk_size is 0"),
+    ("debugmodel_qwen3_moe", lambda c: c.update(decoder_sparse_step=0), "decoder_sparse_step is 0"),
+    ("debugmodel", lambda c: c.update(num_key_value_heads=-4), "num_key_value_heads is -4"),
+    ("debugmodel", lambda c: c.update(head_dim=32.0), "head_dim is 32.0; expected a positive integer"),
+    ("debugmodel", lambda c: c.update(rope_theta=0.0), "rope_theta is 0.0; expected a positive number"),
+    ("llama3_1b", lambda c: c["rope_scaling"].update(factor=0), "rope_scaling.factor is 0"),
+    ("llama3_1b", lambda c: c["rope_scaling"].update(high_freq_factor=1.0),
+     "rope_scaling.high_freq_factor is 1.0; expected more than low_freq_factor (1.0)"),
+]
+
+
+@pytest.mark.parametrize("flavor, change, expected", BAD_HF_VALUES, ids=[e for _, _, e in BAD_HF_VALUES])
+def test_hf_config_value_no_model_has(tmp_path, capsys, flavor, change, expected):
+    argv = base(tmp_path) + config_only_folder(tmp_path, flavor, change)
+    before = snapshot(tmp_path)
+    outcome = run_in_process(train.main, argv, capsys)
+    assert_clean_failure(outcome, f"HF folder {tmp_path / 'hf'}: {expected}", before=before, root=tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from itertools import islice
 from pathlib import Path
@@ -347,5 +348,5 @@ def test_parquet_files_of_no_rows_are_refused_at_start_up(tmp_path, tokenizer):
     records = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "completion": pa.array([], pa.string())}), records)
     loader = build_loader("prompt_completion", [records], tokenizer, seq_len=32, local_batch_size=1, cooperate=False)
-    with pytest.raises(DataError, match=r"^data.dataset_path: no documents in 1 file\(s\)$"):
+    with pytest.raises(DataError, match=rf"^data.dataset_path: no documents in 1 file\(s\) \({re.escape(str(records))}\)$"):
         loader.check_records()
