@@ -31,6 +31,7 @@ from weft.models.transformers.experts import (
     routed_experts,
     swap_in_grouped_experts,
 )
+from weft.models.transformers.family_refusals import refuse_family
 from weft.models.transformers.multimodal import multimodal_class, multimodal_names
 from weft.models.transformers.routing import count_routed_tokens
 
@@ -88,6 +89,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
                             "(generate.py --trust-remote-code)")
     text_config_json = ""
     hf_config = _transformers_config(config, trust_remote_code, folder)
+    refuse_family(hf_config)  # HFConfigError where transformers computes the family two ways
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
     if "text_config" in config:  # the text model of a multimodal folder, as transformers' causal LM of its text config
         hf_config = _multimodal_text_config(config, hf_config, folder)
