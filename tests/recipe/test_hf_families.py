@@ -1,12 +1,13 @@
 """transformers' causal LMs beyond tests/recipe/test_hf_backend.py's six, tiny folders written by
 transformers: Gemma 4 text (per-layer head widths), DeepSeek V4 (renamed tensors, w1/w2/w3 experts),
-Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v convolutions joined on load), Granite 4
-hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (soft-capping), Qwen2 (biases), BioGPT (tied
-`output_projection`), GPT-NeoX (`embed_out`, its class's renaming), CPM-Ant (a tie flag tying
-nothing). Each decodes greedily as transformers does (not CPM-Ant: below); a 2-step run's export
-reloads in transformers with the folder's keys, the checkpoint's weights and weft's logits of them.
-Packed samples, cp and pp are refused where a convolution along the sequence (Bamba's Mamba layer)
-lets documents see each other; MFU's FLOPs are torch's count (Gemma 4, Hunyuan's moe_topk)."""
+DeepSeek V3.2 (sparse attention), Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v
+convolutions joined on load), Granite 4 hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2
+(soft-capping), Qwen2 (biases), BioGPT (tied `output_projection`), GPT-NeoX (`embed_out`), BART's
+decoder, CPM-Ant (a tie flag tying nothing). Each decodes greedily as transformers does (not CPM-Ant:
+below); a 2-step run's export reloads in transformers with the folder's keys, the checkpoint's
+weights and weft's logits of them. Packed samples, cp and pp are refused where a convolution along
+the sequence lets documents see each other; so are families transformers computes two ways (Moshi,
+Youtu); MFU's FLOPs are torch's count (Gemma 4, Hunyuan's moe_topk)."""
 
 from __future__ import annotations
 
