@@ -22,8 +22,8 @@ def _moshi(config) -> str | None:
 def _youtu(config) -> str | None:
     if getattr(config, "pad_token_id", None) is not None:
         return (f"transformers zeroes the token embedding's padding row (pad_token_id {config.pad_token_id}) "
-                "whenever it loads a youtu folder, so it loads neither the folder's model nor the one training "
-                "exports (a folder without pad_token_id trains)")
+                "whenever it loads a youtu folder: what the folder or training puts there is lost on loading "
+                "(a folder without pad_token_id trains)")
     return None
 
 
