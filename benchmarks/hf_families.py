@@ -3,7 +3,8 @@
 For each model_type of AutoModelForCausalLM's mapping (multimodal ones skipped), writes a tiny random
 folder with transformers (2 layers, hidden 64, vocab 2048, 4 experts: the shape keys each config
 class has, set where it has them), then runs `generate.py --hf <folder> --backend transformers`
-greedily against transformers' `generate`, and a 2-step train.py run on text with
+greedily against transformers' `generate` (without the tokens a folder's generation config forces,
+forced_bos/eos_token_id: a decoding rule, not the model), and a 2-step train.py run on text with
 `--export.hf_folder`, reloaded in transformers (the folder's key set, nothing missing, its tensors).
 Prints one line per family: its status and the first line of what failed.
 
@@ -31,7 +32,9 @@ from weft.errors import UserError
 
 # Shape keys, set where a config class has the key: 2 layers, hidden 64, 4 heads (2 key/value heads
 # of 16), a 2048 vocabulary (the shipped tokenizer's), 4 experts (top 2) with a shared one, MLA and
-# linear-attention widths, small Mamba heads.
+# linear-attention widths, small Mamba heads. DeepSeek sparse attention's indexer with 4 heads: with 2, a
+# query's index scores (a ReLU of each head's products, summed) are often exactly 0 for several keys,
+# ties torch's top-k breaks one way in transformers' cached generate and another in its forward.
 TINY = dict(num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, hidden_size=64, d_model=64, n_embd=64,
             intermediate_size=128, ffn_dim=128, n_inner=128, ffn_hidden_size=128, num_attention_heads=4, n_head=4,
             num_heads=4, n_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=2048, max_position_embeddings=128,
@@ -42,7 +45,7 @@ TINY = dict(num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, hidden_siz
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_head_dim=16, linear_num_heads=4, mamba_n_heads=4,
             mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=32, hidden_size_per_layer_input=16,
-            vocab_size_per_layer_input=2048, rotary_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4,
+            vocab_size_per_layer_input=2048, rotary_dim=8, index_n_heads=4, index_head_dim=16, index_topk=4,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Families whose layer kinds the generic rule (the first two kinds of layer_types) does not reach.
 OVERRIDES = {"granitemoehybrid": {"layer_types": ["mamba", "attention"]}, "bamba": {"attn_layer_indices": [1]},
@@ -114,7 +117,8 @@ def check(model_type: str, root: Path) -> tuple[str, str]:
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         theirs = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id)
+                                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id,
+                                    forced_bos_token_id=None, forced_eos_token_id=None)
     decoded = "decodes as transformers" if out.getvalue().rstrip("\n") == tokenizer.decode(theirs[0].tolist()) \
         else "decodes otherwise than transformers' generate"
 

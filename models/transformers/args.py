@@ -15,6 +15,7 @@ from torch import nn
 from weft.layers.torchao_import import quiet_torchao_import
 from weft.models.common.spec import HFConfigError
 from weft.models.transformers.conversions import converted_names
+from weft.models.transformers.family_refusals import refuse_family
 from weft.models.transformers.multimodal import multimodal_class
 
 
@@ -68,6 +69,7 @@ def args_from_hf_config(config: dict[str, Any], *, trust_remote_code: bool = Fal
                             "(generate.py --trust-remote-code)")
     text_config_json = ""
     hf_config = transformers_config(config, trust_remote_code, folder)
+    refuse_family(hf_config)  # HFConfigError where transformers computes the family two ways
     architecture = (config.get("architectures") or [None])[0] or _causal_lm_class(hf_config).__name__
     if "text_config" in config:  # the text model of a multimodal folder, as transformers' causal LM of its text config
         hf_config = _multimodal_text_config(config, hf_config, folder)

@@ -1,12 +1,13 @@
 """transformers' causal LMs beyond tests/recipe/test_hf_backend.py's six, tiny folders written by
 transformers: Gemma 4 text (per-layer head widths), DeepSeek V4 (renamed tensors, w1/w2/w3 experts),
-Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v convolutions joined on load), Granite 4
-hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2 (soft-capping), Qwen2 (biases), BioGPT (tied
-`output_projection`), GPT-NeoX (`embed_out`, its class's renaming), CPM-Ant (a tie flag tying
-nothing). Each decodes greedily as transformers does (not CPM-Ant: below); a 2-step run's export
-reloads in transformers with the folder's keys, the checkpoint's weights and weft's logits of them.
-Packed samples, cp and pp are refused where a convolution along the sequence (Bamba's Mamba layer)
-lets documents see each other; MFU's FLOPs are torch's count (Gemma 4, Hunyuan's moe_topk)."""
+DeepSeek V3.2 (sparse attention), Qwen3-Next and Kimi Linear (linear attention; Kimi's q/k/v
+convolutions joined on load), Granite 4 hybrid and Bamba (Mamba layers), OLMo 2, Phi-3, Gemma 2
+(soft-capping), Qwen2 (biases), BioGPT (tied `output_projection`), GPT-NeoX (`embed_out`), BART's
+decoder, CPM-Ant (a tie flag tying nothing). Each decodes greedily as transformers does (not CPM-Ant:
+below); a 2-step run's export reloads in transformers with the folder's keys, the checkpoint's
+weights and weft's logits of them. Packed samples, cp and pp are refused where a convolution along
+the sequence lets documents see each other; so are families transformers computes two ways (Moshi,
+Youtu); MFU's FLOPs are torch's count (Gemma 4, Hunyuan's moe_topk)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ CONFIGS = {
     "biogpt": lambda: transformers.BioGptConfig(**{k: SHAPE[k] for k in DECODER}),
     # GPT-NeoX: its folder names the head embed_out (transformers renames it for GPTNeoXForCausalLM only)
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**{k: SHAPE[k] for k in DECODER}, rotary_pct=0.5),
+    # MLA with DeepSeek sparse attention: the indexer keeps 4 of the up to 16 keys a query sees. Its 4
+    # indexer heads: with 2, several keys' index scores are exactly 0 (a ReLU per head, summed), ties
+    # torch's top-k breaks one way in transformers' cached generate and another in its forward
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        **{**SHAPE, **EXPERTS, "num_key_value_heads": 4}, n_routed_experts=4, n_shared_experts=1, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, index_n_heads=4, index_head_dim=16, index_topk=4),
+    # BART's decoder as a causal LM: learned positions (offset 2), an embedding LayerNorm, unused
+    # cross-attention weights; transformers' generate forces EOS as the last token (forced_eos_token_id)
+    "bart": lambda: transformers.BartConfig(
+        vocab_size=2048, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+        encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, forced_eos_token_id=2),
     "cpmant": lambda: transformers.CpmAntConfig(vocab_size=2048, hidden_size=32, num_attention_heads=4, dim_head=8,
                                                 dim_ff=64, num_hidden_layers=2, position_bias_num_buckets=32),
 }
@@ -111,7 +125,7 @@ def test_generate_decodes_greedily_as_transformers(folder, family, capsys):
     ids = tokenizer.encode(prompt, bos=True, eos=False)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder(family)).eval()
     out = theirs.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_id,
-                          pad_token_id=tokenizer.eos_id)
+                          pad_token_id=tokenizer.eos_id, forced_eos_token_id=None)  # the model's tokens only
     assert len(out[0]) == len(ids) + 8 and ours == tokenizer.decode(out[0].tolist())
 
 
@@ -212,3 +226,49 @@ def test_a_family_that_ties_more_than_its_output_is_refused_in_one_line(tmp_path
     assert refusal.count("\n") == 1 and ("model_type bert: transformers ties 2 tensors to others "
                                          "(cls.predictions.decoder.weight, cls.predictions.decoder.bias); the "
                                          "transformers backend ties the output projection only") in refusal
+
+
+def test_deepseek_v32_s_sparse_attention_is_computed_as_transformers_computes_it(folder):
+    """DeepSeek V3.2's indexer keeps index_topk (4) of the keys each query attends: weft's model of
+    the folder gives transformers' logits, and these differ from those of every key kept, so the
+    sparse path is the one both computed."""
+    from weft.components.hf import model_args_from_hf_folder
+    from weft.generate import load_model
+
+    path = folder("deepseek_v32")
+    ours = load_model(model_args_from_hf_folder(path, "transformers"), hf=str(path), checkpoint=None,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = generate.logits(ours.eval(), TOKENS)
+        torch.testing.assert_close(logits, theirs(TOKENS).logits, rtol=0, atol=1e-5)
+        for layer in theirs.model.layers:
+            layer.self_attn.indexer.index_topk = TOKENS.shape[1]
+        assert (logits - theirs(TOKENS).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(("family", "why"), [
+    ("moshi", "model_type moshi: transformers' forward (which training runs) attends every earlier token, but its "
+              "generate's cache keeps the last sliding_window (8) of the max_position_embeddings (128) it takes"),
+    ("youtu", "model_type youtu: transformers zeroes the token embedding's padding row (pad_token_id 0) whenever it "
+              "loads a youtu folder"),
+], ids=["moshi", "youtu"])
+def test_a_family_transformers_computes_two_ways_is_refused_in_one_line(tmp_path, capsys, family, why):
+    """Moshi whose sliding window is shorter than its positions (its forward attends every token, its
+    cache the window) and Youtu with a pad_token_id (transformers' load zeroes that embedding row):
+    `weft generate` and `weft train` refuse the folder, one line, exit 2; without the cause, it loads."""
+    from weft.cli import main as weft
+    from weft.components.hf import model_args_from_hf_folder
+
+    config = transformers.AutoConfig.for_model(family, **{k: SHAPE[k] for k in DECODER}, sliding_window=8)
+    config.save_pretrained(tmp_path / family)
+    assert weft(["generate", "--hf", str(tmp_path / family), "--backend", "transformers", "--prompt", "R"]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1 and why in refusal
+    assert weft(["train", *run_args(tmp_path / "run", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path",
+                                    str(tmp_path / family), "--model.backend", "transformers")]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1 and why in refusal
+    fixed = {"moshi": {"sliding_window": 128}, "youtu": {"pad_token_id": None}}[family]
+    transformers.AutoConfig.for_model(family, **{k: SHAPE[k] for k in DECODER} | fixed).save_pretrained(tmp_path / "ok")
+    assert model_args_from_hf_folder(tmp_path / "ok", "transformers").model_type == family
