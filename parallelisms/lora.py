@@ -544,3 +544,35 @@ def dequantize_experts(model: nn.Module) -> nn.Module:
                 delattr(module, w)
                 module.register_parameter(w, nn.Parameter(weight, requires_grad=False))
     return model
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A in float32: what the adapted weight computes as (a stack of experts' expert
+    by expert: [E, out, r] @ [E, r, in]); the merged export writes it, generate samples with it."""
+    return weight.float() + scaling * (lora_b.float() @ lora_a.float())
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """A one-process model without adapters computing as the adapted one: each adapted weight
+    replaced by `merged_weight` of it (float32), each LoRALinear by a plain nn.Linear, QLoRA's NF4
+    weights by the weights they hold. The tensors a merged export writes, before its dtype."""
+    refuse_data_parallel_model(model, "merge_adapters")
+    dequantize_experts(model)
+    for name, module in lora_modules(model):
+        weight = module.weight.detach()
+        weight = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+        with torch.device("meta"):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        linear.weight = nn.Parameter(merged_weight(weight, module.lora_A.weight, module.lora_B.weight, module.scaling),
+                                     requires_grad=False)
+        linear.bias = module.bias
+        model.set_submodule(name, linear)
+    for _, module in expert_lora_modules(model):
+        for w, lora_a in module.lora_A.named_parameters():
+            merged = merged_weight(getattr(module, w), lora_a, getattr(module.lora_B, w), module.lora_scaling)
+            delattr(module, w)
+            module.register_parameter(w, nn.Parameter(merged, requires_grad=False))
+        for attribute in ("lora_A", "lora_B", "lora_rank", "lora_alpha", "lora_use_rslora", "lora_scaling"):
+            delattr(module, attribute)
+    return model
