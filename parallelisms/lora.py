@@ -26,7 +26,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.errors import TransformError, refuse_data_parallel_model
-from weft.layers import ROUTER
+from weft.layers import EXPERT_WEIGHTS, ROUTER
 from weft.layers.init import param_seed
 from weft.layers.nf4_experts import NF4Experts, torchao_nf4
 from weft.parallelisms.plans import path_matches
@@ -34,7 +34,6 @@ from weft.parallelisms.plans import path_matches
 logger = logging.getLogger("weft")
 
 QUANTIZE_BASE_CHOICES = ("nf4",)
-EXPERT_WEIGHTS = ("w1", "w2", "w3")  # a stack of routed experts' weights, [experts, out, in] each
 EXPERTS = "experts"  # the target name of every routed expert's projections
 # torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of at
 # most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
