@@ -12,10 +12,8 @@ template and stops at the end of the assistant's turn. One process, one device (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
-import tempfile
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,10 @@ from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.writer import ExportError
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import BACKENDS, flavors, spec_for_args
+from weft.parallelisms.lora import merge_adapters
 from weft.parallelisms.materialize import materialize_for_loading
 from weft.parallelisms.precision import DTYPES
-from weft.recipe.export import export_adapter_checkpoint
+from weft.recipe.export import adapter_model
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
@@ -142,26 +141,25 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     """Command line entry point (`weft generate`); prints the prompt and its continuation."""
     opts = _parse_args(argv, prog)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with contextlib.ExitStack() as stack:
-        return _generate(opts, device, stack)
+    return _generate(opts, device)
 
 
-def _generate(opts: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack) -> int:
+def _generate(opts: argparse.Namespace, device: torch.device) -> int:
     try:
         tokenizer = load_tokenizer(_tokenizer_path(opts))
         if opts.chat and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
             raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
                             "(a Hugging Face folder whose tokenizer_config.json has one)")
         hf, checkpoint = opts.hf, opts.checkpoint
-        if checkpoint is not None and holds_adapters(require_complete_checkpoint(checkpoint)):
+        adapted = checkpoint is not None and holds_adapters(require_complete_checkpoint(checkpoint))
+        if adapted:
             if opts.flavor is not None:
                 raise ExportError(f"--flavor: {checkpoint} holds a LoRA run's adapters; the model is the one "
                                   "its run's config.toml names")
-            # base + adapters: the merged folder `weft export` writes, in a folder that goes when done
-            hf = str(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="weft-generate-"))) / "merged")
-            export_adapter_checkpoint(Path(checkpoint), None, Path(hf), torch.float32)
-            checkpoint = None
-        if hf is not None:
+            # base + adapters, built as `weft export` builds them, merged as its merged folder holds them
+            model = merge_adapters(adapter_model(Path(checkpoint))[0])
+            args = model.args
+        elif hf is not None:
             args = model_args_from_hf_folder(hf, opts.backend, opts.trust_remote_code)
         else:
             # Names and shapes before building the model: a flavor larger than the checkpoint
@@ -173,8 +171,11 @@ def _generate(opts: argparse.Namespace, device: torch.device, stack: contextlib.
         if tokenizer.vocab_size > args.vocab_size:
             raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
                             f"({args.vocab_size})")
-        model = load_model(args, hf=hf, checkpoint=checkpoint, device=device,
-                           dtype=DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")])
+        dtype = DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+        if adapted:
+            model = cast_model(model, dtype, device)
+        else:
+            model = load_model(args, hf=hf, checkpoint=checkpoint, device=device, dtype=dtype)
         if opts.adapter is not None:  # base + adapter: LoRA layers compute W x + scaling * B A x
             load_peft_adapter(model, opts.adapter)
     except UserError as e:
@@ -227,6 +228,12 @@ def load_model(args: Any, *, hf: str | None, checkpoint: str | None, device: tor
         load_hf_into_model(model, hf)
     else:
         load_model_weights(model, checkpoint)
+    return cast_model(model, dtype, device)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """`model` with its parameters in `dtype` (its buffers as they are: the rotary table is
+    complex), moved to `device`."""
     for param in model.parameters():
         param.data = param.data.to(dtype)  # in place of the data: tied parameters stay one tensor
     return model.to(device)

@@ -1,4 +1,4 @@
-"""Train a Llama model with weft. This file is the recipe: read it top to bottom, fork it freely.
+"""Train an LLM with weft (pretraining, SFT, LoRA/QLoRA, preference). The recipe: read it top to bottom, fork it.
 
     python train.py --job.config_file debug_model.toml
     torchrun --nproc_per_node 8 train.py --job.config_file llama8b.toml --training.steps 50

@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 from weft.components.checkpoint.state import whole_model
 from weft.components.training.loss import CHUNK_BYTES
 from weft.components.training.muon import muon_parameters
+from weft.layers import EXPERT_WEIGHTS
 from weft.models import spec_for_args
 from weft.parallelisms.common import transformer_blocks
 from weft.parallelisms.fsdp import fsdp_shard_dim
 from weft.parallelisms.lora import (
-    EXPERT_WEIGHTS,
     NF4_BLOCK,
     expert_adapter_ids,
     lora_modules,

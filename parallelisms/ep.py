@@ -20,13 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from weft.errors import TransformError, refuse_data_parallel_model
+from weft.layers import EXPERT_WEIGHTS
 from weft.layers.nf4_experts import NF4Experts
 
 logger = logging.getLogger("weft")
 
 __all__ = ["apply_ep", "expert_modules", "expert_parameters"]
-
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, sequence_shards: int = 1) -> nn.Module:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from weft.errors import TransformError, refuse_data_parallel_model
-from weft.layers import ROUTER
+from weft.layers import EXPERT_WEIGHTS, ROUTER
 from weft.layers.init import param_seed
 from weft.layers.nf4_experts import NF4Experts, torchao_nf4
 from weft.parallelisms.plans import path_matches
@@ -34,7 +34,6 @@ from weft.parallelisms.plans import path_matches
 logger = logging.getLogger("weft")
 
 QUANTIZE_BASE_CHOICES = ("nf4",)
-EXPERT_WEIGHTS = ("w1", "w2", "w3")  # a stack of routed experts' weights, [experts, out, in] each
 EXPERTS = "experts"  # the target name of every routed expert's projections
 # torchao's NF4: one absmax scale per NF4_BLOCK values, and those scales quantized in groups of at
 # most NF4_SCALER_BLOCK blocks (nf4_scaler_block picks the group per weight size).
@@ -545,3 +544,35 @@ def _log_adapters(model: nn.Module, targets, expert_targets, experts, options: L
         f"{f' (and the routed experts of {len(experts)} MoE layers)' if experts else ''}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.3f}%)"
     )
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A in float32: what the adapted weight computes as (a stack of experts' expert
+    by expert: [E, out, r] @ [E, r, in]); the merged export writes it, generate samples with it."""
+    return weight.float() + scaling * (lora_b.float() @ lora_a.float())
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """A one-process model without adapters computing as the adapted one: each adapted weight
+    replaced by `merged_weight` of it (float32), each LoRALinear by a plain nn.Linear, QLoRA's NF4
+    weights by the weights they hold. The tensors a merged export writes, before its dtype."""
+    refuse_data_parallel_model(model, "merge_adapters")
+    dequantize_experts(model)
+    for name, module in lora_modules(model):
+        weight = module.weight.detach()
+        weight = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+        with torch.device("meta"):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        linear.weight = nn.Parameter(merged_weight(weight, module.lora_A.weight, module.lora_B.weight, module.scaling),
+                                     requires_grad=False)
+        linear.bias = module.bias
+        model.set_submodule(name, linear)
+    for _, module in expert_lora_modules(model):
+        for w, lora_a in module.lora_A.named_parameters():
+            merged = merged_weight(getattr(module, w), lora_a, getattr(module.lora_B, w), module.lora_scaling)
+            delattr(module, w)
+            module.register_parameter(w, nn.Parameter(merged, requires_grad=False))
+        for attribute in ("lora_A", "lora_B", "lora_rank", "lora_alpha", "lora_use_rslora", "lora_scaling"):
+            delattr(module, attribute)
+    return model

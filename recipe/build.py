@@ -57,6 +57,7 @@ from weft.recipe.checks.experts import prepare_experts
 from weft.recipe.config_keys import config_error
 from weft.recipe.plan import RunPlan
 from weft.recipe.step import PipelineLoss, PipelineStep, StepSetup, model_forward
+from weft.recipe.summary import global_batch_line
 
 logger = logging.getLogger("weft")
 
@@ -414,15 +415,12 @@ def model_line(plan: RunPlan, model: nn.Module) -> str:
 
 def log_summary(plan: RunPlan, model: nn.Module) -> None:
     """The start-up summary: the model, its parameters per rank and who built it, precision, the global batch."""
-    args, t = plan.model_args, plan.cfg.training
+    args = plan.model_args
     logger.info(f"{model_line(plan, model)} "
                 f"({args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, "
                 f"{args.kv_heads} kv heads, vocab {args.vocab_size}); {backend_line(plan, model)}")
     logger.info(plan.precision.describe())
-    rows = plan.tokens_per_step // t.seq_len
-    samples = plan.objective.describe_rows(rows)
-    logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x "
-                f"{plan.dims.dp} dp = {samples} = {plan.tokens_per_step:,} tokens per step")
+    logger.info(global_batch_line(plan))
 
 
 def backend_line(plan: RunPlan, model: nn.Module) -> str:

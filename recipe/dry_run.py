@@ -49,6 +49,7 @@ from weft.recipe.build import build_model, model_line
 from weft.recipe.checks.experts import prepare_experts
 from weft.recipe.objectives import Objective
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
+from weft.recipe.summary import global_batch_line
 
 logger = logging.getLogger("weft")
 
@@ -145,10 +146,7 @@ def dry_run(cfg: JobConfig) -> MemoryEstimate:
     # call), so the dry run refuses exactly what a real start refuses (compile + TP on torch 2.13).
     model = build_model(plan, meshes, device=None)
     logger.info(model_line(plan, model))
-    t = cfg.training
-    logger.info(f"global batch {t.local_batch_size} x {t.gradient_accumulation_steps} accumulation x {dims.dp} dp "
-                f"= {plan.tokens_per_step // t.seq_len} samples = {plan.tokens_per_step:,} tokens per step "
-                f"(seq_len {t.seq_len})")
+    logger.info(global_batch_line(plan))
 
     estimate = print_estimate(plan, model, meshes)
     table, best = layouts_table(cfg, args, dims, limit, plan.options, plan.objective)

@@ -67,23 +67,38 @@ def export_checkpoint(checkpoint: Path, out: Path | None, peft_out: Path | None 
 
 def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_out: Path | None,
                               dtype: torch.dtype, *, base: Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """A LoRA run's checkpoint as a PEFT adapter folder and/or a merged Hugging Face folder, in one
-    process whatever layout saved it. The run's config.toml (in its dump folder, above the
-    checkpoint) says which adapters and which base; the PEFT folder needs only the adapters (the
-    base stays on the meta device), the merged one loads the base from the run's
-    checkpoint.initial_load_path, or from `base` where it has moved (QLoRA: quantized as in
-    training), and the run's recorded tokenizer and generation config."""
+    """A LoRA run's checkpoint (its `adapter_model`) as a PEFT adapter folder and/or a merged
+    Hugging Face folder, with the run's recorded tokenizer and generation config; the PEFT folder
+    alone never loads the base."""
+    folder = require_complete_checkpoint(checkpoint)
+    model, cfg = adapter_model(folder, base=base, with_base=merged_out is not None)
+    if merged_out is not None:
+        from weft.parallelisms.lora import dequantize_experts
+
+        dequantize_experts(model)  # QLoRA's NF4 experts, written as the weights they hold
+        recorded = folder.parent.parent / HF_FILES
+        save_hf_model(model, merged_out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                      hf_files=recorded if (recorded / "config.json").is_file() else None)
+    if peft_out is not None:
+        save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
+
+
+def adapter_model(checkpoint: Path, *, base: Path | None = None, with_base: bool = True) -> tuple[nn.Module, JobConfig]:
+    """(the model of a LoRA run's checkpoint on the CPU in one process, whatever layout saved it;
+    the run's config). Its config.toml (in its dump folder, above the checkpoint) says which
+    adapters and which base; the base is loaded from the run's checkpoint.initial_load_path, or
+    from `base` where it has moved (QLoRA: quantized as in training). Without `with_base` the base
+    stays on the meta device and only the adapters are real (what a PEFT folder needs)."""
     from weft.components.checkpoint.checkpointer import load_adapter_weights
-    from weft.parallelisms.lora import dequantize_experts, expert_lora_modules, lora_modules
+    from weft.parallelisms.lora import expert_lora_modules, lora_modules
     from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
     cfg = _run_config(folder)
     _point_at_base(cfg, folder.parent.parent / "config.toml", base,
-                   needed=merged_out is not None or cfg.model.flavor == "from_hf_config")
-    plan = RunPlan.from_config(_one_process(cfg, base=merged_out is not None), 1, device_type="cpu",
-                               check_environment=False)
-    if merged_out is None:  # the adapters alone: the base never leaves the meta device
+                   needed=with_base or cfg.model.flavor == "from_hf_config")
+    plan = RunPlan.from_config(_one_process(cfg, base=with_base), 1, device_type="cpu", check_environment=False)
+    if not with_base:  # the adapters alone: the base never leaves the meta device
         model = build_model(plan, None, None)
         for _, module in lora_modules(model) + expert_lora_modules(model):
             module.lora_A.to_empty(device="cpu")
@@ -93,13 +108,7 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
         if not cfg.lora.quantize_base:  # QLoRA's base was loaded (and quantized) by build_model
             load_lora_base(plan, model)
     load_adapter_weights(model, folder)
-    if merged_out is not None:
-        dequantize_experts(model)  # QLoRA's NF4 experts, written as the weights they hold
-        recorded = folder.parent.parent / HF_FILES
-        save_hf_model(model, merged_out, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                      hf_files=recorded if (recorded / "config.json").is_file() else None)
-    if peft_out is not None:
-        save_peft_adapter(model, peft_out, cfg.checkpoint.initial_load_path or None)
+    return model, cfg
 
 
 def _run_config(checkpoint: Path) -> JobConfig:

@@ -1,15 +1,12 @@
 """Hugging Face interop: load a folder of any registered family into a weft model of any parallel
-layout, and export a DCP checkpoint as such a folder, one tensor at a time (docs/checkpoints.md).
-
-    python -m weft.components.hf export --checkpoint outputs/checkpoint/step-1000 --flavor llama3_8b \\
-        --out llama3_8b_hf --dtype bfloat16
+layout, and export a DCP checkpoint as such a folder, one tensor at a time (docs/checkpoints.md);
+the command is `weft export` (recipe/export.py).
 
 Modules: `safetensors_io` (files, shards, index), `load` (config.json -> ModelArgs, weights into a
 model), `writer` (the one writer), `export` (a DCP checkpoint -> a folder), `model_files` (what a
-run records), `cli`. A model's own names and config.json live with the model (`ModelSpec.hf`).
+run records). A model's own names and config.json live with the model (`ModelSpec.hf`).
 """
 
-from weft.components.hf.cli import main
 from weft.components.hf.export import (
     check_export_folder,
     export_at_end,
@@ -37,7 +34,6 @@ __all__ = [
     "export_to_hf",
     "record_hf_files",
     "load_hf_into_model",
-    "main",
     "model_args_for_run",
     "model_args_from_hf_folder",
     "read_hf_config",

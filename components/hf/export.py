@@ -92,9 +92,6 @@ def export_run_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.P
                           dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> None:
     """`export_to_hf` of a run's checkpoint as the model `flavor`, by default the model its run
     recorded (<dump_folder>/hf_files/config.json), written with the run's recorded files."""
-    if holds_adapters(require_complete_checkpoint(checkpoint_dir)):
-        raise ConversionError(f"checkpoint {checkpoint_dir} holds a LoRA run's adapters, not a whole model; "
-                              "`weft export` merges them into the run's base")
     hf_files = run_hf_files(checkpoint_dir)
     if flavor is None and hf_files is None:
         raise ConversionError(f"--flavor: not given, and no {HF_FILES}/config.json recorded by the run above "

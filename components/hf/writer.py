@@ -30,7 +30,7 @@ from weft.components.hf.safetensors_io import new_folder, open_safetensors, plan
 from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.models.common.spec import HFMapping
-from weft.parallelisms.lora import expert_lora_modules, lora_modules
+from weft.parallelisms.lora import expert_lora_modules, lora_modules, merged_weight
 
 logger = logging.getLogger("weft")
 
@@ -132,7 +132,7 @@ def write_model(out: Path, args, shapes: dict[str, torch.Size], source: Source, 
                 if name in adapted:
                     (_, a), (_, b) = next(stream), next(stream)
                     if is_writer():  # stacked experts: [E, out, r] @ [E, r, in], expert by expert
-                        tensor = tensor.float() + adapters.scaling * (b.float() @ a.float())
+                        tensor = merged_weight(tensor, a, b, adapters.scaling)
                 parts.append(tensor)
             yield from zip(hf_names, _to_hf_parts(hf, group, parts, args, dtype, len(hf_names)))
         for key, path in carried.items():  # one at a time, read by the writer only

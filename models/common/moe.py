@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.layers import EXPERT_WEIGHTS
 from weft.layers.nf4_experts import NF4Experts, frozen_experts_matmul
 from weft.models.common.feed_forward import FeedForward
 from weft.models.common.shape_checks import check_top_k
@@ -94,7 +95,7 @@ class GroupedExperts(nn.Module):
         adapted = getattr(self, "lora_A", None)
         return [LowRankAdapted(local(getattr(self, w)), local(getattr(self.lora_A, w)), local(getattr(self.lora_B, w)),
                                self.lora_scaling) if hasattr(adapted, w) else local(getattr(self, w))
-                for w in ("w1", "w2", "w3")]
+                for w in EXPERT_WEIGHTS]
 
     def weigh(self, out: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The experts' outputs times their tokens' scores [rows, 1] (`MoE` with score_before_experts

@@ -1,5 +1,5 @@
 """Adversarial checkpoints, and the commands that read them: resume, initial_load_path,
-generate.py and `python -m weft.components.hf export`.
+generate.py and `weft export`.
 
 One short run (two checkpoints) and one exported Hugging Face folder are made once; every case
 damages its own copy. The contract is tests/support/failure_checks.py's: exit 2, one `weft: error:` line
@@ -19,6 +19,7 @@ import pytest
 
 from weft import generate, train
 from weft.components import hf
+from weft.recipe import export as export_command
 
 from tests.support.failure_checks import assert_clean_failure, run_in_process, snapshot
 from tests.support.train_runs import run_args
@@ -214,12 +215,12 @@ def test_bad_input_for_generate(tmp_path, capsys, made, name, setup, expected):
     assert_clean_failure(run_in_process(generate.main, argv, capsys), expected, before=before, root=tmp_path)
 
 
-# -- python -m weft.components.hf export ---------------------------------------------------------
+# -- weft export ------------------------------------------------------------------------------------
 
 def export(target: Callable[[Path, Path], Path], *extra: str, out: Callable[[Path], Path] = lambda t: t / "out",
            flavor: str = "debugmodel"):
     def setup(tmp, made):
-        return ["export", "--checkpoint", str(target(tmp, made)), "--flavor", flavor,
+        return ["--checkpoint", str(target(tmp, made)), "--flavor", flavor,
                 "--out", str(out(tmp)), *extra]
     return setup
 
@@ -252,4 +253,4 @@ EXPORT_CASES = [
 def test_bad_input_for_export(tmp_path, capsys, made, name, setup, expected):
     argv = setup(tmp_path, made)
     before = snapshot(tmp_path)
-    assert_clean_failure(run_in_process(hf.main, argv, capsys), expected, before=before, root=tmp_path)
+    assert_clean_failure(run_in_process(export_command.main, argv, capsys), expected, before=before, root=tmp_path)

@@ -3,7 +3,7 @@
 Three transformers `LlamaForCausalLM` folders whose shapes are none of weft's flavors are fine-tuned
 by train.py under fsdp 2 x tp 2 (one 4-process group trains all three; each step's loss equals a
 single-device run's), exported at the end of the run (export.hf_folder) and by
-`python -m weft.components.hf export` without --flavor, and checked against transformers itself:
+`weft export` without --flavor, and checked against transformers itself:
 logits, tokenizer ids, chat rendering and `pipeline` generation.
 """
 
@@ -118,19 +118,20 @@ def test_layout_trains_as_one_device(runs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_export_has_transformers_logits(runs, name, tmp_path):
-    """The folder exported at the end of the run and the one `python -m weft.components.hf export` writes
+    """The folder exported at the end of the run and the one `weft export` writes
     from the last checkpoint without --flavor hold the same tensors, and transformers' logits on it
     equal weft's on the checkpoint within 1e-5."""
     from safetensors.torch import load_file
 
     from weft.components.checkpoint.checkpointer import load_model_weights
-    from weft.components.hf import main, model_args_from_hf_folder
+    from weft.components.hf import model_args_from_hf_folder
     from weft.models.llama import Transformer
+    from weft.recipe.export import main as export_main
 
     source, dump = runs[name]["source"], runs[name]["dump"]
     exported = dump / "hf"
     step = dump / "checkpoint" / f"step-{STEPS}"
-    assert main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "cli")]) == 0
+    assert export_main(["--checkpoint", str(step), "--out", str(tmp_path / "cli")]) == 0
     at_end, from_cli = load_file(exported / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
     assert at_end.keys() == from_cli.keys() and all(torch.equal(at_end[k], from_cli[k]) for k in at_end)
     assert not torch.equal(at_end["model.norm.weight"], load_file(source / "model.safetensors")["model.norm.weight"])

@@ -169,7 +169,7 @@ def test_weft_trains_samples_and_exports_from_any_folder_as_the_checkout_does(in
         ([str(install.weft), "generate", *prompt], dict(cwd=elsewhere, env=install.env())),
         ([sys.executable, "generate.py", *prompt], dict(cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})),
         ([str(install.weft), "export", *step, "--out", "hf"], dict(cwd=elsewhere, env=install.env())),
-        ([sys.executable, "-m", "weft.components.hf", "export", *step, "--out", str(tmp_path / "hf")],
+        ([sys.executable, "-m", "weft.recipe.export", *step, "--out", str(tmp_path / "hf")],
          dict(cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})))
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert expected.returncode == 0, expected.stderr[-3000:]

@@ -14,8 +14,8 @@ from transformers import Llama4ForCausalLM
 from weft import train
 from weft.components.config import parse_args
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
-from weft.components.hf import main as hf_main
 from weft.models.llama4 import Transformer
+from weft.recipe.export import main as export_main
 
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
@@ -139,7 +139,7 @@ def export_run(dump, *layout: str) -> None:
 def assert_export_gives_transformers_weft_logits(dump, tmp_path) -> dict[str, torch.Tensor]:
     folder = dump / "hf"
     # The command-line export of its checkpoint writes the same tensors.
-    assert hf_main(["export", "--checkpoint", str(dump / "checkpoint" / "step-3"), "--out", str(tmp_path / "cli")]) == 0
+    assert export_main(["--checkpoint", str(dump / "checkpoint" / "step-3"), "--out", str(tmp_path / "cli")]) == 0
     ours, cli = load_file(folder / "model.safetensors"), load_file(tmp_path / "cli" / "model.safetensors")
     assert ours.keys() == cli.keys() and all(torch.equal(ours[k], cli[k]) for k in ours)
     model = Transformer(model_args_from_hf_folder(folder))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from weft.components.hf.cli import main as hf_main
 from weft.layers.torchao_import import quiet_torchao_import
+from weft.recipe.export import main as export_main
 
 from tests.support.dist_utils import run_distributed
 from tests.support.train_runs import run, run_args
@@ -53,7 +53,7 @@ def bases(tmp_path_factory):
             else:
                 run_distributed(run, ranks, args)
             step = dump / "checkpoint" / f"step-{BASE_STEPS}"
-            assert hf_main(["export", "--checkpoint", str(step), "--out", str(dump / "hf")]) == 0
+            assert export_main(["--checkpoint", str(step), "--out", str(dump / "hf")]) == 0
             made[model, ranks] = step, dump / "hf"
         return made[model, ranks]
 

@@ -10,9 +10,9 @@ from transformers import Qwen3MoeForCausalLM
 
 from weft import train
 from weft.components.config import parse_args
-from weft.components.hf import main as hf_main
 from weft.components.hf import model_args_from_hf_folder
 from weft.generate import load_model
+from weft.recipe.export import main as export_main
 
 from tests.support.dist_utils import run_distributed
 from tests.support.hf_folders import tiny_qwen3_hf_folder
@@ -36,7 +36,7 @@ def test_a_moe_folder_fine_tuned_under_fsdp2_exports_transformers_keys_and_weft_
     assert sorted(exported) == sorted(source)
     assert any(not torch.equal(exported[key], source[key]) for key in source)  # it trained
     checkpoint = tmp_path / "run" / "checkpoint" / "step-3"
-    assert hf_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
     cli = load_file(tmp_path / "cli" / "model.safetensors")
     assert cli.keys() == exported.keys() and all(torch.equal(cli[k], exported[k]) for k in cli)
 

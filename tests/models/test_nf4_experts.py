@@ -11,9 +11,9 @@ import pytest
 import torch
 from torchao.quantization import to_nf4
 
+from weft.layers import EXPERT_WEIGHTS
 from weft.models.common.moe import MoE
 from weft.parallelisms.lora import (
-    EXPERT_WEIGHTS,
     NF4_BLOCK,
     LoRAOptions,
     apply_lora,

@@ -25,7 +25,14 @@ from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
 from weft.parallelisms.cp import shard_sequence
 from weft.parallelisms.fsdp import FSDPOptions
-from weft.parallelisms.lora import LoRAOptions, adapters_off, apply_lora, lora_modules, quantize_lora_base
+from weft.parallelisms.lora import (
+    LoRAOptions,
+    adapters_off,
+    apply_lora,
+    lora_modules,
+    merge_adapters,
+    quantize_lora_base,
+)
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.parallel_dims import ParallelDims
 from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
@@ -128,6 +135,32 @@ def test_adapters_off_computes_as_peft_disable_adapter():
         with pytest.raises(ZeroDivisionError), adapters_off(ours):
             1 / 0
         assert torch.equal(ours(tokens).logits, adapted)
+
+
+def test_merge_adapters_holds_peft_merge_and_unload_s_weights_in_plain_linears():
+    """merge_adapters: trained adapters (B nonzero) added into their weights as PEFT's
+    merge_and_unload adds them, every LoRALinear a plain nn.Linear, the logits the adapted model's."""
+    from peft import LoraConfig, get_peft_model
+
+    base = hf_llama()
+    ours = apply_lora(copy.deepcopy(base), LoRAOptions(rank=4, alpha=8.0))
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, module in lora_modules(ours):
+            theirs = peft.get_submodule(f"base_model.model.{name}")
+            for factor in ("lora_A", "lora_B"):
+                getattr(module, factor).weight.normal_(generator=generator)
+                getattr(theirs, factor)["default"].weight.copy_(getattr(module, factor).weight)
+        adapted = ours(batch()).logits
+        merged = merge_adapters(ours)
+        theirs = peft.merge_and_unload()
+    assert not lora_modules(merged) and all(type(m) is nn.Linear for n, m in merged.named_modules() if n.endswith("proj"))
+    assert merged.state_dict().keys() == theirs.state_dict().keys()
+    for name, tensor in theirs.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], tensor, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(batch()).logits, adapted, rtol=0, atol=1e-5)
 
 
 def test_weft_llama_starts_as_its_base():

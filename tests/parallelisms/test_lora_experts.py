@@ -25,7 +25,14 @@ from weft.models.llama import LLAMA_FLAVORS
 from weft.models.llama import Transformer as Llama
 from weft.models.llama4 import LLAMA4_FLAVORS, Transformer
 from weft.parallelisms.common import TransformError
-from weft.parallelisms.lora import LoRAOptions, apply_lora, expert_lora_modules, lora_modules, quantize_lora_base
+from weft.parallelisms.lora import (
+    LoRAOptions,
+    apply_lora,
+    expert_lora_modules,
+    lora_modules,
+    merge_adapters,
+    quantize_lora_base,
+)
 from weft.parallelisms.materialize import materialize
 from weft.recipe.plan import RunPlan
 
@@ -89,6 +96,22 @@ def test_adapted_experts_equal_their_hand_merged_weights_with_the_same_routing_a
     for name, leaf in leaves.items():
         torch.testing.assert_close(got[name], leaf.grad, rtol=1e-4, atol=1e-5)
     assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["plain", "nf4"])
+def test_merge_adapters_holds_the_hand_merged_expert_weights(nf4):
+    """merge_adapters: each adapted expert weight becomes w + scaling · B @ A (NF4: of torchao's
+    dequantized experts), the adapters go, and the MoE computes as the adapted one."""
+    base, model = adapted_moe(nf4, ("experts.w1", "experts.w2"))
+    x = torch.randn(3, 10, DIM, generator=torch.Generator().manual_seed(1))
+    merged, _ = merged_by_hand(base, model)
+    with torch.no_grad():
+        adapted = model(x)
+        merge_adapters(model)
+        for w in WEIGHTS:
+            torch.testing.assert_close(getattr(model.experts, w), merged[f"experts.{w}"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(model(x), adapted, rtol=0, atol=1e-5)
+    assert not expert_lora_modules(model) and not hasattr(model.experts, "lora_scaling")
 
 
 def test_layout_init_and_glob_targets():

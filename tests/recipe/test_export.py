@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 from weft import train
 from weft.cli import main as weft
 from weft.components.config import parse_args
-from weft.components.hf import main as hf_main
 from weft.recipe.export import main as export_main
 
 STEPS = 3
@@ -87,12 +86,11 @@ def test_bad_exports_are_one_line_and_write_nothing(lora_run, tmp_path, capsys):
     assert [p.name for p in existing.iterdir()] == ["mine.txt"] and (existing / "mine.txt").read_text() == "mine"
 
 
-def test_a_whole_models_checkpoint_exports_as_the_hf_command_exports_it(lora_run, tmp_path):
-    """`weft export` of a run without LoRA is `python -m weft.components.hf export` of it."""
+def test_a_whole_models_checkpoint_exports_what_the_run_exported_at_its_end(lora_run, tmp_path):
+    """`weft export` of a run without LoRA: the live model's end-of-run export, from the checkpoint."""
     plain = tmp_path / "plain"
-    train.train(parse_args(lora_args(plain, "--no-lora.enable")))
+    train.train(parse_args(lora_args(plain, "--no-lora.enable", "--export.hf_folder", "at_end")))
     checkpoint = str(plain / "checkpoint" / f"step-{STEPS}")
     assert weft(["export", "--checkpoint", checkpoint, "--out", str(tmp_path / "ours")]) == 0
-    assert hf_main(["export", "--checkpoint", checkpoint, "--out", str(tmp_path / "hf")]) == 0
-    assert same_tensors(tmp_path / "ours" / "model.safetensors", tmp_path / "hf" / "model.safetensors")
-    assert filecmp.cmp(tmp_path / "ours" / "config.json", tmp_path / "hf" / "config.json", shallow=False)
+    assert same_tensors(tmp_path / "ours" / "model.safetensors", plain / "at_end" / "model.safetensors")
+    assert filecmp.cmp(tmp_path / "ours" / "config.json", plain / "at_end" / "config.json", shallow=False)

@@ -242,10 +242,10 @@ def test_one_process_trains_and_exports_the_source_keys_tied_as_they_were(root, 
 
 
 def test_a_checkpoint_exports_and_decodes_as_the_end_of_run_export(root, one_process, tmp_path, capsys):
-    from weft.components.hf import main as hf_main
+    from weft.recipe.export import main as export_main
 
     checkpoint = root / "one_mistral" / "checkpoint" / "step-6"
-    assert hf_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
     cli, at_end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(root / "one_mistral/hf/model.safetensors")
     assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
     capsys.readouterr()
@@ -661,9 +661,9 @@ def test_fsdp2_tp2_and_ep2_equal_one_process_and_their_exports_reload_in_transfo
     text = run(more_args(root, "mistral", root / "one_text_mistral"))  # cp 2 trains on text: packing is refused
     assert losses["cp_mistral"] == pytest.approx(text, rel=1e-5)
     assert losses["ep_resumed"] == losses["ep_deepseek_v3"]  # bit for bit
-    from weft.components.hf import main as hf_main  # `weft export` of the ep run's checkpoint (grouped experts)
+    from weft.recipe.export import main as export_main  # `weft export` of the ep run's checkpoint (grouped experts)
 
-    assert hf_main(["export", "--checkpoint", str(root / "ep_deepseek_v3" / "checkpoint" / "step-6"), "--out",
+    assert export_main(["--checkpoint", str(root / "ep_deepseek_v3" / "checkpoint" / "step-6"), "--out",
                     str(root / "ep_cli")]) == 0
     cli, at_end = (load_file(root / folder / "model.safetensors") for folder in ("ep_cli", "ep_deepseek_v3/hf"))
     assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)

@@ -123,13 +123,13 @@ def test_generate_decodes_greedily_as_the_multimodal_class(root, family, capsys)
 
 
 def test_checkpoints_keep_the_text_model_s_names_and_export_as_the_end_of_run(root, runs, tmp_path, capsys):
-    from weft.components.hf import main as hf_main
+    from weft.recipe.export import main as export_main
 
     checkpoint = root / "run_gemma3" / "checkpoint" / "step-6"
     saved = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata if k.startswith("model.")]
     text = transformers.AutoModelForCausalLM.from_pretrained(root / "gemma3_text")
     assert sorted(saved) == sorted(f"model.{name}" for name in text.state_dict())
-    assert hf_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli")]) == 0
     cli, at_end = load_file(tmp_path / "cli" / "model.safetensors"), load_file(root / "run_gemma3/hf/model.safetensors")
     assert cli.keys() == at_end.keys() and all(torch.equal(cli[k], at_end[k]) for k in cli)
     capsys.readouterr()
@@ -144,7 +144,7 @@ def test_checkpoints_keep_the_text_model_s_names_and_export_as_the_end_of_run(ro
     toml = moved / "config.toml"
     toml.write_text(toml.read_text().replace(str(root / "gemma3"), str(tmp_path / "gone")))
     capsys.readouterr()
-    assert hf_main(["export", "--checkpoint", str(moved / "checkpoint" / "step-6"), "--out", str(tmp_path / "x")]) == 2
+    assert export_main(["--checkpoint", str(moved / "checkpoint" / "step-6"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "is multimodal (config.json has text_config)" in err and str(tmp_path / "gone") in err
 

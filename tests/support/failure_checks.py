@@ -1,6 +1,6 @@
 """What every failed weft command must look like, checked in one place for every adversarial test.
 
-A failed command (train.py, generate.py, `python -m weft.components.hf export`) given a bad input:
+A failed command (train.py, generate.py, `weft export`) given a bad input:
 - exits with status 2 (non-zero under torchrun);
 - prints exactly one `weft: error: ...` line per process, naming what is wrong (under torchrun:
   per process that got that far before torchrun stopped the rest after the first exit);

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from weft.components.checkpoint.checkpointer import CheckpointError
-from weft.components.hf import ConversionError, export_to_hf, load_hf_into_model, main
+from weft.components.hf import ConversionError, export_to_hf, load_hf_into_model
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, RopeScaling, Transformer
 from weft.models.llama.hf_mapping import (
     hf_config,
@@ -30,6 +30,7 @@ from weft.models.llama.hf_mapping import (
 from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
 from weft.parallelisms.materialize import materialize
 from weft.parallelisms.tp import apply_tp
+from weft.recipe.export import main as export_main
 
 from tests.support.dist_utils import run_distributed
 
@@ -371,24 +372,24 @@ def test_import_refuses_model_on_meta(tiny_export):
 def test_command_line(tmp_path, tiny_export, capsys):
     save_checkpoint(tiny_export[0], tmp_path / "step-1")
     out = tmp_path / "hf"
-    assert main(["export", "--checkpoint", str(tmp_path / "step-1"), "--flavor", "debugmodel", "--out", str(out)]) == 2
+    assert export_main(["--checkpoint", str(tmp_path / "step-1"), "--flavor", "debugmodel", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "flavor debugmodel expects" in err
 
     debug = Transformer(LLAMA_FLAVORS["debugmodel"])
     save_checkpoint(debug.state_dict(), tmp_path / "step-2")
-    assert main(["export", "--checkpoint", str(tmp_path / "step-2"), "--flavor", "debugmodel", "--out", str(out),
+    assert export_main(["--checkpoint", str(tmp_path / "step-2"), "--flavor", "debugmodel", "--out", str(out),
                  "--dtype", "bfloat16", "--max-shard-gb", "0.005"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert index["metadata"]["total_size"] == 2 * sum(p.numel() for p in debug.parameters())
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["export", "--checkpoint", str(tmp_path / "step-2"), "--flavor", "nope", "--out", str(out)])
+        export_main(["--checkpoint", str(tmp_path / "step-2"), "--flavor", "nope", "--out", str(out)])
     assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
     # Without --flavor the run's record decides; a checkpoint without one (this one) is refused.
-    assert main(["export", "--checkpoint", str(tmp_path / "step-2"), "--out", str(tmp_path / "none")]) == 2
+    assert export_main(["--checkpoint", str(tmp_path / "step-2"), "--out", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--flavor: not given, and no hf_files/config.json recorded" in err
     assert not (tmp_path / "none").exists()

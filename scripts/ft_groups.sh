@@ -3,8 +3,8 @@
 # a lighthouse, then one torchrun per group (PROCS processes each, its own GPUs), each restarted
 # up to MAX_RESTARTS times after one of its processes dies while the other groups train on.
 #
-#   components/launch/ft_groups.sh llama8b --training.steps 1000      # config, then overrides
-#   REPLICA_GROUPS=4 PROCS=2 DUMP=/runs/8b components/launch/ft_groups.sh llama8b
+#   scripts/ft_groups.sh llama8b --training.steps 1000      # config, then overrides
+#   REPLICA_GROUPS=4 PROCS=2 DUMP=/runs/8b scripts/ft_groups.sh llama8b
 #
 # Group g writes to $DUMP/group_g (its logs, metrics.jsonl, its own checkpoints) and uses GPUs
 # g*PROCS .. g*PROCS+PROCS-1. The lighthouse listens on 127.0.0.1 only. Stops when every group has.
@@ -20,7 +20,7 @@ LIGHTHOUSE_PORT=${LIGHTHOUSE_PORT:-29510}
 DUMP=${DUMP:-./outputs}
 TORCHRUN=${TORCHRUN:-torchrun}
 LIGHTHOUSE=${LIGHTHOUSE:-torchft_lighthouse}
-cd "${WEFT_DIR:-$(dirname "$0")/../..}"  # the weft checkout
+cd "${WEFT_DIR:-$(dirname "$0")/..}"  # the weft checkout
 
 # One store per torchrun round, so a restarted group never reads its dead round's addresses.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

@@ -1,4 +1,4 @@
-"""components/launch/slurm_train.sbatch under a fake SLURM: stub `scontrol` and `srun` on PATH, the
+"""scripts/slurm_train.sbatch under a fake SLURM: stub `scontrol` and `srun` on PATH, the
 environment sbatch gives a job. The torchrun command srun would run is read back by torchrun's own
 argument parser, and its training arguments by weft's."""
 
@@ -13,7 +13,7 @@ from torch.distributed.run import get_args_parser
 
 from weft.components.config import parse_args
 
-SCRIPT = Path(__file__).resolve().parents[2] / "components/launch/slurm_train.sbatch"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts/slurm_train.sbatch"
 
 STUBS = {
     # `scontrol show hostnames <list>`: the nodes, one a line, as SLURM expands the list

@@ -1,4 +1,4 @@
-"""The fault-tolerance launchers (components/launch/ft_groups.sh, slurm_ft.sbatch) with stub
+"""The fault-tolerance launchers (scripts/ft_groups.sh, slurm_ft.sbatch) with stub
 `torchrun`, `torchft_lighthouse`, `scontrol` and `srun` on PATH: each torchrun command they would
 run is read back by torchrun's own argument parser, its training arguments by weft's, and checked
 against what the groups need (one replica_id each, their own dump folders, one lighthouse)."""
@@ -14,7 +14,7 @@ from torch.distributed.run import get_args_parser
 
 from weft.components.config import parse_args
 
-LAUNCH = Path(__file__).resolve().parents[2] / "components/launch"
+LAUNCH = Path(__file__).resolve().parents[2] / "scripts"
 
 STUBS = {
     "torchrun": 'echo "torchrun gpus=$CUDA_VISIBLE_DEVICES node=$SLURM_NODEID $(printf "%q " "$@")"',

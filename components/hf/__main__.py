@@ -1,5 +1,0 @@
-import sys
-
-from weft.components.hf.cli import main
-
-sys.exit(main())
