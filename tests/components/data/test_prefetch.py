@@ -127,10 +127,10 @@ def beside_main_thread_worker(text_files: list[Path], pc_files: list[Path], step
                                   dp_world_size=2), document_masking=True)
     run: dict = {"train": [], "validation": []}
     for _ in range(steps):
-        run["train"].append([t.tolist() for t in next(train)])
+        run["train"].append([t.tolist() for t in next(train) if t is not None])
         validation = build_loader("prompt_completion", pc_files, tokenizer, seq_len=47, local_batch_size=1,
                                   dp_rank=rank, dp_world_size=2, long_samples="drop")
-        run["validation"].append([[t.tolist() for t in batch] for _, batch in zip(range(2), validation)])
+        run["validation"].append([[t.tolist() for t in batch if t is not None] for _, batch in zip(range(2), validation)])
     run["state"] = train.state_dict()
     train.close()
     return run
@@ -146,11 +146,11 @@ def test_thread_and_main_thread_count_together_apart(tmp_path, tokenizer):
     pc = write(tmp_path / "pc.jsonl", [{"prompt": a, "completion": b} for a, b in zip(LINES, LINES[1:])])
     steps = 6
     single = build_loader("text", text, tokenizer, seq_len=15, local_batch_size=4, cooperate=False)
-    want_train = [[t.tolist() for t in batch] for batch in islice(batches(single, document_masking=True), steps)]
+    want_train = [[t.tolist() for t in batch if t is not None] for batch in islice(batches(single, document_masking=True), steps)]
     want_state = single.state_dict()
     validation = build_loader("prompt_completion", pc, tokenizer, seq_len=47, local_batch_size=2, cooperate=False,
                               long_samples="drop")
-    want_validation = [[t.tolist() for t in batch] for batch in islice(validation, 2)]
+    want_validation = [[t.tolist() for t in batch if t is not None] for batch in islice(validation, 2)]
 
     runs = run_distributed(beside_main_thread_worker, 2, text, pc, steps, timeout=120)
     for rank, run in enumerate(runs):
