@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from weft.components.data.prepare import main as prepare
 from weft.errors import OneLineParser
+from weft.generate import main as generate
+from weft.recipe.export import main as export
+from weft.train import main as train
 
 COMMANDS = ("train", "generate", "export", "export-lora", "prepare")
 
@@ -29,13 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     rest, prog = args[1:], f"weft {command}"
     # Each command imports only its own module: `weft prepare` need not import torch's distributed stack.
     if command == "train":
-        from weft.train import main as train
         return train(rest)
     if command == "generate":
-        from weft.generate import main as generate
         return generate(rest, prog=prog)
     if command in ("export", "export-lora"):
-        from weft.recipe.export import main as export
         return export(rest, prog=prog)
-    from weft.components.data.prepare import main as prepare
     return prepare(rest, prog=prog)

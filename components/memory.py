@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from weft.components.checkpoint.state import whole_model
 from weft.components.training.loss import CHUNK_BYTES
@@ -59,8 +61,6 @@ def measured_peak_bytes(fn) -> int:
     torch's profiler with profile_memory=True records every allocation and free of the CPU
     allocator with its size; their running sum in time order is the memory fn() held on top of
     what existed before it. (On CUDA, torch.cuda.max_memory_allocated says the same directly.)"""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

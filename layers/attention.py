@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 
 def document_causal_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor) -> torch.Tensor:
@@ -49,13 +50,13 @@ def document_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor | None = None, *, 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ / √d + mask) v with grouped-query heads, for a mask from `document_mask`."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     if not isinstance(mask, BlockMask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    attend = flex_attention
     if q.is_cuda and not torch.compiler.is_compiling():  # eager FlexAttention materialises the scores: compile it once
-        flex_attention = _compiled("flex_attention", flex_attention)
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        attend = _compiled("flex_attention", flex_attention)
+    return attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
 
 
 def document_attention(
@@ -75,17 +76,17 @@ def document_attention(
 
 def document_block_mask(q_docs: torch.Tensor, kv_docs: torch.Tensor):
     """FlexAttention's block mask of `document_causal_mask` (queries aligned to the end of the keys)."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     offset = kv_docs.shape[-1] - q_docs.shape[-1]
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx + offset) & (q_docs[b, q_idx] == kv_docs[b, kv_idx])
 
+    create = create_block_mask
     if q_docs.is_cuda and not torch.compiler.is_compiling():
-        create_block_mask = _compiled("create_block_mask", create_block_mask)
-    return create_block_mask(same_document_causal, q_docs.shape[0], None, q_docs.shape[-1], kv_docs.shape[-1],
-                             device=q_docs.device)
+        create = _compiled("create_block_mask", create_block_mask)
+    return create(same_document_causal, q_docs.shape[0], None, q_docs.shape[-1], kv_docs.shape[-1],
+                  device=q_docs.device)
 
 
 _COMPILED: dict[str, object] = {}
@@ -141,7 +142,6 @@ def window_block_mask(seq_len: int, window: int | None, document_ids: torch.Tens
                       device: torch.device):
     """FlexAttention's block mask of `window_causal_mask`: blocks wholly outside the window or another
     document are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
 
     def allowed(b, h, q_idx, kv_idx):
         keep = kv_idx <= q_idx
@@ -164,12 +164,12 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     `mask`: a FlexAttention BlockMask (CUDA), where the kernel's log-sum-exp gives the same as
     out · σ(lse - sink); else a boolean [batch or 1, 1, q, kv] for SDPA, with one zero key and
     value more whose mask bias is the sink. Both differentiate through the sinks."""
-    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
     if isinstance(mask, BlockMask):
+        attend = flex_attention
         if q.is_cuda and not torch.compiler.is_compiling():
-            flex_attention = _compiled("flex_attention_lse", flex_attention)
-        out, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+            attend = _compiled("flex_attention_lse", flex_attention)
+        out, aux = attend(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
         kept = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))
         return out * kept.unsqueeze(-1).to(out.dtype)
     batch, heads, seq, _ = q.shape

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
+    _ComputationType,
     get_schedule_class,
 )
 
@@ -274,7 +275,6 @@ def activations_in_flight(layout: PipelineLayout, pp_rank: int, pp_group, blocks
     """Count along torch's own order of the rank's actions: a forward of a stage adds a micro-batch
     of its blocks' activations, a full or input backward frees it. Builds the schedule over
     placeholder stages; sends nothing."""
-    from torch.distributed.pipelining.schedules import _ComputationType
 
     ids = layout.stage_ids(pp_rank)
     schedule = build_schedule([nn.Identity() for _ in ids], ids, layout.n_stages, schedule=layout.schedule,

@@ -45,7 +45,7 @@ from weft.parallelisms.pipeline import (
     split_model,
 )
 from weft.parallelisms.precision import DTYPES, precision_policy
-from weft.recipe.build import build_model, model_line
+from weft.recipe.build import build_model, build_stages, model_line
 from weft.recipe.checks.experts import prepare_experts
 from weft.recipe.objectives import Objective
 from weft.recipe.plan import RunPlan, check_layout, pipeline_layout
@@ -110,7 +110,6 @@ def edge_pp_ranks(pp: int) -> list[int]:
 def stage_estimates(plan: RunPlan, stages, meshes, shape: StepShape) -> dict[int, MemoryEstimate]:
     """The estimate of each pipeline rank of `edge_pp_ranks`, its stages built on meta as that rank
     builds them (this rank's are `stages`)."""
-    from weft.recipe.build import build_stages
 
     own = meshes.pp.get_local_rank()
     estimates = {}

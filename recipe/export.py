@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from weft.components.checkpoint.checkpointer import require_complete_checkpoint
+from weft.components.checkpoint.checkpointer import load_adapter_weights, require_complete_checkpoint
 from weft.components.config import JobConfig, parse_args
 from weft.components.hf import export_at_end
 from weft.components.hf.export import export_run_checkpoint, holds_adapters
@@ -23,7 +23,9 @@ from weft.components.hf.safetensors_io import check_output_folder
 from weft.components.hf.writer import ExportError, save_hf_model, save_peft_adapter
 from weft.errors import OneLineParser, UserError, report_user_error
 from weft.models import flavors
+from weft.parallelisms.lora import dequantize_experts, expert_lora_modules, lora_modules
 from weft.parallelisms.precision import DTYPES
+from weft.recipe.build import build_model, load_lora_base
 from weft.recipe.plan import RunPlan
 
 
@@ -33,7 +35,6 @@ def export_after_training(plan: RunPlan, model: nn.Module) -> None:
     if cfg.lora.enable and cfg.export.peft_folder:
         save_peft_adapter(model, dump / cfg.export.peft_folder, cfg.checkpoint.initial_load_path or None)
     if cfg.export.hf_folder:  # a LoRA run's adapters merged into the base
-        from weft.parallelisms.lora import dequantize_experts
         export_at_end(dequantize_experts(model), dump, cfg.export)  # QLoRA's NF4 experts as the weights they hold
 
 
@@ -73,7 +74,6 @@ def export_adapter_checkpoint(checkpoint: Path, peft_out: Path | None, merged_ou
     folder = require_complete_checkpoint(checkpoint)
     model, cfg = adapter_model(folder, base=base, with_base=merged_out is not None)
     if merged_out is not None:
-        from weft.parallelisms.lora import dequantize_experts
 
         dequantize_experts(model)  # QLoRA's NF4 experts, written as the weights they hold
         recorded = folder.parent.parent / HF_FILES
@@ -89,9 +89,6 @@ def adapter_model(checkpoint: Path, *, base: Path | None = None, with_base: bool
     adapters and which base; the base is loaded from the run's checkpoint.initial_load_path, or
     from `base` where it has moved (QLoRA: quantized as in training). Without `with_base` the base
     stays on the meta device and only the adapters are real (what a PEFT folder needs)."""
-    from weft.components.checkpoint.checkpointer import load_adapter_weights
-    from weft.parallelisms.lora import expert_lora_modules, lora_modules
-    from weft.recipe.build import build_model, load_lora_base
 
     folder = require_complete_checkpoint(checkpoint)
     cfg = _run_config(folder)

@@ -103,3 +103,34 @@ def test_the_transforms_import_no_model():
     graph = package_graph()
     for transforms in ("weft.parallelisms", "weft.float8"):
         assert "weft.models" not in graph[transforms], f"{transforms} imports weft.models"
+
+
+# The packages weft imports where they are used, inside functions: optional ones (pyproject's extras)
+# and torchao's optional parts. Every other import is at the top of its module (ruff's PLC0415).
+LAZY_PACKAGES = ("transformers", "torchft", "wandb", "tokenizers", "jinja2", "pyarrow", "zstandard", "torchao")
+
+
+def imports_inside_functions(path: Path) -> set[str]:
+    """The top-level package of every import statement inside a function of `path`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in inner.names}
+                elif isinstance(inner, ast.ImportFrom):
+                    found.add("." if inner.level else inner.module.split(".")[0])
+    return found
+
+
+def test_the_lazy_import_check_sees_nested_and_relative_imports(tmp_path):
+    (tmp_path / "m.py").write_text("import os\n\ndef f():\n    def g():\n        import json.decoder\n"
+                                   "    from . import x\n    from torchft import Manager\n")
+    assert imports_inside_functions(tmp_path / "m.py") == {"json", ".", "torchft"}
+
+
+def test_only_optional_packages_are_imported_inside_functions():
+    library = [p for p in sorted(ROOT.rglob("*.py")) if p.relative_to(ROOT).parts[0] not in ("tests", "benchmarks")
+               and not p.relative_to(ROOT).parts[0].startswith(".")]
+    lazy = {str(p.relative_to(ROOT)): imports_inside_functions(p) - set(LAZY_PACKAGES) for p in library}
+    assert len(lazy) > 100 and {name: found for name, found in lazy.items() if found} == {}

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
 def launched_world_size() -> int:
@@ -84,7 +85,6 @@ def init_fake_distributed(world_size: int, rank: int = 0) -> None:
     meshes and sub-groups are built as usual; every group is fake, none can be gloo.
     """
     # Importing this registers the "fake" backend; the module needs nothing else from torch.testing.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("init_fake_distributed: a process group already exists")

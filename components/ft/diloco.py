@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from weft.components.checkpoint.checkpointer import saved_name
-from weft.components.checkpoint.state import prefixed_names
+from weft.components.checkpoint.state import load_optimizer_state, optimizer_state, prefixed_names
 from weft.components.config import JobConfig
 from weft.components.ft.groups import ReplicaGroups, like_param, local_tree
+from weft.components.training.moe_balance import moe_layers
 
 
 class DiLoCoGroups(ReplicaGroups):
@@ -75,7 +76,6 @@ class DiLoCoGroups(ReplicaGroups):
         out, in one all-reduce: the MoE layers' routing biases (buffers), averaged over the groups,
         and the config's hash (the check average_gradients makes every step). Returns what puts
         the averaged biases in place once the sync commits."""
-        from weft.components.training.moe_balance import moe_layers
 
         biases = [local_tree(layer.expert_bias) for _, layer in moe_layers(self._model)]
         flat = torch.cat([b.reshape(-1).float() for b in biases] + [torch.tensor([self.identity])])
@@ -112,7 +112,6 @@ class DiLoCoGroups(ReplicaGroups):
     def state_dict(self) -> dict[str, Any]:
         """The global weights of the last sync (laid out as the model's, so that DCP reshards them),
         the outer optimizer (its momentum), the steps taken in this sync window, the syncs so far."""
-        from weft.components.checkpoint.state import optimizer_state
 
         kept = self._diloco._fragments[0].original_parameters
         weights = {name: like_param(kept[raw], param) for raw, name, param in self._named_weights()}
@@ -120,7 +119,6 @@ class DiLoCoGroups(ReplicaGroups):
                 "inner_steps": self._diloco._local_step, "syncs": self.manager.current_step()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from weft.components.checkpoint.state import load_optimizer_state
 
         kept = self._diloco._fragments[0].original_parameters
         with torch.no_grad():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state
 from weft.components.config import JobConfig
 from weft.components.ft.checks import FaultToleranceError, config_identity, lighthouse_address
+from weft.components.training.moe_balance import moe_layers
 from weft.errors import one_line
 
 logger = logging.getLogger("weft")
@@ -204,7 +207,6 @@ class ReplicaGroups:
         config's hash: groups started with different configs stop at their first step together;
         and the MoE layers' token counts, so that every group moves its routing bias as HSDP does
         (by the mean of the groups' counts: the sign of mean minus load is that of their sum)."""
-        from weft.components.training.moe_balance import moe_layers
 
         grads = [local_tree(p.grad) for p in params if p.grad is not None]
         if self._model is not None:  # the routing counts, summed over every replica as HSDP's are
@@ -253,7 +255,6 @@ def training_state(model, optimizer, scheduler, loader) -> tuple[Callable[[], di
     """(save, load) of what a healing group copies from a peer: model, optimizer, schedule and the
     data position (a position in the global stream, the same in every group at the same step).
     Loaded shards become DTensors again in this rank's layout, which the peer's rank shares."""
-    from weft.components.checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state
 
     def save() -> dict:
         return {"model": model_state(model), "optimizer": optimizer_state(model, optimizer),
@@ -298,6 +299,5 @@ def local_tree(tree: Any) -> Any:
 
 
 def _hostname() -> str:
-    import socket
 
     return socket.gethostname()

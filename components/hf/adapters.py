@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from weft.components.hf.writer import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, ExportError
@@ -53,7 +54,6 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
 
 def _read_adapter_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """A PEFT LoRA folder's adapter_config.json and its tensors (ExportError, one line, otherwise)."""
-    from safetensors.torch import load_file
 
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text())

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import sentencepiece
 import torch
 
 from weft.components.config.parser import read_toml
@@ -90,7 +91,6 @@ def finish_tokenizer(out: Path) -> str | None:
                 "add_bos_token": True, "add_eos_token": False}
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     try:
-        import sentencepiece
         from transformers import AutoTokenizer
 
         converted = AutoTokenizer.from_pretrained(str(out))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from weft.components.observe.rank_times import gather_rank_times, rank_scalars, slow_rank_note
 from weft.components.observe.time_left import TimeLeft, clock
@@ -168,7 +169,6 @@ class MetricsLogger:
         """Open the outputs at the first log, dropping records after start_step (see the class)."""
         self._opened = True
         if self.tb_folder is not None:
-            from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.tb_folder), purge_step=self.start_step + 1)
         if self.jsonl_path is not None:

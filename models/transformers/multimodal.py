@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from weft.models.common.spec import HFConfigError
@@ -33,7 +34,6 @@ def multimodal_class(config: dict) -> type[nn.Module]:
 
 def folder_keys(folder: str) -> dict[str, Path]:
     """Every tensor of a folder's model (its index's, or model.safetensors'), with the file holding it."""
-    from safetensors import safe_open
 
     index = Path(folder) / "model.safetensors.index.json"
     if index.is_file():
