@@ -20,6 +20,7 @@ from weft.components.config.schema import (
     Optimizer,
     Parallelism,
     Profiling,
+    Sampling,
     Training,
     Validation,
 )
@@ -28,5 +29,5 @@ __all__ = [
     "RUN_IDENTITY", "check_creatable_folder", "check_dump_folder", "ConfigError", "help_text", "parse_args", "to_dict", "to_toml",
     "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Data", "Export", "FaultTolerance", "FROM_HF_CONFIG", "Float8", "JobConfig",
     "Job", "LRScheduler",
-    "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
+    "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Sampling", "Training", "Validation",
 ]

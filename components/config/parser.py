@@ -221,19 +221,28 @@ def _validate(cfg: JobConfig, origins: dict[str, str]) -> None:
         section, key = name.split(".")
         value, meta, origin = getattr(getattr(cfg, section), key), f.metadata, origins.get(name)
         where, got = _where(name, origin), _show(value, origin)
-        if f.type is float and not math.isfinite(value):  # nan compares false with every bound
-            raise ConfigError(f"{where}: must be a finite number, got {got}")
-        if f.type is int and not _INT64_MIN <= value <= _INT64_MAX:
-            raise ConfigError(f"{where}: must fit in 64 bits, got {got}")
         if meta["choices"] is not None and value not in meta["choices"]:
             hint = f" (did you mean {close}?)" if (close := _closest_choice(str(value), meta["choices"])) else ""
             shown = ", ".join(str(c) or "''" for c in meta["choices"])
             raise ConfigError(f"{where}: expected one of {shown}; got {got}{hint}")
-        for bound, symbol, holds in _BOUNDS:
-            if meta[bound] is not None and not holds(value, meta[bound]):
-                raise ConfigError(f"{where}: must be {symbol} {meta[bound]}, got {got}")
-        if meta["check"] is not None and not meta["check"][0](value):
-            raise ConfigError(f"{where}: must be {meta['check'][1]}, got {got}")
+        if (rule := value_rule(f, value)) is not None:
+            raise ConfigError(f"{where}: {rule}, got {got}")
+
+
+def value_rule(f: Field, value: Any) -> str | None:
+    """What a value of field `f` must be ("must be >= 1") when `value` breaks one of its bounds or
+    its check (finite floats, 64-bit integers), else None."""
+    meta = f.metadata
+    if f.type is float and not math.isfinite(value):  # nan compares false with every bound
+        return "must be a finite number"
+    if f.type is int and not _INT64_MIN <= value <= _INT64_MAX:
+        return "must fit in 64 bits"
+    for bound, symbol, holds in _BOUNDS:
+        if meta[bound] is not None and not holds(value, meta[bound]):
+            return f"must be {symbol} {meta[bound]}"
+    if meta["check"] is not None and not meta["check"][0](value):
+        return f"must be {meta['check'][1]}"
+    return None
 
 
 # ---- public API ----

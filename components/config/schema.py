@@ -341,6 +341,24 @@ class Preference:
         choices=("keep_start", "keep_end", "drop"))
 
 
+# An empty stop string would end every completion at once ("\n\n" is a stop string: no strip).
+_STOP_STRINGS = (lambda value: all(item != "" for item in value), "a list of non-empty strings")
+
+
+@dataclass
+class Sampling:
+    max_completion_length: int = opt(256, "New tokens at most per completion (the stop token included)", min=1)
+    temperature: float = opt(1.0, "Softmax temperature of each draw; 0: greedy (the most likely token)", min=0)
+    top_p: float = opt(1.0, "Draw from the smallest set of tokens whose probabilities add up to top_p (nucleus); "
+                       "1: off", gt=0, max=1)
+    top_k: int = opt(0, "Draw from the top_k most likely tokens only; 0: off", min=0)
+    min_p: float = opt(0.0, "Drop the tokens less likely than min_p times the most likely one; 0: off", min=0, max=1)
+    seed: int = opt(0, "Seed of the draws: completion j of prompt p draws from its own generator seeded from "
+                    "(seed, p, j), whatever the batch or layout", min=0, max=2**63 - 1)
+    stop: list[str] = opt([], "Stop strings: a completion ends with the token that completes one (EOS and the "
+                          "tokenizer's end-of-turn tokens always stop)", check=_STOP_STRINGS)
+
+
 @dataclass
 class Moe:
     bias_update_rate: float = opt(
@@ -435,6 +453,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
     preference: Preference = field(default_factory=Preference)
+    sampling: Sampling = field(default_factory=Sampling)
     moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -377,3 +377,40 @@ def test_a_disabled_section_in_toml_is_named_with_its_file(tmp_path):
         interval = 10
     """)
     assert parse_args(["--job.config_file", path, "--no-checkpoint.enable"]).checkpoint.interval == 10
+
+
+# ---- [sampling] ----
+
+def test_sampling_section_reads_every_key_from_toml(tmp_path):
+    path = write_toml(tmp_path, """
+        [sampling]
+        max_completion_length = 64
+        temperature = 0
+        top_p = 0.9
+        top_k = 50
+        min_p = 0.05
+        seed = 7
+        stop = ["\\n\\n", "THE END"]
+    """)
+    sampling = parse_args(["--job.config_file", path]).sampling
+    assert (sampling.max_completion_length, sampling.temperature, sampling.top_p, sampling.top_k) == (64, 0.0, 0.9, 50)
+    assert (sampling.min_p, sampling.seed, sampling.stop) == (0.05, 7, ["\n\n", "THE END"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--sampling.max_completion_length", "0"], "--sampling.max_completion_length: must be >= 1, got 0"),
+    (["--sampling.temperature", "-1"], "--sampling.temperature: must be >= 0, got -1.0"),
+    (["--sampling.top_p", "0"], "--sampling.top_p: must be > 0, got 0.0"),
+    (["--sampling.top_p", "1.5"], "--sampling.top_p: must be <= 1, got 1.5"),
+    (["--sampling.top_k", "-1"], "--sampling.top_k: must be >= 0, got -1"),
+    (["--sampling.min_p", "1.01"], "--sampling.min_p: must be <= 1, got 1.01"),
+    (["--sampling.seed", "-3"], "--sampling.seed: must be >= 0, got -3"),
+])
+def test_sampling_bounds(argv, expected):
+    assert config_error(argv) == expected
+
+
+def test_an_empty_stop_string_is_refused(tmp_path):
+    path = write_toml(tmp_path, '[sampling]\nstop = ["END", ""]\n', name="x.toml")
+    assert config_error(["--job.config_file", path]) == (
+        'sampling.stop in x.toml: must be a list of non-empty strings, got ["END", ""]')
