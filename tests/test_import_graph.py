@@ -134,3 +134,16 @@ def test_only_optional_packages_are_imported_inside_functions():
                and not p.relative_to(ROOT).parts[0].startswith(".")]
     lazy = {str(p.relative_to(ROOT)): imports_inside_functions(p) - set(LAZY_PACKAGES) for p in library}
     assert len(lazy) > 100 and {name: found for name, found in lazy.items() if found} == {}
+
+
+def test_generation_sits_between_the_recipe_and_components():
+    """The order train.py, generate.py, cli.py; recipe; generation; components; ...: the engine imports no
+    recipe and no entry point, and reaches models through their spec only (weft.models, never a family)."""
+    graph = package_graph()
+    assert not graph["weft.generation"] & {"weft.recipe", "weft.train", "weft.generate", "weft.cli"}
+    families = {f"weft.models.{path.name}" for path in (ROOT / "models").iterdir()
+                if path.is_dir() and path.name not in ("common", "__pycache__")}
+    for path in sorted((ROOT / "generation").rglob("*.py")):
+        reached = {module for module in imported_modules(path) for family in families
+                   if module == family or module.startswith(f"{family}.")}
+        assert not reached, f"{path.name} imports a family folder: {sorted(reached)}"

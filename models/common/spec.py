@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weft.models.common import kv_cache
 from weft.models.common.hf_names import ExpertParameters, HFNames
 
 
@@ -156,6 +157,22 @@ def built_by_weft(spec: ModelSpec, args: Any, model: nn.Module) -> str:
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """How a model generates with a KV cache (weft.generation): prompts of a batch are left-padded to
+    the longest, positions count from each row's first real token."""
+
+    start: Callable[[nn.Module, int, int], Any]  # (model, batch, max_len) -> the cache it installs for `batch` rows
+    # (model, tokens [b, s], positions [b, s], valid [b, s] bool, cache) -> logits [b, vocab] at each row's
+    # last token; the s tokens appended to the cache; valid False: left padding or a stopped row's token,
+    # never attended to
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    finish: Callable[[nn.Module, Any], None]  # (model, cache): what start installed removed, the model as before
+
+
+WEFT_DECODING = Decoding(start=kv_cache.start, forward=kv_cache.forward, finish=kv_cache.finish)
+
+
+@dataclass(frozen=True)
 class Backend:
     """Whose code builds and runs a family's model, and what follows from it: how the model is
     called, which of its buffers a Hugging Face folder holds (read on load, written on export), how
@@ -170,6 +187,7 @@ class Backend:
     # (materialized model, device) -> its routers count the tokens each expert gets (`tokens_per_expert`,
     # for the routing metrics: transformers' MoE models); None: its MoE layers count them themselves
     count_routing: Callable[[nn.Module, Any], None] | None = None
+    decoding: Decoding = WEFT_DECODING  # how the model generates with a KV cache (weft.generation)
 
 
 @dataclass(frozen=True)
@@ -213,6 +231,9 @@ class ModelSpec:
     # model on meta -> made ready for apply_ep and apply_tp (transformers' experts swapped for weft's grouped
     # ones where plain); None: as built
     prepare_expert_parallel: Callable[[nn.Module], None] | None = None
+    # (args, layer) -> the chunk of positions the layer's attention stays within (Llama 4's rotary
+    # layers), read by the KV cache; None: no layer attends by chunks
+    attention_chunk: Callable[[Any, int], int | None] | None = None
 
     def hf_of(self, args: Any) -> HFMapping:
         """How the model `args` and its Hugging Face folder translate into each other."""

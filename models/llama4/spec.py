@@ -45,6 +45,11 @@ def lora_block_numel(args: ModelArgs, rank: int) -> int:
     return attention_lora_numel(args, rank) + rank * feed_forward // args.n_layers
 
 
+def attention_chunk(args: ModelArgs, layer: int) -> int | None:
+    """The chunk a layer attends within: rotary layers' `attention_chunk_size`; NoPE layers see the whole past."""
+    return args.attention_chunk_size if args.uses_rope(layer) else None
+
+
 def experts(args: ModelArgs) -> Experts:
     return Experts(args.n_experts, args.top_k, args.routed_hidden_dim, args.routed_slots)
 
@@ -55,4 +60,5 @@ LLAMA4_HF = hf_mapping(llama4_hf, ["llama4_text", "llama4"], join=llama4_hf.to_h
 
 LLAMA4_SPEC = decoder_spec("Llama 4", LLAMA4_FLAVORS, ModelArgs, Transformer, LLAMA4_HF, tp_plan=tp_plan,
                            flops_per_token=flops_per_token, block_numel=block_numel, lora_block_numel=lora_block_numel,
-                           experts=experts, active_parameters=Transformer.active_parameters)
+                           experts=experts, active_parameters=Transformer.active_parameters,
+                           attention_chunk=attention_chunk)
