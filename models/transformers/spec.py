@@ -17,6 +17,7 @@ from torch import nn
 from weft.models.common.spec import Backend, ModelSpec, Refusals
 from weft.models.transformers.args import HFModelArgs
 from weft.models.transformers.counts import block_numel, experts, flops_per_token, lora_block_numel
+from weft.models.transformers.decoding import TRANSFORMERS_DECODING
 from weft.models.transformers.hf_mapping import TRANSFORMERS_HF, hf_mapping
 from weft.models.transformers.model import (
     build,
@@ -39,7 +40,8 @@ class _NoWeftModel(nn.Module):
 
 
 TRANSFORMERS_BACKEND = Backend(name="transformers", forward=forward, folder_buffers=persistent_buffers,
-                               describe=built_by_transformers, count_routing=count_routed_tokens)
+                               describe=built_by_transformers, count_routing=count_routed_tokens,
+                               decoding=TRANSFORMERS_DECODING)
 
 TRANSFORMERS_SPEC = ModelSpec(
     name="transformers", flavors={}, args_type=HFModelArgs, model_type=_NoWeftModel, build=build,
