@@ -1,24 +1,28 @@
-"""Sample text from a trained weft model: a DCP checkpoint step folder or a Hugging Face folder.
-
-    python generate.py --checkpoint outputs/debug_moe/checkpoint/step-100 --flavor debugmodel_moe --prompt "ROMEO:"
-    python generate.py --hf llama_hf --prompt "ROMEO:" --temperature 0.8 --top-k 50 --seed 0
-    python generate.py --hf Llama-3.1-8B-Instruct --chat --prompt "Who wrote Hamlet?"
+"""Sample text from a trained weft model (a DCP checkpoint step folder or a Hugging Face folder) with
+weft's generation engine: `--prompt` prints the prompt and its continuation (`--chat`: the reply);
+`--prompts FILE.jsonl --out FILE.jsonl` writes the completions of every prompt of a file, the prompts
+split over torchrun's ranks (each holds the whole model), the file written once by rank 0.
 
 Any registered family's model, built by its spec (a --hf folder's config.json, or a --checkpoint's
---flavor, by default the model its run recorded); --chat renders a user message with the chat
-template and stops at the end of the assistant's turn. One process, one device (docs/checkpoints.md).
+--flavor, by default the model its run recorded); a LoRA checkpoint's adapters are merged, --adapter
+adds a PEFT folder's. The sampling flags are the [sampling] keys (docs/generation.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
+import os
 import sys
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
+from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from weft.components.checkpoint.checkpointer import (
@@ -26,68 +30,26 @@ from weft.components.checkpoint.checkpointer import (
     model_tensor_metadata,
     require_complete_checkpoint,
 )
+from weft.components.config import Sampling
+from weft.components.config.parser import value_rule
 from weft.components.config.shipped import SHIPPED_TOKENIZER, shipped_path
 from weft.components.data import DataError, HFTokenizer, load_tokenizer
+from weft.components.data.prompts import Prompt, check_lengths, encode_prompt, read_prompts
+from weft.components.distributed.processes import init_distributed
 from weft.components.hf import load_hf_into_model, model_args_from_hf_folder
 from weft.components.hf.adapters import load_peft_adapter
 from weft.components.hf.export import holds_adapters
 from weft.components.hf.model_files import recorded_backend, run_hf_files
 from weft.components.hf.writer import ExportError
+from weft.components.observe.log import logger, setup_logging
+from weft.components.observe.time_left import TimeLeft, clock
 from weft.errors import OneLineParser, UserError, report_user_error
+from weft.generation import Completion, SamplingParams, generate
 from weft.models import BACKENDS, flavors, spec_for_args
 from weft.parallelisms.lora import merge_adapters
 from weft.parallelisms.materialize import materialize_for_loading
 from weft.parallelisms.precision import DTYPES
 from weft.recipe.export import adapter_model
-
-
-def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
-    """Greedy when temperature is 0, else a draw from softmax(logits / temperature) over the top_k."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float().cpu() / temperature
-    candidates = torch.arange(logits.numel())
-    if top_k is not None and top_k < logits.numel():
-        logits, candidates = logits.topk(top_k)
-    return int(candidates[torch.multinomial(logits.softmax(-1), 1, generator=generator)])
-
-
-@torch.inference_mode()
-def sample(
-    model: nn.Module,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    *,
-    eos_id: int | None = None,
-    stop_ids: Collection[int] = (),
-) -> list[int]:
-    """Continue `prompt_ids` by up to max_new_tokens tokens; return the new tokens only.
-
-    temperature 0 picks the most likely token (greedy); otherwise tokens are drawn from the
-    softmax of logits / temperature, restricted to the top_k most likely (None: all), with
-    `generator` (a CPU generator) for reproducible draws. Stops after `eos_id` if given, or after
-    any of `stop_ids` (e.g. a chat model's end-of-turn tokens). The
-    context is the last max_seq_len tokens.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if not prompt_ids:
-        raise ValueError("the prompt must hold at least one token")
-    model.eval()
-    device = next(model.parameters()).device
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-model.args.max_seq_len:]], device=device)
-        token = _next_token(logits(model, context)[0, -1], temperature, top_k, generator)
-        ids.append(token)
-        if token == eos_id or token in stop_ids:
-            break
-    return ids[len(prompt_ids):]
 
 
 def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -113,88 +75,203 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model file or Hugging Face tokenizer folder (default: the --hf folder "
                              "if it has a tokenizer.json, else assets/tokenizer/shakespeare.model)")
-    parser.add_argument("--prompt", default="", help="text to continue (after the BOS token); with --chat, the user message")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="text to continue (after the BOS token), printed with its continuation; "
+                                          "with --chat, the user message")
+    prompts.add_argument("--prompts", help="JSONL file, one {\"prompt\": text or a list of chat messages} a line: "
+                                           "the completions of each go to --out")
+    parser.add_argument("--out", help="with --prompts: the JSONL file written, one line per prompt in input order, "
+                                      "once every prompt is done (an existing file is replaced whole)")
     parser.add_argument("--chat", action="store_true", help="render --prompt with the tokenizer's chat template and "
                         "print the assistant's reply, stopping at the end of its turn")
     parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
-    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("-n", type=int, default=1, help="completions per prompt (default 1)")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="sequences (prompts x n) decoded together at most (default 32)")
+    _add_sampling_flags(parser)
     parser.add_argument("--adapter", default=None,
                         help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to add to the base")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES),
                         help="dtype of the weights and compute (default: bfloat16 on a GPU, float32 on the CPU)")
     opts = parser.parse_args(argv)
-    if opts.max_new_tokens < 0:
-        parser.error(f"--max-new-tokens must be >= 0, got {opts.max_new_tokens}")
-    if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
-        parser.error(f"--temperature must be a finite number >= 0, got {opts.temperature}")
-    if not 0 <= opts.seed < 2**63:
-        parser.error(f"--seed must be in [0, 2**63), got {opts.seed}")
-    if opts.top_k is not None and opts.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {opts.top_k}")
+    _check_flags(parser, opts)
     return opts
 
 
+# The [sampling] keys as flags (help and bounds from the schema), with the command line's own defaults:
+# greedy and 100 tokens, as generate.py always had. --max-new-tokens is --max-completion-length's old name.
+_SAMPLING_FIELDS = {f.name: f for f in fields(Sampling)}
+_SAMPLING_FLAGS = {"max_completion_length": ("--max-completion-length", "--max-new-tokens"),
+                   "temperature": ("--temperature",), "top_p": ("--top-p",), "top_k": ("--top-k",),
+                   "min_p": ("--min-p",), "seed": ("--seed",), "stop": ("--stop",)}
+_FLAG_DEFAULTS = {"max_completion_length": 100, "temperature": 0.0}
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling", "the keys of the [sampling] config section (docs/generation.md)")
+    for name, flags in _SAMPLING_FLAGS.items():
+        f = _SAMPLING_FIELDS[name]
+        default = _FLAG_DEFAULTS.get(name, f.default if name != "stop" else [])
+        kind = {"type": f.type} if name != "stop" else {"action": "append", "metavar": "TEXT"}
+        repeat = " (repeat the flag for several)" if name == "stop" else ""
+        group.add_argument(*flags, dest=name, default=default, **kind,
+                           help=f"{f.metadata['help']}{repeat} (default {default!r})")
+
+
+def _check_flags(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
+    """Each sampling flag within its [sampling] key's bounds, and the flags that go together."""
+    for name, flags in _SAMPLING_FLAGS.items():
+        value = getattr(opts, name)
+        if (rule := value_rule(_SAMPLING_FIELDS[name], value)) is not None:
+            parser.error(f"{flags[0]}: {rule}, got {value!r}")
+    for flag, value in (("-n", opts.n), ("--batch-size", opts.batch_size)):
+        if value < 1:
+            parser.error(f"{flag}: must be >= 1, got {value}")
+    if opts.prompt == "":
+        parser.error("--prompt: empty; expected the text to continue")
+    if (opts.prompts is None) != (opts.out is None):
+        parser.error("--prompts and --out go together: the prompts file, and the JSONL file its completions go to")
+    if opts.prompts is not None and (opts.chat or opts.system is not None):
+        parser.error("--chat and --system apply to --prompt; a --prompts line gives chat messages as its prompt")
+    if opts.out is not None and (Path(opts.out).is_dir() or not Path(opts.out).parent.is_dir()):
+        parser.error(f"--out: {opts.out} must be a file in an existing folder")
+
+
 def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
-    """Command line entry point (`weft generate`); prints the prompt and its continuation."""
+    """Command line entry point (`weft generate`): prints the prompt and its continuation, or writes
+    the completions of a prompts file; under torchrun the prompts are split over the ranks."""
     opts = _parse_args(argv, prog)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return _generate(opts, device)
+    try:
+        device = init_distributed()
+        return _generate(opts, device)
+    except UserError as e:
+        return report_user_error(e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _generate(opts: argparse.Namespace, device: torch.device) -> int:
-    try:
-        tokenizer = load_tokenizer(_tokenizer_path(opts))
-        if opts.chat and (not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None):
-            raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
-                            "(a Hugging Face folder whose tokenizer_config.json has one)")
-        hf, checkpoint = opts.hf, opts.checkpoint
-        adapted = checkpoint is not None and holds_adapters(require_complete_checkpoint(checkpoint))
-        if adapted:
-            if opts.flavor is not None:
-                raise ExportError(f"--flavor: {checkpoint} holds a LoRA run's adapters; the model is the one "
-                                  "its run's config.toml names")
-            # base + adapters, built as `weft export` builds them, merged as its merged folder holds them
-            model = merge_adapters(adapter_model(Path(checkpoint))[0])
-            args = model.args
-        elif hf is not None:
-            args = model_args_from_hf_folder(hf, opts.backend, opts.trust_remote_code)
-        else:
-            # Names and shapes before building the model: a flavor larger than the checkpoint
-            # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
-            args, source = checkpoint_model(checkpoint, opts.flavor)
-            with torch.device("meta"):
-                shapes = spec_for_args(args).build(args)
-            model_tensor_metadata(require_complete_checkpoint(checkpoint), shapes, source)
-        if tokenizer.vocab_size > args.vocab_size:
-            raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
-                            f"({args.vocab_size})")
-        dtype = DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-        if adapted:
-            model = cast_model(model, dtype, device)
-        else:
-            model = load_model(args, hf=hf, checkpoint=checkpoint, device=device, dtype=dtype)
-        if opts.adapter is not None:  # base + adapter: LoRA layers compute W x + scaling * B A x
-            load_peft_adapter(model, opts.adapter)
-    except UserError as e:
-        return report_user_error(e)
-
-    generator = torch.Generator().manual_seed(opts.seed)
-    if opts.chat:
-        messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
-            {"role": "user", "content": opts.prompt}]
-        prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-        stops = tokenizer.stop_ids
-        new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator, stop_ids=stops)
-        print(tokenizer.decode(new_ids[:-1] if new_ids and new_ids[-1] in stops else new_ids))
+    tokenizer = load_tokenizer(_tokenizer_path(opts))
+    prompts = read_prompts(opts.prompts, tokenizer) if opts.prompts else [_prompt(opts, tokenizer)]
+    params = SamplingParams(**{name: getattr(opts, name) for name in _SAMPLING_FLAGS} | {"stop": tuple(opts.stop)})
+    model = _model(opts, tokenizer, device, prompts, params)
+    stop_ids = sorted(set(getattr(tokenizer, "stop_ids", ())) | {tokenizer.eos_id})
+    run = partial(generate, model, params=params, n=opts.n, stop_token_ids=stop_ids, decode=tokenizer.decode,
+                  max_batch_sequences=opts.batch_size)
+    if opts.prompts is None:
+        for completion in run([prompts[0].token_ids])[0]:
+            ids = _without_stop_id(completion, stop_ids)
+            print(tokenizer.decode(ids if opts.chat else text_ids(prompts[0].token_ids + ids, tokenizer)))
         return 0
-    prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
-    new_ids = sample(model, prompt_ids, opts.max_new_tokens, opts.temperature, opts.top_k, generator,
-                     eos_id=tokenizer.eos_id)
-    print(tokenizer.decode(text_ids(prompt_ids + new_ids, tokenizer)))
+    write_completions(run, prompts, opts.n, tokenizer, stop_ids, Path(opts.out))
     return 0
+
+
+def _prompt(opts: argparse.Namespace, tokenizer) -> Prompt:
+    """--prompt encoded: text after BOS, or with --chat, a user message (after --system's)."""
+    if not opts.chat:
+        return encode_prompt(opts.prompt, tokenizer, "--prompt")
+    if not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is None:
+        raise DataError(f"--chat: the tokenizer '{_tokenizer_path(opts)}' has no chat template "
+                        "(a Hugging Face folder whose tokenizer_config.json has one)")
+    messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
+        {"role": "user", "content": opts.prompt}]
+    return encode_prompt(messages, tokenizer, "--prompt")
+
+
+def _model(opts: argparse.Namespace, tokenizer, device: torch.device, prompts: list[Prompt],
+           params: SamplingParams) -> nn.Module:
+    """The model of --checkpoint or --hf (with --adapter's LoRA layers) on `device`, after the
+    tokenizer's vocabulary and every prompt's length are checked against its hyper-parameters."""
+    hf, checkpoint = opts.hf, opts.checkpoint
+    adapted = checkpoint is not None and holds_adapters(require_complete_checkpoint(checkpoint))
+    if adapted:
+        if opts.flavor is not None:
+            raise ExportError(f"--flavor: {checkpoint} holds a LoRA run's adapters; the model is the one "
+                              "its run's config.toml names")
+        # base + adapters, built as `weft export` builds them, merged as its merged folder holds them
+        model = merge_adapters(adapter_model(Path(checkpoint))[0])
+        args = model.args
+    elif hf is not None:
+        args = model_args_from_hf_folder(hf, opts.backend, opts.trust_remote_code)
+    else:
+        # Names and shapes before building the model: a flavor larger than the checkpoint
+        # would otherwise allocate the whole (wrong) model first, perhaps more than fits.
+        args, source = checkpoint_model(checkpoint, opts.flavor)
+        with torch.device("meta"):
+            shapes = spec_for_args(args).build(args)
+        model_tensor_metadata(require_complete_checkpoint(checkpoint), shapes, source)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise DataError(f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the model's "
+                        f"({args.vocab_size})")
+    check_lengths(prompts, params.max_completion_length, args.max_seq_len)
+    dtype = DTYPES[opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if adapted:
+        model = cast_model(model, dtype, device)
+    else:
+        model = load_model(args, hf=hf, checkpoint=checkpoint, device=device, dtype=dtype)
+    if opts.adapter is not None:  # base + adapter: LoRA layers compute W x + scaling * B A x
+        load_peft_adapter(model, opts.adapter)
+    return model
+
+
+def _without_stop_id(completion: Completion, stop_ids: Collection[int]) -> list[int]:
+    """A completion's tokens without the stop token closing it (a stop string's tokens stay)."""
+    ids = completion.token_ids
+    return ids[:-1] if completion.finish_reason == "stop" and ids and ids[-1] in stop_ids else ids
+
+
+def write_completions(run: Callable, prompts: list[Prompt], n: int, tokenizer, stop_ids: Collection[int],
+                      out: Path) -> None:
+    """Complete this rank's share of `prompts` (a contiguous block; `run`, the engine on the model,
+    gets their global indices, so the draws do not depend on the ranks), logging progress, then
+    write every prompt's line to `out` on rank 0, in input order, atomically."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    setup_logging(rank)
+    first, last = len(prompts) * rank // world, len(prompts) * (rank + 1) // world
+    mine = prompts[first:last]
+    logger.info(f"generate: {len(prompts)} prompts x {n} completions" +
+                (f" over {world} ranks ({len(mine)} prompts on rank 0)" if world > 1 else ""))
+    results = run([p.token_ids for p in mine], prompt_indices=list(range(first, last)),
+                  progress=_progress(len(mine) * n)) if mine else []
+    lines = [json.dumps({"prompt": prompt.value, "completions": [
+        {"text": tokenizer.decode(_without_stop_id(c, stop_ids)), "token_ids": c.token_ids,
+         "finish_reason": c.finish_reason} for c in completions]}, ensure_ascii=False)
+        for prompt, completions in zip(mine, results)]
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(lines, gathered, dst=0)
+        lines = [line for block in gathered or [] for line in block]
+    if rank == 0:
+        _write_atomically(out, "".join(line + "\n" for line in lines))
+        logger.info(f"generate: {len(lines)} lines written to {out}")
+
+
+def _progress(total: int) -> Callable[[int, int], None]:
+    """The engine's progress callback: a log line per batch, completions done, tokens/s, time left."""
+    clock_start = time.perf_counter()
+    time_left = TimeLeft(0, total)
+
+    def report(done: int, tokens: int) -> None:
+        elapsed, left = time_left.at_log(done)
+        logger.info(f"generate: {done}/{total} completions, {tokens / max(time.perf_counter() - clock_start, 1e-9):,.1f} "
+                    f"tokens/s, {clock(elapsed)} elapsed, {clock(left)} left")
+    return report
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it renamed over it: `path` is either as it
+    was or whole."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with temporary.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def text_ids(ids: list[int], tokenizer) -> list[int]:

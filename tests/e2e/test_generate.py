@@ -1,4 +1,5 @@
-"""generate.py: the sampling loop, loading a checkpoint, and the command line."""
+"""generate.py: loading a checkpoint or a folder, and the command line's single prompt (batch mode:
+test_generate_batch.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from weft.components.checkpoint.checkpointer import load_model_weights
 from weft.components.data import Tokenizer
 from weft.components.hf import export_to_hf, load_hf_into_model
-from weft.generate import main, sample
+from weft.generate import main
 from weft.models.llama import LLAMA_FLAVORS, ModelArgs, Transformer
 
 from tests.support import REPO
@@ -32,39 +33,13 @@ def model() -> Transformer:
     return model.eval()
 
 
-def logits_after(model: Transformer, ids: list[int]) -> torch.Tensor:
+def greedy(model, ids: list[int], tokens: int, stop_ids: set[int]) -> list[int]:
+    """The reference: the most likely token, the whole context recomputed for each, until a stop id."""
+    new: list[int] = []
     with torch.no_grad():
-        return model(torch.tensor([ids]))[0, -1]
-
-
-def test_greedy_is_the_argmax_loop(model):
-    ids = list(PROMPT)
-    for _ in range(12):
-        ids.append(int(torch.argmax(logits_after(model, ids))))
-    assert sample(model, PROMPT, 12, temperature=0.0, top_k=None, generator=None) == ids[len(PROMPT):]
-
-
-def test_top_1_sampling_is_greedy(model):
-    greedy = sample(model, PROMPT, 12, 0.0, None, None)
-    assert sample(model, PROMPT, 12, 0.8, 1, torch.Generator().manual_seed(3)) == greedy
-
-
-def test_temperature_sampling_is_reproducible_and_stays_in_top_k(model):
-    draw = lambda seed: sample(model, PROMPT, 24, 2.0, 5, torch.Generator().manual_seed(seed))  # noqa: E731
-    tokens = draw(0)
-    assert draw(0) == tokens
-    assert len(set(tokens)) > 1 and any(draw(seed) != tokens for seed in (1, 2, 3))
-    ids = list(PROMPT)
-    for token in tokens:
-        assert token in logits_after(model, ids).topk(5).indices.tolist()
-        ids.append(token)
-
-
-def test_sampling_stops_at_eos_and_keeps_to_the_context_window(model):
-    first = sample(model, PROMPT, 1, 0.0, None, None)[0]
-    assert sample(model, PROMPT, 10, 0.0, None, None, eos_id=first) == [first]
-    long_prompt = [i % 128 for i in range(100)]  # longer than max_seq_len = 64
-    assert sample(model, long_prompt, 3, 0.0, None, None) == sample(model, long_prompt[-64:], 3, 0.0, None, None)
+        while len(new) < tokens and not (new and new[-1] in stop_ids):
+            new.append(int(model(torch.tensor([ids + new]))[0, -1].argmax()))
+    return new
 
 
 def test_load_checkpoint_restores_weights(tmp_path, model):
@@ -85,7 +60,7 @@ def debug_checkpoint(tmp_path_factory) -> tuple[Path, str]:
     (folder / "COMPLETE").write_text("done\n")
     tokenizer = Tokenizer(TOKENIZER)
     prompt = tokenizer.encode("ROMEO:", bos=True, eos=False)
-    text = tokenizer.decode(prompt + sample(model, prompt, 8, 0.0, None, None, eos_id=tokenizer.eos_id))
+    text = tokenizer.decode(prompt + greedy(model, prompt, 8, {tokenizer.eos_id}))
     return folder, text
 
 
@@ -125,23 +100,19 @@ def test_a_folder_with_its_own_tokenizer_prints_the_text_as_the_checkpoint_does(
 
 
 def test_command_line_errors_are_one_line(tmp_path, capsys):
-    assert main(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(TOKENIZER)]) == 2
+    assert main(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(TOKENIZER), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"weft: error: no checkpoint folder at {tmp_path / 'missing'}") and err.count("\n") == 1
 
     (tmp_path / "unfinished").mkdir()
-    assert main(["--checkpoint", str(tmp_path / "unfinished"), "--tokenizer", str(TOKENIZER)]) == 2
+    assert main(["--checkpoint", str(tmp_path / "unfinished"), "--tokenizer", str(TOKENIZER), "--prompt", "x"]) == 2
     assert "has no COMPLETE file" in capsys.readouterr().err
 
-    for argv in ([], ["--checkpoint", "a", "--hf", "b"], ["--hf", "b", "--top-k", "0"]):
+    for argv in ([], ["--checkpoint", "a", "--hf", "b", "--prompt", "x"], ["--hf", "b", "--prompt", "x", "--top-k", "-1"],
+                 ["--hf", "b"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
-
-
-def test_sampling_stops_at_any_stop_id(model):
-    first = sample(model, [1, 2, 3], 10)[0]
-    assert sample(model, [1, 2, 3], 10, stop_ids={first}) == [first]
 
 
 def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
@@ -160,7 +131,7 @@ def test_chat_from_a_hugging_face_folder(tmp_path, capsys):
     model = Transformer(LLAMA_FLAVORS["debugmodel"])
     load_hf_into_model(model, folder)
     ids = tok.encode_chat([{"role": "user", "content": "Who's there?"}], add_generation_prompt=True)
-    new = sample(model, ids, 6, stop_ids=tok.stop_ids)
+    new = greedy(model, ids, 6, set(tok.stop_ids))
     assert reply == tok.decode([t for t in new if t not in tok.stop_ids]) + "\n"
 
 

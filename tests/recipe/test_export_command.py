@@ -160,7 +160,7 @@ def test_a_moved_base_is_one_line_naming_it_and_found_again_with_base(runs, tmp_
     try:
         capsys.readouterr()
         for argv in (["export", "--checkpoint", str(checkpoint(run)), "--out", str(out)],
-                     ["generate", "--checkpoint", str(checkpoint(run)), "--tokenizer", TOKENIZER]):
+                     ["generate", "--checkpoint", str(checkpoint(run)), "--tokenizer", TOKENIZER, "--prompt", "R"]):
             assert weft(argv) == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert err == [(f"weft: error: checkpoint.initial_load_path = '{base}' in {run / 'config.toml'}: the run's "
@@ -189,7 +189,7 @@ def test_a_refused_export_writes_nothing_and_leaves_existing_folders_as_they_wer
         assert weft(["export", "--checkpoint", str(checkpoint(run)), *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("weft: error: ") and message in err[0], err
-    assert weft(["generate", "--checkpoint", str(checkpoint(run)), "--flavor", "debugmodel_qwen3"]) == 2
+    assert weft(["generate", "--checkpoint", str(checkpoint(run)), "--flavor", "debugmodel_qwen3", "--prompt", "R"]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # generate names the option too
     assert len(err) == 1 and err[0].startswith("weft: error: --flavor: "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"] and (full / "keep.txt").read_text() == "mine"

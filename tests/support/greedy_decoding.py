@@ -7,7 +7,8 @@ import torch
 
 from weft.components.data import Tokenizer
 from weft.components.hf import model_args_from_hf_folder
-from weft.generate import main, sample
+from weft.generate import main
+from weft.generation import SamplingParams, generate
 
 from tests.support import ASSETS
 
@@ -16,7 +17,7 @@ TOKENIZER = ASSETS / "tokenizer" / "shakespeare.model"
 
 def assert_greedy_decoding_equals_transformers(reference, folder: Path, family: str, tokens: int, distinct: int,
                                                capsys) -> None:
-    """`generate.py --hf folder --temperature 0` (and `sample` on its `load_model`, a `family` model)
+    """`generate.py --hf folder --temperature 0` (and the engine on its `load_model`, a `family` model)
     gives the `tokens` tokens transformers' generate(do_sample=False) gives from `reference`, more
     than `distinct` of them different."""
     from weft.generate import load_model
@@ -33,7 +34,8 @@ def assert_greedy_decoding_equals_transformers(reference, folder: Path, family: 
     model = load_model(model_args_from_hf_folder(folder), hf=str(folder), checkpoint=None,
                        device=torch.device("cpu"), dtype=torch.float32)
     assert spec_for_model(model).name == family
-    assert sample(model, prompt, tokens, eos_id=tokenizer.eos_id) == theirs
+    greedy = SamplingParams(max_completion_length=tokens, temperature=0)
+    assert generate(model, [prompt], greedy, stop_token_ids=[tokenizer.eos_id])[0][0].token_ids == theirs
     assert main(["--hf", str(folder), "--tokenizer", str(TOKENIZER), "--prompt", "ROMEO:",
                  "--max-new-tokens", str(tokens), "--temperature", "0"]) == 0
     assert capsys.readouterr().out == tokenizer.decode(prompt + theirs) + "\n"
