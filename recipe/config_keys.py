@@ -4,7 +4,7 @@ a ConfigError naming the key and value the user wrote (`config_error`)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -12,6 +12,7 @@ import torch
 
 from weft.components.config import FROM_HF_CONFIG, ConfigError, JobConfig
 from weft.float8 import Float8Options
+from weft.generation import SamplingParams
 from weft.parallelisms.ac import ACOptions
 from weft.parallelisms.common import TransformError
 from weft.parallelisms.compile import CompileOptions
@@ -126,3 +127,8 @@ def model_source(cfg: JobConfig) -> str:
     if cfg.model.flavor == FROM_HF_CONFIG:
         return f"the model of {Path(cfg.checkpoint.initial_load_path) / 'config.json'}"
     return f"model flavor {cfg.model.flavor}"
+
+
+def sampling_params(cfg: JobConfig) -> SamplingParams:
+    """The [sampling] section as the generation engine's SamplingParams (its stop strings a tuple)."""
+    return SamplingParams(**{**asdict(cfg.sampling), "stop": tuple(cfg.sampling.stop)})
