@@ -1,0 +1,126 @@
+"""The generation engine's speed and memory against transformers' generate and the old loop (issue 55).
+
+For each model (a Llama-shaped one of about 58 M parameters, weft's llama spec, and the Qwen3-MoE debug
+flavor; random weights, float32): 16 prompts of 32 to 128 random tokens, 128 new tokens each, greedy,
+one batch. Prints the tokens/s of weft's `generate`, of transformers' `generate` on the same weights
+(written by weft's export, read by AutoModelForCausalLM; its default cache, sdpa, the same batch
+left-padded, min_new_tokens so that it also makes 128), of the loop generate.py ran before the engine
+(the whole context recomputed for every token, one prompt at a time; timed on --baseline-prompts
+prompts and --baseline-tokens tokens), the ratios, whether weft's tokens equal transformers', and the
+bytes of weft's KV cache for the batch.
+
+    OMP_NUM_THREADS=2 python benchmarks/generation.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import replace
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from weft.components.hf.writer import save_hf_model
+from weft.generation import SamplingParams, generate
+from weft.models import flavors, spec_for_args
+
+MODELS = {
+    "llama_58m": replace(flavors()["debugmodel"], dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000,
+                         multiple_of=256, max_seq_len=512),
+    "debugmodel_qwen3_moe": flavors()["debugmodel_qwen3_moe"],
+}
+
+
+def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of random token ids, their lengths spread evenly over 32 to 128."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(32, 128, count).round().int().tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def recompute_loop(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
+    """A private copy of generate.py's loop before the engine: greedy, the whole context recomputed per token."""
+    ids = list(prompt)
+    for _ in range(tokens):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def transformers_generate(hf: torch.nn.Module, batch: list[list[int]], tokens: int) -> list[list[int]]:
+    """transformers' greedy generate on the batch left-padded (pad id 0, masked), `tokens` new tokens each."""
+    longest = max(map(len, batch))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=tokens,
+                      min_new_tokens=tokens, pad_token_id=0)
+    return out[:, longest:].tolist()
+
+
+def cache_bytes(model: torch.nn.Module, batch: list[list[int]], tokens: int) -> int:
+    """The bytes of the KV cache weft's engine holds for `batch` (allocated on its prefill)."""
+    decoding = spec_for_args(model.args).backend.decoding
+    longest = max(map(len, batch))
+    cache = decoding.start(model, len(batch), longest + tokens - 1)
+    try:
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
+        valid = torch.tensor([[False] * (longest - len(p)) + [True] * len(p) for p in batch])
+        decoding.forward(model, ids, (valid.cumsum(1) - 1).clamp(min=0), valid, cache)
+        return cache.nbytes()
+    finally:
+        decoding.finish(model, cache)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+@torch.no_grad()
+def run(name: str, args, opts: argparse.Namespace) -> None:
+    model = spec_for_args(args).build(args)
+    model.init_weights(seed=0)
+    model.eval()
+    params = sum(p.numel() for p in model.parameters())
+    batch = prompts(opts.prompts, args.vocab_size)
+    new = opts.new_tokens
+    with tempfile.TemporaryDirectory() as folder:
+        save_hf_model(model, folder)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    greedy = SamplingParams(max_completion_length=new, temperature=0)
+    generate(model, batch[:2], replace(greedy, max_completion_length=4))  # warm-up
+    transformers_generate(hf, batch[:2], 4)
+    ours, weft_s = timed(lambda: generate(model, batch, greedy))
+    theirs, hf_s = timed(lambda: transformers_generate(hf, batch, new))
+    few = batch[:opts.baseline_prompts]
+    _, loop_s = timed(lambda: [recompute_loop(model, p, opts.baseline_tokens) for p in few])
+    weft_tps, hf_tps = len(batch) * new / weft_s, len(batch) * new / hf_s
+    loop_tps = len(few) * opts.baseline_tokens / loop_s
+    same = sum(c[0].token_ids == t for c, t in zip(ours, theirs))
+    print(f"{name}: {params / 1e6:.1f} M parameters, {len(batch)} prompts of {min(map(len, batch))}-"
+          f"{max(map(len, batch))} tokens, {new} new tokens each, greedy, float32")
+    print(f"  weft generate          {weft_tps:8.1f} tokens/s ({weft_s:.1f} s)")
+    print(f"  transformers generate  {hf_tps:8.1f} tokens/s ({hf_s:.1f} s); weft / transformers = {weft_tps / hf_tps:.2f}x")
+    print(f"  recompute loop         {loop_tps:8.1f} tokens/s ({loop_s:.1f} s for {len(few)} prompts x "
+          f"{opts.baseline_tokens} tokens); weft / loop = {weft_tps / loop_tps:.1f}x")
+    print(f"  same tokens as transformers: {same}/{len(batch)} prompts")
+    print(f"  KV cache: {cache_bytes(model, batch, new) / 2**20:.1f} MiB for the batch")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--baseline-prompts", type=int, default=2)
+    parser.add_argument("--baseline-tokens", type=int, default=32)
+    opts = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for name in opts.models:
+        run(name, MODELS[name], opts)
+
+
+if __name__ == "__main__":
+    main()
