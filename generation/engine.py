@@ -55,7 +55,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     so it depends on no batch, batch size or layout. stop_token_ids (EOS among them) and params.stop
     (stop strings, matched in `decode(token_ids)` of the completion) end a completion. Batches hold at
     most max_batch_sequences rows and max_batch_tokens KV-cache slots (rows x (longest prompt +
-    max_completion_length)). `progress(completions done, tokens generated)` is called after each batch.
+    max_completion_length)). compile: the decode step runs torch.compile'd (weft's cache keeps its shapes
+    static). `progress(completions done, tokens generated)` is called after each batch. Under several
+    ranks every rank calls it (a rank's prompts may be none) and all take the same forwards.
     The model runs in eval mode and no_grad, and is left as it was."""
     prompts = [list(prompt) for prompt in prompts]
     indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
@@ -69,12 +71,13 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     device = next(iter(model.parameters())).device
     modes = {module: module.training for module in model.modules()}
     model.eval()
+    stepper = torch.compile(model, dynamic=False) if compile else model  # what runs each decode step
     done = generated = 0
     try:
         with torch.no_grad(), gathered(model):
             for b in range(most(len(batches), device)):  # a rank with fewer batches joins the others' forwards
                 batch = [rows[i] for i in batches[b]] if b < len(batches) else [_Row([0], torch.Generator(), [], [])]
-                _decode(batch, model, decoding, params, set(stop_token_ids), decode, device)
+                _decode(batch, model, stepper, decoding, params, set(stop_token_ids), decode, device)
                 if b < len(batches):
                     done, generated = done + len(batch), generated + sum(len(row.token_ids) for row in batch)
                     if progress is not None:
@@ -86,10 +89,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     return [completions[p * n:(p + 1) * n] for p in range(len(prompts))]
 
 
-def _decode(rows: list[_Row], model: nn.Module, decoding, params: SamplingParams, stop_ids: set[int],
-            decode: Callable[[list[int]], str] | None, device: torch.device) -> None:
-    """Complete one batch of rows in place: prefill, then a token per step until every row (of every
-    rank) stopped."""
+def _decode(rows: list[_Row], model: nn.Module, stepper: nn.Module, decoding, params: SamplingParams,
+            stop_ids: set[int], decode: Callable[[list[int]], str] | None, device: torch.device) -> None:
+    """Complete one batch of rows in place: prefill, then a token per step (by `stepper`: the model,
+    or the model compiled) until every row (of every rank) stopped."""
     multiple = sequence_multiple(model)  # under tensor parallelism each forward's tokens split evenly
     longest = -(-max(len(row.prompt) for row in rows) // multiple) * multiple
     tokens = torch.zeros(len(rows), longest, dtype=torch.long)
@@ -117,8 +120,8 @@ def _decode(rows: list[_Row], model: nn.Module, decoding, params: SamplingParams
             positions = positions + 1
             valid = torch.zeros(len(rows), multiple, dtype=torch.bool)
             valid[:, -1] = still
-            logits = _whole(decoding.forward(model, tokens.to(device), positions.expand(-1, multiple), valid.to(device),
-                                             cache))
+            logits = _whole(decoding.forward(stepper, tokens.to(device), positions.expand(-1, multiple),
+                                             valid.to(device), cache))
     finally:
         decoding.finish(model, cache)
 
