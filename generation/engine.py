@@ -14,15 +14,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from weft.errors import UserError
 from weft.generation.batches import plan_batches
+from weft.generation.errors import GenerationError
+from weft.generation.layouts import distributed, gathered, most, refuse_layout, sequence_multiple
 from weft.generation.sampling import SamplingParams, completion_generator, next_tokens
 from weft.models import spec_for_args
-
-
-class GenerationError(UserError):
-    """A bad argument to `generate`: the message names it, its value and what was expected."""
 
 
 @dataclass(frozen=True)
@@ -57,25 +55,33 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     so it depends on no batch, batch size or layout. stop_token_ids (EOS among them) and params.stop
     (stop strings, matched in `decode(token_ids)` of the completion) end a completion. Batches hold at
     most max_batch_sequences rows and max_batch_tokens KV-cache slots (rows x (longest prompt +
-    max_completion_length)). `progress(completions done, tokens generated)` is called after each batch.
+    max_completion_length)). compile: the decode step runs torch.compile'd (weft's cache keeps its shapes
+    static). `progress(completions done, tokens generated)` is called after each batch. Under several
+    ranks every rank calls it (a rank's prompts may be none) and all take the same forwards.
     The model runs in eval mode and no_grad, and is left as it was."""
     prompts = [list(prompt) for prompt in prompts]
     indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
     _check(model, prompts, params, n, decode, max_batch_sequences, max_batch_tokens, indices)
+    refuse_layout(model)
     decoding = spec_for_args(model.args).backend.decoding
     rows = [_Row(prompt, completion_generator(params.seed, index, j), [], [])
             for prompt, index in zip(prompts, indices) for j in range(n)]
+    batches = plan_batches([len(row.prompt) for row in rows], params.max_completion_length, max_batch_sequences,
+                           max_batch_tokens)
+    device = next(iter(model.parameters())).device
     modes = {module: module.training for module in model.modules()}
     model.eval()
+    stepper = torch.compile(model, dynamic=False) if compile else model  # what runs each decode step
     done = generated = 0
     try:
-        with torch.no_grad():
-            for batch in plan_batches([len(row.prompt) for row in rows], params.max_completion_length,
-                                      max_batch_sequences, max_batch_tokens):
-                _decode([rows[i] for i in batch], model, decoding, params, set(stop_token_ids), decode)
-                done, generated = done + len(batch), generated + sum(len(rows[i].token_ids) for i in batch)
-                if progress is not None:
-                    progress(done, generated)
+        with torch.no_grad(), gathered(model):
+            for b in range(most(len(batches), device)):  # a rank with fewer batches joins the others' forwards
+                batch = [rows[i] for i in batches[b]] if b < len(batches) else [_Row([0], torch.Generator(), [], [])]
+                _decode(batch, model, stepper, decoding, params, set(stop_token_ids), decode, device)
+                if b < len(batches):
+                    done, generated = done + len(batch), generated + sum(len(row.token_ids) for row in batch)
+                    if progress is not None:
+                        progress(done, generated)
     finally:
         for module, training in modes.items():
             module.train(training)
@@ -83,11 +89,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     return [completions[p * n:(p + 1) * n] for p in range(len(prompts))]
 
 
-def _decode(rows: list[_Row], model: nn.Module, decoding, params: SamplingParams, stop_ids: set[int],
-            decode: Callable[[list[int]], str] | None) -> None:
-    """Complete one batch of rows in place: prefill, then a token per step until every row stopped."""
-    device = next(iter(model.parameters())).device
-    longest = max(len(row.prompt) for row in rows)
+def _decode(rows: list[_Row], model: nn.Module, stepper: nn.Module, decoding, params: SamplingParams,
+            stop_ids: set[int], decode: Callable[[list[int]], str] | None, device: torch.device) -> None:
+    """Complete one batch of rows in place: prefill, then a token per step (by `stepper`: the model,
+    or the model compiled) until every row (of every rank) stopped."""
+    multiple = sequence_multiple(model)  # under tensor parallelism each forward's tokens split evenly
+    longest = -(-max(len(row.prompt) for row in rows) // multiple) * multiple
     tokens = torch.zeros(len(rows), longest, dtype=torch.long)
     valid = torch.zeros(len(rows), longest, dtype=torch.bool)
     for i, row in enumerate(rows):
@@ -95,24 +102,33 @@ def _decode(rows: list[_Row], model: nn.Module, decoding, params: SamplingParams
         valid[i, longest - len(row.prompt):] = True
     positions = (valid.cumsum(1) - 1).clamp(min=0)
     tokens, positions, valid = tokens.to(device), positions.to(device), valid.to(device)
-    cache = decoding.start(model, len(rows), longest + params.max_completion_length - 1)
+    cache = decoding.start(model, len(rows), longest + (params.max_completion_length - 1) * multiple)
     try:
-        logits = decoding.forward(model, tokens, positions, valid, cache)
+        logits = _whole(decoding.forward(model, tokens, positions, valid, cache))
         positions = positions[:, -1:]
         for _ in range(params.max_completion_length):
             running = [i for i, row in enumerate(rows) if row.finish_reason is None]
-            drawn, logprobs = next_tokens(logits[running], params, [rows[i].generator for i in running])
-            for i, token, logprob in zip(running, drawn.tolist(), logprobs.tolist()):
-                _append(rows[i], token, logprob, params, stop_ids, decode)
+            tokens = torch.zeros(len(rows), multiple, dtype=torch.long)  # the new token last, padding before it
+            if running:
+                drawn, logprobs = next_tokens(logits[running], params, [rows[i].generator for i in running])
+                tokens[running, -1] = drawn
+                for i, token, logprob in zip(running, drawn.tolist(), logprobs.tolist()):
+                    _append(rows[i], token, logprob, params, stop_ids, decode)
             still = torch.tensor([row.finish_reason is None for row in rows])
-            if not still.any():
+            if not most(int(still.any()), device):
                 break
-            tokens = torch.zeros(len(rows), 1, dtype=torch.long)
-            tokens[running, 0] = drawn
             positions = positions + 1
-            logits = decoding.forward(model, tokens.to(device), positions, still[:, None].to(device), cache)
+            valid = torch.zeros(len(rows), multiple, dtype=torch.bool)
+            valid[:, -1] = still
+            logits = _whole(decoding.forward(stepper, tokens.to(device), positions.expand(-1, multiple),
+                                             valid.to(device), cache))
     finally:
         decoding.finish(model, cache)
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as a plain tensor (tensor parallelism's loss_parallel leaves them split by vocabulary)."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def _append(row: _Row, token: int, logprob: float, params: SamplingParams, stop_ids: set[int],
@@ -131,7 +147,7 @@ def _check(model: nn.Module, prompts: list[list[int]], params: SamplingParams, n
     """Refuse (GenerationError) any argument `generate` cannot run with, before anything runs."""
     if not isinstance(params, SamplingParams):
         raise GenerationError(f"params must be SamplingParams, got {type(params).__name__}")
-    if not prompts:
+    if not prompts and not distributed():  # a rank may have none: it joins the others' forwards
         raise GenerationError("prompts is empty: expected at least one prompt")
     for name, value in (("n", n), ("max_batch_sequences", max_batch_sequences), ("max_batch_tokens", max_batch_tokens)):
         if value is not None and (not isinstance(value, int) or value < 1):

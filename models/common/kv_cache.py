@@ -19,15 +19,18 @@ from weft.layers.attention import CausalAttention, SinkAttention, sink_attention
 
 
 class KVCache:
-    """What the cached cores of one batch share: each slot's position and validity, the queries of
-    the forward under way, the masks built for it (one per window and chunk), and the cores swapped."""
+    """What the cached cores of one batch share: each slot's position and validity, the forward's
+    slots and masks (one per window and chunk), and the cores swapped. The first forward (the
+    prefill) attends over the slots it writes; every later one over all max_len slots, the unwritten
+    ones masked, so that each decode step has the same shapes (torch.compile, CUDA graphs)."""
 
     def __init__(self, batch: int, max_len: int, device: torch.device):
         self.batch, self.max_len = batch, max_len
         self.key_positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.end = 0  # slots written
-        self.query_valid = self.query_positions = None
+        self.span = 0  # slots the forward under way attends over
+        self.slots = None  # the slots the forward under way writes: [s]
         self.masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
         self.last_only = None  # the hook keeping the last position only
         self.swapped: list[tuple[nn.Module, str, nn.Module, CachedAttention]] = []  # (parent, name, original, cached)
@@ -39,23 +42,22 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.max_len} tokens; {self.end} + {s} do not fit")
         self.key_positions[:, self.end:self.end + s] = positions
         self.key_valid[:, self.end:self.end + s] = valid
+        self.slots = torch.arange(self.end, self.end + s, device=positions.device)
         self.end += s
-        self.query_positions, self.query_valid = positions, valid
-        self.masks = {}
+        self.span = self.end if self.span == 0 else self.max_len
+        self.masks = {kind: self.mask(*kind, positions, valid) for kind in {(c.window, c.chunk) for *_, c in self.swapped}}
 
-    def mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
-        """Boolean [batch, 1, s, end] (True: attend) of the forward's queries over the slots written."""
-        if (window, chunk) not in self.masks:
-            q, k = self.query_positions[:, :, None], self.key_positions[:, None, :self.end]
-            allowed = self.key_valid[:, None, :self.end] & (k <= q)
-            if window is not None:
-                allowed &= q - k < window
-            if chunk is not None:
-                allowed &= q // chunk == k // chunk
-            slots = torch.arange(self.end, device=q.device)
-            own = slots[None, :] == slots[self.end - q.shape[1]:, None]  # each query's own slot
-            self.masks[window, chunk] = torch.where(self.query_valid[:, :, None], allowed, own)[:, None]
-        return self.masks[window, chunk]
+    def mask(self, window: int | None, chunk: int | None, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Boolean [batch, 1, s, span] (True: attend) of queries at `positions` over the slots: the key
+        valid, at or before the query, within the window and the chunk; a padding query its own slot."""
+        q, k = positions[:, :, None], self.key_positions[:, None, :self.span]
+        allowed = self.key_valid[:, None, :self.span] & (k <= q)
+        if window is not None:
+            allowed &= q - k < window
+        if chunk is not None:
+            allowed &= q // chunk == k // chunk
+        own = torch.arange(self.span, device=q.device)[None, :] == self.slots[:, None]
+        return torch.where(valid[:, :, None], allowed, own)[:, None]
 
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's keys and values (allocated at the first forward) and the slots' state."""
@@ -88,11 +90,10 @@ class CachedAttention(nn.Module):
         if self.keys is None:
             shape = (cache.batch, k.shape[1], cache.max_len, k.shape[3])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-        start = cache.end - k.shape[2]
-        self.keys[:, :, start:cache.end] = k
-        self.values[:, :, start:cache.end] = v
-        keys, values = self.keys[:, :, :cache.end], self.values[:, :, :cache.end]
-        mask = cache.mask(self.window, self.chunk)
+        self.keys.index_copy_(2, cache.slots, k)
+        self.values.index_copy_(2, cache.slots, v)
+        keys, values = self.keys[:, :, :cache.span], self.values[:, :, :cache.span]
+        mask = cache.masks[self.window, self.chunk]
         if self.sink_core[0] is not None:
             return sink_attention(q, keys, values, self.sink_core[0].local_sinks(), mask)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

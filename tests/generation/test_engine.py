@@ -104,3 +104,19 @@ def test_bad_arguments_are_refused_in_one_line(model, kwargs, message):
     call = dict(prompts=[[1, 2, 3, 4, 5]], params=SamplingParams(max_completion_length=8)) | kwargs
     with pytest.raises(GenerationError, match=message):
         generate(model, call.pop("prompts"), call.pop("params"), **call)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_equals_eager_and_compiles_once():
+    """torch.compile of the decode step: every step has the same shapes, so one graph serves them all."""
+    import torch._dynamo
+
+    model = Transformer(ARGS)
+    model.init_weights(seed=3)
+    params = SamplingParams(max_completion_length=8, temperature=0)
+    eager = generate(model, PROMPTS, params)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = generate(model, PROMPTS, params, compile=True)
+    assert [[c.token_ids for c in cs] for cs in compiled] == [[c.token_ids for c in cs] for cs in eager]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
