@@ -233,8 +233,8 @@ def write_completions(run: Callable, prompts: list[Prompt], n: int, tokenizer, s
     mine = prompts[first:last]
     logger.info(f"generate: {len(prompts)} prompts x {n} completions" +
                 (f" over {world} ranks ({len(mine)} prompts on rank 0)" if world > 1 else ""))
-    results = run([p.token_ids for p in mine], prompt_indices=list(range(first, last)),
-                  progress=_progress(len(mine) * n)) if mine else []
+    # under torchrun every rank calls the engine, one with no prompts too: the ranks step together
+    results = run([p.token_ids for p in mine], prompt_indices=list(range(first, last)), progress=_progress(len(mine) * n))
     lines = [json.dumps({"prompt": prompt.value, "completions": [
         {"text": tokenizer.decode(_without_stop_id(c, stop_ids)), "token_ids": c.token_ids,
          "finish_reason": c.finish_reason} for c in completions]}, ensure_ascii=False)

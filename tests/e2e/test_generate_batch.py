@@ -180,17 +180,24 @@ def test_an_empty_prompt_or_file_is_one_line(tmp_path, folder, capsys):
 
 @pytest.mark.slow
 def test_two_ranks_write_the_file_one_process_writes(tmp_path, folder):
-    """torchrun, 2 CPU ranks on gloo: each completes its half of 5 prompts (3 completions each,
-    sampled), rank 0 writes the file; it is the one-process file to the byte."""
-    prompts = write_prompts(tmp_path / "prompts.jsonl", [*TEXTS, CHAT])
-    flags = ["--hf", str(folder), "--prompts", str(prompts), "-n", "3", "--max-completion-length", "6",
-             "--temperature", "0.9", "--seed", "2"]
-    run(folder, prompts, tmp_path / "one.jsonl", *flags[4:])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), "-m", "weft", "generate", *flags, "--out", str(tmp_path / "two.jsonl")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
-    assert "generate: 6 prompts x 3 completions over 2 ranks (3 prompts on rank 0)" in result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "prompts.jsonl", "two.jsonl"]
+    """torchrun, 2 CPU ranks on gloo: each completes its half of 6 prompts (3 completions each,
+    sampled), rank 0 writes the file; it is the one-process file to the byte. With one prompt, rank 1
+    has none and steps along with rank 0."""
+    logs = {}
+    for name, texts in (("six", [*TEXTS, CHAT]), ("one", TEXTS[:1])):
+        prompts = write_prompts(tmp_path / f"{name}.jsonl", texts)
+        flags = ["-n", "3", "--max-completion-length", "6", "--temperature", "0.9", "--seed", "2"]
+        run(folder, prompts, tmp_path / f"{name}_one_rank.jsonl", *flags)
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                 "--master_port", str(free_port()), "-m", "weft", "generate", "--hf", str(folder),
+                                 "--prompts", str(prompts), "--out", str(tmp_path / f"{name}_two_ranks.jsonl"), *flags],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[name] = result.stdout
+        two = (tmp_path / f"{name}_two_ranks.jsonl").read_bytes()
+        assert two == (tmp_path / f"{name}_one_rank.jsonl").read_bytes() and two.count(b"\n") == len(texts)
+    assert "generate: 6 prompts x 3 completions over 2 ranks (3 prompts on rank 0)" in logs["six"]
+    assert "generate: 1 prompts x 3 completions over 2 ranks (0 prompts on rank 0)" in logs["one"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{name}{end}" for name in ("six", "one") for end in (".jsonl", "_one_rank.jsonl", "_two_ranks.jsonl"))
