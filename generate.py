@@ -141,13 +141,14 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     """Command line entry point (`weft generate`): prints the prompt and its continuation, or writes
     the completions of a prompts file; under torchrun the prompts are split over the ranks."""
     opts = _parse_args(argv, prog)
+    joined = not dist.is_initialized()  # the process group this call joins (under torchrun), and leaves
     try:
         device = init_distributed()
         return _generate(opts, device)
     except UserError as e:
         return report_user_error(e)
     finally:
-        if dist.is_initialized():
+        if joined and dist.is_initialized():
             dist.destroy_process_group()
 
 
