@@ -179,7 +179,8 @@ def test_bad_checkpoint_for_train(tmp_path, capsys, made, name, setup, expected)
 
 def gen(target: Callable[[Path, Path], Path], *extra: str, flag: str = "--checkpoint"):
     def setup(tmp, made):
-        return [flag, str(target(tmp, made)), "--tokenizer", TOKENIZER, "--max-new-tokens", "2", *extra]
+        return [flag, str(target(tmp, made)), "--tokenizer", TOKENIZER, "--prompt", "ROMEO:", "--max-new-tokens", "2",
+                *extra]
     return setup
 
 
@@ -198,7 +199,7 @@ GENERATE_CASES = [
     ("generate-temperature-inf", gen(good_step, "--temperature", "inf"), "--temperature"),
     ("generate-temperature-negative", gen(good_step, "--temperature", "-1"), "--temperature"),
     ("generate-seed-huge", gen(good_step, "--seed", str(2**64)), "--seed"),
-    ("generate-top-k-zero", gen(good_step, "--top-k", "0"), "--top-k"),
+    ("generate-top-k-negative", gen(good_step, "--top-k", "-1"), "--top-k"),
     ("generate-hf-truncated-safetensors",
      gen(lambda tmp, made: damaged_hf(tmp, made, truncate, "model.safetensors"), flag="--hf"),
      "cannot read it as safetensors"),
