@@ -1,5 +1,5 @@
 """`generate` on the training model's layouts: two gloo ranks under fsdp 2 (each rank its own prompts,
-fewer on one, so that its rows stop sooner), tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA adapters
+fewer on one, so that its rows stop sooner), ddp 2, tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA adapters
 return, greedy and seeded, the completions one process returns; FSDP gathers each unit's weights once
 per call, not once per token; pipeline stages and context parallelism are refused in one line."""
 
@@ -18,7 +18,7 @@ from weft.models.qwen3 import ModelArgs as Qwen3Args
 from weft.models.qwen3 import Transformer as Qwen3
 from weft.parallelisms.cp import apply_cp
 from weft.parallelisms.ep import apply_ep
-from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
+from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
 from weft.parallelisms.lora import LoRAOptions, apply_lora
 from weft.parallelisms.tp import apply_tp
 
@@ -64,6 +64,9 @@ def layout_worker(layout: str):
     if layout in ("fsdp", "lora"):
         apply_fsdp(parallel, mesh, FSDPOptions(param_dtype=torch.float32))
         mine = mine[rank::world]  # 3 prompts and 2: rank 1 runs out first
+    elif layout == "ddp":
+        apply_ddp(parallel, mesh)
+        mine = mine[rank::world]
     elif layout == "tp":
         apply_tp(parallel, mesh)
     elif layout == "ep":
@@ -86,7 +89,7 @@ def layout_worker(layout: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "lora"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "ep", "lora"])
 def test_a_layout_returns_what_one_process_returns(layout):
     results = run_distributed(layout_worker, 2, layout)
     for same, gathers, units, reasons in results:
