@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from weft.generation.errors import GenerationError
 from weft.parallelisms.cp import ContextParallelAttention
@@ -35,7 +36,8 @@ def refuse_layout(model: nn.Module) -> None:
 def gathered(model: nn.Module) -> Iterator[None]:
     """FSDP2's weights unsharded for the whole block, not resharded after each forward; on leaving,
     resharded and each unit's reshard-after-forward as it was. Nothing for a model without FSDP."""
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)  # not DDP's (replicate's)
+             and all(isinstance(group.mesh_info, FSDPMeshInfo) for group in module._get_fsdp_state()._fsdp_param_groups)]
     # set_reshard_after_forward has no getter: each unit's setting is read (and put back) from its state
     saved = [(state, state._auto_reshard_after_forward, [(group, group.post_forward_mesh_info)
                                                           for group in state._fsdp_param_groups])

@@ -149,3 +149,10 @@ def finish(model: nn.Module, cache: KVCache) -> None:
         cached.keys = cached.values = None
     cache.swapped = []
     cache.last_only.remove()
+
+
+def cache_bytes(args, batch: int, max_len: int, element_size: int) -> int:
+    """Bytes of the cache `start` makes for `batch` rows of `max_len` slots of the model `args` (any
+    family's, with n_layers, kv_heads and head_dim) in a dtype of `element_size` bytes: every layer's
+    keys and values, and each slot's position (8 bytes) and validity (1 byte)."""
+    return 2 * args.n_layers * batch * args.kv_heads * max_len * args.head_dim * element_size + batch * max_len * 9

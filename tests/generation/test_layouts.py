@@ -1,9 +1,10 @@
 """`generate` on the training model's layouts: two gloo ranks under fsdp 2 (each rank its own prompts,
-fewer on one, so that its rows stop sooner), tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA adapters
+fewer on one, so that its rows stop sooner), ddp 2, tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA or QLoRA adapters
 return, greedy and seeded, the completions one process returns; FSDP gathers each unit's weights once
 per call, not once per token; pipeline stages and context parallelism are refused in one line."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from weft.models.qwen3 import ModelArgs as Qwen3Args
 from weft.models.qwen3 import Transformer as Qwen3
 from weft.parallelisms.cp import apply_cp
 from weft.parallelisms.ep import apply_ep
-from weft.parallelisms.fsdp import FSDPOptions, apply_fsdp
-from weft.parallelisms.lora import LoRAOptions, apply_lora
+from weft.parallelisms.fsdp import FSDPOptions, apply_ddp, apply_fsdp
+from weft.parallelisms.lora import LoRAOptions, apply_lora, quantize_lora_base
 from weft.parallelisms.tp import apply_tp
 
 LLAMA = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=64)
@@ -31,18 +32,22 @@ PARAMS = [SamplingParams(max_completion_length=8, temperature=0),
 
 
 def tiny(layout: str):
-    model = Qwen3(QWEN3_MOE) if layout == "ep" else Llama(LLAMA)
+    # QLoRA's NF4 blocks need linears of a multiple of 16384 values
+    args = replace(LLAMA, dim=128, n_kv_heads=4, multiple_of=128) if layout == "qlora" else LLAMA
+    model = Qwen3(QWEN3_MOE) if layout == "ep" else Llama(args)
     model.init_weights(seed=1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".w" in name or "experts" in name:
                 param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-    if layout == "lora":
-        apply_lora(model, LoRAOptions(rank=2))
+    if layout in ("lora", "qlora"):
+        apply_lora(model, LoRAOptions(rank=2, quantize_base="nf4" if layout == "qlora" else None))
         with torch.no_grad():  # adapters that change the output
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    if layout == "qlora":
+        quantize_lora_base(model, shards=2, log=False)
     return model
 
 
@@ -61,9 +66,12 @@ def layout_worker(layout: str):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if layout == "tp" else "dp",))
     parallel = copy.deepcopy(model)
     mine = list(range(len(PROMPTS)))
-    if layout in ("fsdp", "lora"):
+    if layout in ("fsdp", "lora", "qlora"):
         apply_fsdp(parallel, mesh, FSDPOptions(param_dtype=torch.float32))
         mine = mine[rank::world]  # 3 prompts and 2: rank 1 runs out first
+    elif layout == "ddp":
+        apply_ddp(parallel, mesh)
+        mine = mine[rank::world]
     elif layout == "tp":
         apply_tp(parallel, mesh)
     elif layout == "ep":
@@ -86,12 +94,12 @@ def layout_worker(layout: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "lora"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "ep", "lora", "qlora"])
 def test_a_layout_returns_what_one_process_returns(layout):
     results = run_distributed(layout_worker, 2, layout)
     for same, gathers, units, reasons in results:
         assert same
-        if layout in ("fsdp", "lora"):
+        if layout in ("fsdp", "lora", "qlora"):
             assert units == LLAMA.n_layers + 1 and gathers == 2 * units  # once per call and unit, for 2 calls
     reasons = [reason for *_, rank_reasons in results for reason in rank_reasons]
     assert "stop" in reasons and "length" in reasons

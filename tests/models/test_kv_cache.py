@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from weft.generation import SamplingParams, generate
+from weft.models.common import kv_cache
 from weft.models.gpt_oss import ModelArgs as GptOssArgs
 from weft.models.gpt_oss import Transformer as GptOss
 from weft.models.llama import ModelArgs as LlamaArgs
@@ -75,3 +76,15 @@ def test_moe_balancing_state_is_untouched_by_generation():
     counts = {name: buffer.clone() for name, buffer in model.named_buffers() if "tokens_per_expert" in name}
     generate(model, PROMPTS, SamplingParams(max_completion_length=3, temperature=0))
     assert counts and all(torch.equal(buffer, counts[name]) for name, buffer in model.named_buffers() if name in counts)
+
+
+def test_cache_bytes_counts_what_the_cache_holds():
+    for name in ("llama4", "gpt_oss"):
+        model = tiny(name)
+        cache = kv_cache.start(model, 3, 20)
+        try:
+            kv_cache.forward(model, torch.ones(3, 5, dtype=torch.long), torch.arange(5).expand(3, -1),
+                             torch.ones(3, 5, dtype=torch.bool), cache)
+            assert cache.nbytes() == kv_cache.cache_bytes(model.args, 3, 20, 4)
+        finally:
+            kv_cache.finish(model, cache)
