@@ -10,6 +10,7 @@ prompts and --baseline-tokens tokens), the ratios (weft and transformers: the be
 whether weft's tokens equal transformers', and the bytes of weft's KV cache for the batch.
 
     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python benchmarks/generation.py
+    python benchmarks/generation.py --device cuda --dtype bfloat16 [--compile]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from weft.components.hf.writer import save_hf_model
+from weft.generate import cast_model
 from weft.generation import SamplingParams, generate
 from weft.models import flavors, spec_for_args
 
@@ -42,17 +44,17 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def recompute_loop(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
     """A private copy of generate.py's loop before the engine: greedy, the whole context recomputed per token."""
-    ids = list(prompt)
+    ids, device = list(prompt), next(model.parameters()).device
     for _ in range(tokens):
-        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        ids.append(int(model(torch.tensor([ids], device=device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 
 def transformers_generate(hf: torch.nn.Module, batch: list[list[int]], tokens: int) -> list[list[int]]:
     """transformers' greedy generate on the batch left-padded (pad id 0, masked), `tokens` new tokens each."""
     longest = max(map(len, batch))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch], device=hf.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch], device=hf.device)
     out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=tokens,
                       min_new_tokens=tokens, pad_token_id=0)
     return out[:, longest:].tolist()
@@ -64,8 +66,9 @@ def cache_bytes(model: torch.nn.Module, batch: list[list[int]], tokens: int) -> 
     longest = max(map(len, batch))
     cache = decoding.start(model, len(batch), longest + tokens - 1)
     try:
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
-        valid = torch.tensor([[False] * (longest - len(p)) + [True] * len(p) for p in batch])
+        device = next(model.parameters()).device
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch], device=device)
+        valid = torch.tensor([[False] * (longest - len(p)) + [True] * len(p) for p in batch], device=device)
         decoding.forward(model, ids, (valid.cumsum(1) - 1).clamp(min=0), valid, cache)
         return cache.nbytes()
     finally:
@@ -82,19 +85,20 @@ def timed(fn):
 def run(name: str, args, opts: argparse.Namespace) -> None:
     model = spec_for_args(args).build(args)
     model.init_weights(seed=0)
-    model.eval()
+    dtype = getattr(torch, opts.dtype)
     params = sum(p.numel() for p in model.parameters())
     batch = prompts(opts.prompts, args.vocab_size)
     new = opts.new_tokens
     with tempfile.TemporaryDirectory() as folder:
         save_hf_model(model, folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval().to(opts.device)
+    model = cast_model(model, dtype, torch.device(opts.device)).eval()  # the rotary table stays complex
     greedy = SamplingParams(max_completion_length=new, temperature=0)
-    generate(model, batch[:2], replace(greedy, max_completion_length=4))  # warm-up
+    generate(model, batch[:2], replace(greedy, max_completion_length=4), compile=opts.compile)  # warm-up
     transformers_generate(hf, batch[:2], 4)
     weft_s = hf_s = float("inf")
     for _ in range(opts.repeats):  # interleaved, the best of each: the cores are shared, their load varies
-        ours, seconds = timed(lambda: generate(model, batch, greedy))
+        ours, seconds = timed(lambda: generate(model, batch, greedy, compile=opts.compile))
         weft_s = min(weft_s, seconds)
         theirs, seconds = timed(lambda: transformers_generate(hf, batch, new))
         hf_s = min(hf_s, seconds)
@@ -104,7 +108,8 @@ def run(name: str, args, opts: argparse.Namespace) -> None:
     loop_tps = len(few) * opts.baseline_tokens / loop_s
     same = sum(c[0].token_ids == t for c, t in zip(ours, theirs))
     print(f"{name}: {params / 1e6:.1f} M parameters, {len(batch)} prompts of {min(map(len, batch))}-"
-          f"{max(map(len, batch))} tokens, {new} new tokens each, greedy, float32, best of {opts.repeats}")
+          f"{max(map(len, batch))} tokens, {new} new tokens each, greedy, {opts.dtype} on {opts.device}"
+          f"{', compiled decode' if opts.compile else ''}, best of {opts.repeats}")
     print(f"  weft generate          {weft_tps:8.1f} tokens/s ({weft_s:.1f} s)")
     print(f"  transformers generate  {hf_tps:8.1f} tokens/s ({hf_s:.1f} s); weft / transformers = {weft_tps / hf_tps:.2f}x")
     print(f"  recompute loop         {loop_tps:8.1f} tokens/s ({loop_s:.1f} s for {len(few)} prompts x "
@@ -119,6 +124,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--compile", action="store_true", help="weft's decode step under torch.compile")
     parser.add_argument("--baseline-prompts", type=int, default=2)
     parser.add_argument("--baseline-tokens", type=int, default=16)
     opts = parser.parse_args()
