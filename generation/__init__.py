@@ -2,7 +2,8 @@
 (`generate`, engine.py), with the options of `SamplingParams` (sampling.py). It reaches a model only
 through its spec (`Backend.decoding`: how the model runs with a KV cache)."""
 
-from weft.generation.engine import Completion, GenerationError, generate
+from weft.generation.engine import Completion, generate
+from weft.generation.errors import GenerationError
 from weft.generation.sampling import SamplingParams
 
 __all__ = ["Completion", "GenerationError", "SamplingParams", "generate"]

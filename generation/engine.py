@@ -56,7 +56,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     (stop strings, matched in `decode(token_ids)` of the completion) end a completion. Batches hold at
     most max_batch_sequences rows and max_batch_tokens KV-cache slots (rows x (longest prompt +
     max_completion_length)). compile: the decode step runs torch.compile'd (weft's cache keeps its shapes
-    static). `progress(completions done, tokens generated)` is called after each batch. Under several
+    static: one graph for every step). `progress(completions done, tokens generated)` is called after each batch. Under several
     ranks every rank calls it (a rank's prompts may be none) and all take the same forwards.
     The model runs in eval mode and no_grad, and is left as it was."""
     prompts = [list(prompt) for prompt in prompts]
@@ -71,7 +71,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     device = next(iter(model.parameters())).device
     modes = {module: module.training for module in model.modules()}
     model.eval()
-    stepper = torch.compile(model, dynamic=False) if compile else model  # what runs each decode step
+    # what runs each decode step: weft's cache keeps its shapes, one graph; transformers' grows, a dynamic one
+    stepper = torch.compile(model) if compile else model
     done = generated = 0
     try:
         with torch.no_grad(), gathered(model):

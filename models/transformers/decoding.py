@@ -34,7 +34,8 @@ def forward(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, val
     valid = valid.long()
     mask = valid if cache.attention_mask is None else torch.cat([cache.attention_mask, valid], dim=1)
     # transformers 5 names the cache `cache`; a folder's own code (trust_remote_code) may still say past_key_values
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    plain = getattr(model, "_orig_mod", model)  # torch.compile's wrapper takes *args, **kwargs
+    name = "cache" if "cache" in inspect.signature(plain.forward).parameters else "past_key_values"
     out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                 **{name: cache.past_key_values})
     cache.past_key_values, cache.attention_mask = out[name], mask

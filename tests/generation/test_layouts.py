@@ -1,5 +1,5 @@
 """`generate` on the training model's layouts: two gloo ranks under fsdp 2 (each rank its own prompts,
-fewer on one, so that its rows stop sooner), ddp 2, tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA or QLoRA adapters
+fewer on one, so that its rows stop sooner), four under HSDP 2x2, ddp 2, tp 2, ep 2 (Qwen3-MoE) and fsdp 2 with LoRA or QLoRA adapters
 return, greedy and seeded, the completions one process returns; FSDP gathers each unit's weights once
 per call, not once per token; pipeline stages and context parallelism are refused in one line."""
 
@@ -64,9 +64,11 @@ def layout_worker(layout: str):
     stop = {stop_id(one)}
     one = [generate(model, PROMPTS, params, n=2, stop_token_ids=stop) for params in PARAMS]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if layout == "tp" else "dp",))
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     parallel = copy.deepcopy(model)
     mine = list(range(len(PROMPTS)))
-    if layout in ("fsdp", "lora", "qlora"):
+    if layout in ("fsdp", "hsdp", "lora", "qlora"):
         apply_fsdp(parallel, mesh, FSDPOptions(param_dtype=torch.float32))
         mine = mine[rank::world]  # 3 prompts and 2: rank 1 runs out first
     elif layout == "ddp":
@@ -94,12 +96,12 @@ def layout_worker(layout: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "ep", "lora", "qlora"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "ddp", "tp", "ep", "lora", "qlora"])
 def test_a_layout_returns_what_one_process_returns(layout):
-    results = run_distributed(layout_worker, 2, layout)
+    results = run_distributed(layout_worker, 4 if layout == "hsdp" else 2, layout)
     for same, gathers, units, reasons in results:
         assert same
-        if layout in ("fsdp", "lora", "qlora"):
+        if layout in ("fsdp", "hsdp", "lora", "qlora"):
             assert units == LLAMA.n_layers + 1 and gathers == 2 * units  # once per call and unit, for 2 calls
     reasons = [reason for *_, rank_reasons in results for reason in rank_reasons]
     assert "stop" in reasons and "length" in reasons
