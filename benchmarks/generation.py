@@ -5,8 +5,8 @@ flavor; random weights, float32): 16 prompts of 32 to 128 random tokens, 128 new
 one batch. Prints the tokens/s of weft's `generate`, of transformers' `generate` on the same weights
 (written by weft's export, read by AutoModelForCausalLM; its default cache, sdpa, the same batch
 left-padded, min_new_tokens so that it also makes 128), of the loop generate.py ran before the engine
-(the whole context recomputed for every token, one prompt at a time; timed once, on --baseline-prompts
-prompts and --baseline-tokens tokens), the ratios (weft and transformers: the best of --repeats runs),
+(the whole context recomputed for every token, one prompt at a time; timed once, on the --baseline-prompts
+prompts nearest the batch's mean length, each making all its new tokens), the ratios (weft and transformers: the best of --repeats runs),
 whether weft's tokens equal transformers', and the bytes of weft's KV cache for the batch.
 
     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python benchmarks/generation.py
@@ -102,18 +102,19 @@ def run(name: str, args, opts: argparse.Namespace) -> None:
         weft_s = min(weft_s, seconds)
         theirs, seconds = timed(lambda: transformers_generate(hf, batch, new))
         hf_s = min(hf_s, seconds)
-    few = batch[:opts.baseline_prompts]
-    _, loop_s = timed(lambda: [recompute_loop(model, p, opts.baseline_tokens) for p in few])
+    mean = sum(map(len, batch)) / len(batch)  # the loop's cost grows with the context: prompts of the mean length
+    few = sorted(batch, key=lambda p: abs(len(p) - mean))[:opts.baseline_prompts]
+    _, loop_s = timed(lambda: [recompute_loop(model, p, new) for p in few])
     weft_tps, hf_tps = len(batch) * new / weft_s, len(batch) * new / hf_s
-    loop_tps = len(few) * opts.baseline_tokens / loop_s
+    loop_tps = len(few) * new / loop_s
     same = sum(c[0].token_ids == t for c, t in zip(ours, theirs))
     print(f"{name}: {params / 1e6:.1f} M parameters, {len(batch)} prompts of {min(map(len, batch))}-"
           f"{max(map(len, batch))} tokens, {new} new tokens each, greedy, {opts.dtype} on {opts.device}"
           f"{', compiled decode' if opts.compile else ''}, best of {opts.repeats}")
     print(f"  weft generate          {weft_tps:8.1f} tokens/s ({weft_s:.1f} s)")
     print(f"  transformers generate  {hf_tps:8.1f} tokens/s ({hf_s:.1f} s); weft / transformers = {weft_tps / hf_tps:.2f}x")
-    print(f"  recompute loop         {loop_tps:8.1f} tokens/s ({loop_s:.1f} s for {len(few)} prompts x "
-          f"{opts.baseline_tokens} tokens); weft / loop = {weft_tps / loop_tps:.1f}x")
+    print(f"  recompute loop         {loop_tps:8.1f} tokens/s ({loop_s:.1f} s for {len(few)} prompts of "
+          f"{'/'.join(str(len(p)) for p in few)} tokens x {new}); weft / loop = {weft_tps / loop_tps:.1f}x")
     print(f"  same tokens as transformers: {same}/{len(batch)} prompts")
     print(f"  KV cache: {cache_bytes(model, batch, new) / 2**20:.1f} MiB for the batch")
 
@@ -128,7 +129,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--compile", action="store_true", help="weft's decode step under torch.compile")
     parser.add_argument("--baseline-prompts", type=int, default=2)
-    parser.add_argument("--baseline-tokens", type=int, default=16)
     opts = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name in opts.models:

@@ -10,6 +10,7 @@ its slot is fed as padding, which nothing attends to. Results come back in input
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from weft.generation.batches import plan_batches
+from weft.generation.cpu_linears import weights_first_linears
 from weft.generation.errors import GenerationError
 from weft.generation.layouts import distributed, gathered, most, refuse_layout, sequence_multiple
 from weft.generation.sampling import SamplingParams, completion_generator, next_tokens
@@ -75,7 +77,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     stepper = torch.compile(model) if compile else model
     done = generated = 0
     try:
-        with torch.no_grad(), gathered(model):
+        with torch.no_grad(), gathered(model), (weights_first_linears(model) if not compile else nullcontext()):
             for b in range(most(len(batches), device)):  # a rank with fewer batches joins the others' forwards
                 batch = [rows[i] for i in batches[b]] if b < len(batches) else [_Row([0], torch.Generator(), [], [])]
                 _decode(batch, model, stepper, decoding, params, set(stop_token_ids), decode, device)
