@@ -23,6 +23,7 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_eager_kind(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)  # the row's plumbing, not the kernel
     out = tmp_path / "rows.jsonl"
@@ -123,6 +124,7 @@ def test_a_row_whose_process_dies_gets_an_error_line(tmp_path, monkeypatch):
     assert all(c[c.index("--configs") + 1] in ("bf16_eager", "hf_eager") and "--child" in c for c in commands)
 
 
+@pytest.mark.slow
 def test_candidate_variants_beside_their_baselines_with_losses_and_profiles(tmp_path, capsys, monkeypatch):
     """Issue 40's candidates as row variants in one run: each trains the same batches from the same
     weights as the row it changes (FSDP's reshard policy: the same losses exactly; the output

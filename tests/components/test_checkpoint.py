@@ -80,6 +80,7 @@ def four_ranks(tmp_path_factory):
     return root, run_distributed(four_rank_runs, 4, str(root), timeout=900)[0]
 
 
+@pytest.mark.slow
 def test_exact_resume_single_device(tmp_path):
     straight = run(args(tmp_path / "straight"))
     first = run(args(tmp_path / "resumed"), stop_after=10)
@@ -116,6 +117,7 @@ def test_keep_latest_k(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-12", "step-9"]
 
 
+@pytest.mark.slow
 def test_async_save_resumes_exactly(tmp_path):
     straight = run(args(tmp_path / "straight"))
     first = run(args(tmp_path / "async", "single", "--checkpoint.async_mode", "async"), stop_after=10)
@@ -123,6 +125,7 @@ def test_async_save_resumes_exactly(tmp_path):
     assert first + second == straight
 
 
+@pytest.mark.slow
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     real_save = checkpoint_module.dcp.save
 

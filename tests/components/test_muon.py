@@ -164,6 +164,7 @@ def test_per_head_option_splits_every_attention_projection():
         build_optimizer(tiny_llama(), replace(CFG, muon_per_head=True, muon_exclude=["*.attention.*"]))
 
 
+@pytest.mark.slow
 def test_an_adamw_checkpoint_is_refused_by_a_muon_run_in_one_line(tmp_path, capsys):
     from weft import train as recipe
 

@@ -67,6 +67,7 @@ def qlora_losses(dump: Path, model: str, base: Path, ranks: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_qlora_from_a_dcp_checkpoint_in_a_fresh_process_is_quiet(bases, tmp_path):
     """The documented command, as a user runs it: no torchao noise, the Hugging Face path's losses."""
     step, hf = bases("debug_moe", 1)

@@ -43,6 +43,7 @@ def test_train_reads_as_a_recipe_in_under_100_lines():
     assert function.end_lineno - function.lineno + 1 < 100
 
 
+@pytest.mark.slow
 def test_debug_model_loss_falls(tmp_path):
     losses = train.train(parse_args(quick_args(tmp_path, "--training.steps", "40", "--no-metrics.enable_tensorboard")))
     assert len(losses) == 40

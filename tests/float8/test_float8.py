@@ -308,6 +308,7 @@ def fp32_losses() -> list[float]:
     return train(build(None), 50)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_trains_like_fp32(recipe, fp32_losses):
     """Float8 matmuls (fp32 master weights and outputs) track the all-fp32 reference run within 2%."""

@@ -43,6 +43,7 @@ def train_code(dump: Path, *args: str) -> str:
     return f"import sys\nfrom weft import train\nsys.exit(train.main({argv!r}))\n"
 
 
+@pytest.mark.slow
 def test_modules_import_without_torchao(tmp_path):
     code = ("import sys, weft.train, weft.float8, weft.parallelisms.tp, benchmarks.gpu_throughput\n"
             "assert not any(m.startswith('torchao') and sys.modules[m] for m in sys.modules)\n")

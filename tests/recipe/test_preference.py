@@ -189,6 +189,7 @@ def test_dry_run_counts_the_frozen_reference(world_size, capsys):
     assert not any("reference" in name for name in lora.buffers)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_a_live_or_a_precomputed_reference(root, tmp_path):
     """Stopped after step 2 and resumed: the same losses and validation rewards as one run, with the
     reference held (a path: read again at the start, not saved in the checkpoint) or precomputed
