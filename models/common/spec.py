@@ -167,9 +167,12 @@ class Decoding:
     # never attended to
     forward: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
     finish: Callable[[nn.Module, Any], None]  # (model, cache): what start installed removed, the model as before
+    # (args, batch, max_len, element_size) -> bytes of the cache start makes (the dry run's line); None: unknown ahead
+    cache_bytes: Callable[[Any, int, int, int], int] | None = None
 
 
-WEFT_DECODING = Decoding(start=kv_cache.start, forward=kv_cache.forward, finish=kv_cache.finish)
+WEFT_DECODING = Decoding(start=kv_cache.start, forward=kv_cache.forward, finish=kv_cache.finish,
+                         cache_bytes=kv_cache.cache_bytes)
 
 
 @dataclass(frozen=True)

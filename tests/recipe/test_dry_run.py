@@ -37,6 +37,20 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert not dump.exists() and not dist.is_initialized()
 
 
+def test_dry_run_adds_the_kv_cache_a_local_batch_would_generate_with(capsys):
+    """Keys and values of every layer, kv heads split by tp 2: 2 x layers x rows x kv_heads/2 x seq_len x
+    head_dim x bytes, plus each slot's position and validity (Llama 3 8B: 32 layers, 8 kv heads of 128)."""
+    argv = ["--job.config_file", "llama8b", "--job.dry_run", "--job.dry_run_world_size", "8", "--parallelism.tp", "2",
+            "--no-compile.enable", "--training.local_batch_size", "2"]
+    assert train.main(argv) == 0
+    line = [line for line in capsys.readouterr().out.splitlines() if "KV cache to generate" in line]
+    args = flavors()["llama3_8b"]
+    want = (2 * args.n_layers * 2 * args.n_kv_heads * 8192 * (args.dim // args.n_heads) * 2 + 2 * 8192 * 9) / 2
+    assert want / 2**30 == pytest.approx(1.0, abs=0.01)  # 2 x 32 x 2 x 8 x 8192 x 128 x 2 bytes / 2
+    assert line == [f"  KV cache to generate 2 sequences of 8192 tokens (bfloat16): {want / 2**30:.2f} GiB per device "
+                    "(generation only, not in the training peak)"]
+
+
 def test_a_layout_that_does_not_fit_exits_2_with_the_figures(capsys):
     argv = ["--job.config_file", "llama8b", "--job.dry_run", "--job.dry_run_world_size", "8",
             "--job.dry_run_device_memory_gib", "4090"]
