@@ -39,7 +39,7 @@ from weft.parallelisms.parallelize import ParallelizeOptions, parallelize
 
 from tests.support.dist_utils import run_distributed
 
-STEPS, VOCAB, SEED = 6, 128, 0
+STEPS, VOCAB, SEED = 10, 128, 0
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=64)
 # Every targeted weight holds whole NF4 scale groups (64 x nf4_scaler_block values), two per FSDP shard at least.
 NF4_ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, vocab_size=VOCAB, multiple_of=256, max_seq_len=64)
@@ -255,7 +255,7 @@ EXPORTED = "fsdp2_tp2"
 
 
 def train_weft(model: nn.Module, meshes=None) -> list[float]:
-    """6 AdamW steps on one fixed batch; each rank its data-parallel share and (CP) sequence shard."""
+    """10 AdamW steps on one fixed batch; each rank its data-parallel share and (CP) sequence shard."""
     tokens_all = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(1))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     dims = meshes.dims if meshes else None

@@ -1,11 +1,11 @@
 """Loss parity: every parallel layout trains the debug model like a single device does.
 
-Each layout runs train.py's `train` for 6 steps on CPU (gloo, fp32, fixed seed) with the same
+Each layout runs train.py's `train` for 10 steps on CPU (gloo, fp32, fixed seed) with the same
 global batch as the single-device reference, on the debug model cut to 2 blocks (every layout
 splits each block alike: two cost half of four, and check the same); its per-step global loss must match the
 reference's: step 1 within 1e-6 relative (identical weights and data), every step within 1e-4
 relative (only the order of floating-point reductions differs). Muon layouts match Muon in one
-process within 1e-5 at every step, and Muon's state saved under fsdp 2 at step 3 resumes in one process; a
+process within 1e-5 at every step, and Muon's state saved under fsdp 2 resumes in one process; a
 transformers-backend folder under HSDP matches its run in one process. Layouts sharing a world
 size run one after another in the same processes.
 """
@@ -26,14 +26,14 @@ from tests.support.chat_data import write_jsonl
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 from tests.support.preference_data import make_pairs
 
-STEPS = 6
+STEPS = 10
 GLOBAL_BATCH = 8
 BLOCKS = {"debugmodel": 2}
 # A preference layout's data: pairs written to the sweep's root ({root}) before it runs; GLOBAL_BATCH rows a step.
 PREFERENCE = ["--data.format", "preference", "--data.dataset_path", "{root}/pairs.jsonl"]
 
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
-CHECKPOINT_3 = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+CHECKPOINT_5 = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 MUON_RTOL = 1e-5
 # The transformers backend (models/transformers): a DeepSeek V3 folder (an MoE layer: its routing counts
 # summed over the ranks) written to {root}/deepseek_v3, against its own run in one process within 1e-5.
@@ -58,8 +58,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2"]),
     "cp2_tp2": (4, ["--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2"]),
     # Muon (fp32 Newton-Schulz) against Muon in one process, within 1e-5 at every step; fsdp2_muon's
-    # checkpoint of step 3 resumes in one process.
-    "fsdp2_muon": (2, ["--parallelism.dp_shard", "2", *MUON, *CHECKPOINT_3]),
+    # checkpoint of step 5 resumes in one process.
+    "fsdp2_muon": (2, ["--parallelism.dp_shard", "2", *MUON, *CHECKPOINT_5]),
     "tp2_muon": (2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", *MUON]),
     # Each matrix's Newton-Schulz on one owner rank, scattered back (2-D mesh: the ranks (0, 0) and (1, 1)).
     "fsdp2_muon_owner": (2, ["--parallelism.dp_shard", "2", *MUON, "--optimizer.muon_owner_ranks"]),
@@ -223,20 +223,20 @@ def test_the_transformers_backend_under_hsdp_matches_one_process(layouts_root, h
 def test_muon_layout_matches_single_device(layout, muon_reference, layout_losses):
     losses = layout_losses[layout]
     assert len(losses) == len(muon_reference) == STEPS
-    assert muon_reference[-1] < muon_reference[0] - 0.3, "the Muon reference run must actually learn"
+    assert muon_reference[-1] < muon_reference[0] - 0.5, "the Muon reference run must actually learn"
     for step, (got, want) in enumerate(zip(losses, muon_reference), start=1):
         assert got == pytest.approx(want, rel=MUON_RTOL), f"{layout} step {step}: {got} vs {want}"
 
 
 @pytest.mark.slow
 def test_muon_fsdp2_checkpoint_resumes_in_one_process(layouts_root, layout_losses, tmp_path):
-    """Muon's momentum and AdamW's moments of step 3, saved by fsdp 2, go on in one process as under fsdp 2."""
+    """Muon's momentum and AdamW's moments of step 5, saved by fsdp 2, go on in one process as under fsdp 2."""
     from weft import train
 
     shutil.copytree(layouts_root / "fsdp2_muon", tmp_path / "resumed")
-    shutil.rmtree(step_folder(tmp_path / "resumed" / "checkpoint", STEPS))  # resume from step 3
+    shutil.rmtree(step_folder(tmp_path / "resumed" / "checkpoint", STEPS))  # resume from step 5
     with fewer_blocks(BLOCKS):
-        resumed = train.train(parse_args(config_args(str(tmp_path / "resumed"), [*MUON, *CHECKPOINT_3])))
-    assert len(resumed) == STEPS - 3
-    for step, (got, want) in enumerate(zip(resumed, layout_losses["fsdp2_muon"][3:]), start=4):
+        resumed = train.train(parse_args(config_args(str(tmp_path / "resumed"), [*MUON, *CHECKPOINT_5])))
+    assert len(resumed) == STEPS - 5
+    for step, (got, want) in enumerate(zip(resumed, layout_losses["fsdp2_muon"][5:]), start=6):
         assert got == pytest.approx(want, rel=MUON_RTOL), f"step {step}: {got} vs {want}"

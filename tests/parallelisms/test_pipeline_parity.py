@@ -1,7 +1,7 @@
 """Pipeline parallelism trains like one process: every schedule, and pp composed with FSDP, TP, CP,
 gradient accumulation and Muon, on gloo; Llama 4's debug MoE and dense Qwen3 through the stages too.
 
-Each layout trains the debug model (4 blocks, fp32, seq 32) for 5 steps on the same global batch
+Each layout trains the debug model (4 blocks, fp32, seq 32) for 10 steps on the same global batch
 of 8 samples as the single-process reference, through the recipe's own plan, build and step. Its
 global loss at every step and every final weight (gathered whole, from whichever stage holds it)
 must match the reference within 1e-5 relative. Layouts of one world size share one spawn.
@@ -17,7 +17,7 @@ from weft.components.config import parse_args
 
 from tests.support.dist_utils import run_distributed
 
-STEPS = 5
+STEPS = 10
 RTOL = 1e-5
 PP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]
 PP2_FSDP2 = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.local_batch_size", "4"]
@@ -156,8 +156,7 @@ def test_pipeline_layout_matches_one_process(layout, reference, lora_reference, 
                                moe_reference if "debugmodel_moe" in overrides else
                                qwen3_reference if "debugmodel_qwen3_untied" in overrides else reference)
     losses, weights = layouts[layout]
-    learns = 0.1 if "--lora.enable" in overrides else 0.3  # rank-4 adapters alone move the loss less in 5 steps
-    assert ref_losses[-1] < ref_losses[0] - learns, "the reference run must actually learn"
+    assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run must actually learn"
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses), start=1):
         assert got == pytest.approx(want, rel=RTOL), f"{layout} step {step}: {got} vs {want}"

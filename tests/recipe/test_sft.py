@@ -214,7 +214,7 @@ def test_train_refuses_chat_without_template(tmp_path, capsys):
 # Parity: packed SFT under every layout equals one device; end to end from and to Hugging Face
 # ---------------------------------------------------------------------------------------------
 
-STEPS = 6
+STEPS = 10
 GLOBAL_BATCH = 8
 # Text with short documents, packed with document masking (positions restart at each BOS).
 TEXT_DOCUMENTS = ["--data.format", "text", "--data.dataset_path", "{text}", "--data.document_masking",
@@ -247,7 +247,7 @@ def blocks_of(overrides: list[str]) -> dict[str, int]:
 
 
 def sft_args(dump: str, files: dict[str, str], tokenizer: Path | str, overrides: list[str], dp: int = 1) -> list[str]:
-    """Six packed chat steps of the debug model at seq_len 64, global batch 8, one validation at the end."""
+    """Ten packed chat steps of the debug model at seq_len 64, global batch 8, one validation at the end."""
     accumulation = 2 if "--training.gradient_accumulation_steps" in overrides else 1
     return ["--job.config_file", "debug_model", "--job.dump_folder", dump, "--training.steps", str(STEPS),
             "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH // dp // accumulation),
