@@ -2,9 +2,9 @@
 
 A decode step multiplies a few rows (one token per running sequence) by every weight of the model.
 On CPU, BLAS multiplies them faster as (W @ x^T)^T, the weight the left operand, than as x @ W^T,
-which nn.Linear computes: 1.2-3.9x per layer for 4 to 128 rows on this project's 2-core machine,
-most for the large output projection; at one row or hundreds the two are even. The products are the
-same, summed in another order. benchmarks/generation.py measures the engine with it.
+which nn.Linear computes, for a few to about a hundred rows on this project's 2-core machine (most for
+the large output projection); at one row or hundreds the two are even. The products are the same,
+summed in another order. benchmarks/generation.py measures the engine with it.
 """
 
 from __future__ import annotations
