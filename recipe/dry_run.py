@@ -202,7 +202,7 @@ def kv_cache_line(plan: RunPlan, dtype: torch.dtype) -> str | None:
     """The KV cache generating would hold on one device (weft.generation: a local batch of seq_len-token
     sequences, prompt and completion, tp splitting the kv heads); None where the spec cannot say ahead."""
     cfg, args = plan.cfg, plan.model_args
-    cache_bytes = spec_for_args(args).backend.decoding.cache_bytes
+    cache_bytes = plan.spec.backend.decoding.cache_bytes
     if cache_bytes is None:
         return None
     rows, length = cfg.training.local_batch_size, cfg.training.seq_len

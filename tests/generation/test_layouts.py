@@ -63,9 +63,10 @@ def layout_worker(layout: str):
     one = [generate(model, PROMPTS, params, n=2) for params in PARAMS]
     stop = {stop_id(one)}
     one = [generate(model, PROMPTS, params, n=2, stop_token_ids=stop) for params in PARAMS]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if layout == "tp" else "dp",))
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if layout == "tp" else "dp",))
     parallel = copy.deepcopy(model)
     mine = list(range(len(PROMPTS)))
     if layout in ("fsdp", "hsdp", "lora", "qlora"):
