@@ -241,6 +241,9 @@ def build_data(plan: RunPlan, meshes: Meshes | None, device: torch.device):
     labels only where the loss applies; the ranks count document lengths together, so each
     tokenizes little more than its own share. A data.mixture is one loader of one window per rank
     per source, drawn from by weight (components/data/mixture.py)."""
+    own = plan.objective.loaders(plan, meshes)  # an objective's own data (online RL's prompts)
+    if own is not None:
+        return own
     cfg, make_loader = plan.cfg, loader_factory(plan, meshes)
     sources = plan.data_sources
     if sources:

@@ -37,8 +37,9 @@ class ConfigError(UserError):
 # Every option as "section.key" -> its field, in declaration order.
 _OPTIONS: dict[str, Field] = {f"{s.name}.{f.name}": f for s in fields(JobConfig) for f in fields(s.type)}
 _SECTIONS = tuple(s.name for s in fields(JobConfig))
-_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list[str]: "a list of strings"}
-_METAVAR = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR", list[str]: "A,B,..."}
+_EXPECTED = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list[str]: "a list of strings",
+             list[float]: "a list of numbers"}
+_METAVAR = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR", list[str]: "A,B,...", list[float]: "X,Y,..."}
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _BOUNDS = (("min", ">=", operator.ge), ("gt", ">", operator.gt), ("max", "<=", operator.le), ("lt", "<", operator.lt))
 _CLI = "<command line>"  # origin of command-line values; TOML values record their file name
@@ -57,6 +58,8 @@ def _from_text(text: str, typ: Any) -> Any:
         return typ(text)
     if typ == list[str]:
         return [item.strip() for item in text.split(",") if item.strip()]
+    if typ == list[float]:
+        return [float(item) for item in text.split(",") if item.strip()]
     return text
 
 
@@ -66,6 +69,8 @@ def _from_toml(value: Any, typ: Any) -> Any:
         return float(value)
     if typ == list[str] and isinstance(value, list) and all(isinstance(item, str) for item in value):
         return list(value)
+    if typ == list[float] and isinstance(value, list) and all(type(item) in (int, float) for item in value):
+        return [float(item) for item in value]
     if type(value) is typ:
         return value
     raise ValueError(value)

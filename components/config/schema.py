@@ -114,8 +114,8 @@ class Training:
     max_skipped_steps: int = opt(
         3, "With on_nonfinite = skip: stop after this many consecutive skipped steps", min=1)
     objective: str = opt(
-        "auto", "What a step trains: next_token (pretraining, SFT) or preference ([preference]); auto: preference "
-        "for data.format = preference, else next_token")
+        "auto", "What a step trains: next_token (pretraining, SFT), preference ([preference]) or grpo ([rl], online RL "
+        "on data.format = prompts); auto: preference for data.format = preference, grpo for prompts, else next_token")
 
 
 # Pipeline schedules of torch.distributed.pipelining (torch 2.13), by the names get_schedule_class takes.
@@ -201,8 +201,9 @@ class Data:
     format: str = opt(
         "text", "text: packed raw text, every token supervised; chat: JSONL {messages: [{role, content}]}, loss on "
         "assistant turns; prompt_completion: JSONL {prompt, completion} (or instruction/input/output), loss on the "
-        "completion; preference: JSONL {prompt, chosen, rejected}, trained by [preference]'s objective",
-        choices=("text", "chat", "prompt_completion", "preference"))
+        "completion; preference: JSONL {prompt, chosen, rejected}, trained by [preference]'s objective; prompts: "
+        "JSONL/Parquet/Arrow rows with a prompt (and columns the reward functions read), for [rl]'s online RL",
+        choices=("text", "chat", "prompt_completion", "preference", "prompts"))
     document_masking: bool = opt(
         False, "format text: attention stays within each document and positions restart at each BOS "
         "(chat and prompt_completion samples are always masked this way)")
@@ -223,7 +224,7 @@ class Validation:
     dataset_path: str = opt("", "A data file (as data.dataset_path), or a folder of them, read in data.format unless "
                             "validation.format is set; or a folder of token shards")
     format: str = opt("", "Format of the validation data; empty: data.format",
-                      choices=("", "text", "chat", "prompt_completion", "preference"))
+                      choices=("", "text", "chat", "prompt_completion", "preference", "prompts"))
     mixture: list[str] = opt(
         [], "With data.mixture: one validation path per source, in data.mixture's order; one loss per source "
         "(in place of validation.dataset_path)")
@@ -359,6 +360,44 @@ class Sampling:
                           "tokenizer's end-of-turn tokens always stop)", check=_STOP_STRINGS)
 
 
+_FINITE_NUMBERS = (lambda value: all(abs(item) < float("inf") for item in value), "a list of finite numbers")
+
+
+@dataclass
+class Rl:
+    num_generations: int = opt(8, "Completions sampled per prompt (a group); a round's completions divide by it", min=1)
+    reward_functions: list[str] = opt(
+        [], "Reward functions: built-ins (math_answer, format) or 'module:function' (a module on the path, or a "
+        "path to a .py file), called as TRL calls them: f(prompts, completions, completion_ids, **columns)")
+    reward_weights: list[float] = opt(
+        [], "One weight per reward function (the reward is their weighted sum); empty: 1 each", check=_FINITE_NUMBERS)
+    answer_tag: str = opt("answer", "The built-in rewards' tag: the answer is read from <answer_tag>...</answer_tag>",
+                          check=_NOT_EMPTY)
+    loss_type: str = opt(
+        "dapo", "dapo: token sum over the optimizer step's tokens; grpo: mean of sequence means; bnpo: micro-batch "
+        "token mean; dr_grpo: sum over rows x max_completion_length; cispo: clipped importance weights, "
+        "gradient through log-probabilities", choices=("dapo", "grpo", "bnpo", "dr_grpo", "cispo"))
+    importance_sampling_level: str = opt(
+        "token", "token: a ratio per token; sequence (GSPO): each sequence's mean log-ratio at every token",
+        choices=("token", "sequence"))
+    epsilon: float = opt(0.2, "The ratio's lower clip: 1 - epsilon (and the upper one without epsilon_high)", min=0)
+    epsilon_high: float = opt(0.0, "The ratio's upper clip, 1 + epsilon_high (cispo: the cap on the ratio); 0: "
+                              "epsilon", min=0)
+    beta: float = opt(0.0, "Weight of the k3 KL to the reference model; 0: no reference model", min=0)
+    reference_path: str = opt(
+        "", "With beta > 0: the reference, a Hugging Face folder or a weft checkpoint; empty: the run's starting "
+        "weights (under LoRA, the model with its adapters off)")
+    scale_rewards: str = opt(
+        "group", "Advantages divided by the group's reward std (group), the round's (batch), or not (none)",
+        choices=("group", "batch", "none"))
+    num_iterations: int = opt(1, "Optimizer passes over each round's completions (mu)", min=1)
+    steps_per_generation: int = opt(1, "Optimizer steps one generation round's completions are split over", min=1)
+    mask_truncated_completions: bool = opt(
+        False, "Leave completions cut at max_completion_length out of the loss")
+    max_batch_sequences: int = opt(
+        0, "Generation: sequences decoded together at most (a round's share runs in pieces); 0: all at once", min=0)
+
+
 @dataclass
 class Moe:
     bias_update_rate: float = opt(
@@ -454,6 +493,7 @@ class JobConfig:
     lora: Lora = field(default_factory=Lora)
     preference: Preference = field(default_factory=Preference)
     sampling: Sampling = field(default_factory=Sampling)
+    rl: Rl = field(default_factory=Rl)
     moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -22,6 +22,7 @@ from weft.components.data.cursor import Cursor
 from weft.components.data.files import DocStart, RawDoc
 from weft.components.data.packing import PackedSamples
 from weft.components.data.preference import PreferencePairs
+from weft.components.data.prompt_rows import PromptRounds, read_prompt_rows
 from weft.components.data.shards import ShardWindows, are_shards, check_shard_format, read_manifest
 from weft.components.data.windows import TextWindows
 from weft.components.distributed.processes import shared_gloo_group
@@ -126,6 +127,9 @@ def build_loader(
     or prompt/completion records, pairs of 'preference' records (cut by `truncation`). With `cooperate` (and a process group of more than one rank) it
     counts document lengths with every rank of the job. `files` that are the `.tokens` shards of a
     shard folder (components/data/shards.py) are read as text windows over their token ids."""
+    if data_format == "prompts":  # online RL's prompt rows, read whole (recipe/objectives/grpo.py deals them out)
+        return PromptRounds(read_prompt_rows(files, tokenizer), round_prompts=local_batch_size, steps_per_round=1,
+                            micro_batches=1)
     if are_shards(files):
         check_shard_format(data_format)
         strategy: Strategy = ShardWindows(tokenizer, read_manifest(Path(files[0]).parent))

@@ -40,11 +40,16 @@ def read_prompts(path: str | Path, tokenizer: Any) -> list[Prompt]:
 
 
 def _prompt_of(line: str, where: str) -> str | list[dict[str, Any]]:
-    """The `prompt` of one line, checked: a non-empty string, or a non-empty list of chat messages."""
+    """The `prompt` of one line, checked (`prompt_of`)."""
     try:
         record = json.loads(line)
     except ValueError as err:
         raise DataError(f"{where}: expected a line of JSON ({err})") from None
+    return prompt_of(record, where)
+
+
+def prompt_of(record: Any, where: str) -> str | list[dict[str, Any]]:
+    """The `prompt` of one record, checked: a non-empty string, or a non-empty list of chat messages."""
     prompt = record.get("prompt") if isinstance(record, dict) else None
     if isinstance(prompt, str):
         if not prompt:

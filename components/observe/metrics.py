@@ -246,9 +246,10 @@ class MetricsLogger:
         """Validation losses by source ('': validation.dataset_path's one loss) and their perplexities:
         a log line, TensorBoard scalars, a JSON line. An objective's `scalars` (preference: its rewards)
         go with its one loss as validation/<name>, with no perplexity; `note` is their part of the line."""
-        if scalars is not None:
-            values = {"validation/loss": losses[""], **{f"validation/{k}": v for k, v in scalars.items()}}
-            logger.info(f"step {step:>6}  validation loss {losses['']:8.4f}{note}")
+        if scalars is not None:  # online RL has no validation loss, only its scalars (rewards)
+            loss = {"validation/loss": losses[""]} if "" in losses else {}
+            values = {**loss, **{f"validation/{k}": v for k, v in scalars.items()}}
+            logger.info(f"step {step:>6}  validation" + (f" loss {losses['']:8.4f}" if loss else "") + note)
             if not self._opened:
                 self._open()
             self._write(values, step)

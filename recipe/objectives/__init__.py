@@ -1,7 +1,7 @@
 """Training objectives: what a step computes from a batch, and what else a run needs for it.
 
 An objective is a class registered by its name (training.objective). weft's own are next_token.py
-(pretraining, SFT) and preference.py (DPO, IPO, SimPO, ORPO); frozen.py is the part an objective may
+(pretraining, SFT), preference.py (DPO, IPO, SimPO, ORPO) and grpo.py (online RL); frozen.py is the part an objective may
 ask for, a frozen model (a reference, a teacher). `objective_class(cfg)` is the one place that
 chooses: `auto` takes the objective that declares the run's data format its own. A new objective
 is one module: subclass Objective, decorate it with `@register`, import the module before planning.
@@ -47,6 +47,12 @@ class Objective:
     @classmethod
     def frozen(cls, cfg: JobConfig):
         """The frozen model this objective holds beside the trained one (frozen.Frozen), or None."""
+        return None
+
+    @classmethod
+    def loaders(cls, plan, meshes) -> tuple[object, dict[str, Any]] | None:
+        """Its own training loader and validation loader factories, for data the token loaders do not
+        read (online RL's prompts); None: the run's (recipe/build.py build_data)."""
         return None
 
     @classmethod

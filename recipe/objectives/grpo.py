@@ -1,0 +1,317 @@
+"""Online RL with verifiable rewards (training.objective = grpo, data.format = prompts): GRPO and its
+variants (DAPO, Dr. GRPO, BNPO, GSPO, CISPO), as TRL 1.16's GRPOTrainer defines them.
+
+A generation round samples rl.num_generations completions of each of its prompts with the engine, on
+the training model as it is laid out (components/rl/rounds.py), scores them with the reward functions
+and turns the rewards into advantages (components/rl/grpo.py). Its completions are split over
+rl.steps_per_generation optimizer steps and trained rl.num_iterations times; a step's completions are
+split over the data-parallel ranks and micro-batches, each rank's micro-batch a prompt+completion row
+each, its loss over the completion tokens only. The ratio's denominator is the sampling policy's
+log-probability: the round's own when the round serves one step (the ratio is then 1, its gradient
+the policy gradient), else the engine's, which equal a forward's of the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from weft.components.config import ConfigError, JobConfig
+from weft.components.data import Batch, DataError
+from weft.components.data.prompt_rows import PromptRounds, RoundItem, read_prompt_rows
+from weft.components.rl.grpo import (
+    GRPOOptions,
+    StepCounts,
+    clip_sums,
+    completion_logps,
+    micro_batch_loss,
+    score_round,
+    token_losses,
+)
+from weft.components.rl.rewards import load_reward_functions
+from weft.components.rl.rollouts import RolloutLog
+from weft.components.rl.rounds import Rollout, engine_sampler, round_metrics, sample_round
+from weft.components.training.loss import IGNORE_INDEX
+from weft.recipe.config_keys import sampling_params
+from weft.recipe.objectives import Objective, register
+from weft.recipe.objectives.frozen import Frozen
+from weft.recipe.step import StepSetup
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+class Round:
+    """A round's rollouts, their rewards and advantages, and its metrics."""
+
+    def __init__(self, index: int, rollouts: list[Rollout], functions, weights: torch.Tensor, options) -> None:
+        self.index, self.rollouts = index, rollouts
+        per_function = torch.tensor([r.rewards for r in rollouts], dtype=torch.float32)
+        scores = score_round(per_function, weights, options.num_generations, options.scale_rewards)
+        self.rewards, self.advantages = scores.rewards, scores.advantages
+        self.metrics = round_metrics(rollouts, [f.name for f in functions], scores.rewards, scores.std_zero)
+        self.written = False
+
+
+@register
+class GRPO(Objective):
+    """The GRPO family's objective of [rl]; its metrics are TRL's (reward, rewards/*, completions/*,
+    entropy, kl, clip_ratio/*, num_tokens) and the step's generation share."""
+
+    name = "grpo"
+    formats = default_for = ("prompts",)
+    section = "rl"
+
+    def __init__(self, cfg: JobConfig, functions, sampler, tokenizer, *, group, dp_rank: int, dp: int,
+                 multiple: int, reference=None, rollouts: RolloutLog | None = None) -> None:
+        rl, t = cfg.rl, cfg.training
+        self.rl, self.functions, self.sampler, self.tokenizer = rl, functions, sampler, tokenizer
+        self.options = GRPOOptions(rl.loss_type, rl.importance_sampling_level, rl.epsilon, rl.epsilon_high or None,
+                                   rl.beta, cfg.sampling.max_completion_length)
+        self.weights = torch.tensor(rl.reward_weights or [1.0] * len(functions), dtype=torch.float32)
+        self.temperature = cfg.sampling.temperature
+        self.group, self.dp_rank, self.dp, self.multiple = group, dp_rank, dp, multiple
+        self.local_batch, self.micro_batches = t.local_batch_size, t.gradient_accumulation_steps
+        self.reference, self.rollouts = reference, rollouts
+        self.stop_ids = sorted(set(getattr(tokenizer, "stop_ids", ())) | {tokenizer.eos_id})
+        self.validation_prompts = cfg.validation.steps * prompts_per_step(cfg, dp)
+        self.round: Round | None = None
+        self.step_index, self.num_tokens = 0, 0
+
+    @classmethod
+    def check(cls, cfg: JobConfig, dims) -> None:
+        """What GRPO cannot train, each in one line naming its key."""
+        rl, t = cfg.rl, cfg.training
+        if dims.pp > 1 or dims.cp > 1:
+            key, value = ("parallelism.pp", dims.pp) if dims.pp > 1 else ("parallelism.cp", dims.cp)
+            raise ConfigError(f"{key} = {value}: online RL samples with the generation engine, which decodes neither "
+                              "through a pipeline nor across context shards; use fsdp, tp, ep or dp_replicate")
+        if cfg.validation.enable and (cfg.validation.format or "prompts") != "prompts":
+            raise ConfigError(f"validation.format = {cfg.validation.format}: training.objective = grpo validates on "
+                              "prompts (the reward of their completions); set validation.format = prompts or leave it empty")
+        if cfg.data.mixture:
+            raise ConfigError("data.mixture: training.objective = grpo reads one prompt set; give data.dataset_path")
+        if cfg.fault_tolerance.enable:
+            raise ConfigError("fault_tolerance.enable: a retried step would sample its round again; online RL does "
+                              "not run under fault tolerance yet")
+        if not rl.reward_functions:
+            raise ConfigError("rl.reward_functions: empty; name at least one (math_answer, format, or module:function)")
+        if rl.reward_weights and len(rl.reward_weights) != len(rl.reward_functions):
+            raise ConfigError(f"rl.reward_weights: {len(rl.reward_weights)} weights for {len(rl.reward_functions)} "
+                              "reward functions; expected one per function (or none: 1 each)")
+        if rl.num_generations < 2 and rl.scale_rewards != "none":
+            raise ConfigError(f"rl.num_generations = {rl.num_generations}: rl.scale_rewards = {rl.scale_rewards} "
+                              "divides by a standard deviation over completions, which needs at least 2 per prompt")
+        completions = t.local_batch_size * t.gradient_accumulation_steps * dims.dp
+        if completions % rl.num_generations:
+            raise ConfigError(f"rl.num_generations = {rl.num_generations}: a step trains training.local_batch_size "
+                              f"x gradient_accumulation_steps x dp = {completions} completions, which must be whole "
+                              "groups; make it a multiple of num_generations")
+        if cfg.sampling.max_completion_length >= t.seq_len:
+            raise ConfigError(f"sampling.max_completion_length = {cfg.sampling.max_completion_length}: a row is a "
+                              f"prompt and its completion in training.seq_len = {t.seq_len} tokens; make it smaller")
+        if "math_answer" in rl.reward_functions and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError('rl.reward_functions: math_answer needs math-verify: pip install "weft[rl]"')
+        load_reward_functions(rl.reward_functions, answer_tag=rl.answer_tag)  # each imports, or one line says why
+
+    @classmethod
+    def frozen(cls, cfg: JobConfig) -> Frozen | None:
+        """The reference of β > 0: the policy with its adapters off under LoRA without rl.reference_path, else a copy."""
+        if cfg.rl.beta == 0:
+            return None
+        mode = "adapters_off" if cfg.lora.enable and not cfg.rl.reference_path else "copy"
+        return Frozen("rl reference", mode, cfg.rl.reference_path, "rl.reference_path")
+
+    @classmethod
+    def describe_rows(cls, rows: int) -> str:
+        return f"{rows} completions"
+
+    @classmethod
+    def loaders(cls, plan, meshes):
+        """The prompt stream (every rank reads every row: the ranks split each round) and the validation prompts."""
+        cfg = plan.cfg
+        rows = checked_rows(cfg, plan.data_files, plan.tokenizer)
+        rl, step_prompts = cfg.rl, prompts_per_step(cfg, plan.dims.dp)
+        loader = PromptRounds(rows, round_prompts=step_prompts * rl.steps_per_generation,
+                              steps_per_round=rl.steps_per_generation * rl.num_iterations,
+                              micro_batches=cfg.training.gradient_accumulation_steps, seed=cfg.training.seed)
+        validation = {}
+        if plan.validation_files:
+            validation_rows = checked_rows(cfg, plan.validation_files, plan.tokenizer)
+            validation = {"": lambda: validation_rows}
+        return loader, validation
+
+    @classmethod
+    def build(cls, plan, setup: StepSetup, meshes, device: torch.device) -> GRPO:
+        cfg = plan.cfg
+        tokenizer = plan.tokenizer
+        stop_ids = sorted(set(getattr(tokenizer, "stop_ids", ())) | {tokenizer.eos_id})
+        sampler = engine_sampler(setup.model, sampling_params(cfg), stop_ids, tokenizer.decode,
+                                 cfg.rl.max_batch_sequences or None)
+        functions = load_reward_functions(cfg.rl.reward_functions, answer_tag=cfg.rl.answer_tag)
+        rank = torch.distributed.get_rank() if meshes else 0
+        objective = cls(cfg, functions, sampler, tokenizer, group=setup.loss_group,
+                        dp_rank=meshes.dp.get_local_rank() if meshes else 0, dp=plan.dims.dp, multiple=plan.dims.tp,
+                        rollouts=RolloutLog(Path(cfg.job.dump_folder) / ROLLOUTS_FILE) if rank == 0 else None)
+        frozen = cls.frozen(cfg)
+        if frozen is not None:
+            objective.reference = frozen.build(plan, setup, meshes, device, objective.token_logps)
+        return objective
+
+    def token_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return completion_logps(logits, labels, self.temperature)[0]
+
+    def prepare(self, plan, run, start_step: int) -> None:
+        """Where the step count starts; rollouts.jsonl keeps only the lines of the steps a resumed run keeps."""
+        self.step_index = start_step
+        if self.rollouts is not None:
+            self.rollouts.resume_at(start_step)
+
+    def step(self, setup: StepSetup, micro_batches: list[RoundItem], on_phase) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sample and score a round where this step starts one, then forward and backward this rank's
+        share of the step's completions."""
+        started, generated = time.perf_counter(), 0.0
+        self.step_index += 1
+        item = micro_batches[0]
+        if self.round is None or self.round.index != item.round:
+            on_phase("generate")
+            rollouts, times = sample_round(self.sampler, item.prompts, self.rl.num_generations, self.functions,
+                                           stop_token_ids=self.stop_ids, decode=self.tokenizer.decode, group=self.group)
+            self.round = Round(item.round, rollouts, self.functions, self.weights, self.rl)
+            self.num_tokens += sum(len(r.row.token_ids) + len(r.completion_ids) for r in rollouts)
+            generated = times.generate
+            on_phase("forward")
+        rows = self.step_rows(item.step_in_round % self.rl.steps_per_generation)
+        counts = StepCounts(sequences=len(rows), tokens=float(sum(self.active(i) for i in rows)),
+                            micro_batches=self.micro_batches * self.dp)
+        mine = rows[self.dp_rank * self.local_batch * self.micro_batches:][:self.local_batch * self.micro_batches]
+        step_loss = torch.zeros((), device=setup.device)
+        sums = None
+        for m in range(self.micro_batches):
+            loss, micro_sums = self.micro_batch(setup, mine[m * self.local_batch:(m + 1) * self.local_batch], counts,
+                                                on_phase)
+            step_loss += loss
+            sums = micro_sums if sums is None else {k: _combine(k, sums[k], v) for k, v in micro_sums.items()}
+        metrics = {**self.round.metrics, **self.reduce(sums), "num_tokens": float(self.num_tokens),
+                   "generation_share": generated / (time.perf_counter() - started)}
+        self.write_rollouts()
+        return step_loss, metrics
+
+    def step_rows(self, k: int) -> list[int]:
+        """The round's completions step k of the round trains on (indices into the round)."""
+        per_step = len(self.round.rollouts) // self.rl.steps_per_generation
+        return list(range(k * per_step, (k + 1) * per_step))
+
+    def active(self, i: int) -> int:
+        """Completion i's tokens in the loss: none for a cut one under rl.mask_truncated_completions."""
+        rollout = self.round.rollouts[i]
+        masked = self.rl.mask_truncated_completions and rollout.finish_reason == "length"
+        return 0 if masked else len(rollout.completion_ids)
+
+    def micro_batch(self, setup: StepSetup, rows: list[int], counts: StepCounts, on_phase
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of one micro-batch of the round's completions `rows`."""
+        batch, mask, old = self.rows_batch(rows, setup.device)
+        advantages = self.round.advantages[rows].to(setup.device)
+        reference = self.reference(batch) if self.reference is not None else None
+        with setup.loss_context():
+            with setup.forward_context():
+                logits = setup.forward(setup.model, batch)
+            logps, entropy = completion_logps(logits, batch.labels, self.temperature, entropy=True)
+            del logits
+            on_policy = self.rl.steps_per_generation * self.rl.num_iterations == 1
+            losses = token_losses(self.options, logps, logps.detach() if on_policy else old, advantages, mask,
+                                  reference)
+            loss = micro_batch_loss(self.options, losses.loss, mask, counts) * setup.grad_ranks
+            on_phase("backward")
+            loss.backward()
+        on_phase("forward")
+        sums = {"entropy": (entropy * mask).sum(), "tokens": mask.sum(),
+                "kl": (losses.kl * mask).sum() if losses.kl is not None else mask.new_zeros(()),
+                **clip_sums(self.options, losses.ratio.detach(), advantages, mask)}
+        return loss.detach(), sums
+
+    def rows_batch(self, rows: list[int], device: torch.device) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+        """Prompt + completion rows, right-padded to a multiple of tp: inputs, labels only at the completion
+        tokens, the loss mask, and the sampling policy's log-probabilities at the same places."""
+        rollouts = [self.round.rollouts[i] for i in rows]
+        width = max(len(r.row.token_ids) + len(r.completion_ids) for r in rollouts) - 1
+        width = -(-width // self.multiple) * self.multiple
+        inputs = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        mask, old = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+        for n, (i, rollout) in enumerate(zip(rows, rollouts)):
+            tokens, start, length = rollout.row.token_ids + rollout.completion_ids, len(rollout.row.token_ids) - 1, \
+                len(rollout.completion_ids)
+            inputs[n, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+            labels[n, start:start + length] = torch.tensor(rollout.completion_ids)
+            old[n, start:start + length] = torch.tensor(rollout.logprobs)
+            mask[n, start:start + length] = 1.0 if self.active(i) else 0.0
+        return Batch(inputs.to(device), labels.to(device)), mask.to(device), old.to(device)
+
+    def reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's token metrics over every rank: entropy, kl, clip_ratio/* (TRL's names)."""
+        added = torch.stack([sums[k] for k in ("entropy", "tokens", "kl", "low", "high", "region", "count")]).float()
+        low_min, high_max = sums["low_min"].float().reshape(1), sums["high_max"].float().reshape(1)
+        if self.group is not None:
+            torch.distributed.all_reduce(added, group=self.group)
+            torch.distributed.all_reduce(low_min, op=torch.distributed.ReduceOp.MIN, group=self.group)
+            torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        entropy, tokens, kl, low, high, region, count = added.tolist()
+        metrics = {"entropy": entropy / max(tokens, 1.0)}
+        if self.options.beta != 0:
+            metrics["kl"] = kl / max(tokens, 1.0)
+        if self.options.loss_type == "cispo":
+            return {**metrics, "cispo_clip_ratio": high / max(count, 1.0)}
+        return {**metrics, "clip_ratio/low_mean": low / max(count, 1.0), "clip_ratio/high_mean": high / max(count, 1.0),
+                "clip_ratio/region_mean": region / max(count, 1.0),
+                "clip_ratio/low_min": _finite(low_min.item()), "clip_ratio/high_max": _finite(high_max.item())}
+
+    def write_rollouts(self) -> None:
+        """The round's lines in rollouts.jsonl (rank 0), once, at the step that first trained on it."""
+        if self.rollouts is not None and not self.round.written:
+            self.rollouts.write(self.step_index, self.round.rollouts, [f.name for f in self.functions],
+                                self.round.rewards.tolist(), self.round.advantages.tolist())
+        self.round.written = True
+
+    def log_note(self, metrics: dict[str, float]) -> str:
+        length = metrics.get("completions/mean_length")
+        return f"  reward {metrics['reward']:.4f}" + (f"  completion_length {length:.1f}" if length is not None else "")
+
+    def validate(self, run, cfg: JobConfig) -> tuple[dict[str, float], dict[str, float]]:
+        """The reward of num_generations completions of each of the first validation prompts (the
+        sampling options and seed of training, each prompt seeded by its place in the file)."""
+        rows = run.validation_loaders[""]()[:self.validation_prompts]
+        rollouts, _ = sample_round(self.sampler, list(enumerate(rows)), self.rl.num_generations, self.functions,
+                                   stop_token_ids=self.stop_ids, decode=self.tokenizer.decode, group=self.group)
+        scored = Round(-1, rollouts, self.functions, self.weights, self.rl)
+        return {}, {k: v for k, v in scored.metrics.items() if k.startswith(("reward", "completions/mean_length"))}
+
+
+def prompts_per_step(cfg: JobConfig, dp: int) -> int:
+    """Prompts an optimizer step's completions come from: local_batch_size x accumulation x dp / num_generations."""
+    t = cfg.training
+    return t.local_batch_size * t.gradient_accumulation_steps * dp // cfg.rl.num_generations
+
+
+def checked_rows(cfg: JobConfig, files, tokenizer):
+    """The prompt rows of `files`, each short enough for its completion within training.seq_len."""
+    rows = read_prompt_rows(files, tokenizer)
+    room = cfg.training.seq_len + 1 - cfg.sampling.max_completion_length
+    for row in rows:
+        if len(row.token_ids) > room:
+            raise DataError(f"{row.where}: the prompt has {len(row.token_ids)} tokens; with "
+                            f"sampling.max_completion_length {cfg.sampling.max_completion_length} a row holds at most "
+                            f"{room} (training.seq_len + 1 - max_completion_length)")
+    return rows
+
+
+def _combine(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.minimum(a, b) if key == "low_min" else torch.maximum(a, b) if key == "high_max" else a + b
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
