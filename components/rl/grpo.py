@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from weft.components.training.loss import IGNORE_INDEX
 
@@ -156,6 +157,8 @@ def completion_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     """Per position: log softmax(logits / temperature)[target] (0 where the target is IGNORE_INDEX) and,
     with `entropy`, the entropy of that distribution (no gradient). Row by row: the fp32 log-softmax
     of one row at a time. logits [rows, T, V]; targets [rows, T]. temperature 0 (greedy): of the logits."""
+    if isinstance(logits, DTensor):  # vocabulary-sharded under loss parallel: gathered whole, one step's rows
+        logits = logits.full_tensor()
     scale = temperature if temperature > 0 else 1.0
     logps, entropies = [], []
     for row in range(targets.shape[0]):
