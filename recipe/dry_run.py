@@ -199,16 +199,17 @@ def print_estimate(plan: RunPlan, model: nn.Module, meshes) -> MemoryEstimate:
 
 
 def kv_cache_line(plan: RunPlan, dtype: torch.dtype) -> str | None:
-    """The KV cache generating would hold on one device (weft.generation: a local batch of seq_len-token
-    sequences, prompt and completion, tp splitting the kv heads); None where the spec cannot say ahead."""
+    """The KV cache generating would hold on one device (weft.generation: the objective's generation batch
+    of seq_len-token sequences, prompt and completion, tp splitting the kv heads); None where the spec
+    cannot say ahead."""
     cfg, args = plan.cfg, plan.model_args
     cache_bytes = plan.spec.backend.decoding.cache_bytes
     if cache_bytes is None:
         return None
-    rows, length = cfg.training.local_batch_size, cfg.training.seq_len
+    rows, length = plan.objective.generation_rows(cfg, plan.dims), cfg.training.seq_len
     size = cache_bytes(args, rows, length, dtype.itemsize) / plan.dims.tp
     return (f"  KV cache to generate {rows} sequences of {length} tokens ({_name(dtype)}): {size / GIB:.2f} GiB "
-            "per device (generation only, not in the training peak)")
+            f"per device ({plan.objective.generation_note})")
 
 
 # The largest pipeline degree the table of other layouts tries (the field's largest is 8 to 16).

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from weft.components.config.shipped import shipped_path
 from weft.components.rl.builtin_rewards import BUILTINS
 from weft.errors import UserError
 
@@ -59,7 +60,7 @@ def _import(spec: str) -> Callable[..., Sequence[Any]]:
     module_name, _, name = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
+            path = Path(shipped_path(module_name))  # a shipped config's assets/rewards/ file from any folder
             if not path.is_file():
                 raise RewardError(f"rl.reward_functions: {spec!r}: no file {module_name}")
             loader_spec = importlib.util.spec_from_file_location(f"weft_rewards_{path.stem}", path)
@@ -97,7 +98,7 @@ def compute_rewards(functions: Sequence[RewardFunction], prompts: list, completi
         for i, value in enumerate(values):
             if value is None:
                 out[i, f] = float("nan")
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+            elif isinstance(value, numbers.Real) and math.isfinite(value):  # bools count as 1 and 0
                 out[i, f] = float(value)
             else:
                 raise RewardError(f"reward function {function.name} returned {value!r} for completion {i} of "

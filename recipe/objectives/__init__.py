@@ -55,6 +55,14 @@ class Objective:
         read (online RL's prompts); None: the run's (recipe/build.py build_data)."""
         return None
 
+    # the dry run's KV cache line: what generating means for a run of this objective
+    generation_note: ClassVar[str] = "generation only, not in the training peak"
+
+    @classmethod
+    def generation_rows(cls, cfg: JobConfig, dims) -> int:
+        """Sequences one device decodes together (the dry run's KV cache): a local batch, as `weft generate` would."""
+        return cfg.training.local_batch_size
+
     @classmethod
     def describe_rows(cls, rows: int) -> str:
         return f"{rows} samples"

@@ -125,6 +125,14 @@ class GRPO(Objective):
         mode = "adapters_off" if cfg.lora.enable and not cfg.rl.reference_path else "copy"
         return Frozen("rl reference", mode, cfg.rl.reference_path, "rl.reference_path")
 
+    generation_note = "each generation round, beside the weights and optimizer state"
+
+    @classmethod
+    def generation_rows(cls, cfg: JobConfig, dims) -> int:
+        """A round's completions on one data-parallel rank, in batches of at most rl.max_batch_sequences."""
+        rows = -(-prompts_per_step(cfg, dims.dp) * cfg.rl.steps_per_generation // dims.dp) * cfg.rl.num_generations
+        return min(rows, cfg.rl.max_batch_sequences or rows)
+
     @classmethod
     def describe_rows(cls, rows: int) -> str:
         return f"{rows} completions"

@@ -170,3 +170,11 @@ def test_bad_configs_and_prompts_are_refused_in_one_line(tmp_path, capsys):
         before = snapshot(tmp_path)
         outcome = run_in_process(train.main, grpo_args(tmp_path / "run", *extra), capsys)
         assert_clean_failure(outcome, expected, before=before, root=tmp_path)
+
+
+def test_beta_adds_the_k3_kl_to_the_starting_weights(tmp_path):
+    """β > 0: the reference is the seeded start (a frozen copy), so the policy's KL to it is 0 at step 1,
+    where the two are one model, and grows once the policy moves."""
+    run(grpo_args(tmp_path / "kl", "--rl.beta", "0.04", "--validation.enable", "false", steps=3))
+    kl = [r["kl"] for r in read_jsonl(tmp_path / "kl" / "metrics.jsonl") if "kl" in r]
+    assert kl[0] == 0.0 and kl[2] > 1e-4, kl
