@@ -34,7 +34,7 @@ from weft.components.rl.grpo import (
 )
 from weft.components.rl.rewards import load_reward_functions
 from weft.components.rl.rollouts import RolloutLog
-from weft.components.rl.rounds import Rollout, engine_sampler, round_metrics, sample_round
+from weft.components.rl.rounds import Rollout, RoundTimes, engine_sampler, round_metrics, sample_round
 from weft.components.training.loss import IGNORE_INDEX
 from weft.recipe.config_keys import sampling_params
 from weft.recipe.objectives import Objective, register
@@ -59,7 +59,8 @@ class Round:
 @register
 class GRPO(Objective):
     """The GRPO family's objective of [rl]; its metrics are TRL's (reward, rewards/*, completions/*,
-    entropy, kl, clip_ratio/*, num_tokens) and the step's generation share."""
+    entropy, kl, clip_ratio/*, num_tokens) and the step's generation share and the seconds it spent
+    generating and scoring (0 on a step that trains on an earlier step's round)."""
 
     name = "grpo"
     formats = default_for = ("prompts",)
@@ -181,7 +182,7 @@ class GRPO(Objective):
     def step(self, setup: StepSetup, micro_batches: list[RoundItem], on_phase) -> tuple[torch.Tensor, dict[str, float]]:
         """Sample and score a round where this step starts one, then forward and backward this rank's
         share of the step's completions."""
-        started, generated = time.perf_counter(), 0.0
+        started, times = time.perf_counter(), RoundTimes()
         self.step_index += 1
         item = micro_batches[0]
         if self.round is None or self.round.index != item.round:
@@ -190,7 +191,6 @@ class GRPO(Objective):
                                            stop_token_ids=self.stop_ids, decode=self.tokenizer.decode, group=self.group)
             self.round = Round(item.round, rollouts, self.functions, self.weights, self.rl)
             self.num_tokens += sum(len(r.row.token_ids) + len(r.completion_ids) for r in rollouts)
-            generated = times.generate
             on_phase("forward")
         rows = self.step_rows(item.step_in_round % self.rl.steps_per_generation)
         counts = StepCounts(sequences=len(rows), tokens=float(sum(self.active(i) for i in rows)),
@@ -204,7 +204,8 @@ class GRPO(Objective):
             step_loss += loss
             sums = micro_sums if sums is None else {k: _combine(k, sums[k], v) for k, v in micro_sums.items()}
         metrics = {**self.round.metrics, **self.reduce(sums), "num_tokens": float(self.num_tokens),
-                   "generation_share": generated / (time.perf_counter() - started)}
+                   "generation_share": times.generate / (time.perf_counter() - started),
+                   "generation_seconds": times.generate, "score_seconds": times.score}
         self.write_rollouts()
         return step_loss, metrics
 
