@@ -1,4 +1,4 @@
-"""Train an LLM with weft (pretraining, SFT, LoRA/QLoRA, preference). The recipe: read it top to bottom, fork it.
+"""Train an LLM with weft (pretraining, SFT, LoRA/QLoRA, preference, online RL). The recipe: read it top to bottom, fork it.
 
     python train.py --job.config_file debug_model.toml
     torchrun --nproc_per_node 8 train.py --job.config_file llama8b.toml --training.steps 50
@@ -64,7 +64,7 @@ def train(cfg: JobConfig, *, build_training=build_training, train_step=train_ste
     #    for the first step: a run that fails before it leaves the dump folder as it found it.
     checkpointer = build_checkpointer(plan, model, run.optimizer, run.scheduler, loader)
     start_step = restore(plan, checkpointer, model)
-    step_setup.objective.prepare(plan, run, start_step)  # preference.precompute_reference: a first pass, the reference freed
+    step_setup.objective.prepare(plan, run, start_step)  # a precomputed reference; online RL's rollouts.jsonl trimmed
     log_summary(plan, model)
     if cfg.checkpoint.create_seed_checkpoint:
         write_config(Path(cfg.job.dump_folder), cfg)

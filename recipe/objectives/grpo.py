@@ -1,14 +1,10 @@
 """Online RL with verifiable rewards (training.objective = grpo, data.format = prompts): GRPO and its
-variants (DAPO, Dr. GRPO, BNPO, GSPO, CISPO), as TRL 1.16's GRPOTrainer defines them.
+variants (DAPO, Dr. GRPO, BNPO, GSPO, CISPO), as TRL 1.16's GRPOTrainer defines them (docs/rl.md).
 
-A generation round samples rl.num_generations completions of each of its prompts with the engine, on
-the training model as it is laid out (components/rl/rounds.py), scores them with the reward functions
-and turns the rewards into advantages (components/rl/grpo.py). Its completions are split over
-rl.steps_per_generation optimizer steps and trained rl.num_iterations times; a step's completions are
-split over the data-parallel ranks and micro-batches, each rank's micro-batch a prompt+completion row
-each, its loss over the completion tokens only. The ratio's denominator is the sampling policy's
-log-probability: the round's own when the round serves one step (the ratio is then 1, its gradient
-the policy gradient), else the engine's, which equal a forward's of the same weights.
+A round's prompts are sampled rl.num_generations times each by the engine on the training model
+(components/rl/rounds.py) and scored; their advantages (components/rl/grpo.py) train
+rl.steps_per_generation optimizer steps, rl.num_iterations times, each step's completions split over
+the data-parallel ranks and micro-batches, a row a prompt and its completion, the loss on the completion.
 """
 
 from __future__ import annotations

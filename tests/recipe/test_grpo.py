@@ -178,3 +178,22 @@ def test_beta_adds_the_k3_kl_to_the_starting_weights(tmp_path):
     run(grpo_args(tmp_path / "kl", "--rl.beta", "0.04", "--validation.enable", "false", steps=3))
     kl = [r["kl"] for r in read_jsonl(tmp_path / "kl" / "metrics.jsonl") if "kl" in r]
     assert kl[0] == 0.0 and kl[2] > 1e-4, kl
+
+
+def test_a_round_serves_steps_per_generation_x_num_iterations_steps(tmp_path):
+    """steps_per_generation 2, num_iterations 2: one round of 2 steps' prompts is sampled every 4 steps,
+    its halves trained in turn twice; the ratio's denominator is then the engine's log-probabilities,
+    equal to the policy's at the round's first step (nothing clipped there)."""
+    reward = tmp_path / "spread.py"
+    reward.write_text("def spread(prompts, completions, completion_ids, **kw):\n"
+                      "    return [sum(i % 7 for i in ids) / len(ids) for ids in completion_ids]\n")
+    run(grpo_args(tmp_path / "run", "--rl.steps_per_generation", "2", "--rl.num_iterations", "2",
+                  "--rl.reward_functions", f"{reward}:spread", "--rl.reward_weights", "", "--validation.enable",
+                  "false", "--optimizer.lr", "0.02", steps=8))
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "generation_seconds" in r]
+    assert [r["generation_seconds"] > 0 for r in records] == [True, False, False, False] * 2
+    assert records[0]["reward"] == records[3]["reward"] and records[4]["reward"] != records[0]["reward"]
+    assert records[0]["clip_ratio/region_mean"] == 0.0
+    assert max(r["clip_ratio/region_mean"] for r in records) > 0  # later passes move past the clip
+    lines = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert [line["step"] for line in lines] == [1] * 32 + [5] * 32  # a round's 2 steps of 16 completions
