@@ -1,5 +1,5 @@
-"""GRPO in every layout equals GRPO in one process: fsdp 2, tp 2, ep 2 (the MoE debug model) and LoRA
-under fsdp 2, each against its own one-process run of debug_grpo over 4 steps (fp32, gloo). Equal
+"""GRPO in every layout equals GRPO in one process: fsdp 2, ddp 2, tp 2, ep 2 (the MoE debug model),
+LoRA and QLoRA under fsdp 2, each against its own one-process run of debug_grpo over 4 steps (fp32, gloo). Equal
 completions (the engine seeds each by its prompt and index, whatever rank samples it) give equal rewards
 at every step; the loss agrees within 1e-5 and the gradient norm within
 its own fp32 rounding (GRAD_NORM_RTOL). Layouts run one after another in one
@@ -16,19 +16,24 @@ from weft.components.config import parse_args
 
 from tests.support.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow  # 7 runs in 2 processes, 4 references: about 20 s
+
 STEPS = 4
 COMPLETIONS = 16  # a step's: 4 prompts x 4 generations
 MOE = ["--model.flavor", "debugmodel_moe"]
 LORA = ["--lora.enable", "--lora.rank", "4"]
+QLORA = [*LORA, "--lora.quantize_base", "nf4"]
 
 # name -> (its one-process reference, the layout's overrides)
 LAYOUTS = {
     "fsdp2": ("dense", ["--parallelism.dp_shard", "2"]),
+    "ddp2": ("dense", ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
     "tp2": ("dense", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "ep2": ("moe", [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     "lora_fsdp2": ("lora", [*LORA, "--parallelism.dp_shard", "2"]),
+    "qlora_fsdp2": ("qlora", [*QLORA, "--parallelism.dp_shard", "2"]),
 }
-REFERENCES = {"dense": [], "moe": MOE, "lora": LORA}
+REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA}
 # The gradient norm is torch's fp32 norm (get_total_norm), summed on the CPU with an error that grows with
 # a tensor's size: on the debug model's gradients it is 6.5e-5 from an fp64 sum in one process and 2.6e-5
 # under fsdp 2 (the gradients themselves agree within 1e-6), so the norms are compared within 2e-4.

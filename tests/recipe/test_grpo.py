@@ -104,30 +104,70 @@ def test_grpo_starts_from_a_weft_checkpoint(tmp_path):
     assert len(read_jsonl(tmp_path / "rl" / "rollouts.jsonl")) == 2 * 16
 
 
-def test_chat_prompts_from_a_hugging_face_folder_train_and_export(tmp_path):
-    transformers = pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory) -> Path:
+    """A tokenizer folder with a chat template, a tiny Llama folder, chat prompts and a reward of their own."""
+    pytest.importorskip("transformers")
     from tests.support.hf_folders import tiny_hf_folder
     from tests.support.hf_tokenizer import build_tokenizer_folder
 
-    tokenizer = build_tokenizer_folder(tmp_path / "tok")
-    tiny_hf_folder(tmp_path / "policy", tokenizer)
-    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"Say {n}."}], "answer": str(n)}
-                                             for n in range(8)])
-    reward = tmp_path / "says.py"
-    reward.write_text("def says(prompts, completions, completion_ids, answer, **kw):\n"
-                      "    assert isinstance(completions[0], list) and completions[0][0]['role'] == 'assistant'\n"
-                      "    return [float(a in c[0]['content']) + 0.1 * len(ids) for c, a, ids in "
-                      "zip(completions, answer, completion_ids)]\n")
-    run(grpo_args(tmp_path / "rl", "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path",
-                  str(tmp_path / "policy"), "--model.tokenizer_path", str(tmp_path / "tok"),
-                  "--data.dataset_path", str(tmp_path / "prompts.jsonl"), "--rl.reward_functions", f"{reward}:says",
-                  "--rl.reward_weights", "1", "--training.seq_len", "64", "--validation.enable", "false",
-                  "--export.hf_folder", "hf", steps=2))
+    root = tmp_path_factory.mktemp("grpo_hf")
+    tiny_hf_folder(root / "policy", build_tokenizer_folder(root / "tok"))
+    write_jsonl(root / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"Say {n}."}], "answer": str(n)}
+                                         for n in range(8)])
+    (root / "says.py").write_text(
+        "def says(prompts, completions, completion_ids, answer, **kw):\n"
+        "    assert isinstance(completions[0], list) and completions[0][0]['role'] == 'assistant'\n"
+        "    return [float(a in c[0]['content']) + sum(i % 5 for i in ids) / len(ids) for c, a, ids in "
+        "zip(completions, answer, completion_ids)]\n")
+    return root
+
+
+def hf_args(root: Path, dump: Path, *extra: str, start: str = "policy", steps: int = 2) -> list[str]:
+    return grpo_args(dump, "--model.flavor", "from_hf_config", "--checkpoint.initial_load_path", str(root / start),
+                     "--model.tokenizer_path", str(root / "tok"), "--data.dataset_path", str(root / "prompts.jsonl"),
+                     "--rl.reward_functions", f"{root / 'says.py'}:says", "--rl.reward_weights", "1",
+                     "--training.seq_len", "64", "--validation.enable", "false", *extra, steps=steps)
+
+
+def test_chat_prompts_from_a_hugging_face_folder_train_and_export(hf_root, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run(hf_args(hf_root, tmp_path / "rl", "--export.hf_folder", "hf"))
     lines = read_jsonl(tmp_path / "rl" / "rollouts.jsonl")
     assert lines[0]["completion"][0]["role"] == "assistant" and isinstance(lines[0]["prompt"], list)
     assert set(lines[0]["rewards"]) == {"says"}
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "rl" / "hf")
     assert model.config.model_type == "llama"
+
+
+def test_the_transformers_backend_trains_the_folder_as_weft_s_llama_does(hf_root, tmp_path):
+    """The same folder through transformers' modeling code: the same completions (rewards), loss within
+    1e-5 and gradient norm within its fp32 rounding (tests/parallelisms/test_grpo_parity.py), at each step."""
+    run(hf_args(hf_root, tmp_path / "weft"))
+    run(hf_args(hf_root, tmp_path / "transformers", "--model.backend", "transformers"))
+    ours, theirs = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("weft", "transformers"))
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs):
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-6) and a["reward_std"] > 0
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=2e-4)
+
+
+def test_grpo_starts_from_an_sft_run_s_export(hf_root, tmp_path):
+    """train -> export -> online RL from the export: the folder an SFT run wrote is a valid start."""
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"Say {n}.", "completion": f" {n}"} for n in range(16)])
+    run(["--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / "sft"), "--model.flavor",
+         "from_hf_config", "--checkpoint.initial_load_path", str(hf_root / "policy"), "--model.tokenizer_path",
+         str(hf_root / "tok"), "--data.format", "prompt_completion", "--data.dataset_path", str(tmp_path / "sft.jsonl"),
+         "--training.steps", "2", "--training.seq_len", "32", "--training.local_batch_size", "2",
+         "--export.hf_folder", "hf", "--no-metrics.enable_tensorboard"])
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("tok", "prompts.jsonl", "says.py"):
+        (root / name).symlink_to(hf_root / name)
+    (root / "policy").symlink_to(tmp_path / "sft" / "hf")
+    assert len(run(hf_args(root, tmp_path / "rl", steps=1))) == 1
+    assert len(read_jsonl(tmp_path / "rl" / "rollouts.jsonl")) == 16
 
 
 BAD_REWARDS = {
