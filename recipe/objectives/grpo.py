@@ -12,13 +12,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
-from pathlib import Path
 
 import torch
 
 from weft.components.config import ConfigError, JobConfig
-from weft.components.data import Batch, DataError
-from weft.components.data.prompt_rows import PromptRounds, RoundItem, read_prompt_rows
+from weft.components.data.prompt_rows import RoundItem
 from weft.components.rl.grpo import (
     GRPOOptions,
     StepCounts,
@@ -29,15 +27,11 @@ from weft.components.rl.grpo import (
     token_losses,
 )
 from weft.components.rl.rewards import load_reward_functions
-from weft.components.rl.rollouts import RolloutLog
-from weft.components.rl.rounds import Rollout, RoundTimes, engine_sampler, round_metrics, sample_round
-from weft.components.training.loss import IGNORE_INDEX
-from weft.recipe.config_keys import sampling_params
+from weft.components.rl.rounds import Rollout, RoundTimes, round_metrics, sample_round
 from weft.recipe.objectives import Objective, register
 from weft.recipe.objectives.frozen import Frozen
+from weft.recipe.objectives.online import OnlineParts, completion_batch, prompt_loaders, prompts_per_step
 from weft.recipe.step import StepSetup
-
-ROLLOUTS_FILE = "rollouts.jsonl"
 
 
 class Round:
@@ -62,19 +56,16 @@ class GRPO(Objective):
     formats = default_for = ("prompts",)
     section = "rl"
 
-    def __init__(self, cfg: JobConfig, functions, sampler, tokenizer, *, group, dp_rank: int, dp: int,
-                 multiple: int, reference=None, rollouts: RolloutLog | None = None) -> None:
+    def __init__(self, cfg: JobConfig, functions, parts: OnlineParts, reference=None) -> None:
         rl, t = cfg.rl, cfg.training
-        self.rl, self.functions, self.sampler, self.tokenizer = rl, functions, sampler, tokenizer
+        self.rl, self.functions, self.parts = rl, functions, parts
         self.options = GRPOOptions(rl.loss_type, rl.importance_sampling_level, rl.epsilon, rl.epsilon_high or None,
                                    rl.beta, cfg.sampling.max_completion_length)
         self.weights = torch.tensor(rl.reward_weights or [1.0] * len(functions), dtype=torch.float32)
         self.temperature = cfg.sampling.temperature
-        self.group, self.dp_rank, self.dp, self.multiple = group, dp_rank, dp, multiple
         self.local_batch, self.micro_batches = t.local_batch_size, t.gradient_accumulation_steps
-        self.reference, self.rollouts = reference, rollouts
-        self.stop_ids = sorted(set(getattr(tokenizer, "stop_ids", ())) | {tokenizer.eos_id})
-        self.validation_prompts = cfg.validation.steps * prompts_per_step(cfg, dp)
+        self.reference = reference
+        self.validation_prompts = cfg.validation.steps * prompts_per_step(cfg, parts.dp, rl.num_generations)
         self.round: Round | None = None
         self.step_index, self.num_tokens = 0, 0
 
@@ -127,7 +118,8 @@ class GRPO(Objective):
     @classmethod
     def generation_rows(cls, cfg: JobConfig, dims) -> int:
         """A round's completions on one data-parallel rank, in batches of at most rl.max_batch_sequences."""
-        rows = -(-prompts_per_step(cfg, dims.dp) * cfg.rl.steps_per_generation // dims.dp) * cfg.rl.num_generations
+        prompts = prompts_per_step(cfg, dims.dp, cfg.rl.num_generations) * cfg.rl.steps_per_generation
+        rows = -(-prompts // dims.dp) * cfg.rl.num_generations
         return min(rows, cfg.rl.max_batch_sequences or rows)
 
     @classmethod
@@ -136,31 +128,15 @@ class GRPO(Objective):
 
     @classmethod
     def loaders(cls, plan, meshes):
-        """The prompt stream (every rank reads every row: the ranks split each round) and the validation prompts."""
-        cfg = plan.cfg
-        rows = checked_rows(cfg, plan.data_files, plan.tokenizer)
-        rl, step_prompts = cfg.rl, prompts_per_step(cfg, plan.dims.dp)
-        loader = PromptRounds(rows, round_prompts=step_prompts * rl.steps_per_generation,
-                              steps_per_round=rl.steps_per_generation * rl.num_iterations,
-                              micro_batches=cfg.training.gradient_accumulation_steps, seed=cfg.training.seed)
-        validation = {}
-        if plan.validation_files:
-            validation_rows = checked_rows(cfg, plan.validation_files, plan.tokenizer)
-            validation = {"": lambda: validation_rows}
-        return loader, validation
+        """The prompt stream in rounds of rl.steps_per_generation steps, each trained rl.num_iterations times."""
+        rl = plan.cfg.rl
+        return prompt_loaders(plan, rl.num_generations, rl.steps_per_generation, rl.num_iterations)
 
     @classmethod
     def build(cls, plan, setup: StepSetup, meshes, device: torch.device) -> GRPO:
         cfg = plan.cfg
-        tokenizer = plan.tokenizer
-        stop_ids = sorted(set(getattr(tokenizer, "stop_ids", ())) | {tokenizer.eos_id})
-        sampler = engine_sampler(setup.model, sampling_params(cfg), stop_ids, tokenizer.decode,
-                                 cfg.rl.max_batch_sequences or None)
         functions = load_reward_functions(cfg.rl.reward_functions, answer_tag=cfg.rl.answer_tag)
-        rank = torch.distributed.get_rank() if meshes else 0
-        objective = cls(cfg, functions, sampler, tokenizer, group=setup.loss_group,
-                        dp_rank=meshes.dp.get_local_rank() if meshes else 0, dp=plan.dims.dp, multiple=plan.dims.tp,
-                        rollouts=RolloutLog(Path(cfg.job.dump_folder) / ROLLOUTS_FILE) if rank == 0 else None)
+        objective = cls(cfg, functions, OnlineParts.build(plan, setup, meshes, cfg.rl.max_batch_sequences or None))
         frozen = cls.frozen(cfg)
         if frozen is not None:
             objective.reference = frozen.build(plan, setup, meshes, device, objective.token_logps)
@@ -172,8 +148,8 @@ class GRPO(Objective):
     def prepare(self, plan, run, start_step: int) -> None:
         """Where the step count starts; rollouts.jsonl keeps only the lines of the steps a resumed run keeps."""
         self.step_index = start_step
-        if self.rollouts is not None:
-            self.rollouts.resume_at(start_step)
+        if self.parts.rollouts is not None:
+            self.parts.rollouts.resume_at(start_step)
 
     def step(self, setup: StepSetup, micro_batches: list[RoundItem], on_phase) -> tuple[torch.Tensor, dict[str, float]]:
         """Sample and score a round where this step starts one, then forward and backward this rank's
@@ -183,20 +159,19 @@ class GRPO(Objective):
         item = micro_batches[0]
         if self.round is None or self.round.index != item.round:
             on_phase("generate")
-            rollouts, times = sample_round(self.sampler, item.prompts, self.rl.num_generations, self.functions,
-                                           stop_token_ids=self.stop_ids, decode=self.tokenizer.decode, group=self.group)
+            rollouts, times = sample_round(self.parts.sampler, item.prompts, self.rl.num_generations, self.functions,
+                                           stop_token_ids=self.parts.stop_ids, decode=self.parts.tokenizer.decode,
+                                           group=self.parts.group)
             self.round = Round(item.round, rollouts, self.functions, self.weights, self.rl)
             self.num_tokens += sum(len(r.row.token_ids) + len(r.completion_ids) for r in rollouts)
             on_phase("forward")
         rows = self.step_rows(item.step_in_round % self.rl.steps_per_generation)
         counts = StepCounts(sequences=len(rows), tokens=float(sum(self.active(i) for i in rows)),
-                            micro_batches=self.micro_batches * self.dp)
-        mine = rows[self.dp_rank * self.local_batch * self.micro_batches:][:self.local_batch * self.micro_batches]
+                            micro_batches=self.micro_batches * self.parts.dp)
         step_loss = torch.zeros((), device=setup.device)
         sums = None
-        for m in range(self.micro_batches):
-            loss, micro_sums = self.micro_batch(setup, mine[m * self.local_batch:(m + 1) * self.local_batch], counts,
-                                                on_phase)
+        for micro in self.parts.my_rows(rows, self.local_batch, self.micro_batches):
+            loss, micro_sums = self.micro_batch(setup, micro, counts, on_phase)
             step_loss += loss
             sums = micro_sums if sums is None else {k: _combine(k, sums[k], v) for k, v in micro_sums.items()}
         metrics = {**self.round.metrics, **self.reduce(sums), "num_tokens": float(self.num_tokens),
@@ -219,7 +194,8 @@ class GRPO(Objective):
     def micro_batch(self, setup: StepSetup, rows: list[int], counts: StepCounts, on_phase
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward of one micro-batch of the round's completions `rows`."""
-        batch, mask, old = self.rows_batch(rows, setup.device)
+        batch, mask, old = completion_batch([self.round.rollouts[i] for i in rows], [self.active(i) > 0 for i in rows],
+                                            self.parts.multiple, setup.device)
         advantages = self.round.advantages[rows].to(setup.device)
         reference = self.reference(batch) if self.reference is not None else None
         with setup.loss_context():
@@ -239,32 +215,15 @@ class GRPO(Objective):
                 **clip_sums(self.options, losses.ratio.detach(), advantages, mask)}
         return loss.detach(), sums
 
-    def rows_batch(self, rows: list[int], device: torch.device) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-        """Prompt + completion rows, right-padded to a multiple of tp: inputs, labels only at the completion
-        tokens, the loss mask, and the sampling policy's log-probabilities at the same places."""
-        rollouts = [self.round.rollouts[i] for i in rows]
-        width = max(len(r.row.token_ids) + len(r.completion_ids) for r in rollouts) - 1
-        width = -(-width // self.multiple) * self.multiple
-        inputs = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        mask, old = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
-        for n, (i, rollout) in enumerate(zip(rows, rollouts)):
-            tokens, start, length = rollout.row.token_ids + rollout.completion_ids, len(rollout.row.token_ids) - 1, \
-                len(rollout.completion_ids)
-            inputs[n, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-            labels[n, start:start + length] = torch.tensor(rollout.completion_ids)
-            old[n, start:start + length] = torch.tensor(rollout.logprobs)
-            mask[n, start:start + length] = 1.0 if self.active(i) else 0.0
-        return Batch(inputs.to(device), labels.to(device)), mask.to(device), old.to(device)
-
     def reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """The step's token metrics over every rank: entropy, kl, clip_ratio/* (TRL's names)."""
         added = torch.stack([sums[k] for k in ("entropy", "tokens", "kl", "low", "high", "region", "count")]).float()
         low_min, high_max = sums["low_min"].float().reshape(1), sums["high_max"].float().reshape(1)
-        if self.group is not None:
-            torch.distributed.all_reduce(added, group=self.group)
-            torch.distributed.all_reduce(low_min, op=torch.distributed.ReduceOp.MIN, group=self.group)
-            torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        group = self.parts.group
+        if group is not None:
+            torch.distributed.all_reduce(added, group=group)
+            torch.distributed.all_reduce(low_min, op=torch.distributed.ReduceOp.MIN, group=group)
+            torch.distributed.all_reduce(high_max, op=torch.distributed.ReduceOp.MAX, group=group)
         entropy, tokens, kl, low, high, region, count = added.tolist()
         metrics = {"entropy": entropy / max(tokens, 1.0)}
         if self.options.beta != 0:
@@ -277,8 +236,8 @@ class GRPO(Objective):
 
     def write_rollouts(self) -> None:
         """The round's lines in rollouts.jsonl (rank 0), once, at the step that first trained on it."""
-        if self.rollouts is not None and not self.round.written:
-            self.rollouts.write(self.step_index, self.round.rollouts, [f.name for f in self.functions],
+        if self.parts.rollouts is not None and not self.round.written:
+            self.parts.rollouts.write(self.step_index, self.round.rollouts, [f.name for f in self.functions],
                                 self.round.rewards.tolist(), self.round.advantages.tolist())
         self.round.written = True
 
@@ -290,28 +249,11 @@ class GRPO(Objective):
         """The reward of num_generations completions of each of the first validation prompts (the
         sampling options and seed of training, each prompt seeded by its place in the file)."""
         rows = run.validation_loaders[""]()[:self.validation_prompts]
-        rollouts, _ = sample_round(self.sampler, list(enumerate(rows)), self.rl.num_generations, self.functions,
-                                   stop_token_ids=self.stop_ids, decode=self.tokenizer.decode, group=self.group)
+        rollouts, _ = sample_round(self.parts.sampler, list(enumerate(rows)), self.rl.num_generations, self.functions,
+                                   stop_token_ids=self.parts.stop_ids, decode=self.parts.tokenizer.decode,
+                                   group=self.parts.group)
         scored = Round(-1, rollouts, self.functions, self.weights, self.rl)
         return {}, {k: v for k, v in scored.metrics.items() if k.startswith(("reward", "completions/mean_length"))}
-
-
-def prompts_per_step(cfg: JobConfig, dp: int) -> int:
-    """Prompts an optimizer step's completions come from: local_batch_size x accumulation x dp / num_generations."""
-    t = cfg.training
-    return t.local_batch_size * t.gradient_accumulation_steps * dp // cfg.rl.num_generations
-
-
-def checked_rows(cfg: JobConfig, files, tokenizer):
-    """The prompt rows of `files`, each short enough for its completion within training.seq_len."""
-    rows = read_prompt_rows(files, tokenizer)
-    room = cfg.training.seq_len + 1 - cfg.sampling.max_completion_length
-    for row in rows:
-        if len(row.token_ids) > room:
-            raise DataError(f"{row.where}: the prompt has {len(row.token_ids)} tokens; with "
-                            f"sampling.max_completion_length {cfg.sampling.max_completion_length} a row holds at most "
-                            f"{room} (training.seq_len + 1 - max_completion_length)")
-    return rows
 
 
 def _combine(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
