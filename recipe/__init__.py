@@ -11,4 +11,4 @@ Imports run one way: train.py -> recipe -> components, parallelisms, models, flo
 
 # weft's objectives register themselves (recipe/objectives/): imported here, so the registry holds
 # them before any plan chooses one
-from weft.recipe.objectives import grpo, next_token, preference  # noqa: E402, F401
+from weft.recipe.objectives import distillation, grpo, next_token, preference  # noqa: E402, F401

@@ -114,8 +114,8 @@ class Training:
     max_skipped_steps: int = opt(
         3, "With on_nonfinite = skip: stop after this many consecutive skipped steps", min=1)
     objective: str = opt(
-        "auto", "What a step trains: next_token (pretraining, SFT), preference ([preference]) or grpo ([rl], online RL "
-        "on data.format = prompts); auto: preference for data.format = preference, grpo for prompts, else next_token")
+        "auto", "What a step trains: next_token (pretraining, SFT), preference ([preference]), grpo ([rl], online RL "
+        "on data.format = prompts) or distillation ([distillation], on prompts); auto: preference for data.format = preference, grpo for prompts, else next_token")
 
 
 # Pipeline schedules of torch.distributed.pipelining (torch 2.13), by the names get_schedule_class takes.
@@ -399,6 +399,24 @@ class Rl:
 
 
 @dataclass
+class Distillation:
+    teacher_path: str = opt(
+        "", "With training.objective = distillation: the teacher, a Hugging Face folder or a weft checkpoint step "
+        "(of any family weft builds; the student's vocabulary)")
+    teacher_flavor: str = opt(
+        FROM_HF_CONFIG, f"The teacher's architecture and size: a built-in flavor, or '{FROM_HF_CONFIG}' to read them "
+        "from teacher_path (its config.json, or the one its weft run recorded)", choices=(*flavors(), FROM_HF_CONFIG))
+    teacher_backend: str = opt(
+        "auto", "Who builds the teacher of a Hugging Face folder, as model.backend", choices=BACKENDS)
+    beta: float = opt(
+        1.0, "Generalized JSD's beta: 0 is KL(teacher || student), 1 KL(student || teacher), between them the "
+        "divergence of each to their mixture", min=0, max=1)
+    chunk_positions: int = opt(
+        512, "Positions whose fp32 distributions (both models') exist at once in the divergence and its backward",
+        min=1)
+
+
+@dataclass
 class Moe:
     bias_update_rate: float = opt(
         0.0, "MoE balancing: after each step, move each expert's routing bias by this much towards equal load "
@@ -494,6 +512,7 @@ class JobConfig:
     preference: Preference = field(default_factory=Preference)
     sampling: Sampling = field(default_factory=Sampling)
     rl: Rl = field(default_factory=Rl)
+    distillation: Distillation = field(default_factory=Distillation)
     moe: Moe = field(default_factory=Moe)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -1,8 +1,8 @@
 """rollouts.jsonl in the dump folder: one line per completion a run trained on, so a user can read
-what the policy writes (step, prompt, prompt_ids, completion, completion_ids, rewards by function,
-reward, advantage, finish_reason). A resumed run first drops the lines of steps after the
-checkpoint it resumes from (they are sampled again), writing the kept ones to a new file that then
-replaces the old one, so a failure leaves the file whole."""
+what the policy writes (step, prompt, prompt_ids, completion, completion_ids, the objective's fields:
+rewards by function, reward and advantage, or the divergence; finish_reason). A resumed run first drops
+the lines of steps after the checkpoint it resumes from (they are sampled again), writing the kept
+ones to a new file that then replaces the old one, so a failure leaves the file whole."""
 
 from __future__ import annotations
 
@@ -29,18 +29,22 @@ class RolloutLog:
         partial.write_text("".join(kept))
         os.replace(partial, self.path)
 
-    def write(self, step: int, rollouts: Sequence[Rollout], names: Sequence[str], rewards: Sequence[float],
-              advantages: Sequence[float]) -> None:
-        """Append one line per rollout of the round first trained at `step`."""
+    def write(self, step: int, rollouts: Sequence[Rollout], extra: Sequence[dict]) -> None:
+        """Append one line per rollout of the round first trained at `step`, with the objective's `extra`
+        fields (online RL: rewards, reward, advantage; distillation: the divergence)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as out:
-            for rollout, reward, advantage in zip(rollouts, rewards, advantages):
+            for rollout, fields in zip(rollouts, extra):
                 out.write(json.dumps({
                     "step": step, "prompt": rollout.row.prompt, "prompt_ids": rollout.row.token_ids,
                     "completion": rollout.completion, "completion_ids": rollout.completion_ids,
-                    "rewards": {name: _number(value) for name, value in zip(names, rollout.rewards)},
-                    "reward": _number(reward), "advantage": advantage, "finish_reason": rollout.finish_reason,
-                }) + "\n")
+                    **fields, "finish_reason": rollout.finish_reason}) + "\n")
+
+
+def reward_fields(rollout: Rollout, names: Sequence[str], reward: float, advantage: float) -> dict:
+    """An online RL line's fields: the reward of each function (null: it did not apply), their total, the advantage."""
+    return {"rewards": {name: _number(value) for name, value in zip(names, rollout.rewards)},
+            "reward": _number(reward), "advantage": advantage}
 
 
 def _number(value: float) -> float | None:

@@ -9,7 +9,6 @@ interface a generator outside the training processes (an inference server) would
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,19 +113,23 @@ def round_metrics(rollouts: list[Rollout], names: Sequence[str], rewards: torch.
                   ) -> dict[str, float]:
     """TRL's round metrics: reward, reward_std, frac_reward_zero_std, rewards/{name}/mean|std, completions/*."""
     per_function = torch.tensor([r.rewards for r in rollouts], dtype=torch.float32).reshape(len(rollouts), len(names))
-    lengths = [len(r.completion_ids) for r in rollouts]
-    terminated = [n for n, r in zip(lengths, rollouts) if r.finish_reason == "stop"]
     metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
                "frac_reward_zero_std": std_zero.float().mean().item()}
     for f, name in enumerate(names):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(per_function[:, f]).item()
         metrics[f"rewards/{name}/std"] = nanstd(per_function[:, f]).item()
-    metrics.update({
+    return {**metrics, **completion_metrics(rollouts)}
+
+
+def completion_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """TRL's completions/*: lengths of all completions and of those that stopped, the share cut at the limit."""
+    lengths = [len(r.completion_ids) for r in rollouts]
+    terminated = [n for n, r in zip(lengths, rollouts) if r.finish_reason == "stop"]
+    return {
         "completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
         "completions/max_length": float(max(lengths)),
         "completions/clipped_ratio": 1 - len(terminated) / len(lengths),
         "completions/mean_terminated_length": sum(terminated) / len(terminated) if terminated else 0.0,
         "completions/min_terminated_length": float(min(terminated)) if terminated else 0.0,
         "completions/max_terminated_length": float(max(terminated)) if terminated else 0.0,
-    })
-    return {k: (v if not math.isnan(v) else 0.0) if k.startswith("completions/") else v for k, v in metrics.items()}
+    }

@@ -35,7 +35,7 @@ Rows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits, labels ->
 
 @dataclass(frozen=True)
 class Frozen:
-    """What an objective asks for: `name` (its log lines: 'preference reference'), `mode`
+    """What an objective asks for: `name` (its log lines: 'preference reference', 'distillation teacher'), `mode`
     ('adapters_off': the trained model with its adapters off; 'copy'), the copy's weights from `path`
     (the config key `path_key`; empty: the run's starting weights), and whether to `precompute`
     (the config key `precompute_key`)."""
@@ -46,6 +46,7 @@ class Frozen:
     path_key: str = ""
     precompute: bool = False
     precompute_key: str = ""
+    model_of: Callable | None = None  # plan -> the plan of another model (a teacher); None: the trained model's
 
     def source(self, plan) -> str:
         """Where the copy's weights come from: `path`, else the run's starting weights
@@ -65,7 +66,12 @@ class Frozen:
         return functools.partial(row_values, self.copy(plan, meshes, device, rows), setup, rows)
 
     def copy(self, plan, meshes, device: torch.device | None, rows: Rows | None = None) -> nn.Module:
-        """The frozen copy, built as the policy is but without LoRA; on meta for device None (the dry run)."""
+        """The frozen copy, built as the policy is but without LoRA (of `model_of`'s model where it names
+        another); on meta for device None (the dry run)."""
+        if self.model_of is not None:
+            plan = self.model_of(plan)
+            if meshes is not None and plan.dims.ep < meshes.dims.ep:  # a dense model under expert parallelism
+                meshes = dataclasses.replace(meshes, dims=plan.dims, ep=None, expert_fsdp=None)
         options = dataclasses.replace(plan.options, lora=None)
         model = build_model(dataclasses.replace(plan, options=options), meshes, device)
         if device is None:

@@ -27,6 +27,7 @@ from weft.components.rl.grpo import (
     token_losses,
 )
 from weft.components.rl.rewards import load_reward_functions
+from weft.components.rl.rollouts import reward_fields
 from weft.components.rl.rounds import Rollout, RoundTimes, round_metrics, sample_round
 from weft.recipe.objectives import Objective, register
 from weft.recipe.objectives.frozen import Frozen
@@ -237,8 +238,10 @@ class GRPO(Objective):
     def write_rollouts(self) -> None:
         """The round's lines in rollouts.jsonl (rank 0), once, at the step that first trained on it."""
         if self.parts.rollouts is not None and not self.round.written:
-            self.parts.rollouts.write(self.step_index, self.round.rollouts, [f.name for f in self.functions],
-                                self.round.rewards.tolist(), self.round.advantages.tolist())
+            names = [f.name for f in self.functions]
+            self.parts.rollouts.write(self.step_index, self.round.rollouts, [
+                reward_fields(r, names, reward, advantage) for r, reward, advantage in
+                zip(self.round.rollouts, self.round.rewards.tolist(), self.round.advantages.tolist())])
         self.round.written = True
 
     def log_note(self, metrics: dict[str, float]) -> str:
