@@ -1,5 +1,5 @@
-"""On-policy distillation in every layout equals one process: fsdp 2, tp 2, ep 2 (an MoE student) and LoRA
-under fsdp 2, each against its own one-process run of debug_distill over 4 steps (fp32, gloo), the teacher
+"""On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student),
+LoRA and QLoRA under fsdp 2, each against its own one-process run of debug_distill over 4 steps (fp32, gloo), the teacher
 (a debug-model checkpoint) sharded as the student is. The same completions (the engine's seeding) give the
 same lengths; the loss (the divergence per completion token) agrees within 1e-5 and the gradient norm
 within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
@@ -15,18 +15,21 @@ from weft.components.config import parse_args
 
 from tests.support.dist_utils import run_distributed
 
-pytestmark = pytest.mark.slow  # 4 runs in 2 processes, 3 references: about 15 s
+pytestmark = pytest.mark.slow  # 6 runs in 2 processes, 4 references: about 25 s
 
 STEPS = 4
 MOE = ["--model.flavor", "debugmodel_qwen3_moe"]
 LORA = ["--lora.enable", "--lora.rank", "4"]
+QLORA = [*LORA, "--lora.quantize_base", "nf4"]
 LAYOUTS = {
     "fsdp2": ("dense", ["--parallelism.dp_shard", "2"]),
+    "ddp2": ("dense", ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
     "tp2": ("dense", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "ep2": ("moe", [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     "lora_fsdp2": ("lora", [*LORA, "--parallelism.dp_shard", "2"]),
+    "qlora_fsdp2": ("qlora", [*QLORA, "--parallelism.dp_shard", "2"]),
 }
-REFERENCES = {"dense": [], "moe": MOE, "lora": LORA}
+REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA}
 GRAD_NORM_RTOL = 2e-4
 
 

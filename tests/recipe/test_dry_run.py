@@ -203,7 +203,8 @@ SHIPPED = {"debug_model": 1, "debug_sft": 1, "llama8b": 8, "llama2_7b": 8, "llam
            "qwen3_0_6b_sft": 1, "qwen3_8b_lora": 1, "qwen3_30b_a3b_lora": 1, "qwen3_30b_a3b_qlora": 1,
            "gpt_oss_20b_qlora": 1, "gpt_oss_120b_qlora": 1, "gpt_oss_120b": 32,
            "qwen3_0_6b_dpo": 1, "llama3_8b_dpo_lora": 1, "debug_grpo": 1, "qwen3_0_6b_grpo": 1,
-           "qwen3_8b_grpo_lora": 1}
+           "qwen3_8b_grpo_lora": 1, "debug_distill": 1, "qwen3_0_6b_distill_from_8b": 1,
+           "qwen3_0_6b_distill_from_8b_lora": 1}
 
 
 def test_dry_run_refuses_compile_with_tp_exactly_as_a_real_start_does(tmp_path, capsys):
