@@ -1,13 +1,9 @@
-"""The on-policy distillation divergence, as TRL 1.16's DistillationTrainer defines it: per token, the
-generalized Jensen-Shannon divergence between the student's and the teacher's next-token distributions
-at a temperature T, p = softmax(logits / T) of each model's logits (after its own logit scaling and
-soft-capping, which a model's forward applies):
-
-    beta = 0: KL(p_teacher || p_student)        beta = 1: KL(p_student || p_teacher)
-    else:     beta KL(p_teacher || m) + (1 - beta) KL(p_student || m),  m = (1 - beta) p_student + beta p_teacher
-
-`token_divergence` computes it over chunks of positions, each chunk's fp32 distributions recomputed in
-backward rather than kept (torch.utils.checkpoint), so only one chunk's fp32 work exists at a time.
+"""The on-policy distillation divergence, as TRL 1.16's DistillationTrainer defines it (docs/distillation.md):
+per token, the generalized Jensen-Shannon divergence of the student's and the teacher's softmax(logits / T):
+KL(p_teacher || p_student) at beta 0, KL(p_student || p_teacher) at beta 1, between them
+beta KL(p_teacher || m) + (1 - beta) KL(p_student || m) with m = (1 - beta) p_student + beta p_teacher.
+`token_divergence` runs it over chunks of positions, each recomputed in backward (torch.utils.checkpoint),
+so one chunk's fp32 distributions exist at a time.
 """
 
 from __future__ import annotations

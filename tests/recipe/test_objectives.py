@@ -90,7 +90,7 @@ def test_a_third_objective_trains_through_train_py(tmp_path, token_weighted):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--training.objective", "nope"], "training.objective = nope: expected auto or one of grpo, next_token, preference"),
+    (["--training.objective", "nope"], "training.objective = nope: expected auto or one of distillation, grpo, next_token, preference"),
     (["--training.objective", "preference"],
      "data.format = text: training.objective = preference trains on data.format preference"),
     (["--training.objective", "next_token", "--data.format", "preference"],
