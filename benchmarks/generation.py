@@ -32,6 +32,8 @@ MODELS = {
     "llama_58m": replace(flavors()["debugmodel"], dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000,
                          multiple_of=256, max_seq_len=512),
     "debugmodel_qwen3_moe": flavors()["debugmodel_qwen3_moe"],
+    # issue 58's 8B-class shape on one GPU: Llama 3.1 8B's width, heads and vocabulary, 4 of its 32 blocks
+    "llama3_8b_4layers": replace(flavors()["llama3_8b"], n_layers=4, max_seq_len=1024),
 }
 
 
@@ -119,7 +121,7 @@ def run(name: str, args, opts: argparse.Namespace) -> None:
     print(f"  KV cache: {cache_bytes(model, batch, new) / 2**20:.1f} MiB for the batch")
 
 
-def main() -> None:
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--prompts", type=int, default=16)
@@ -129,7 +131,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--compile", action="store_true", help="weft's decode step under torch.compile")
     parser.add_argument("--baseline-prompts", type=int, default=2)
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    opts = parse_cli()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name in opts.models:
         run(name, MODELS[name], opts)

@@ -4,7 +4,8 @@
 # its top, into $OUT/<group>.log (default OUT: benchmarks/results/tmp).
 #   bash benchmarks/gpu_checks.sh <group>     groups: throughput, e2e, memory, lora, more, share, moe,
 #                                             observe, data, simulated; still to run (issues 37, 38,
-#                                             40, 49): perf, perf_ab, moe_block, qwen3, qlora_moe, newer
+#                                             40, 49, 58): perf, perf_ab, moe_block, qwen3, qlora_moe, newer,
+#                                             generation
 # BUDGET=<seconds> skips the steps that would start after that many seconds (one call's limit).
 # PRINT=1 prints each step's command instead of running it (no GPU, nothing installed; the tests
 # parse what it prints: tests/benchmarks/test_gpu_checks.py).
@@ -96,6 +97,16 @@ newer)  # issue 49 item 3: the transformers backend beside weft's Qwen3, DPO's s
             --optimizer.muon_ns_dtype bfloat16 --checkpoint.enable false --job.dump_folder /tmp/newer/$optimizer
     done
     step 120 python3 benchmarks/gpt_oss.py --device cuda --dtype bfloat16 --flavor gpt_oss_20b --seq 4096
+    ;;
+generation)  # issue 58 item 3: the engine against transformers' generate at batch 64 on an 8B-class shape
+    # (4 of Llama 3.1 8B's blocks, bf16), eager and with the decode step compiled; one GRPO step's split
+    # (generate / score / train) on Qwen3-0.6B's shape, random weights, bf16
+    for variant in "" "--compile"; do
+        step 200 python3 benchmarks/generation.py --device cuda --dtype bfloat16 --models llama3_8b_4layers \
+            --prompts 64 --new-tokens 128 --repeats 2 --baseline-prompts 1 $variant
+    done
+    step 150 python3 benchmarks/rl_step.py --flavors qwen3_0_6b debugmodel_qwen3_moe --prompts 16 \
+        --completion-tokens 256 --steps 3 --device-args "--training.mixed_precision_param bfloat16"
     ;;
 moe)  # Llama 4: the grouped multiply and the MoE block on one Scout layer; the debug MoE on CUDA
     step 150 python3 benchmarks/moe.py --device cuda --dtype bfloat16 --shape scout --repeats 10

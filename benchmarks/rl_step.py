@@ -47,19 +47,24 @@ def step_split(flavor: str, args: argparse.Namespace) -> dict[str, float]:
             "length": length, "tokens_per_s": completions * length / generate}
 
 
-def main() -> None:
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flavors", nargs="+", default=list(FLAVORS), help="model flavors (weft's)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts a step (4 completions each)")
     parser.add_argument("--completion-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device-args", default="", help="more train.py options (a GPU's dtype, compile)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_cli()
     device = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else \
         f"cpu ({torch.get_num_threads()} threads)"
     print(f"device: {device}; {args.prompts} prompts x 4 completions of at most {args.completion_tokens} tokens a "
           f"step; medians of {args.steps} steps after {args.warmup} warmup")
-    for flavor in FLAVORS:
+    for flavor in args.flavors:
         split = step_split(flavor, args)
         shares = "  ".join(f"{part} {split[part]:.3f} s ({split[part] / split['step']:.0%})"
                            for part in ("generate", "score", "train"))

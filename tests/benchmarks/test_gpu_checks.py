@@ -1,4 +1,4 @@
-"""benchmarks/gpu_checks.sh's groups for the GPU checks still to run (issues 37, 38, 40, 49): every
+"""benchmarks/gpu_checks.sh's groups for the GPU checks still to run (issues 37, 38, 40, 49, 58): every
 command each prints (PRINT=1: no GPU, nothing run) parses with the script or train.py it calls, so
 that a lent GPU's few minutes are not lost to a misspelt option or row name."""
 
@@ -10,12 +10,12 @@ import subprocess
 
 import pytest
 
-from benchmarks import gpt_oss, gpu_throughput, hf_backend, lora, moe, preference
+from benchmarks import generation, gpt_oss, gpu_throughput, hf_backend, lora, moe, preference, rl_step
 from weft.components.config import ConfigError, parse_args
 
 from tests.support import REPO
 
-GROUPS = ("perf", "perf_ab", "moe_block", "qwen3", "qlora_moe", "newer")
+GROUPS = ("perf", "perf_ab", "moe_block", "qwen3", "qlora_moe", "newer", "generation")
 
 
 def printed_commands(group: str, tmp_path) -> list[list[str]]:
@@ -47,6 +47,12 @@ def check_parses(command: list[str]) -> None:
             parse_args(["--job.config_file", "debug_model", *train_args, *lora.MODES[mode]])
     elif script in ("benchmarks/hf_backend.py", "benchmarks/preference.py", "benchmarks/gpt_oss.py"):
         {"hf_backend": hf_backend, "preference": preference, "gpt_oss": gpt_oss}[script[11:-3]].parse_cli(args)
+    elif script == "benchmarks/generation.py":
+        generation.parse_cli(args)
+    elif script == "benchmarks/rl_step.py":
+        opts = rl_step.parse_cli(args)
+        for flavor in opts.flavors:  # rl_step.py lays these over debug_grpo.toml
+            parse_args(["--job.config_file", "debug_grpo", "--model.flavor", flavor, *shlex.split(opts.device_args)])
     elif script == "benchmarks/memory_check.py":
         parse_args(train_args)
     else:
