@@ -98,3 +98,44 @@ def test_bad_teachers_and_options_are_refused_in_one_line(tmp_path, capsys):
         before = snapshot(tmp_path)
         outcome = run_in_process(train.main, distill_args(tmp_path / "run", teacher, *extra), capsys)
         assert_clean_failure(outcome, expected, before=before, root=tmp_path)
+
+
+def test_a_transformers_backend_teacher_teaches_an_in_repo_student(tmp_path):
+    """The teacher a Hugging Face folder built by transformers' code, the student weft's own Qwen3 from
+    scratch, chat prompts rendered by the folder's template: step 1's loss is the reverse KL of the two
+    models' plain forwards over the step's completion tokens."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tests.support.chat_data import write_jsonl
+    from tests.support.hf_folders import tiny_hf_folder
+    from tests.support.hf_tokenizer import build_tokenizer_folder
+
+    tiny_hf_folder(tmp_path / "teacher", build_tokenizer_folder(tmp_path / "tok"))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"Say {n}."}]} for n in range(16)])
+    run(distill_args(tmp_path / "run", tmp_path / "teacher", "--distillation.teacher_flavor", "from_hf_config",
+                     "--distillation.teacher_backend", "transformers", "--model.tokenizer_path", str(tmp_path / "tok"),
+                     "--data.dataset_path", str(tmp_path / "prompts.jsonl"), "--training.seq_len", "64",
+                     "--validation.enable", "false", steps=2))
+    lines = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert len(lines) == 32 and lines[0]["completion"][0]["role"] == "assistant"
+    # step 1's loss from scratch: the student at its seeded start (weft's Qwen3, drawn as train.py draws it),
+    # the teacher transformers' own model, reverse KL per completion token over the step's 16 rows
+    from weft.models import flavors, spec_for_flavor
+    from weft.parallelisms.materialize import materialize
+
+    with torch.device("meta"):
+        student = spec_for_flavor("debugmodel_qwen3").build(flavors()["debugmodel_qwen3"])
+    materialize(student, torch.device("cpu"), seed=0)
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "teacher").float().eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for line in lines[:16]:
+            ids, start = line["prompt_ids"] + line["completion_ids"], len(line["prompt_ids"]) - 1
+            s_logits = student(torch.tensor([ids[:-1]]))[0, start:]
+            t_logits = teacher(torch.tensor([ids[:-1]])).logits[0, start:]
+            log_ps, log_pt = torch.log_softmax(s_logits.double(), -1), torch.log_softmax(t_logits.double(), -1)
+            total += (log_ps.exp() * (log_ps - log_pt)).sum().item()
+            tokens += len(line["completion_ids"])
+    first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert first["train/loss"] == pytest.approx(total / tokens, rel=1e-5)
