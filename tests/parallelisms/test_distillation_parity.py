@@ -1,8 +1,8 @@
 """On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student),
-LoRA and QLoRA under fsdp 2, each against its own one-process run of debug_distill over 4 steps (fp32, gloo), the teacher
-(a debug-model checkpoint) sharded as the student is. The same completions (the engine's seeding) give the
-same lengths; the loss (the divergence per completion token) agrees within 1e-5 and the gradient norm
-within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
+LoRA and QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4
+steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as the student is. The same
+completions (the engine's seeding) give the same lengths; the loss (the divergence per completion token)
+agrees within 1e-5 and the gradient norm within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,23 @@ import pytest
 
 from weft.components.config import parse_args
 
-from tests.support.dist_utils import run_distributed
+from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
-pytestmark = pytest.mark.slow  # 6 runs in 2 processes, 4 references: about 25 s
+pytestmark = pytest.mark.slow  # 6 runs in 2 processes, 1 in 4, 4 references: about a minute
 
 STEPS = 4
 MOE = ["--model.flavor", "debugmodel_qwen3_moe"]
 LORA = ["--lora.enable", "--lora.rank", "4"]
 QLORA = [*LORA, "--lora.quantize_base", "nf4"]
+# name -> (its one-process reference, world size, the layout's overrides)
 LAYOUTS = {
-    "fsdp2": ("dense", ["--parallelism.dp_shard", "2"]),
-    "ddp2": ("dense", ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
-    "tp2": ("dense", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
-    "ep2": ("moe", [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
-    "lora_fsdp2": ("lora", [*LORA, "--parallelism.dp_shard", "2"]),
-    "qlora_fsdp2": ("qlora", [*QLORA, "--parallelism.dp_shard", "2"]),
+    "fsdp2": ("dense", 2, ["--parallelism.dp_shard", "2"]),
+    "ddp2": ("dense", 2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
+    "tp2": ("dense", 2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
+    "ep2": ("moe", 2, [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "lora_fsdp2": ("lora", 2, [*LORA, "--parallelism.dp_shard", "2"]),
+    "qlora_fsdp2": ("qlora", 2, [*QLORA, "--parallelism.dp_shard", "2"]),
+    "hsdp2x2": ("dense", 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
 REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA}
 GRAD_NORM_RTOL = 2e-4
@@ -51,8 +53,8 @@ def train_layouts(names: list[str], root: str) -> dict[str, list[dict]]:
 
     results = {}
     for name in names:
-        overrides = LAYOUTS[name][1]
-        train.train(parse_args(args(root, name, overrides, 1 if "--parallelism.tp" in overrides else 2)))
+        _, world_size, overrides = LAYOUTS[name]
+        train.train(parse_args(args(root, name, overrides, data_parallel_degree(world_size, overrides))))
         dist.barrier()
         if dist.get_rank() == 0:
             results[name] = history(Path(root) / name)
@@ -71,7 +73,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     for name, overrides in REFERENCES.items():
         train.train(parse_args(args(str(root), name, overrides, 1)))
         results[name] = history(root / name)
-    results.update(run_distributed(train_layouts, 2, list(LAYOUTS), str(root), timeout=600)[0])
+    results.update(run_by_world_size(train_layouts, {name: LAYOUTS[name][1:] for name in LAYOUTS}, str(root),
+                                     timeout=600))
     return results
 
 
