@@ -212,12 +212,30 @@ def test_bad_configs_and_prompts_are_refused_in_one_line(tmp_path, capsys):
         assert_clean_failure(outcome, expected, before=before, root=tmp_path)
 
 
-def test_beta_adds_the_k3_kl_to_the_starting_weights(tmp_path):
-    """β > 0: the reference is the seeded start (a frozen copy), so the policy's KL to it is 0 at step 1,
-    where the two are one model, and grows once the policy moves."""
-    run(grpo_args(tmp_path / "kl", "--rl.beta", "0.04", "--validation.enable", "false", steps=3))
+@pytest.mark.parametrize("lora", [False, True], ids=["copy", "lora_adapters_off"])
+def test_beta_adds_the_k3_kl_to_the_starting_weights(tmp_path, lora):
+    """β > 0: the reference is the seeded start (a frozen copy; under LoRA the policy with its adapters off),
+    so the policy's KL to it is 0 at step 1, where the two are one model, and grows once the policy moves."""
+    extra = ["--lora.enable", "--lora.rank", "4", "--optimizer.lr", "0.02"] if lora else []
+    run(grpo_args(tmp_path / "kl", "--rl.beta", "0.04", "--validation.enable", "false", *extra, steps=3))
     kl = [r["kl"] for r in read_jsonl(tmp_path / "kl" / "metrics.jsonl") if "kl" in r]
-    assert kl[0] == 0.0 and kl[2] > 1e-4, kl
+    assert kl[0] == 0.0 and kl[2] > 1e-5, kl
+
+
+def test_accumulation_trains_the_step_one_micro_batch_does(tmp_path):
+    """dapo's step over 2 micro-batches of 8 completions is the step over one of 16: the same completions,
+    loss and gradient."""
+    dense = ["--rl.reward_functions", f"{REPO / 'assets/rewards/arithmetic.py'}:digits", "--rl.reward_weights", "",
+             "--validation.enable", "false", "--sampling.temperature", "1.5"]
+    run(grpo_args(tmp_path / "one", *dense, steps=3))
+    run(grpo_args(tmp_path / "two", *dense, "--training.local_batch_size", "8",
+                  "--training.gradient_accumulation_steps", "2", steps=3))
+    one, two = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("one", "two"))
+    assert any(r["train/grad_norm"] > 0.01 for r in one)
+    for a, b in zip(one, two):
+        assert a["reward"] == b["reward"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=2e-4)
 
 
 def test_a_round_serves_steps_per_generation_x_num_iterations_steps(tmp_path):
