@@ -91,11 +91,12 @@ def compute_rewards(functions: Sequence[RewardFunction], prompts: list, completi
         except Exception as err:  # a user's function: named, with the rows it was scoring
             raise RewardError(f"reward function {function.name} raised {type(err).__name__}: {err} (scoring the "
                               f"completions of {_span(rows)})") from None
-        if not isinstance(values, Sequence) or len(values) != len(completions):
-            got = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
+        sized = hasattr(values, "__len__") and not isinstance(values, (str, bytes, dict))  # a list, tuple or array
+        if not sized or len(values) != len(completions):
+            got = f"{len(values)} values" if sized else type(values).__name__
             raise RewardError(f"reward function {function.name} returned {got} for {len(completions)} completions "
                               f"({_span(rows)}); expected one number or None per completion")
-        for i, value in enumerate(values):
+        for i, value in enumerate(list(values)):
             if value is None:
                 out[i, f] = float("nan")
             elif isinstance(value, numbers.Real) and math.isfinite(value):  # bools count as 1 and 0

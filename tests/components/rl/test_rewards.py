@@ -56,12 +56,25 @@ def _load(tmp_path, body: str):
     ("return 1.0", "returned float for 2 completions"),
     ("return [1.0, 'x']", "returned 'x' for completion 1 of a.jsonl:4"),
     ("return [1.0, float('nan')]", "returned nan for completion 1 of a.jsonl:4"),
+    ("return {'a': 1.0, 'b': 2.0}", "returned dict for 2 completions"),
 ])
 def test_a_bad_return_or_error_is_named_with_its_row(tmp_path, body, expected):
     functions = _load(tmp_path, body)
     with pytest.raises(RewardError) as caught:
         compute_rewards(functions, ["p", "q"], ["a", "b"], [[1], [2]], {}, ["a.jsonl:3", "a.jsonl:4"])
     assert expected in str(caught.value)
+
+
+def test_arrays_and_tuples_of_numbers_count_as_lists(tmp_path):
+    pytest.importorskip("numpy")
+    (tmp_path / "arrays.py").write_text("import numpy\n"
+                                        "def a(prompts, completions, completion_ids, **kw):\n"
+                                        "    return numpy.array([0.5, 1.0], dtype=numpy.float32)\n"
+                                        "def t(prompts, completions, completion_ids, **kw):\n"
+                                        "    return (True, None)\n")
+    functions = load_reward_functions([f"{tmp_path / 'arrays.py'}:a", f"{tmp_path / 'arrays.py'}:t"], answer_tag="x")
+    values = compute_rewards(functions, ["p", "q"], ["a", "b"], [[1], [2]], {}, ["r", "r"])
+    assert values[:, 0].tolist() == [0.5, 1.0] and values[0, 1].item() == 1.0 and math.isnan(values[1, 1].item())
 
 
 def test_math_answer_compares_values_inside_the_tag():
