@@ -257,6 +257,10 @@ def layouts_table(cfg: JobConfig, args: Any, current: ParallelDims, limit: float
         apply_lora(plain, options.lora)
     frozen = objective.frozen(cfg)
     copy = frozen is not None and frozen.mode == "copy" and not frozen.precompute  # held all run
+    if copy and frozen.model_args is not None:  # another model (a teacher): its own shape
+        other = frozen.model_args(cfg)
+        with torch.device("meta"):
+            base = spec_for_args(other).build(other)
     stages = TableStages(plain)
     results = []
     for dims in candidate_layouts(cfg, args, current.world_size):

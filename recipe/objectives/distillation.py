@@ -8,7 +8,6 @@ divided by the completion tokens of the whole optimizer step, so no layout or ac
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -76,7 +75,7 @@ class Distillation(Objective):
     def frozen(cls, cfg: JobConfig) -> Frozen:
         """The teacher: a frozen copy of distillation.teacher_path's model, sharded as the student is."""
         return Frozen("distillation teacher", "copy", cfg.distillation.teacher_path, "distillation.teacher_path",
-                      model_of=teacher_plan)
+                      model_args=teacher_args)
 
     @classmethod
     def generation_rows(cls, cfg: JobConfig, dims) -> int:
@@ -93,7 +92,7 @@ class Distillation(Objective):
     @classmethod
     def build(cls, plan, setup: StepSetup, meshes, device: torch.device) -> Distillation:
         model = cls.frozen(plan.cfg).copy(plan, meshes, device)
-        call = teacher_plan(plan).spec.backend.forward  # the teacher's backend may be another than the student's
+        call = spec_for_args(teacher_args(plan.cfg)).backend.forward  # the teacher's backend may differ
 
         @torch.no_grad()
         def teacher(batch):
@@ -194,13 +193,3 @@ def teacher_args(cfg: JobConfig):
     except UserError as err:
         raise ConfigError(f"distillation.teacher_path = {d.teacher_path!r}: "
                           f"{str(err).replace('checkpoint.initial_load_path', 'the teacher')}") from None
-
-
-def teacher_plan(plan):
-    """The student's plan with the teacher's model: built in the same layout, without float8; a dense
-    teacher beside an MoE student under expert parallelism takes no ep (its FSDP spans the same ranks)."""
-    args = teacher_args(plan.cfg)
-    spec = spec_for_args(args)
-    dims = plan.dims if spec.experts(args) is not None else dataclasses.replace(plan.dims, ep=1)
-    return dataclasses.replace(plan, spec=spec, model_args=args, dims=dims,
-                               options=dataclasses.replace(plan.options, float8=None))

@@ -23,6 +23,7 @@ from torch import nn
 
 from weft.components.data import Batch, batches
 from weft.components.training.moe_balance import reset_expert_counts
+from weft.models import spec_for_args
 from weft.parallelisms.lora import adapters_off
 from weft.parallelisms.pipeline import build_schedule
 from weft.recipe.build import build_model, load_initial_weights, loader_factory
@@ -46,7 +47,7 @@ class Frozen:
     path_key: str = ""
     precompute: bool = False
     precompute_key: str = ""
-    model_of: Callable | None = None  # plan -> the plan of another model (a teacher); None: the trained model's
+    model_args: Callable | None = None  # cfg -> another model's shape (a teacher's); None: the trained model's
 
     def source(self, plan) -> str:
         """Where the copy's weights come from: `path`, else the run's starting weights
@@ -66,10 +67,10 @@ class Frozen:
         return functools.partial(row_values, self.copy(plan, meshes, device, rows), setup, rows)
 
     def copy(self, plan, meshes, device: torch.device | None, rows: Rows | None = None) -> nn.Module:
-        """The frozen copy, built as the policy is but without LoRA (of `model_of`'s model where it names
-        another); on meta for device None (the dry run)."""
-        if self.model_of is not None:
-            plan = self.model_of(plan)
+        """The frozen copy, built as the policy is but without LoRA (of `model_args`'s model where it
+        names another: `other_model`); on meta for device None (the dry run)."""
+        if self.model_args is not None:
+            plan = other_model(plan, self.model_args(plan.cfg))
             if meshes is not None and plan.dims.ep < meshes.dims.ep:  # a dense model under expert parallelism
                 meshes = dataclasses.replace(meshes, dims=plan.dims, ep=None, expert_fsdp=None)
         options = dataclasses.replace(plan.options, lora=None)
@@ -110,6 +111,16 @@ class Frozen:
                     "micro-batches precomputed; the frozen model is dropped")
         key = self.precompute_key
         return Precomputed(train, key=key), Precomputed(validation, key=key, cycle=True)
+
+
+def other_model(plan, args):
+    """The trained model's plan for the model of `args` (a teacher of another family or size): its own spec,
+    the same layout and transforms but float8; a dense model under expert parallelism takes no ep (its FSDP
+    spans the same ranks)."""
+    spec = spec_for_args(args)
+    dims = plan.dims if spec.experts(args) is not None else dataclasses.replace(plan.dims, ep=1)
+    return dataclasses.replace(plan, spec=spec, model_args=args, dims=dims,
+                               options=dataclasses.replace(plan.options, float8=None))
 
 
 def _policy_rows(setup: StepSetup, rows: Rows, batch: Batch) -> torch.Tensor:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from weft import train
 
@@ -105,7 +106,6 @@ def test_a_transformers_backend_teacher_teaches_an_in_repo_student(tmp_path):
     scratch, chat prompts rendered by the folder's template: step 1's loss is the reverse KL of the two
     models' plain forwards over the step's completion tokens."""
     transformers = pytest.importorskip("transformers")
-    import torch
 
     from tests.support.chat_data import write_jsonl
     from tests.support.hf_folders import tiny_hf_folder
@@ -139,3 +139,20 @@ def test_a_transformers_backend_teacher_teaches_an_in_repo_student(tmp_path):
             tokens += len(line["completion_ids"])
     first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["train/loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_the_dry_run_counts_the_teacher_s_own_weights(tmp_path, capsys):
+    """debug_distill's teacher (the Llama debug model, 4,000,000 fp32 parameters) beside a smaller Qwen3
+    student: the estimate holds the teacher's bytes, and the layouts table's row of this run its peak."""
+    from weft.components.config import parse_args
+    from weft.models import flavors, spec_for_flavor
+    from weft.recipe.dry_run import dry_run
+
+    estimate = dry_run(parse_args(["--job.config_file", "debug_distill", "--job.dump_folder", str(tmp_path / "x"),
+                                   "--job.dry_run"]))
+    with torch.device("meta"):
+        teacher = spec_for_flavor("debugmodel").build(flavors()["debugmodel"])
+    assert estimate.buffers["distillation teacher (frozen copy's weights)"] == 4 * sum(
+        p.numel() for p in teacher.parameters())
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.endswith("<- this run"))
+    assert float(row.split()[-4]) == pytest.approx(estimate.peak / 2**20, abs=0.01)
