@@ -35,12 +35,12 @@ def prompts_per_step(cfg: JobConfig, dp: int, generations: int) -> int:
 def checked_rows(cfg: JobConfig, files, tokenizer) -> list[PromptRow]:
     """The prompt rows of `files`, each short enough for its completion within training.seq_len."""
     rows = read_prompt_rows(files, tokenizer)
-    room = cfg.training.seq_len + 1 - cfg.sampling.max_completion_length
+    room = cfg.training.seq_len - cfg.sampling.max_completion_length
     for row in rows:
         if len(row.token_ids) > room:
             raise DataError(f"{row.where}: the prompt has {len(row.token_ids)} tokens; with "
-                            f"sampling.max_completion_length {cfg.sampling.max_completion_length} a row holds at most "
-                            f"{room} (training.seq_len + 1 - max_completion_length)")
+                            f"sampling.max_completion_length {cfg.sampling.max_completion_length} a prompt holds at "
+                            f"most {room} (training.seq_len - max_completion_length)")
     return rows
 
 

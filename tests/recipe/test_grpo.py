@@ -197,7 +197,7 @@ def test_bad_configs_and_prompts_are_refused_in_one_line(tmp_path, capsys):
     write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1+1=" * 20}])
     cases = [
         (["--data.dataset_path", str(tmp_path / "no_prompt.jsonl")], ["no_prompt.jsonl:1", "'prompt'"]),
-        (["--data.dataset_path", str(tmp_path / "long.jsonl")], ["long.jsonl:1", "training.seq_len + 1"]),
+        (["--data.dataset_path", str(tmp_path / "long.jsonl")], ["long.jsonl:1", "training.seq_len - max_completion_length"]),
         (["--rl.num_generations", "1"], ["rl.num_generations = 1", "at least 2"]),
         (["--rl.num_generations", "3"], ["rl.num_generations = 3", "multiple of num_generations"]),
         (["--rl.loss_type", "ppo"], ["rl.loss_type", "ppo"]),
