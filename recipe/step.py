@@ -1,8 +1,9 @@
 """One training step, importable: train.py, the benchmarks and the tests run this same function.
 
 train_step places the micro-batches, lets the run's objective (recipe/objectives/: next-token,
-preference) compute the step's loss and gradients from them, then clips, updates and balances the
-experts; under pp each objective runs torch's schedule (pipeline_run, the setup's PipelineStep).
+preference, grpo, distillation) compute the step's loss and gradients from them, then clips, updates
+and balances the experts; under pp each objective runs torch's schedule (pipeline_run, the setup's
+PipelineStep).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Training objectives: what a step computes from a batch, and what else a run needs for it.
 
 An objective is a class registered by its name (training.objective). weft's own are next_token.py
-(pretraining, SFT), preference.py (DPO, IPO, SimPO, ORPO) and grpo.py (online RL); frozen.py is the part an objective may
-ask for, a frozen model (a reference, a teacher). `objective_class(cfg)` is the one place that
-chooses: `auto` takes the objective that declares the run's data format its own. A new objective
-is one module: subclass Objective, decorate it with `@register`, import the module before planning.
+(pretraining, SFT), preference.py (DPO, IPO, SimPO, ORPO), grpo.py (online RL) and distillation.py
+(on-policy distillation), the last two sharing online.py; frozen.py is what an objective may ask for,
+a frozen model (a reference, a teacher). `objective_class(cfg)` is the one place that chooses: `auto`
+takes the objective that declares the run's data format its own. A new objective is one module:
+subclass Objective, decorate it with `@register`, import the module before planning.
 """
 
 from __future__ import annotations
