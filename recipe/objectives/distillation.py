@@ -21,7 +21,7 @@ from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.recipe.objectives import Objective, register
 from weft.recipe.objectives.frozen import Frozen
-from weft.recipe.objectives.online import OnlineParts, completion_batch, prompt_loaders, prompts_per_step
+from weft.recipe.objectives.online import OnlineParts, check_online, completion_batch, prompt_loaders, prompts_per_step
 from weft.recipe.step import StepSetup, model_forward
 
 
@@ -46,23 +46,10 @@ class Distillation(Objective):
     @classmethod
     def check(cls, cfg: JobConfig, dims) -> None:
         """What distillation cannot train, each in one line naming its key; the teacher's vocabulary."""
-        t = cfg.training
-        if dims.pp > 1 or dims.cp > 1:
-            key, value = ("parallelism.pp", dims.pp) if dims.pp > 1 else ("parallelism.cp", dims.cp)
-            raise ConfigError(f"{key} = {value}: distillation samples with the generation engine, which decodes neither "
-                              "through a pipeline nor across context shards; use fsdp, tp, ep or dp_replicate")
-        if cfg.validation.enable and (cfg.validation.format or "prompts") != "prompts":
-            raise ConfigError(f"validation.format = {cfg.validation.format}: training.objective = distillation "
-                              "validates on prompts; set validation.format = prompts or leave it empty")
-        if cfg.data.mixture or cfg.fault_tolerance.enable:
-            key = "data.mixture" if cfg.data.mixture else "fault_tolerance.enable"
-            raise ConfigError(f"{key}: not with training.objective = distillation (one prompt set, no retried steps)")
+        check_online(cfg, dims, cls.name)
         if cfg.sampling.temperature <= 0:
             raise ConfigError(f"sampling.temperature = {cfg.sampling.temperature}: distillation divides both models' "
                               "logits by it (and samples with it); use a temperature > 0")
-        if cfg.sampling.max_completion_length >= t.seq_len:
-            raise ConfigError(f"sampling.max_completion_length = {cfg.sampling.max_completion_length}: a row is a "
-                              f"prompt and its completion in training.seq_len = {t.seq_len} tokens; make it smaller")
         teacher = teacher_args(cfg)
         student = model_args_for_run(cfg.model.flavor, cfg.checkpoint.initial_load_path, cfg.model.backend,
                                      cfg.model.trust_remote_code)

@@ -31,7 +31,7 @@ from weft.components.rl.rollouts import reward_fields
 from weft.components.rl.rounds import Rollout, RoundTimes, round_metrics, sample_round
 from weft.recipe.objectives import Objective, register
 from weft.recipe.objectives.frozen import Frozen
-from weft.recipe.objectives.online import OnlineParts, completion_batch, prompt_loaders, prompts_per_step
+from weft.recipe.objectives.online import OnlineParts, check_online, completion_batch, prompt_loaders, prompts_per_step
 from weft.recipe.step import StepSetup
 
 
@@ -74,18 +74,7 @@ class GRPO(Objective):
     def check(cls, cfg: JobConfig, dims) -> None:
         """What GRPO cannot train, each in one line naming its key."""
         rl, t = cfg.rl, cfg.training
-        if dims.pp > 1 or dims.cp > 1:
-            key, value = ("parallelism.pp", dims.pp) if dims.pp > 1 else ("parallelism.cp", dims.cp)
-            raise ConfigError(f"{key} = {value}: online RL samples with the generation engine, which decodes neither "
-                              "through a pipeline nor across context shards; use fsdp, tp, ep or dp_replicate")
-        if cfg.validation.enable and (cfg.validation.format or "prompts") != "prompts":
-            raise ConfigError(f"validation.format = {cfg.validation.format}: training.objective = grpo validates on "
-                              "prompts (the reward of their completions); set validation.format = prompts or leave it empty")
-        if cfg.data.mixture:
-            raise ConfigError("data.mixture: training.objective = grpo reads one prompt set; give data.dataset_path")
-        if cfg.fault_tolerance.enable:
-            raise ConfigError("fault_tolerance.enable: a retried step would sample its round again; online RL does "
-                              "not run under fault tolerance yet")
+        check_online(cfg, dims, cls.name)
         if not rl.reward_functions:
             raise ConfigError("rl.reward_functions: empty; name at least one (math_answer, format, or module:function)")
         if rl.reward_weights and len(rl.reward_weights) != len(rl.reward_functions):
@@ -99,9 +88,6 @@ class GRPO(Objective):
             raise ConfigError(f"rl.num_generations = {rl.num_generations}: a step trains training.local_batch_size "
                               f"x gradient_accumulation_steps x dp = {completions} completions, which must be whole "
                               "groups; make it a multiple of num_generations")
-        if cfg.sampling.max_completion_length >= t.seq_len:
-            raise ConfigError(f"sampling.max_completion_length = {cfg.sampling.max_completion_length}: a row is a "
-                              f"prompt and its completion in training.seq_len = {t.seq_len} tokens; make it smaller")
         if "math_answer" in rl.reward_functions and importlib.util.find_spec("math_verify") is None:
             raise ConfigError('rl.reward_functions: math_answer needs math-verify: pip install "weft[rl]"')
         load_reward_functions(rl.reward_functions, answer_tag=rl.answer_tag)  # each imports, or one line says why

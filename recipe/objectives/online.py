@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from weft.components.config import JobConfig
+from weft.components.config import ConfigError, JobConfig
 from weft.components.data import Batch, DataError
 from weft.components.data.prompt_rows import PromptRounds, PromptRow, read_prompt_rows
 from weft.components.rl.rollouts import RolloutLog
@@ -24,6 +24,26 @@ from weft.components.training.loss import IGNORE_INDEX
 from weft.recipe.config_keys import sampling_params
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def check_online(cfg: JobConfig, dims, name: str) -> None:
+    """What neither online objective trains, each in one line naming its key: layouts the engine cannot
+    decode in, validation that is not prompts, a mixture, fault tolerance, a row with no room to complete."""
+    if dims.pp > 1 or dims.cp > 1:
+        key, value = ("parallelism.pp", dims.pp) if dims.pp > 1 else ("parallelism.cp", dims.cp)
+        raise ConfigError(f"{key} = {value}: training.objective = {name} samples with the generation engine, which "
+                          "decodes neither through a pipeline nor across context shards; use fsdp, tp, ep or dp_replicate")
+    if cfg.validation.enable and (cfg.validation.format or "prompts") != "prompts":
+        raise ConfigError(f"validation.format = {cfg.validation.format}: training.objective = {name} validates on "
+                          "prompts; set validation.format = prompts or leave it empty")
+    if cfg.data.mixture:
+        raise ConfigError(f"data.mixture: training.objective = {name} reads one prompt set; give data.dataset_path")
+    if cfg.fault_tolerance.enable:
+        raise ConfigError(f"fault_tolerance.enable: a retried step would sample its completions again; "
+                          f"training.objective = {name} does not run under fault tolerance yet")
+    if cfg.sampling.max_completion_length >= cfg.training.seq_len:
+        raise ConfigError(f"sampling.max_completion_length = {cfg.sampling.max_completion_length}: a row is a "
+                          f"prompt and its completion in training.seq_len = {cfg.training.seq_len} tokens; make it smaller")
 
 
 def prompts_per_step(cfg: JobConfig, dp: int, generations: int) -> int:
