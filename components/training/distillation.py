@@ -2,17 +2,21 @@
 per token, the generalized Jensen-Shannon divergence of the student's and the teacher's softmax(logits / T):
 KL(p_teacher || p_student) at beta 0, KL(p_student || p_teacher) at beta 1, between them
 beta KL(p_teacher || m) + (1 - beta) KL(p_student || m) with m = (1 - beta) p_student + beta p_teacher.
-`token_divergence` runs it over chunks of positions, each recomputed in backward (torch.utils.checkpoint),
-so one chunk's fp32 distributions exist at a time.
+`head_divergence` projects both models' final hidden states through their heads a chunk of positions at a
+time, each chunk recomputed in backward (torch.utils.checkpoint): neither model's logits exist for more
+than one chunk, and only the hidden states are kept for backward.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+Project = Callable[[torch.Tensor], torch.Tensor]  # rows of final hidden states [n, D] -> their logits [n, V]
 
 
 def divergence(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
@@ -35,26 +39,43 @@ def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return -(log_p.exp() * log_p).sum(-1)
 
 
-def token_divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, beta: float,
-                     temperature: float, chunk_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def whole(logits: torch.Tensor) -> torch.Tensor:
+    """Vocabulary-sharded logits (loss parallel) gathered: one chunk's, never the batch's."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def head_divergence(student: torch.Tensor, student_head: Project, teacher: torch.Tensor, teacher_head: Project,
+                    mask: torch.Tensor, beta: float, temperature: float,
+                    chunk_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The divergence and the student's entropy at each position where mask != 0 ([B, T], 0 elsewhere), of
-    logits [B, T, V] (vocabulary-sharded DTensors under loss parallel are gathered), `chunk_positions` at a time."""
-    if isinstance(student, DTensor):
-        student = student.full_tensor()
-    if isinstance(teacher, DTensor):
-        teacher = teacher.full_tensor()
-    vocab = student.shape[-1]
+    the final hidden states [B, T, D] (the teacher's [B, T, D'], without gradient) through each model's
+    head, `chunk_positions` positions at a time. A head of `lambda rows: rows` takes logits instead."""
     where = mask.reshape(-1).nonzero().squeeze(-1)
-    flat_student, flat_teacher = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+    flat_student, flat_teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+
+    def chunk(s_rows: torch.Tensor, t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s_logits = whole(student_head(s_rows))
+        with torch.no_grad():
+            t_logits = whole(teacher_head(t_rows))
+        return divergence(s_logits, t_logits, beta, temperature), entropy(s_logits, temperature)
+
     divergences, entropies = [], []
     for start in range(0, where.numel(), chunk_positions):
         index = where[start:start + chunk_positions]
-        s, t = flat_student[index], flat_teacher[index]
-        divergences.append(checkpoint(divergence, s, t, beta, temperature, use_reentrant=False))
-        entropies.append(entropy(s, temperature))
+        d, e = checkpoint(chunk, flat_student[index], flat_teacher[index].detach(), use_reentrant=False)
+        divergences.append(d)
+        entropies.append(e.detach())
     out = torch.zeros(mask.numel(), device=mask.device, dtype=torch.float32)
     ent = torch.zeros(mask.numel(), device=mask.device, dtype=torch.float32)
     if divergences:
         out = out.index_put((where,), torch.cat(divergences))
         ent = ent.index_put((where,), torch.cat(entropies))
     return out.view(mask.shape), ent.view(mask.shape)
+
+
+def token_divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, beta: float,
+                     temperature: float, chunk_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_divergence` of logits [B, T, V] already computed (vocabulary-sharded DTensors gathered)."""
+    student, teacher = whole(student), whole(teacher)
+    rows = lambda logits: logits  # noqa: E731 - the logits are the rows
+    return head_divergence(student, rows, teacher, rows, mask, beta, temperature, chunk_positions)

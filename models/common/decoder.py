@@ -40,6 +40,9 @@ class Decoder(nn.Module):
     tie_embeddings and what `rope_rotations` reads."""
 
     spec: ModelSpec | None = None  # the family's, set by `decoder_spec`
+    # (h, output) -> what the forward returns instead of output(h), set for one call by `head.forward_head`:
+    # a loss that projects the final hidden states chunk by chunk (on-policy distillation)
+    head_hook: Callable[[torch.Tensor, nn.Module], object] | None = None
 
     def __init__(self, args, block: Callable[[int], nn.Module]):
         super().__init__()
@@ -105,7 +108,9 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             h = layer(h, *block_inputs, **block_kwargs)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if self.head_hook is None else self.head_hook(h, self.output)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, names: Collection[str] | None = None) -> None:

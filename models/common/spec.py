@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weft.models.common import kv_cache
+from weft.models.common import head, kv_cache
 from weft.models.common.hf_names import ExpertParameters, HFNames
 
 
@@ -185,6 +185,9 @@ class Backend:
     name: str = "weft"  # the model.backend value that picks this code (models.spec_for_hf_config)
     # (model, inputs, positions, document_ids) -> logits; None: model(inputs, positions, document_ids=...)
     forward: Callable[..., torch.Tensor] | None = None
+    # (model, inputs, positions, document_ids, use) -> use(final hidden states, rows -> logits): a loss that
+    # projects them chunk by chunk (models/common/head.py; transformers': its logits where it must)
+    forward_head: Callable[..., Any] = head.forward_head
     folder_buffers: Callable[[nn.Module], list[tuple[str, torch.Tensor]]] = no_buffers  # model -> (name, buffer)
     describe: Callable[[Any, Any, nn.Module], str] = built_by_weft  # (spec, args, whole model) -> "built by ..."
     # (materialized model, device) -> its routers count the tokens each expert gets (`tokens_per_expert`,

@@ -30,18 +30,18 @@ def build(args: HFModelArgs) -> nn.Module:
 
 
 def forward(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None = None,
-            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+            document_ids: torch.Tensor | None = None, **options) -> torch.Tensor:
     """Logits of a transformers causal LM. Packed documents are told apart by their positions, which
     restart at each document (transformers' packed-sequence mask); document_ids add nothing. For a
     family whose code builds its masks without the positions (`_MASKS_WITHOUT_POSITIONS`), the masks
-    are built from them here and handed in by layer type (`_packed_masks`)."""
+    are built from them here and handed in by layer type (`_packed_masks`). `options` go to the model's call."""
     if positions is not None and positions.ndim == 1:
         positions = positions.expand(inputs.shape[0], -1)
     if positions is None or model.config.model_type not in _MASKS_WITHOUT_POSITIONS:
-        return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        return model(input_ids=inputs, position_ids=positions, use_cache=False, **options).logits
     hook = model.get_decoder().register_forward_pre_hook(_packed_masks, with_kwargs=True)
     try:
-        return model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        return model(input_ids=inputs, position_ids=positions, use_cache=False, **options).logits
     finally:
         hook.remove()
 

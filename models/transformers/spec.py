@@ -18,6 +18,7 @@ from weft.models.common.spec import Backend, ModelSpec, Refusals
 from weft.models.transformers.args import HFModelArgs
 from weft.models.transformers.counts import block_numel, experts, flops_per_token, lora_block_numel
 from weft.models.transformers.decoding import TRANSFORMERS_DECODING
+from weft.models.transformers.head import forward_head
 from weft.models.transformers.hf_mapping import TRANSFORMERS_HF, hf_mapping
 from weft.models.transformers.model import (
     build,
@@ -39,7 +40,8 @@ class _NoWeftModel(nn.Module):
     for transformers models (its `_tp_plan`, its pipeline stage, its `_init_weights`)."""
 
 
-TRANSFORMERS_BACKEND = Backend(name="transformers", forward=forward, folder_buffers=persistent_buffers,
+TRANSFORMERS_BACKEND = Backend(name="transformers", forward=forward, forward_head=forward_head,
+                               folder_buffers=persistent_buffers,
                                describe=built_by_transformers, count_routing=count_routed_tokens,
                                decoding=TRANSFORMERS_DECODING)
 

@@ -4,6 +4,8 @@ each of the step's prompts with the engine ([sampling]); the teacher, a frozen m
 builds with the student's vocabulary, is run on the same rows; the loss is the generalized JSD of the two
 next-token distributions at every completion token (components/training/distillation.py), summed and
 divided by the completion tokens of the whole optimizer step, so no layout or accumulation changes it.
+Both models hand over their final hidden states and heads (`Backend.forward_head`), projected a chunk of
+completion positions at a time: neither model's logits are whole for the micro-batch.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from weft.components.config import ConfigError, JobConfig
 from weft.components.data.prompt_rows import RoundItem
 from weft.components.hf import model_args_for_run
 from weft.components.rl.rounds import completion_metrics, sample_round
-from weft.components.training.distillation import token_divergence
+from weft.components.training.distillation import head_divergence
 from weft.errors import UserError
 from weft.models import spec_for_args
 from weft.recipe.objectives import Objective, register
 from weft.recipe.objectives.frozen import Frozen
 from weft.recipe.objectives.online import OnlineParts, check_online, completion_batch, prompt_loaders, prompts_per_step
-from weft.recipe.step import StepSetup, model_forward
+from weft.recipe.step import StepSetup
 
 
 @register
@@ -35,9 +37,9 @@ class Distillation(Objective):
     section = "distillation"
     generation_note = "each step's completions, beside the weights, optimizer state and teacher"
 
-    def __init__(self, cfg: JobConfig, parts: OnlineParts, teacher=None) -> None:
+    def __init__(self, cfg: JobConfig, parts: OnlineParts, teacher=None, forward_head=None) -> None:
         d, t = cfg.distillation, cfg.training
-        self.parts, self.teacher = parts, teacher
+        self.parts, self.teacher, self.forward_head = parts, teacher, forward_head
         self.beta, self.chunk, self.temperature = d.beta, d.chunk_positions, cfg.sampling.temperature
         self.local_batch, self.micro_batches = t.local_batch_size, t.gradient_accumulation_steps
         self.validation_prompts = cfg.validation.steps * prompts_per_step(cfg, parts.dp, 1)
@@ -79,14 +81,27 @@ class Distillation(Objective):
     @classmethod
     def build(cls, plan, setup: StepSetup, meshes, device: torch.device) -> Distillation:
         model = cls.frozen(plan.cfg).copy(plan, meshes, device)
-        call = spec_for_args(teacher_args(plan.cfg)).backend.forward  # the teacher's backend may differ
+        teacher_head = spec_for_args(teacher_args(plan.cfg)).backend.forward_head  # its backend may differ
 
         @torch.no_grad()
         def teacher(batch):
+            """The teacher's final hidden states [B, T, D'] and its head (rows -> logits)."""
             with setup.forward_context():
-                return model_forward(model, batch, call)
+                return teacher_head(model, batch.inputs, batch.positions, batch.document_ids,
+                                    lambda hidden, project: (hidden, project))
 
-        return cls(plan.cfg, OnlineParts.build(plan, setup, meshes), teacher)
+        return cls(plan.cfg, OnlineParts.build(plan, setup, meshes), teacher, plan.spec.backend.forward_head)
+
+    def divergence(self, setup: StepSetup, batch, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's divergence and entropy per position of `batch`, from inside its forward."""
+        teacher_hidden, teacher_project = self.teacher(batch)
+
+        def use(hidden, project):
+            return head_divergence(hidden, project, teacher_hidden, teacher_project, mask, self.beta,
+                                   self.temperature, self.chunk)
+
+        with setup.loss_context(), setup.forward_context():
+            return self.forward_head(setup.model, batch.inputs, batch.positions, batch.document_ids, use)
 
     def prepare(self, plan, run, start_step: int) -> None:
         self.step_index = start_step
@@ -108,14 +123,10 @@ class Distillation(Objective):
         for rows in self.parts.my_rows(list(range(len(rollouts))), self.local_batch, self.micro_batches):
             batch, mask, _ = completion_batch([rollouts[i] for i in rows], [True] * len(rows), self.parts.multiple,
                                               setup.device)
-            teacher = self.teacher(batch)
+            divergence, entropy = self.divergence(setup, batch, mask)
+            loss = (divergence * mask).sum() / max(tokens, 1.0) * setup.grad_ranks
+            on_phase("backward")
             with setup.loss_context():
-                with setup.forward_context():
-                    logits = setup.forward(setup.model, batch)
-                divergence, entropy = token_divergence(logits, teacher, mask, self.beta, self.temperature, self.chunk)
-                del logits, teacher
-                loss = (divergence * mask).sum() / max(tokens, 1.0) * setup.grad_ranks
-                on_phase("backward")
                 loss.backward()
             on_phase("forward")
             step_loss += loss.detach()
@@ -157,9 +168,7 @@ class Distillation(Objective):
         for rows in self.parts.my_rows(list(range(len(rollouts))), self.local_batch, self.micro_batches):
             batch, mask, _ = completion_batch([rollouts[i] for i in rows], [True] * len(rows), self.parts.multiple,
                                               setup.device)
-            with setup.loss_context(), setup.forward_context():
-                logits = setup.forward(setup.model, batch)
-            divergence, _ = token_divergence(logits, self.teacher(batch), mask, self.beta, self.temperature, self.chunk)
+            divergence, _ = self.divergence(setup, batch, mask)
             sums += torch.stack([(divergence * mask).sum(), mask.sum()])
         setup.model.train()
         if self.parts.group is not None:
