@@ -1,5 +1,5 @@
-"""On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student),
-LoRA and QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4
+"""On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student,
+with a dense teacher and with an MoE one), LoRA and QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4
 steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as the student is. The same
 completions (the engine's seeding) give the same lengths; the loss (the divergence per completion token)
 agrees within 1e-5 and the gradient norm within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
@@ -15,23 +15,27 @@ from weft.components.config import parse_args
 
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 
-pytestmark = pytest.mark.slow  # 6 runs in 2 processes, 1 in 4, 4 references: about a minute
+pytestmark = pytest.mark.slow  # 7 runs in 2 processes, 1 in 4, 5 references: about a minute
 
 STEPS = 4
 MOE = ["--model.flavor", "debugmodel_qwen3_moe"]
 LORA = ["--lora.enable", "--lora.rank", "4"]
 QLORA = [*LORA, "--lora.quantize_base", "nf4"]
+# an MoE teacher (a Qwen3-MoE checkpoint) beside the MoE student: its experts spread over the ep ranks too
+MOE_TEACHER = [*MOE, "--distillation.teacher_path", "{root}/teacher_moe/checkpoint/step-1",
+               "--distillation.teacher_flavor", "debugmodel_qwen3_moe"]
 # name -> (its one-process reference, world size, the layout's overrides)
 LAYOUTS = {
     "fsdp2": ("dense", 2, ["--parallelism.dp_shard", "2"]),
     "ddp2": ("dense", 2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
     "tp2": ("dense", 2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "ep2": ("moe", 2, [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "moe_teacher_ep2": ("moe_teacher", 2, [*MOE_TEACHER, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     "lora_fsdp2": ("lora", 2, [*LORA, "--parallelism.dp_shard", "2"]),
     "qlora_fsdp2": ("qlora", 2, [*QLORA, "--parallelism.dp_shard", "2"]),
     "hsdp2x2": ("dense", 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
-REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA}
+REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA, "moe_teacher": MOE_TEACHER}
 GRAD_NORM_RTOL = 2e-4
 
 
@@ -39,7 +43,7 @@ def args(root: str, name: str, overrides: list[str], dp: int) -> list[str]:
     return ["--job.config_file", "debug_distill", "--job.dump_folder", f"{root}/{name}", "--training.steps",
             str(STEPS), "--training.local_batch_size", str(16 // dp), "--validation.enable", "false",
             "--distillation.teacher_path", f"{root}/teacher/checkpoint/step-1", "--metrics.log_freq", "1",
-            "--no-metrics.enable_tensorboard", *overrides]
+            "--no-metrics.enable_tensorboard", *(value.format(root=root) for value in overrides)]
 
 
 def history(dump: Path) -> list[dict]:
@@ -66,9 +70,13 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     from weft import train
 
     root = tmp_path_factory.mktemp("distillation_parity")
-    train.train(parse_args(["--job.config_file", "debug_model", "--job.dump_folder", str(root / "teacher"),
-                            "--training.steps", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
-                            "--checkpoint.enable", "--checkpoint.interval", "1", "--no-metrics.enable_tensorboard"]))
+    # the MoE teacher drawn from another seed than the student's, so the two differ from step 1
+    for teacher, flavor, seed in (("teacher", "debugmodel", "0"), ("teacher_moe", "debugmodel_qwen3_moe", "1")):
+        train.train(parse_args(["--job.config_file", "debug_model", "--job.dump_folder", str(root / teacher),
+                                "--model.flavor", flavor, "--training.seed", seed, "--training.steps", "1",
+                                "--training.seq_len", "32",
+                                "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval",
+                                "1", "--no-metrics.enable_tensorboard"]))
     results = {name: None for name in REFERENCES}
     for name, overrides in REFERENCES.items():
         train.train(parse_args(args(str(root), name, overrides, 1)))
