@@ -1,14 +1,17 @@
-"""The transformers backend's `Backend.forward_head` (models/common/head.py): a frozen teacher's final
-hidden states, with only the last position's logits computed by its forward, and its head repeated
-outside: lm_head, then the family's logit scaling and soft-capping. A student, or a family whose logits
-are something else (checked once per model on a short row), gets its logits whole."""
+"""The transformers backend's `Backend.forward_head` (models/common/head.py): the decoder's final hidden
+states, captured while the causal LM's forward computes only its last position's logits, and its head
+repeated outside that forward: lm_head, then the family's logit scaling and soft-capping. Checked once per
+model against its whole logits on a short row; a family whose logits are something else gets them whole.
+A student's head is its own lm_head module (FSDP holds it unsharded until backward is done), a frozen
+teacher's its weight, gathered once."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
 
 from weft.models.common.head import Use
 from weft.models.transformers.model import forward
@@ -16,9 +19,9 @@ from weft.models.transformers.model import forward
 
 def forward_head(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None,
                  document_ids: torch.Tensor | None, use: Use) -> object:
-    """`use(hidden, project)` of a transformers causal LM; with gradient `use(logits, rows -> rows)`:
-    transformers' forward computes them whole (docs/distillation.md)."""
-    if torch.is_grad_enabled() or not _head_repeats_logits(model, inputs, positions, document_ids):
+    """`use(hidden, project)` of a transformers causal LM, or `use(logits, rows -> rows)` where its head
+    is not lm_head plus a scale and soft-cap."""
+    if not _head_repeats_logits(model, inputs, positions, document_ids):
         return use(forward(model, inputs, positions, document_ids), lambda rows: rows)
     return use(*_hidden_and_head(model, inputs, positions, document_ids))
 
@@ -34,30 +37,46 @@ def _hidden_and_head(model: nn.Module, inputs, positions, document_ids):
         forward(model, inputs, positions, document_ids, logits_to_keep=1)
     finally:
         hook.remove()
-    hidden = captured[-1].full_tensor() if isinstance(captured[-1], DTensor) else captured[-1]
-    head = model.get_output_embeddings()
+    hidden, head = captured[-1], model.get_output_embeddings()
+    if torch.is_grad_enabled():  # lm_head called after the forward: FSDP's root held unsharded until backward
+        if isinstance(model, FSDPModule):
+            model.unshard()
+        if isinstance(hidden, DTensor):  # a sequence-parallel plan: every rank takes the whole sequence
+            mesh, replicate = hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim
+            hidden = hidden.redistribute(placements=replicate).to_local()
+            return hidden, _scaled(model, lambda rows: head(DTensor.from_local(rows, mesh, replicate, run_check=False)))
+        return hidden, _scaled(model, head)
+    hidden = hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
     weight, bias = (p.full_tensor() if isinstance(p, DTensor) else p for p in (head.weight, head.bias))
+    return hidden, _scaled(model, lambda rows: F.linear(rows, weight.to(rows.dtype),
+                                                        None if bias is None else bias.to(rows.dtype)))
+
+
+def _scaled(model: nn.Module, head):
+    """`head` followed by what the causal LMs of transformers do to lm_head's output."""
     config = model.config.get_text_config()
     scale, divide = getattr(config, "logit_scale", None), getattr(config, "logits_scaling", None)
     cap = getattr(config, "final_logit_softcapping", None)
 
     def project(rows: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rows, weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype))
+        logits = head(rows)
         logits = logits * scale if scale is not None else logits  # Cohere
         logits = logits / divide if divide is not None else logits  # Granite
         return torch.tanh(logits / cap) * cap if cap is not None else logits  # Gemma 2 and 3
 
-    return hidden, project
+    return project
 
 
+@torch.no_grad()
 def _head_repeats_logits(model: nn.Module, inputs, positions, document_ids) -> bool:
     """Whether `_hidden_and_head` gives this model's logits: compared once, on the first row's first 8
-    tokens, within a hundredth of their largest magnitude (the teacher computes in bf16 or fp32)."""
+    tokens, within a hundredth of their largest magnitude (the model computes in bf16 or fp32)."""
     if not hasattr(model, "weft_head_repeats_logits"):
         n = min(8, inputs.shape[1])
         where = None if positions is None else positions[:n] if positions.ndim == 1 else positions[:1, :n]
         short = (inputs[:1, :n], where, None if document_ids is None else document_ids[:1, :n])
-        logits = forward(model, *short).float()
+        logits = forward(model, *short)
+        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
         try:
             hidden, project = _hidden_and_head(model, *short)
         except (TypeError, AttributeError):  # no logits_to_keep, or no decoder to hook

@@ -1,8 +1,8 @@
 """models/common/head.py and models/transformers/head.py: the final hidden states and a head that projects
 rows of them, handed to a loss in place of the logits (on-policy distillation), equal the model's own
 logits: weft's decoders with and without gradient, transformers' Llama and a Gemma 2 that soft-caps
-(its forward computing the last position's logits only); a family whose logits are something else gets
-them whole, as a student does."""
+(its forward computing the last position's logits only), and a transformers student's gradient; a family
+whose logits are something else gets them whole."""
 
 from __future__ import annotations
 
@@ -84,7 +84,29 @@ def test_a_transformers_teacher_s_hidden_states_and_head_give_its_logits(config)
         assert logits.abs().max() < 0.5 and (logits.abs().max() > 0.3)  # the cap acts on these logits
 
 
-def test_logits_a_head_cannot_repeat_and_a_student_s_come_whole():
+def test_a_transformers_student_s_head_carries_the_gradient_its_logits_would():
+    """With gradient the head is the student's own lm_head (then the soft-cap): the loss and every gradient
+    equal those of the same loss on its whole logits."""
+    config = transformers.Gemma2Config(**LLAMA, head_dim=8, final_logit_softcapping=0.5, sliding_window=4)
+    tokens = torch.randint(0, 96, (2, 9))
+    whole, chunked = hf_model(config), hf_model(config)
+    loss = (whole(tokens).logits.reshape(18, -1).log_softmax(-1)[:, 3] * torch.arange(18)).sum()
+    loss.backward()
+    heads = []
+    hook = chunked.lm_head.register_forward_hook(lambda m, args, out: heads.append(args[0].shape[-2]))
+    got = hf_forward_head(chunked, tokens, None, None, rows_in_chunks([]))
+    hook.remove()
+    assert heads[-5:] == [1, 5, 5, 5, 3]  # the forward's last position, then the chunks
+    mine = (got.log_softmax(-1)[:, 3] * torch.arange(18)).sum()
+    mine.backward()
+    torch.testing.assert_close(mine, loss)
+    for (name, theirs), ours in zip(whole.named_parameters(), chunked.parameters()):
+        # summed in another order (the tied embedding's gradient reaches 233): fp32 rounding of its largest
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6 * theirs.grad.abs().max().item(),
+                                   msg=name)
+
+
+def test_logits_a_head_cannot_repeat_come_whole():
     model = hf_model(transformers.LlamaConfig(**LLAMA))
     tokens = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
@@ -95,11 +117,8 @@ def test_logits_a_head_cannot_repeat_and_a_student_s_come_whole():
         return output
 
     hook = model.register_forward_hook(doubled, with_kwargs=True)
-    with torch.no_grad():
-        got, project = hf_forward_head(model, tokens, None, None, lambda h, p: (h, p))
+    got, project = hf_forward_head(model, tokens, None, None, lambda h, p: (h, p))
     hook.remove()
     assert model.weft_head_repeats_logits is False
-    torch.testing.assert_close(project(got), logits * 2)  # the logits themselves, rows as they are
-    student = hf_model(transformers.LlamaConfig(**LLAMA))
-    got, project = hf_forward_head(student, tokens, None, None, lambda h, p: (h, p))
-    assert got.requires_grad and got.shape == (2, 9, 96) and project(got) is got
+    assert got.requires_grad and project(got) is got  # the logits themselves, rows as they are
+    torch.testing.assert_close(got.detach(), logits * 2)

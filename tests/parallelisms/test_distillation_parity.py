@@ -1,6 +1,6 @@
 """On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student,
-with a dense teacher and with an MoE one), LoRA and QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4
-steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as the student is. The same
+with a dense teacher and with an MoE one), a transformers-backend student under fsdp 2 and tp 2, LoRA and
+QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4 steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as the student is. The same
 completions (the engine's seeding) give the same lengths; the loss (the divergence per completion token)
 agrees within 1e-5 and the gradient norm within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
 
@@ -14,8 +14,10 @@ import pytest
 from weft.components.config import parse_args
 
 from tests.support.dist_utils import data_parallel_degree, run_by_world_size
+from tests.support.hf_folders import tiny_hf_folder
+from tests.support.hf_tokenizer import build_tokenizer_folder
 
-pytestmark = pytest.mark.slow  # 7 runs in 2 processes, 1 in 4, 5 references: about a minute
+pytestmark = pytest.mark.slow  # 9 runs in 2 processes, 1 in 4, 6 references: about a minute
 
 STEPS = 4
 MOE = ["--model.flavor", "debugmodel_qwen3_moe"]
@@ -24,6 +26,9 @@ QLORA = [*LORA, "--lora.quantize_base", "nf4"]
 # an MoE teacher (a Qwen3-MoE checkpoint) beside the MoE student: its experts spread over the ep ranks too
 MOE_TEACHER = [*MOE, "--distillation.teacher_path", "{root}/teacher_moe/checkpoint/step-1",
                "--distillation.teacher_flavor", "debugmodel_qwen3_moe"]
+# a transformers-backend student: a Llama folder of the debug model's shape, built by transformers' code
+HF_STUDENT = ["--model.flavor", "from_hf_config", "--model.backend", "transformers",
+              "--checkpoint.initial_load_path", "{root}/hf_student_folder"]
 # name -> (its one-process reference, world size, the layout's overrides)
 LAYOUTS = {
     "fsdp2": ("dense", 2, ["--parallelism.dp_shard", "2"]),
@@ -33,9 +38,11 @@ LAYOUTS = {
     "moe_teacher_ep2": ("moe_teacher", 2, [*MOE_TEACHER, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     "lora_fsdp2": ("lora", 2, [*LORA, "--parallelism.dp_shard", "2"]),
     "qlora_fsdp2": ("qlora", 2, [*QLORA, "--parallelism.dp_shard", "2"]),
+    "hf_fsdp2": ("hf", 2, [*HF_STUDENT, "--parallelism.dp_shard", "2"]),
+    "hf_tp2": ("hf", 2, [*HF_STUDENT, "--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "hsdp2x2": ("dense", 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
-REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA, "moe_teacher": MOE_TEACHER}
+REFERENCES = {"dense": [], "moe": MOE, "lora": LORA, "qlora": QLORA, "moe_teacher": MOE_TEACHER, "hf": HF_STUDENT}
 GRAD_NORM_RTOL = 2e-4
 
 
@@ -70,6 +77,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     from weft import train
 
     root = tmp_path_factory.mktemp("distillation_parity")
+    tiny_hf_folder(root / "hf_student_folder", build_tokenizer_folder(root / "tokenizer"))
     # the MoE teacher drawn from another seed than the student's, so the two differ from step 1
     for teacher, flavor, seed in (("teacher", "debugmodel", "0"), ("teacher_moe", "debugmodel_qwen3_moe", "1")):
         train.train(parse_args(["--job.config_file", "debug_model", "--job.dump_folder", str(root / teacher),
