@@ -7,7 +7,9 @@ one batch. Prints the tokens/s of weft's `generate`, of transformers' `generate`
 left-padded, min_new_tokens so that it also makes 128), of the loop generate.py ran before the engine
 (the whole context recomputed for every token, one prompt at a time; timed once, on the --baseline-prompts
 prompts nearest the batch's mean length, each making all its new tokens), the ratios (weft and transformers: the best of --repeats runs),
-whether weft's tokens equal transformers', and the bytes of weft's KV cache for the batch.
+whether weft's tokens equal transformers', the bytes of weft's KV cache for the batch, and a ceiling: the
+tokens/s weft would reach if its prefill and each decode step's matrix products (every nn.Linear on one
+row per prompt, as the engine computes them) were all it spent (dense models).
 
     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python benchmarks/generation.py
     python benchmarks/generation.py --device cuda --dtype bfloat16 [--compile]
@@ -77,6 +79,23 @@ def cache_bytes(model: torch.nn.Module, batch: list[list[int]], tokens: int) -> 
         decoding.finish(model, cache)
 
 
+def matmul_ceiling(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+    """Seconds of one decode step's matrix products: each nn.Linear's weight times `rows` rows (weights
+    first on CPU, as generation/cpu_linears.py computes them), the best of `repeats`."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    cpu = weights[0].device.type == "cpu"
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            (w @ inputs[w.shape[1]].T).T.contiguous() if cpu else inputs[w.shape[1]] @ w.T
+        if not cpu:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -119,6 +138,13 @@ def run(name: str, args, opts: argparse.Namespace) -> None:
           f"{'/'.join(str(len(p)) for p in few)} tokens x {new}); weft / loop = {weft_tps / loop_tps:.1f}x")
     print(f"  same tokens as transformers: {same}/{len(batch)} prompts")
     print(f"  KV cache: {cache_bytes(model, batch, new) / 2**20:.1f} MiB for the batch")
+    if any(p.ndim > 2 for p in model.parameters()):  # routed experts: a step reads only some of them
+        return
+    step_s = matmul_ceiling(model, len(batch))
+    _, prefill_s = timed(lambda: generate(model, batch, replace(greedy, max_completion_length=1), compile=opts.compile))
+    ceiling = len(batch) * new / (prefill_s + (new - 1) * step_s)
+    print(f"  ceiling: weft's prefill ({prefill_s:.2f} s) and {new - 1} decode steps of matrix products alone "
+          f"({step_s * 1e3:.1f} ms each) allow {ceiling:.1f} tokens/s ({ceiling / hf_tps:.2f}x transformers' generate)")
 
 
 def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
