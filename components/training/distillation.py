@@ -50,8 +50,7 @@ def head_divergence(student: torch.Tensor, student_head: Project, teacher: torch
     """The divergence and the student's entropy at each position where mask != 0 ([B, T], 0 elsewhere), of
     the final hidden states [B, T, D] (the teacher's [B, T, D'], without gradient) through each model's
     head, `chunk_positions` positions at a time. A head of `lambda rows: rows` takes logits instead."""
-    where = mask.reshape(-1).nonzero().squeeze(-1)
-    flat_student, flat_teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+    rows, cols = mask.nonzero(as_tuple=True)
 
     def chunk(s_rows: torch.Tensor, t_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s_logits = whole(student_head(s_rows))
@@ -60,17 +59,17 @@ def head_divergence(student: torch.Tensor, student_head: Project, teacher: torch
         return divergence(s_logits, t_logits, beta, temperature), entropy(s_logits, temperature)
 
     divergences, entropies = [], []
-    for start in range(0, where.numel(), chunk_positions):
-        index = where[start:start + chunk_positions]
-        d, e = checkpoint(chunk, flat_student[index], flat_teacher[index].detach(), use_reentrant=False)
+    for start in range(0, rows.numel(), chunk_positions):
+        at = rows[start:start + chunk_positions], cols[start:start + chunk_positions]
+        d, e = checkpoint(chunk, student[at], teacher[at].detach(), use_reentrant=False)
         divergences.append(d)
         entropies.append(e.detach())
-    out = torch.zeros(mask.numel(), device=mask.device, dtype=torch.float32)
-    ent = torch.zeros(mask.numel(), device=mask.device, dtype=torch.float32)
+    out = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)  # not a view: FSDP hooks the result
+    ent = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
     if divergences:
-        out = out.index_put((where,), torch.cat(divergences))
-        ent = ent.index_put((where,), torch.cat(entropies))
-    return out.view(mask.shape), ent.view(mask.shape)
+        out = out.index_put((rows, cols), torch.cat(divergences))
+        ent = ent.index_put((rows, cols), torch.cat(entropies))
+    return out, ent
 
 
 def token_divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, beta: float,
