@@ -1,7 +1,7 @@
 """A decoder's final hidden states handed, with a way to project rows of them to logits, to a loss that
-wants neither model's logits whole (on-policy distillation: components/training/distillation.py). The
-rows are called inside the model's forward, so FSDP holds the head unsharded and tensor parallelism's
-output style splits the vocabulary as it does for the logits."""
+wants neither model's logits whole (on-policy distillation: components/training/distillation.py). With
+gradient the rows are projected inside the model's forward, so FSDP holds the head unsharded and tensor
+parallelism's output style splits the vocabulary as it does for the logits."""
 
 from __future__ import annotations
 
@@ -18,16 +18,15 @@ Use = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], object]
 
 def forward_head(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None,
                  document_ids: torch.Tensor | None, use: Use) -> object:
-    """`use(hidden, project)` from inside a weft decoder's forward, in place of its logits. Under
-    sequence parallelism every rank takes the whole sequence's hidden states (their gradient summed back
-    by DTensor). Without gradient (a frozen teacher) `project` multiplies by the head's weight gathered
-    once, so it may be called after the forward, whatever FSDP reshards."""
+    """`use(hidden, project)` in place of a weft decoder's logits. With gradient it runs inside the
+    forward; under sequence parallelism every rank takes the whole sequence's hidden states (their
+    gradient summed back by DTensor). Without (a frozen teacher) it runs after the forward, `project`
+    multiplying by the head's weight as it is then, gathered if FSDP resharded it or tp split it."""
+    frozen = not torch.is_grad_enabled()
 
     def hook(h: torch.Tensor, output: nn.Module) -> object:
-        if not torch.is_grad_enabled():
-            weight = output.weight.full_tensor() if isinstance(output.weight, DTensor) else output.weight
-            h = h.full_tensor() if isinstance(h, DTensor) else h
-            return use(h, lambda rows: F.linear(rows, weight.detach()))
+        if frozen:
+            return h.full_tensor() if isinstance(h, DTensor) else h
         if not isinstance(h, DTensor):
             return use(h, output)
         mesh, replicate = h.device_mesh, [Replicate()] * h.device_mesh.ndim
@@ -36,6 +35,11 @@ def forward_head(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor
 
     model.head_hook = hook
     try:
-        return model(inputs, positions, document_ids=document_ids)
+        result = model(inputs, positions, document_ids=document_ids)
     finally:
         model.head_hook = None
+    if not frozen:
+        return result
+    weight = model.output.weight.detach()
+    weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return use(result, lambda rows: F.linear(rows, weight.to(rows.dtype)))

@@ -1,8 +1,10 @@
-"""On-policy distillation in every layout equals one process: fsdp 2, ddp 2, tp 2, ep 2 (an MoE student,
-with a dense teacher and with an MoE one), a transformers-backend student under fsdp 2 and tp 2, LoRA and
-QLoRA under fsdp 2, and hsdp 2x2, each against its own one-process run of debug_distill over 4 steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as the student is. The same
-completions (the engine's seeding) give the same lengths; the loss (the divergence per completion token)
-agrees within 1e-5 and the gradient norm within its fp32 rounding (tests/parallelisms/test_grpo_parity.py)."""
+"""On-policy distillation in every layout equals one process: fsdp 2 (also resharding the root after each
+forward), ddp 2, tp 2, ep 2 (an MoE student, with a dense teacher and with an MoE one), a transformers-backend
+student under fsdp 2 (both ways) and tp 2, LoRA and QLoRA under fsdp 2, and hsdp 2x2, each against its own
+one-process run of debug_distill over 4 steps (fp32, gloo), the teacher (a debug-model checkpoint) sharded as
+the student is. The same completions (the engine's seeding) give the same lengths; the loss (the divergence
+per completion token) agrees within 1e-5 and the gradient norm within its fp32 rounding
+(tests/parallelisms/test_grpo_parity.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tests.support.dist_utils import data_parallel_degree, run_by_world_size
 from tests.support.hf_folders import tiny_hf_folder
 from tests.support.hf_tokenizer import build_tokenizer_folder
 
-pytestmark = pytest.mark.slow  # 9 runs in 2 processes, 1 in 4, 6 references: about a minute
+pytestmark = pytest.mark.slow  # 11 runs in 2 processes, 1 in 4, 6 references: about a minute
 
 STEPS = 4
 MOE = ["--model.flavor", "debugmodel_qwen3_moe"]
@@ -32,6 +34,9 @@ HF_STUDENT = ["--model.flavor", "from_hf_config", "--model.backend", "transforme
 # name -> (its one-process reference, world size, the layout's overrides)
 LAYOUTS = {
     "fsdp2": ("dense", 2, ["--parallelism.dp_shard", "2"]),
+    # the root resharded after each forward: the teacher's head is gathered after it, the student's within
+    "fsdp2_reshard_always": ("dense", 2, ["--parallelism.dp_shard", "2", "--parallelism.fsdp_reshard_after_forward",
+                                          "always"]),
     "ddp2": ("dense", 2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
     "tp2": ("dense", 2, ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "ep2": ("moe", 2, [*MOE, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
@@ -39,6 +44,8 @@ LAYOUTS = {
     "lora_fsdp2": ("lora", 2, [*LORA, "--parallelism.dp_shard", "2"]),
     "qlora_fsdp2": ("qlora", 2, [*QLORA, "--parallelism.dp_shard", "2"]),
     "hf_fsdp2": ("hf", 2, [*HF_STUDENT, "--parallelism.dp_shard", "2"]),
+    "hf_fsdp2_reshard_always": ("hf", 2, [*HF_STUDENT, "--parallelism.dp_shard", "2",
+                                          "--parallelism.fsdp_reshard_after_forward", "always"]),
     "hf_tp2": ("hf", 2, [*HF_STUDENT, "--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "hsdp2x2": ("dense", 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
 }
