@@ -27,11 +27,7 @@ def forward_head(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor
     def hook(h: torch.Tensor, output: nn.Module) -> object:
         if frozen:
             return h.full_tensor() if isinstance(h, DTensor) else h
-        if not isinstance(h, DTensor):
-            return use(h, output)
-        mesh, replicate = h.device_mesh, [Replicate()] * h.device_mesh.ndim
-        whole = h.redistribute(placements=replicate).to_local()
-        return use(whole, lambda rows: output(DTensor.from_local(rows, mesh, replicate, run_check=False)))
+        return use(*whole_sequence(h, output))
 
     model.head_hook = hook
     try:
@@ -41,5 +37,16 @@ def forward_head(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor
     if not frozen:
         return result
     weight = model.output.weight.detach()
-    weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
-    return use(result, lambda rows: F.linear(rows, weight.to(rows.dtype)))
+    weight = (weight.full_tensor() if isinstance(weight, DTensor) else weight).to(result.dtype)
+    return use(result, lambda rows: F.linear(rows, weight))
+
+
+def whole_sequence(h: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]):
+    """Hidden states as plain tensors and `head` taking rows of them: sequence-parallel ones (a DTensor)
+    gathered so that every rank holds the whole sequence, their gradient summed back by DTensor, and
+    each row handed to `head` as the replicated DTensor its tensor-parallel style expects."""
+    if not isinstance(h, DTensor):
+        return h, head
+    mesh, replicate = h.device_mesh, [Replicate()] * h.device_mesh.ndim
+    whole = h.redistribute(placements=replicate).to_local()
+    return whole, lambda rows: head(DTensor.from_local(rows, mesh, replicate, run_check=False))

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
-from weft.models.common.head import Use
+from weft.models.common.head import Use, whole_sequence
 from weft.models.transformers.model import forward
 
 
@@ -41,15 +41,12 @@ def _hidden_and_head(model: nn.Module, inputs, positions, document_ids):
     if torch.is_grad_enabled():  # lm_head called after the forward: FSDP's root held unsharded until backward
         if isinstance(model, FSDPModule):
             model.unshard()
-        if isinstance(hidden, DTensor):  # a sequence-parallel plan: every rank takes the whole sequence
-            mesh, replicate = hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim
-            hidden = hidden.redistribute(placements=replicate).to_local()
-            return hidden, _scaled(model, lambda rows: head(DTensor.from_local(rows, mesh, replicate, run_check=False)))
-        return hidden, _scaled(model, head)
+        hidden, project = whole_sequence(hidden, head)
+        return hidden, _scaled(model, project)
     hidden = hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
-    weight, bias = (p.full_tensor() if isinstance(p, DTensor) else p for p in (head.weight, head.bias))
-    return hidden, _scaled(model, lambda rows: F.linear(rows, weight.to(rows.dtype),
-                                                        None if bias is None else bias.to(rows.dtype)))
+    weight, bias = (None if p is None else (p.full_tensor() if isinstance(p, DTensor) else p).to(hidden.dtype)
+                    for p in (head.weight, head.bias))
+    return hidden, _scaled(model, lambda rows: F.linear(rows, weight, bias))
 
 
 def _scaled(model: nn.Module, head):
