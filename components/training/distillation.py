@@ -71,10 +71,3 @@ def head_divergence(student: torch.Tensor, student_head: Project, teacher: torch
         ent = ent.index_put((rows, cols), torch.cat(entropies))
     return out, ent
 
-
-def token_divergence(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, beta: float,
-                     temperature: float, chunk_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`head_divergence` of logits [B, T, V] already computed (vocabulary-sharded DTensors gathered)."""
-    student, teacher = whole(student), whole(teacher)
-    rows = lambda logits: logits  # noqa: E731 - the logits are the rows
-    return head_divergence(student, rows, teacher, rows, mask, beta, temperature, chunk_positions)
